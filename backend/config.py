@@ -1,0 +1,118 @@
+"""Typed, frozen configuration for the pack, validated in one place.
+
+Every user-facing limit lives here so that bad input fails before any worker process starts, with a
+message that names the input, the value, the limit and the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """Bad input from a user or a caller; the message says what to change."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _one_of(values: list[int]) -> str:
+    """'2, 3 or 4' — the human list of allowed values."""
+    words = [str(v) for v in values]
+    if len(words) == 1:
+        return words[0]
+    return ", ".join(words[:-1]) + " or " + words[-1]
+
+
+@dataclass(frozen=True)
+class FluxDims:
+    """The shape facts of a FLUX transformer that parallel layouts depend on."""
+
+    heads: int
+    head_dim: int
+    double_blocks: int
+    single_blocks: int
+    guidance: bool
+    mlp_ratio: float = 4.0
+    text_dim: int = 4096
+    pooled_dim: int = 768
+    in_channels: int = 64
+
+    @property
+    def hidden(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def mlp(self) -> int:
+        # diffusers computes the single-block MLP width as int(dim * mlp_ratio); FeedForward uses dim * 4.
+        return int(self.hidden * self.mlp_ratio)
+
+    @classmethod
+    def from_diffusers_config(cls, config: Mapping[str, Any]) -> FluxDims:
+        return cls(
+            heads=int(config["num_attention_heads"]),
+            head_dim=int(config["attention_head_dim"]),
+            double_blocks=int(config["num_layers"]),
+            single_blocks=int(config["num_single_layers"]),
+            guidance=bool(config.get("guidance_embeds", False)),
+            text_dim=int(config.get("joint_attention_dim", 4096)),
+            pooled_dim=int(config.get("pooled_projection_dim", 768)),
+            in_channels=int(config.get("in_channels", 64)),
+        )
+
+
+def validate_tp_degree(degree: int, dims: FluxDims) -> None:
+    """Raise ConfigError unless `degree` splits every width tensor parallelism shards.
+
+    Heads are checked first because they are the binding constraint of FLUX (hidden = heads * head_dim
+    and every other sharded width is a multiple of hidden); the other widths are checked too so that a
+    model with an unusual MLP ratio still fails here, not with a shape error deep in a forward.
+    """
+    if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
+        raise ConfigError(f"tp_degree={degree!r} must be a positive integer; use 1 for no tensor parallelism")
+    if dims.heads % degree:
+        valid = [d for d in _divisors(dims.heads) if d > 1]
+        raise ConfigError(
+            f"tp_degree={degree} does not divide {dims.heads} attention heads; use {_one_of(valid)}"
+        )
+    for name, width in (("MLP width", dims.mlp), ("hidden width", dims.hidden)):
+        if width % degree:
+            valid = [d for d in _divisors(dims.heads) if d > 1 and width % d == 0]
+            raise ConfigError(f"tp_degree={degree} does not divide the {name} {width}; use {_one_of(valid)}")
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How the devices of a group are used: tensor-parallel degree x ring x Ulysses degrees.
+
+    Their product is the number of devices. TP shards the weights; ring and Ulysses (context
+    parallelism) shard the token sequence.
+    """
+
+    tp: int = 1
+    ring: int = 1
+    ulysses: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.ring * self.ulysses
+
+    def validate(self, dims: FluxDims, devices: int | None = None) -> None:
+        for name in ("tp", "ring", "ulysses"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name}_degree={value!r} must be a positive integer; use 1 to turn it off")
+        if self.tp > 1 and (self.ring > 1 or self.ulysses > 1):
+            raise ConfigError(
+                f"tp_degree={self.tp} with ring_degree={self.ring} x ulysses_degree={self.ulysses}: "
+                "tensor and context parallelism cannot be combined yet; use one of them"
+            )
+        validate_tp_degree(self.tp, dims)
+        if devices is not None and self.world_size != devices:
+            raise ConfigError(
+                f"the layout tp={self.tp} x ring={self.ring} x ulysses={self.ulysses} needs "
+                f"{self.world_size} devices but {devices} were given; make the product equal the device count"
+            )

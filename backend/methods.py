@@ -1,0 +1,59 @@
+"""Model methods a worker serves: build a (tensor-parallel) FLUX and run forwards on it.
+
+Arguments and results are plain data (dicts, numbers, CPU tensors) so the client and the worker need
+not share class identities: inside ComfyUI the pack's module names differ from the worker's.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from .config import ConfigError, FluxDims, ParallelLayout
+from .flux.model import FluxInputs, build_flux
+from .parallel.tensor import apply_tensor_parallel, parameter_bytes
+from .worker import WorkerContext, handler
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@handler("build_random")
+def build_random(ctx: WorkerContext, config: dict[str, Any], seed: int, dtype: str, tp: int) -> dict[str, Any]:
+    """Build a FLUX with random weights drawn from `seed` (identical on every rank) and shard it."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype={dtype!r} is not supported; use {', '.join(DTYPES)}")
+    ParallelLayout(tp=tp).validate(FluxDims.from_diffusers_config(config), devices=ctx.world_size)
+    ctx.state.pop("model", None)
+    started = time.perf_counter()
+    model = build_flux(config, device="cpu", dtype=DTYPES[dtype], seed=seed)
+    apply_tensor_parallel(model)
+    model.to(ctx.device)
+    _sync(ctx.device)
+    ctx.state["model"] = model
+    return {"rank": ctx.rank, "parameter_bytes": parameter_bytes(model), "seconds": time.perf_counter() - started}
+
+
+@handler("forward")
+def forward(ctx: WorkerContext, inputs: dict[str, Any], repeats: int = 1) -> dict[str, Any]:
+    """One transformer forward (timed `repeats` times after a warm-up); rank 0 returns the output."""
+    model = ctx.state.get("model")
+    if model is None:
+        raise RuntimeError("no model is resident on this worker; build or load one first")
+    dtype = next(model.parameters()).dtype
+    args = FluxInputs(**inputs).to(ctx.device, dtype).as_kwargs()
+    with torch.inference_mode():
+        out = model(**args, return_dict=False)[0]
+        _sync(ctx.device)
+        started = time.perf_counter()
+        for _ in range(repeats):
+            out = model(**args, return_dict=False)[0]
+        _sync(ctx.device)
+    seconds = (time.perf_counter() - started) / max(repeats, 1)
+    return {"rank": ctx.rank, "seconds": seconds, "output": out.float().cpu() if ctx.rank == 0 else None}

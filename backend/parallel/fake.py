@@ -1,0 +1,26 @@
+"""One rank of a larger world in one process: torch's `fake` process group (collectives are no-ops).
+
+Used to size shards on the meta device and to time one rank's compute on one device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch.distributed as dist
+
+
+@contextmanager
+def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
+    """Make this process rank `rank` of `world_size` for the duration of the block."""
+    # Private torch module, but the documented way to fake a world (torch/testing/_internal/distributed).
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialized in this process; fake_process_group needs none")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,188 @@
+"""Worker process: one per device. Owns the process group and the model; serves calls by method name.
+
+Started by `client.WorkerGroup` (never imported by ComfyUI itself). Life of a worker:
+
+1. read the control-channel key from stdin, then keep stdin open as the *death pipe*: when the parent
+   dies, stdin reaches EOF and the worker exits at once (no orphan holding GPU memory);
+2. connect to the parent's Unix socket (HMAC-authenticated before anything is unpickled);
+3. rendezvous: rank 0 opens a TCPStore on 127.0.0.1 (free port), the parent relays the port;
+4. report READY, then serve requests `{"method": name, "kwargs": {...}}` until "shutdown";
+5. leave the group cleanly (barrier, destroy_process_group, os._exit) — gloo can abort at interpreter
+   exit after correct results otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing.connection import Client, Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+HANDLERS: dict[str, Callable[..., Any]] = {}
+
+
+def handler(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register a worker method callable by name from the client."""
+
+    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+        HANDLERS[name] = fn
+        return fn
+
+    return register
+
+
+@dataclass
+class WorkerContext:
+    """What a handler may use: this rank's identity, device, process group and resident state."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    state: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def backend(self) -> str:
+        return dist.get_backend()
+
+
+def send(conn: Connection, obj: Any) -> None:
+    # Plain pickle of plain data: never torch.multiprocessing's fd-passing reductions.
+    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def recv(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
+# --------------------------------------------------------------------------------------------------
+# Built-in methods
+
+
+@handler("ping")
+def _ping(ctx: WorkerContext) -> dict[str, Any]:
+    return {"rank": ctx.rank, "pid": os.getpid(), "device": str(ctx.device), "backend": ctx.backend}
+
+
+@handler("call")
+def _call(ctx: WorkerContext, target: str, kwargs: dict[str, Any] | None = None) -> Any:
+    """Run `package.module:function(ctx, **kwargs)`: scripting and tests (the channel is authenticated)."""
+    module_name, _, function = target.partition(":")
+    return getattr(importlib.import_module(module_name), function)(ctx, **(kwargs or {}))
+
+
+def _load_builtin_methods() -> None:
+    # Modules that register handlers with @handler; imported here so a worker knows every method.
+    importlib.import_module(f"{__package__}.methods")
+
+
+# --------------------------------------------------------------------------------------------------
+# Process lifecycle
+
+
+def _watch_parent() -> None:
+    """Exit when the parent goes away (stdin closes), even while a job is running."""
+
+    def watch() -> None:
+        try:
+            while sys.stdin.buffer.read(1 << 16):
+                pass
+        finally:
+            os._exit(3)
+
+    threading.Thread(target=watch, name="death-pipe", daemon=True).start()
+
+
+def _configure_threads() -> None:
+    threads = int(os.environ.get("RP_THREADS", "0"))
+    if threads > 0:
+        torch.set_num_threads(threads)
+        torch.set_num_interop_threads(threads)
+
+
+def _join_group(conn: Connection, rank: int, world_size: int, device: torch.device) -> None:
+    timeout = timedelta(seconds=float(os.environ.get("RP_COLLECTIVE_TIMEOUT", "600")))
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        send(conn, {"store_port": store.port})
+    else:
+        port = recv(conn)["store_port"]
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+    backend = "gloo" if device.type == "cpu" else "nccl"
+    if device.type != "cpu":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def _leave_group(clean: bool) -> None:
+    if dist.is_initialized():
+        try:
+            if clean and dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=timedelta(seconds=10))
+            elif clean:
+                dist.barrier()
+            dist.destroy_process_group()
+        except Exception:  # a peer is gone: nothing left to synchronise with
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _serve(conn: Connection, ctx: WorkerContext) -> bool:
+    """Answer requests until shutdown; True when asked to shut down (vs. the parent closing the socket)."""
+    while True:
+        try:
+            request = recv(conn)
+        except EOFError:
+            return False
+        method = request.get("method")
+        if method == "shutdown":
+            send(conn, {"ok": True, "result": None})
+            return True
+        started = time.perf_counter()
+        try:
+            fn = HANDLERS.get(method)
+            if fn is None:
+                raise KeyError(f"unknown worker method {method!r}; known: {', '.join(sorted(HANDLERS))}")
+            reply = {"ok": True, "result": fn(ctx, **request.get("kwargs", {}))}
+        except BaseException as exc:  # report every failure to the caller; the worker stays up
+            reply = {
+                "ok": False,
+                "error": f"{type(exc).__name__}: {exc}",
+                "type": type(exc).__name__,
+                "traceback": traceback.format_exc(),
+            }
+        reply["seconds"] = time.perf_counter() - started
+        send(conn, reply)
+
+
+def main() -> None:
+    key = bytes.fromhex(sys.stdin.buffer.readline().decode().strip())
+    _watch_parent()
+    _configure_threads()
+    rank, world_size = int(os.environ["RP_RANK"]), int(os.environ["RP_WORLD_SIZE"])
+    device = torch.device(os.environ["RP_DEVICE"])
+    for path in filter(None, os.environ.get("RP_EXTRA_SYS_PATH", "").split(os.pathsep)):
+        sys.path.insert(0, path)
+    conn = Client(os.environ["RP_ADDRESS"], family="AF_UNIX", authkey=key)
+    send(conn, {"hello": rank, "pid": os.getpid()})
+    _join_group(conn, rank, world_size, device)
+    _load_builtin_methods()
+    ctx = WorkerContext(rank=rank, world_size=world_size, device=device)
+    send(conn, {"ready": rank, "device": str(device), "pid": os.getpid()})
+    _leave_group(clean=_serve(conn, ctx))
+
+
+if __name__ == "__main__":  # pragma: no cover - started through client.bootstrap_command
+    main()

@@ -1,0 +1,61 @@
+"""Shared fixtures: one CPU/gloo worker group per size, reused by every test of the session."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from rocm_parallel.backend.client import WorkerGroup
+
+TESTS_DIR = str(Path(__file__).resolve().parent)
+
+# The suite runs several worker processes on a 2-core machine: one thread each keeps them from
+# fighting over cores (and keeps float results reproducible).
+torch.set_num_threads(1)
+
+
+def _start(world_size: int) -> WorkerGroup:
+    return WorkerGroup(["cpu"] * world_size, threads=1, extra_sys_path=[TESTS_DIR])
+
+
+def _assert_gone(pids: list[int]) -> None:
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"worker processes left running: {alive}"
+
+
+@pytest.fixture(scope="session")
+def group2() -> Iterator[WorkerGroup]:
+    group = _start(2)
+    yield group
+    group.close()
+    _assert_gone(group.pids)
+
+
+@pytest.fixture(scope="session")
+def group4() -> Iterator[WorkerGroup]:
+    group = _start(4)
+    yield group
+    group.close()
+    _assert_gone(group.pids)
+
+
+@pytest.fixture
+def groups(request: pytest.FixtureRequest) -> WorkerGroup:
+    """Parametrize with indirect=True and a world size (2 or 4) to get that session group."""
+    return request.getfixturevalue(f"group{request.param}")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    # Nothing the suite spawned may outlive it.
+    me = psutil.Process(os.getpid())
+    children = [c for c in me.children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE]
+    if children:
+        for c in children:
+            c.kill()
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        print(f"\nERROR: the test session left processes behind: {[c.pid for c in children]}")
