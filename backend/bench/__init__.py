@@ -1,0 +1,8 @@
+"""Benchmarks behind `python -m rocm_parallel bench <name>`; each module has add_arguments() and run().
+
+A benchmark prints a Markdown table (what BENCHMARKS.md records) and returns it; none is a test.
+"""
+
+BENCHMARKS = {
+    "tp": "tensor parallelism: per-rank bytes, collectives, one-rank compute time",
+}
