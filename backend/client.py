@@ -48,11 +48,15 @@ class WorkerError(RuntimeError):
 def validate_devices(devices: Sequence[str]) -> tuple[str, ...]:
     """Normalize and check a device list before any process starts."""
     if not devices:
-        raise ConfigError("devices=[] is empty; give at least one device, e.g. ['cuda:0', 'cuda:1'] or ['cpu', 'cpu']")
+        raise ConfigError(
+            "devices=[] is empty; give at least one device, e.g. ['cuda:0', 'cuda:1'] or ['cpu', 'cpu']"
+        )
     normalized = tuple(str(d).strip().lower() for d in devices)
     kinds = {d.split(":")[0] for d in normalized}
     if not kinds <= {"cpu", "cuda"}:
-        raise ConfigError(f"devices={list(devices)}: only 'cpu' and 'cuda:N' (ROCm GPUs are 'cuda:N' too) are supported")
+        raise ConfigError(
+            f"devices={list(devices)}: only 'cpu' and 'cuda:N' (ROCm GPUs are 'cuda:N' too) are supported"
+        )
     if len(kinds) > 1:
         raise ConfigError(f"devices={list(devices)} mixes CPU and GPU workers; use only GPUs or only 'cpu'")
     if "cuda" in kinds:
@@ -131,7 +135,7 @@ class WorkerGroup:
         listener = Listener(address, family="AF_UNIX", authkey=key)
         try:
             for rank in range(self.world_size):
-                log = open(self.log_path(rank), "wb")  # noqa: SIM115 - owned by the child from here on
+                log = open(self.log_path(rank), "wb")
                 proc = subprocess.Popen(
                     bootstrap_command(),
                     stdin=subprocess.PIPE,
@@ -156,7 +160,7 @@ class WorkerGroup:
     def _accept(self, listener: Listener, deadline: float) -> Connection:
         # Listener.accept blocks without a timeout; poll its socket so a worker that dies at import time
         # is reported instead of hanging the caller.
-        sock = listener._listener._socket  # noqa: SLF001 - the only way to select() on it
+        sock = listener._listener._socket
         while True:
             self._check_alive("starting")
             if time.monotonic() > deadline:
@@ -182,7 +186,9 @@ class WorkerGroup:
         while not conn.poll(0.2):
             self._check_alive("starting")
             if time.monotonic() > deadline:
-                raise WorkerError(f"worker rank {rank} did not report {key!r} within {self.start_timeout:.0f} s", rank)
+                raise WorkerError(
+                    f"worker rank {rank} did not report {key!r} within {self.start_timeout:.0f} s", rank
+                )
         return recv(conn)[key]
 
     # ---------------------------------------------------------------- calls
@@ -229,7 +235,9 @@ class WorkerGroup:
             if deadline is not None and time.monotonic() > deadline:
                 late = [r for r in range(self.world_size) if r not in replies]
                 self.close(timeout=2.0)
-                raise WorkerError(f"{method!r} did not finish within {timeout:.0f} s on rank(s) {late}", late[0])
+                raise WorkerError(
+                    f"{method!r} did not finish within {timeout:.0f} s on rank(s) {late}", late[0]
+                )
         failed = [(r, rep) for r, rep in sorted(replies.items()) if not rep["ok"]]
         if failed:
             rank, rep = failed[0]

@@ -16,7 +16,9 @@ from .config import FluxDims
 from .flux.model import build_flux, random_inputs, tiny_flux_config
 
 # Every code path of FLUX.1 at a size a laptop CPU runs in a second: 8 heads x 64, 2 + 4 blocks.
-DEMO_CONFIG = tiny_flux_config(heads=8, head_dim=64, double_blocks=2, single_blocks=4, text_dim=256, pooled_dim=64)
+DEMO_CONFIG = tiny_flux_config(
+    heads=8, head_dim=64, double_blocks=2, single_blocks=4, text_dim=256, pooled_dim=64
+)
 
 
 def default_devices() -> list[str]:
@@ -25,7 +27,9 @@ def default_devices() -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--devices", help="comma-separated, e.g. cuda:0,cuda:1 or cpu,cpu (default: all GPUs, else 2 CPU)")
+    parser.add_argument(
+        "--devices", help="comma-separated, e.g. cuda:0,cuda:1 or cpu,cpu (default: all GPUs, else 2 CPU)"
+    )
     parser.add_argument("--size", type=int, default=256, help="image side in pixels (multiple of 16)")
     parser.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
     parser.add_argument("--repeats", type=int, default=3, help="timed forwards after one warm-up")
@@ -41,8 +45,10 @@ def run(args: argparse.Namespace) -> int:
     dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
     dims = FluxDims.from_diffusers_config(DEMO_CONFIG)
     inputs = random_inputs(dims, height=args.size, width=args.size, text_tokens=64)
-    print(f"FLUX demo: {dims.heads} heads x {dims.head_dim}, {dims.double_blocks} double + {dims.single_blocks} "
-          f"single blocks, {args.size}x{args.size} px = {inputs.hidden_states.shape[1]} image + 64 text tokens, {dtype}")
+    print(
+        f"FLUX demo: {dims.heads} heads x {dims.head_dim}, {dims.double_blocks} double + {dims.single_blocks} "
+        f"single blocks, {args.size}x{args.size} px = {inputs.hidden_states.shape[1]} image + 64 text tokens, {dtype}"
+    )
 
     started = time.perf_counter()
     threads = 1 if not on_gpu else None
@@ -55,9 +61,17 @@ def run(args: argparse.Namespace) -> int:
     print(f"\ntensor parallel over {len(devices)} devices (TP={len(devices)}):")
     print(_line("rank", "device", "pid", "parameters (MB)", "build (s)", "forward (ms)"))
     print(_line(*["---"] * 6))
-    for rank, (b, r) in enumerate(zip(built, ran)):
-        print(_line(rank, devices[rank], pids[rank], f"{b['parameter_bytes'] / 1e6:.2f}", f"{b['seconds']:.2f}",
-                    f"{r['seconds'] * 1e3:.1f}"))
+    for rank, (b, r) in enumerate(zip(built, ran, strict=True)):
+        print(
+            _line(
+                rank,
+                devices[rank],
+                pids[rank],
+                f"{b['parameter_bytes'] / 1e6:.2f}",
+                f"{b['seconds']:.2f}",
+                f"{r['seconds'] * 1e3:.1f}",
+            )
+        )
 
     torch.set_num_threads(1)
     model = build_flux(DEMO_CONFIG, seed=0, dtype=getattr(torch, dtype))

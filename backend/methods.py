@@ -25,7 +25,9 @@ def _sync(device: torch.device) -> None:
 
 
 @handler("build_random")
-def build_random(ctx: WorkerContext, config: dict[str, Any], seed: int, dtype: str, tp: int) -> dict[str, Any]:
+def build_random(
+    ctx: WorkerContext, config: dict[str, Any], seed: int, dtype: str, tp: int
+) -> dict[str, Any]:
     """Build a FLUX with random weights drawn from `seed` (identical on every rank) and shard it."""
     if dtype not in DTYPES:
         raise ConfigError(f"dtype={dtype!r} is not supported; use {', '.join(DTYPES)}")
@@ -37,7 +39,11 @@ def build_random(ctx: WorkerContext, config: dict[str, Any], seed: int, dtype: s
     model.to(ctx.device)
     _sync(ctx.device)
     ctx.state["model"] = model
-    return {"rank": ctx.rank, "parameter_bytes": parameter_bytes(model), "seconds": time.perf_counter() - started}
+    return {
+        "rank": ctx.rank,
+        "parameter_bytes": parameter_bytes(model),
+        "seconds": time.perf_counter() - started,
+    }
 
 
 @handler("forward")

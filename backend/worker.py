@@ -113,7 +113,9 @@ def _configure_threads() -> None:
 def _join_group(conn: Connection, rank: int, world_size: int, device: torch.device) -> None:
     timeout = timedelta(seconds=float(os.environ.get("RP_COLLECTIVE_TIMEOUT", "600")))
     if rank == 0:
-        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        store = dist.TCPStore(
+            "127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False
+        )
         send(conn, {"store_port": store.port})
     else:
         port = recv(conn)["store_port"]

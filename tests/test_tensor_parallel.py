@@ -12,11 +12,11 @@ from rocm_parallel.backend.parallel.comm import CountCollectives
 from rocm_parallel.backend.parallel.fake import fake_process_group
 from rocm_parallel.backend.parallel.tensor import (
     GatheredLinear,
+    PackedRow,
     RowParallelLinear,
     apply_tensor_parallel,
     parameter_bytes,
     shard_pieces,
-    PackedRow,
 )
 
 # 8 heads so that TP 2 and 4 both split them; 2 double + 3 single blocks.
@@ -70,12 +70,17 @@ def test_worker_reports_bad_degree_before_building(group2: WorkerGroup) -> None:
 def test_apply_validates_before_sharding() -> None:
     model = build_flux(tiny_flux_config(heads=6, head_dim=16), device="meta")
     before = parameter_bytes(model)
-    with fake_process_group(4), pytest.raises(ConfigError, match="tp_degree=4 does not divide 6 attention heads"):
+    with (
+        fake_process_group(4),
+        pytest.raises(ConfigError, match="tp_degree=4 does not divide 6 attention heads"),
+    ):
         apply_tensor_parallel(model)
     assert parameter_bytes(model) == before
 
 
-def _count_forward(config: dict, degree: int, device: str, **shape) -> tuple[CountCollectives, torch.nn.Module]:
+def _count_forward(
+    config: dict, degree: int, device: str, **shape
+) -> tuple[CountCollectives, torch.nn.Module]:
     dims = FluxDims.from_diffusers_config(config)
     with fake_process_group(degree, rank=degree - 1):
         model = apply_tensor_parallel(build_flux(config, device=device, seed=0 if device == "cpu" else None))

@@ -1,11 +1,243 @@
-"""Tensor-parallel benchmark (being written)."""
+"""`bench tp`: tensor parallelism per rank — parameter bytes, collectives per forward, compute time.
+
+Everything here measures *one rank* of a larger world in one process with the `fake` process group:
+sizes come from the meta device (FLUX.1-dev, bf16), collectives are counted at dispatch level during a
+meta forward at the chosen resolution, and compute time is one rank's forward on the device present
+(collectives are no-ops, so this is pure compute). Our plan is shown side by side with diffusers' own
+`_tp_plan` (applied with torch's parallelize_module, bypassing only diffusers' device-type check).
+"""
+
+from __future__ import annotations
 
 import argparse
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import FluxDims
+from ..flux.model import FLUX_DEV, build_flux, random_inputs, tiny_flux_config
+from ..parallel.comm import CountCollectives
+from ..parallel.fake import fake_process_group
+from ..parallel.tensor import apply_tensor_parallel
+
+# What a CPU can time in seconds: FLUX.1's structure with 24 heads x 32 (hidden 768), 2 + 4 blocks.
+CPU_CONFIG = tiny_flux_config(
+    heads=24, head_dim=32, double_blocks=2, single_blocks=4, text_dim=512, pooled_dim=128
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pass
+    parser.add_argument("--degrees", default="1,2,4,8", help="TP degrees to report (default 1,2,4,8)")
+    parser.add_argument(
+        "--size", type=int, default=1024, help="image side in pixels for collectives (default 1024)"
+    )
+    parser.add_argument(
+        "--device", default=None, help="device for the compute timing (default: cuda if present)"
+    )
+    parser.add_argument(
+        "--compute-size", type=int, default=None, help="image side for the timing (CPU 512, GPU 1024)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="timed forwards per degree after a warm-up; min is kept"
+    )
+    parser.add_argument("--json", help="also write the rows to this JSON file")
+
+
+# ---------------------------------------------------------------------------------------------- plans
+
+
+def ours(model: nn.Module) -> nn.Module:
+    return apply_tensor_parallel(model)
+
+
+def diffusers_plan(model: nn.Module) -> nn.Module:
+    """diffusers' `_tp_plan` (AdaLN replicated, one all-reduce per row-parallel linear) via DTensor."""
+    import torch.distributed as dist
+    from diffusers.hooks.tensor_parallel import _resolve_tp_plan, _styles
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    device = next(model.parameters()).device.type
+    mesh = init_device_mesh("cpu" if device == "meta" else device, (dist.get_world_size(),))
+    for block, plan in _resolve_tp_plan(model, model._tp_plan):
+        parallelize_module(block, mesh, _styles(plan))
+    return model
+
+
+PLANS: dict[str, Callable[[nn.Module], nn.Module]] = {
+    "rocm-parallel": ours,
+    "diffusers _tp_plan": diffusers_plan,
+}
+
+
+def local_bytes(model: nn.Module) -> int:
+    from torch.distributed.tensor import DTensor
+
+    return sum(
+        (p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in model.parameters()
+    )
+
+
+# ---------------------------------------------------------------------------------------------- measures
+
+
+def sizes_and_collectives(plan: str, degree: int, size: int) -> dict[str, Any]:
+    dims = FluxDims.from_diffusers_config(FLUX_DEV)
+    with fake_process_group(degree):
+        model = build_flux(FLUX_DEV, device="meta", dtype=torch.bfloat16)
+        if degree > 1:
+            PLANS[plan](model)
+        inputs = random_inputs(dims, height=size, width=size, text_tokens=512, device="meta")
+        with CountCollectives() as counter, torch.no_grad():
+            model(**inputs.to("meta", torch.bfloat16).as_kwargs())
+    log = counter.log
+    return {
+        "plan": plan,
+        "degree": degree,
+        "param_gb": local_bytes(model) / 1e9,
+        "all_reduce": log.counts["all_reduce"],
+        "all_gather": log.counts["all_gather"],
+        "payload_mb": sum(log.payload_bytes.values()) / 1e6,
+        "wire_mb_per_rank": log.wire_bytes_per_rank(degree) / 1e6,
+    }
+
+
+def _materialize(model: nn.Module, device: torch.device, seed: int = 0) -> nn.Module:
+    """Random weights for a meta (possibly sharded) model, straight on `device`: no full-size copy."""
+    from torch.distributed.tensor import DTensor
+
+    model.to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            local.normal_(0, 0.02, generator=g)
+    return model
+
+
+def compute_time(
+    plan: str,
+    degree: int,
+    config: dict[str, Any],
+    size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    repeats: int,
+) -> float:
+    dims = FluxDims.from_diffusers_config(config)
+    with fake_process_group(degree):
+        model = build_flux(config, device="meta", dtype=dtype)
+        if degree > 1:
+            PLANS[plan](model)
+        _materialize(model, device)
+        kwargs = random_inputs(dims, height=size, width=size, text_tokens=512 if size >= 1024 else 128)
+        kwargs = kwargs.to(device, dtype).as_kwargs()
+        times = []
+        with torch.inference_mode():
+            model(**kwargs)  # warm-up
+            for _ in range(repeats):
+                _sync(device)
+                started = time.perf_counter()
+                model(**kwargs)
+                _sync(device)
+                times.append(time.perf_counter() - started)
+    return min(times)  # the least disturbed run: other processes only ever add time
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> str:
-    raise SystemExit("bench tp: not written yet")
+    degrees = [int(d) for d in args.degrees.split(",")]
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    on_gpu = device.type == "cuda"
+    config, dtype = (FLUX_DEV, torch.bfloat16) if on_gpu else (CPU_CONFIG, torch.float32)
+    compute_size = args.compute_size or (1024 if on_gpu else 512)
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+
+    rows: list[dict[str, Any]] = []
+    for degree in degrees:
+        for plan in PLANS:
+            row = sizes_and_collectives(plan, degree, args.size)
+            row["forward_ms"] = 1e3 * compute_time(
+                plan, degree, config, compute_size, device, dtype, args.repeats
+            )
+            rows.append(row)
+            print(f"  measured {plan} at TP={degree}", flush=True)
+
+    dims = FluxDims.from_diffusers_config(config)
+    tokens = (args.size // 16) ** 2
+    model_name = (
+        "FLUX.1-dev bf16"
+        if on_gpu
+        else (
+            f"scaled-down FLUX ({dims.heads}x{dims.head_dim}, {dims.double_blocks}+{dims.single_blocks} blocks) fp32"
+        )
+    )
+    out = [
+        f"### Tensor parallelism: FLUX.1-dev, bf16, {args.size}x{args.size} ({tokens} image + 512 text tokens)",
+        "",
+        "Per rank, one transformer forward. Parameters and collectives from the meta device under the fake",
+        "process group; wire MB assume ring algorithms (all-reduce 2(N-1)/N x payload, all-gather (N-1)/N).",
+        "",
+        _table(
+            [
+                "TP",
+                "plan",
+                "params/rank (GB)",
+                "all-reduces",
+                "all-gathers",
+                "payload (MB)",
+                "sent/rank (MB)",
+            ],
+            [
+                [
+                    r["degree"],
+                    r["plan"],
+                    f"{r['param_gb']:.2f}",
+                    r["all_reduce"],
+                    r["all_gather"],
+                    f"{r['payload_mb']:.0f}",
+                    f"{r['wire_mb_per_rank']:.0f}",
+                ]
+                for r in rows
+            ],
+        ),
+        "",
+        f"### One rank's compute per forward: {model_name}, {compute_size}x{compute_size}, on {device.type}",
+        "",
+        _table(
+            ["TP", "plan", "forward (ms, min)", "vs TP=1"],
+            [
+                [
+                    r["degree"],
+                    r["plan"],
+                    f"{r['forward_ms']:.1f}",
+                    f"{rows[i % len(PLANS)]['forward_ms'] / r['forward_ms']:.2f}x",
+                ]
+                for i, r in enumerate(rows)
+            ],
+        ),
+    ]
+    text = "\n".join(out)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": str(device), "model": model_name, "rows": rows}, f, indent=2)
+    return text

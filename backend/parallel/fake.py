@@ -18,7 +18,9 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
-        raise RuntimeError("a process group is already initialized in this process; fake_process_group needs none")
+        raise RuntimeError(
+            "a process group is already initialized in this process; fake_process_group needs none"
+        )
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield

@@ -166,7 +166,9 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, Any]) -> dict[str, Any]:
         rx = _pattern(key)
         hits = [n for n in names if rx.match(n)]
         if not hits:
-            raise ValueError(f"tensor-parallel plan entry '{key}' matches no module of {type(model).__name__}")
+            raise ValueError(
+                f"tensor-parallel plan entry '{key}' matches no module of {type(model).__name__}"
+            )
         resolved.update(dict.fromkeys(hits, value))
     return resolved
 
@@ -212,7 +214,9 @@ class GatheredLinear(nn.Linear):
         return gather_modulation([self], x, self.group, self.degree)[0]
 
 
-def gather_modulation(layers: list[GatheredLinear], x: torch.Tensor, group: Any, degree: int) -> list[torch.Tensor]:
+def gather_modulation(
+    layers: list[GatheredLinear], x: torch.Tensor, group: Any, degree: int
+) -> list[torch.Tensor]:
     """Evaluate the shards of `layers` on x and rebuild each full output with one all-gather."""
     local = torch.cat([F.linear(x.to(m.weight.dtype), m.weight, m.bias) for m in layers], dim=-1)
     flat = local.new_empty((degree * local.shape[0], *local.shape[1:]))  # backends want rank-major rows
@@ -238,7 +242,9 @@ class ModulationBank:
         self.layers, self.group, self.degree = layers, group, degree
 
     def fill(self, temb: torch.Tensor) -> None:
-        for m, full in zip(self.layers, gather_modulation(self.layers, F.silu(temb), self.group, self.degree)):
+        for m, full in zip(
+            self.layers, gather_modulation(self.layers, F.silu(temb), self.group, self.degree), strict=True
+        ):
             m.gathered = full
 
     def clear(self) -> None:
@@ -246,12 +252,14 @@ class ModulationBank:
             m.gathered = None
 
 
-def reduce_streams(partials: list[torch.Tensor], layers: list[RowParallelLinear], group: Any) -> list[torch.Tensor]:
+def reduce_streams(
+    partials: list[torch.Tensor], layers: list[RowParallelLinear], group: Any
+) -> list[torch.Tensor]:
     """One all-reduce for several row-parallel partial sums [B, S_i, D]; adds each layer's bias."""
     flat = torch.cat(partials, dim=1)
     dist.all_reduce(flat, group=group)
     outs = flat.split([p.shape[1] for p in partials], dim=1)
-    return [o if m.bias is None else o + m.bias for o, m in zip(outs, layers)]
+    return [o if m.bias is None else o + m.bias for o, m in zip(outs, layers, strict=True)]
 
 
 def fused_double_block_forward(
@@ -268,7 +276,9 @@ def fused_double_block_forward(
     row-parallel outputs are reduced in two collectives instead of four.
     """
     norm_h, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.norm1(hidden_states, emb=temb)
-    norm_c, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = block.norm1_context(encoder_hidden_states, emb=temb)
+    norm_c, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = block.norm1_context(
+        encoder_hidden_states, emb=temb
+    )
     outputs = block.attn(
         hidden_states=norm_h,
         encoder_hidden_states=norm_c,
@@ -277,7 +287,9 @@ def fused_double_block_forward(
     )
     if len(outputs) != 2:
         raise NotImplementedError("IP-Adapter attention is not supported under tensor parallelism")
-    attn, c_attn = reduce_streams(list(outputs), [block.attn.to_out[0], block.attn.to_add_out], block.tp_group)
+    attn, c_attn = reduce_streams(
+        list(outputs), [block.attn.to_out[0], block.attn.to_add_out], block.tp_group
+    )
 
     hidden_states = hidden_states + gate_msa.unsqueeze(1) * attn
     encoder_hidden_states = encoder_hidden_states + c_gate_msa.unsqueeze(1) * c_attn
@@ -285,7 +297,9 @@ def fused_double_block_forward(
     norm_h = block.norm2(hidden_states) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
     norm_c = block.norm2_context(encoder_hidden_states) * (1 + c_scale_mlp[:, None]) + c_shift_mlp[:, None]
     ff, c_ff = reduce_streams(
-        [block.ff(norm_h), block.ff_context(norm_c)], [block.ff.net[2], block.ff_context.net[2]], block.tp_group
+        [block.ff(norm_h), block.ff_context(norm_c)],
+        [block.ff.net[2], block.ff_context.net[2]],
+        block.tp_group,
     )
     hidden_states = hidden_states + gate_mlp.unsqueeze(1) * ff
     encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * c_ff
@@ -306,7 +320,9 @@ class TensorParallelInfo:
     rank: int
 
 
-def _split_module(module: nn.Module, split: Split, rank: int, degree: int, dims: FluxDims, group: Any) -> nn.Module:
+def _split_module(
+    module: nn.Module, split: Split, rank: int, degree: int, dims: FluxDims, group: Any
+) -> nn.Module:
     """A new (or narrowed) module holding only this rank's shard of `module`'s parameters."""
     if not isinstance(module, nn.Linear):
         raise TypeError(f"tensor-parallel plan names a {type(module).__name__}; only nn.Linear can be split")
@@ -316,7 +332,9 @@ def _split_module(module: nn.Module, split: Split, rank: int, degree: int, dims:
         if tensor is None:
             return None
         pieces = shard_pieces(split, param, tuple(tensor.shape), rank, degree, dims)
-        return nn.Parameter(tensor.detach() if pieces is None else pieces.take(tensor.detach()), requires_grad=False)
+        return nn.Parameter(
+            tensor.detach() if pieces is None else pieces.take(tensor.detach()), requires_grad=False
+        )
 
     weight, bias = shard("weight"), shard("bias")
     if isinstance(split, Column):
@@ -331,10 +349,14 @@ def _split_module(module: nn.Module, split: Split, rank: int, degree: int, dims:
 def check_tensor_parallel_ready(model: nn.Module) -> FluxDims:
     """Everything that would make sharding wrong, checked before a single weight is touched."""
     if getattr(model, "_rp_tensor_parallel", None) is not None:
-        raise ValueError("this model is already tensor-parallel; build or load a fresh one to change the layout")
+        raise ValueError(
+            "this model is already tensor-parallel; build or load a fresh one to change the layout"
+        )
     config = getattr(model, "config", None)
     if config is None or "num_attention_heads" not in config:
-        raise TypeError(f"apply_tensor_parallel expects diffusers' FluxTransformer2DModel, got {type(model).__name__}")
+        raise TypeError(
+            f"apply_tensor_parallel expects diffusers' FluxTransformer2DModel, got {type(model).__name__}"
+        )
     for name, module in model.named_modules():
         if getattr(module, "fused_projections", False):
             raise ValueError(f"'{name}' has fused QKV projections; call model.unfuse_qkv_projections() first")
