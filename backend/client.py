@@ -18,12 +18,13 @@ import sys
 import tempfile
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from .config import ConfigError
+from .transport import files_in, pack, private_dir, unpack
 from .worker import recv, send
 
 PACK_ROOT = Path(__file__).resolve().parent.parent
@@ -43,6 +44,13 @@ class WorkerError(RuntimeError):
     def __init__(self, message: str, rank: int | None = None, remote_type: str | None = None):
         super().__init__(message)
         self.rank, self.remote_type = rank, remote_type
+
+
+class JobTimeout(WorkerError):
+    """A job ran past its time limit (the group survives when the job stopped at a step boundary)."""
+
+
+ProgressCallback = Callable[[int, int], None]
 
 
 def validate_devices(devices: Sequence[str]) -> tuple[str, ...]:
@@ -102,10 +110,13 @@ class WorkerGroup:
         self._procs: list[subprocess.Popen[bytes]] = []
         self._conns: list[Connection] = []
         self._tmp: str | None = None
+        self._shm = private_dir()
         self._closed = False
+        self._job = 0
         self.pids: list[int] = []
+        self.exit_codes: list[int | None] = []
         self._start()
-        self._finalizer = weakref.finalize(self, _terminate, self._procs, self._tmp)
+        self._finalizer = weakref.finalize(self, _terminate, self._procs, self._tmp, self._shm)
         atexit.register(self._finalizer)
 
     # ---------------------------------------------------------------- start
@@ -121,6 +132,7 @@ class WorkerGroup:
             RP_WORLD_SIZE=str(self.world_size),
             RP_DEVICE=self.devices[rank],
             RP_ADDRESS=address,
+            RP_SHM_DIR=self._shm,
             RP_EXTRA_SYS_PATH=os.pathsep.join(self._extra_sys_path),
             PYTHONUNBUFFERED="1",
         )
@@ -151,7 +163,7 @@ class WorkerGroup:
                 self.pids.append(proc.pid)
             self._handshake(listener)
         except BaseException:
-            _terminate(self._procs, self._tmp)
+            _terminate(self._procs, self._tmp, self._shm)
             self._closed = True
             raise
         finally:
@@ -214,39 +226,119 @@ class WorkerGroup:
                     rank,
                 )
 
+    def _lost(self, rank: int, doing: str) -> NoReturn:
+        """Rank's connection closed: report its exit status (give the OS a moment to reap it)."""
+        try:
+            self._procs[rank].wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            pass
+        self._check_alive(doing)
+        self.close(timeout=2.0)
+        raise WorkerError(
+            f"worker rank {rank} ({self.devices[rank]}) closed its connection while {doing}", rank
+        )
+
     @property
     def alive(self) -> bool:
         return not self._closed and all(p.poll() is None for p in self._procs)
 
-    def call_all(self, method: str, timeout: float | None = None, **kwargs: Any) -> list[Any]:
-        """Run `method` on every rank; the list of results by rank. Raises WorkerError on any failure."""
+    def call_all(
+        self,
+        method: str,
+        timeout: float | None = None,
+        progress: ProgressCallback | None = None,
+        cancel_grace: float = 10.0,
+        **kwargs: Any,
+    ) -> list[Any]:
+        """Run `method` on every rank; the list of results by rank. Raises WorkerError on any failure.
+
+        `progress(step, total)` is called for each step rank 0 reports; if it raises (ComfyUI's interrupt
+        does), the job is cancelled at the next step boundary on every rank and the exception re-raised.
+        `timeout` (seconds) cancels the same way; a job that does not stop within `cancel_grace` seconds
+        after that is stuck, and the group is closed.
+        """
         if self._closed:
             raise WorkerError("the worker group is closed; start a new one")
-        for conn in self._conns:
-            send(conn, {"method": method, "kwargs": kwargs})
-        replies: dict[int, dict[str, Any]] = {}
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while len(replies) < self.world_size:
-            pending = [c for r, c in enumerate(self._conns) if r not in replies]
-            for conn in wait(pending, timeout=0.2):
-                replies[self._conns.index(conn)] = recv(conn)
-            if len(replies) < self.world_size:
-                self._check_alive(f"running {method!r}")
-            if deadline is not None and time.monotonic() > deadline:
-                late = [r for r in range(self.world_size) if r not in replies]
-                self.close(timeout=2.0)
-                raise WorkerError(
-                    f"{method!r} did not finish within {timeout:.0f} s on rank(s) {late}", late[0]
-                )
+        self._job += 1
+        job = self._job
+        packed = pack(kwargs, self._shm, f"request-{job}")
+        try:
+            for conn in self._conns:
+                send(conn, {"method": method, "kwargs": packed, "job": job})
+            replies, interrupt = self._collect(method, job, timeout, progress, cancel_grace)
+        finally:
+            for path in files_in(packed):
+                _unlink(path)
+            _unlink(os.path.join(self._shm, f"cancel-{job}"))
+        results = [unpack(replies[r].get("result")) for r in range(self.world_size)]
+        if interrupt is not None:
+            raise interrupt
         failed = [(r, rep) for r, rep in sorted(replies.items()) if not rep["ok"]]
         if failed:
             rank, rep = failed[0]
             raise WorkerError(f"rank {rank} ({self.devices[rank]}): {rep['error']}", rank, rep["type"])
-        return [replies[r]["result"] for r in range(self.world_size)]
+        return results
 
-    def call(self, method: str, timeout: float | None = None, **kwargs: Any) -> Any:
+    def _collect(
+        self,
+        method: str,
+        job: int,
+        timeout: float | None,
+        progress: ProgressCallback | None,
+        cancel_grace: float,
+    ) -> tuple[dict[int, dict[str, Any]], BaseException | None]:
+        """Wait for every rank's reply, relaying progress and turning interrupts/timeouts into a cancel."""
+        replies: dict[int, dict[str, Any]] = {}
+        interrupt: BaseException | None = None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while len(replies) < self.world_size:
+            pending = [c for r, c in enumerate(self._conns) if r not in replies]
+            for conn in wait(pending, timeout=0.2):
+                try:
+                    message = recv(conn)
+                except (EOFError, OSError):
+                    self._lost(self._conns.index(conn), f"running {method!r}")
+                if "progress" in message:
+                    if progress is not None and interrupt is None:
+                        try:
+                            progress(message["progress"], message["total"])
+                        except BaseException as exc:  # the caller's interrupt: stop every rank together
+                            interrupt = exc
+                            self.cancel()
+                    continue
+                replies[self._conns.index(conn)] = message
+            if len(replies) < self.world_size:
+                self._check_alive(f"running {method!r}")
+            if deadline is not None and time.monotonic() > deadline:
+                if interrupt is None:
+                    interrupt = JobTimeout(
+                        f"{method!r} ran past its time limit of {timeout:g} s and was cancelled"
+                    )
+                    self.cancel()
+                    deadline = time.monotonic() + cancel_grace
+                else:
+                    late = [r for r in range(self.world_size) if r not in replies]
+                    self.close(timeout=2.0)
+                    raise JobTimeout(
+                        f"{method!r} did not stop within {cancel_grace:g} s of being cancelled on rank(s) {late}; "
+                        "the worker group was closed",
+                        late[0],
+                    )
+        return replies, interrupt
+
+    def cancel(self) -> None:
+        """Ask the running job to stop after its current step (safe to call from another thread)."""
+        Path(self._shm, f"cancel-{self._job}").touch()
+
+    def call(
+        self,
+        method: str,
+        timeout: float | None = None,
+        progress: ProgressCallback | None = None,
+        **kwargs: Any,
+    ) -> Any:
         """Run `method` on every rank and return rank 0's result."""
-        return self.call_all(method, timeout=timeout, **kwargs)[0]
+        return self.call_all(method, timeout=timeout, progress=progress, **kwargs)[0]
 
     # ---------------------------------------------------------------- shutdown
 
@@ -260,7 +352,10 @@ class WorkerGroup:
                 send(conn, {"method": "shutdown"})
             except OSError:
                 pass
-        _terminate(self._procs, self._tmp, grace=timeout)
+        _terminate(self._procs, None, None, grace=timeout)
+        self.exit_codes = [p.returncode for p in self._procs]
+        self.final_output = [self.log_tail(r) for r in range(len(self._procs))]
+        _terminate(self._procs, self._tmp, self._shm)
         for conn in self._conns:
             conn.close()
 
@@ -271,8 +366,17 @@ class WorkerGroup:
         self.close()
 
 
-def _terminate(procs: list[subprocess.Popen[bytes]], tmp: str | None, grace: float = 5.0) -> None:
-    """Wait for exits, then SIGTERM, then SIGKILL; close the death pipes; remove the socket directory."""
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _terminate(
+    procs: list[subprocess.Popen[bytes]], tmp: str | None, shm: str | None, grace: float = 5.0
+) -> None:
+    """Wait for exits, then SIGTERM, then SIGKILL; close the death pipes; remove the private directories."""
     deadline = time.monotonic() + grace
     for proc in procs:
         try:
@@ -290,5 +394,6 @@ def _terminate(procs: list[subprocess.Popen[bytes]], tmp: str | None, grace: flo
                 proc.stdin.close()
             except OSError:
                 pass
-    if tmp:
-        shutil.rmtree(tmp, ignore_errors=True)
+    for directory in (tmp, shm):
+        if directory:
+            shutil.rmtree(directory, ignore_errors=True)

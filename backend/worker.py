@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .transport import pack, unpack
+
 HANDLERS: dict[str, Callable[..., Any]] = {}
 
 
@@ -42,6 +44,10 @@ def handler(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     return register
 
 
+class JobCancelled(RuntimeError):
+    """Every rank stopped a job at the same step because the caller cancelled it."""
+
+
 @dataclass
 class WorkerContext:
     """What a handler may use: this rank's identity, device, process group and resident state."""
@@ -50,10 +56,33 @@ class WorkerContext:
     world_size: int
     device: torch.device
     state: dict[str, Any] = field(default_factory=dict)
+    conn: Connection | None = None
+    shm_dir: str = ""
+    job: int = 0
 
     @property
     def backend(self) -> str:
         return dist.get_backend()
+
+    @property
+    def cancel_path(self) -> str:
+        return os.path.join(self.shm_dir, f"cancel-{self.job}")
+
+    def step_done(self, step: int, total: int) -> None:
+        """Call on every rank after each step of a long job: reports progress, honours cancel together.
+
+        Rank 0 alone reads the cancel flag and broadcasts its decision, so all ranks stop after the same
+        step; a rank that stopped alone would leave the others waiting in a collective forever.
+        """
+        flag = torch.zeros(1, dtype=torch.int32, device=self.device if self.device.type != "cpu" else "cpu")
+        if self.rank == 0:
+            if self.conn is not None:
+                send(self.conn, {"progress": step, "total": total, "job": self.job})
+            flag[0] = int(os.path.exists(self.cancel_path))
+        if self.world_size > 1:
+            dist.broadcast(flag, src=0)
+        if flag.item():
+            raise JobCancelled(f"cancelled after step {step} of {total}")
 
 
 def send(conn: Connection, obj: Any) -> None:
@@ -141,6 +170,20 @@ def _leave_group(clean: bool) -> None:
     os._exit(0)
 
 
+def _describe_failure(ctx: WorkerContext, exc: BaseException) -> str:
+    if isinstance(exc, torch.OutOfMemoryError):
+        where = f"{ctx.device} (rank {ctx.rank} of {ctx.world_size})"
+        if ctx.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(ctx.device)
+            where += f", {free / 2**30:.1f} of {total / 2**30:.1f} GiB free"
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
+        return (
+            f"out of memory on {where}: {first_line}. To fit: use more GPUs, use tensor parallelism "
+            "(it splits the weights; context parallelism keeps a full copy per GPU), or lower the resolution"
+        )
+    return f"{type(exc).__name__}: {exc}"
+
+
 def _serve(conn: Connection, ctx: WorkerContext) -> bool:
     """Answer requests until shutdown; True when asked to shut down (vs. the parent closing the socket)."""
     while True:
@@ -152,20 +195,23 @@ def _serve(conn: Connection, ctx: WorkerContext) -> bool:
         if method == "shutdown":
             send(conn, {"ok": True, "result": None})
             return True
+        ctx.job = request.get("job", 0)
         started = time.perf_counter()
         try:
             fn = HANDLERS.get(method)
             if fn is None:
                 raise KeyError(f"unknown worker method {method!r}; known: {', '.join(sorted(HANDLERS))}")
-            reply = {"ok": True, "result": fn(ctx, **request.get("kwargs", {}))}
+            result = fn(ctx, **unpack(request.get("kwargs", {}), remove=False))
+            reply = {"ok": True, "result": pack(result, ctx.shm_dir, f"result-{ctx.job}-{ctx.rank}")}
         except BaseException as exc:  # report every failure to the caller; the worker stays up
             reply = {
                 "ok": False,
-                "error": f"{type(exc).__name__}: {exc}",
+                "error": _describe_failure(ctx, exc),
                 "type": type(exc).__name__,
                 "traceback": traceback.format_exc(),
             }
         reply["seconds"] = time.perf_counter() - started
+        reply["job"] = ctx.job
         send(conn, reply)
 
 
@@ -181,7 +227,9 @@ def main() -> None:
     send(conn, {"hello": rank, "pid": os.getpid()})
     _join_group(conn, rank, world_size, device)
     _load_builtin_methods()
-    ctx = WorkerContext(rank=rank, world_size=world_size, device=device)
+    ctx = WorkerContext(
+        rank=rank, world_size=world_size, device=device, conn=conn, shm_dir=os.environ["RP_SHM_DIR"]
+    )
     send(conn, {"ready": rank, "device": str(device), "pid": os.getpid()})
     _leave_group(clean=_serve(conn, ctx))
 

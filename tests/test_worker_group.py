@@ -1,0 +1,173 @@
+"""The worker group: transport, progress, cancel, timeouts, failures, clean exits, no orphans."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+from conftest import TESTS_DIR
+
+from rocm_parallel.backend.client import JobTimeout, WorkerError, WorkerGroup, validate_devices
+from rocm_parallel.backend.config import ConfigError
+
+
+def _gone(pids: list[int], within: float = 10.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        alive = [
+            p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+        ]
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_progress_reaches_the_caller(group2: WorkerGroup) -> None:
+    seen: list[tuple[int, int]] = []
+    results = group2.call_all(
+        "call", target="worker_jobs:steps", kwargs={"n": 4}, progress=lambda s, t: seen.append((s, t))
+    )
+    assert seen == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    assert [r["sum"] for r in results] == [8.0, 8.0]  # 4 steps x all-reduce of 1 over 2 ranks
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_cancel_stops_every_rank_within_a_step(group2: WorkerGroup) -> None:
+    seen: list[int] = []
+
+    def interrupt_at_two(step: int, total: int) -> None:
+        seen.append(step)
+        if step == 2:
+            raise Interrupted("user pressed Cancel")
+
+    with pytest.raises(Interrupted, match="user pressed Cancel"):
+        group2.call(
+            "call", target="worker_jobs:steps", kwargs={"n": 50, "seconds": 0.05}, progress=interrupt_at_two
+        )
+    assert seen == [2] or seen[:2] == [1, 2]
+    assert len(seen) <= 3  # stopped at the next step boundary
+    # the group is still usable
+    assert group2.call("call", target="worker_jobs:steps", kwargs={"n": 2})["sum"] == 4.0
+
+
+def test_timeout_cancels_and_keeps_the_group(group2: WorkerGroup) -> None:
+    started = time.monotonic()
+    with pytest.raises(JobTimeout, match=r"'call' ran past its time limit of 1 s and was cancelled"):
+        group2.call("call", timeout=1.0, target="worker_jobs:steps", kwargs={"n": 100, "seconds": 0.1})
+    assert time.monotonic() - started < 5
+    assert group2.alive
+    assert group2.call("ping")["rank"] == 0
+
+
+def test_large_tensors_travel_through_shared_files(group2: WorkerGroup) -> None:
+    big = torch.randn(512, 1024)  # 2 MiB: above the inline limit
+    results = group2.call_all("call", target="worker_jobs:scale", kwargs={"tensor": big})
+    assert torch.equal(results[0]["scaled"], big)
+    assert torch.equal(results[1]["scaled"], big * 2)
+    assert any(name.startswith("request-") for name in results[0]["files"])  # it was a file, not a pickle
+    assert os.listdir(group2._shm) == []  # and every file is gone after the call
+
+
+def test_out_of_memory_names_the_device_and_the_remedy(group2: WorkerGroup) -> None:
+    with pytest.raises(WorkerError) as err:
+        group2.call("call", target="worker_jobs:out_of_memory", kwargs={"rank": 1})
+    assert str(err.value) == (
+        "rank 1 (cpu): out of memory on cpu (rank 1 of 2): CUDA out of memory. Tried to allocate 20.00 GiB. "
+        "To fit: use more GPUs, use tensor parallelism (it splits the weights; context parallelism keeps a "
+        "full copy per GPU), or lower the resolution"
+    )
+    assert err.value.rank == 1
+
+
+def test_unknown_method(group2: WorkerGroup) -> None:
+    with pytest.raises(WorkerError, match=r"unknown worker method 'nope'; known: .*ping"):
+        group2.call("nope")
+
+
+@pytest.mark.parametrize(
+    ("devices", "message"),
+    [
+        ([], "devices=[] is empty; give at least one device, e.g. ['cuda:0', 'cuda:1'] or ['cpu', 'cpu']"),
+        (
+            ["cpu", "cuda:0"],
+            "devices=['cpu', 'cuda:0'] mixes CPU and GPU workers; use only GPUs or only 'cpu'",
+        ),
+        (["mps"], "devices=['mps']: only 'cpu' and 'cuda:N' (ROCm GPUs are 'cuda:N' too) are supported"),
+    ],
+)
+def test_bad_devices_fail_before_any_process(devices: list[str], message: str) -> None:
+    before = psutil.Process().children()
+    with pytest.raises(ConfigError) as err:
+        WorkerGroup(devices)
+    assert str(err.value) == message
+    assert psutil.Process().children() == before
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 0, reason="needs a machine without GPUs")
+def test_more_gpus_than_exist() -> None:
+    with pytest.raises(ConfigError) as err:
+        validate_devices(["cuda:0", "cuda:1"])
+    assert (
+        str(err.value)
+        == "devices=['cuda:0', 'cuda:1'] asks for GPU 0 but 0 GPU(s) are visible; use indices 0..-1"
+    )
+
+
+def test_killed_worker_is_reported_and_a_new_group_works() -> None:
+    group = WorkerGroup(["cpu", "cpu"], threads=1, extra_sys_path=[TESTS_DIR])
+    victim = group.pids[1]
+    threading.Timer(1.0, os.kill, (victim, signal.SIGKILL)).start()
+    started = time.monotonic()
+    with pytest.raises(WorkerError) as err:
+        group.call("call", target="worker_jobs:steps", kwargs={"n": 1000, "seconds": 0.02})
+    assert time.monotonic() - started < 10
+    assert f"worker rank 1 (cpu, pid {victim}) exited with code -9 while running 'call'" in str(err.value)
+    assert err.value.rank == 1
+    assert _gone(group.pids)
+    with WorkerGroup(["cpu", "cpu"], threads=1, extra_sys_path=[TESTS_DIR]) as fresh:
+        assert fresh.call("call", target="worker_jobs:steps", kwargs={"n": 2})["sum"] == 4.0
+
+
+def test_workers_exit_when_the_parent_dies(tmp_path) -> None:
+    script = textwrap.dedent(
+        """
+        import os, sys
+        from rocm_parallel.backend.client import WorkerGroup
+        group = WorkerGroup(["cpu", "cpu"], threads=1)
+        print(" ".join(map(str, group.pids)), flush=True)
+        sys.stdin.read()  # wait to be killed
+        """
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    pids = [int(p) for p in parent.stdout.readline().split()]
+    assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
+    parent.kill()  # SIGKILL: no atexit, no finalizers — only the death pipe is left
+    parent.wait()
+    assert _gone(pids), "workers outlived their parent"
+
+
+def test_clean_exit_after_a_parallel_forward() -> None:
+    from rocm_parallel.backend.config import FluxDims
+    from rocm_parallel.backend.flux.model import random_inputs, tiny_flux_config
+
+    config = tiny_flux_config(heads=4, head_dim=16)
+    group = WorkerGroup(["cpu", "cpu"], threads=1)
+    group.call_all("build_random", config=config, seed=0, dtype="float32", tp=2)
+    group.call("forward", inputs=random_inputs(FluxDims.from_diffusers_config(config)).as_kwargs())
+    group.close()
+    assert group.exit_codes == [0, 0]
+    for output in group.final_output:
+        assert "terminate called" not in output and "Abort" not in output
+    assert _gone(group.pids)
