@@ -4,7 +4,12 @@ ComfyUI's entry point. Imports nothing heavy (no torch, no diffusers) so that lo
 importing it outside ComfyUI, is cheap; the engine lives in `backend/` and runs in worker processes.
 """
 
-from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
-
 __version__ = "0.1.0"
+
+if __package__:  # ComfyUI (custom_nodes/<folder>) or pip-installed as rocm_parallel
+    from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+else:  # imported as a bare file: pytest collecting a checkout whose folder name is no identifier
+    NODE_CLASS_MAPPINGS: dict[str, type] = {}
+    NODE_DISPLAY_NAME_MAPPINGS: dict[str, str] = {}
+
 __all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]
