@@ -392,3 +392,24 @@ def sample_flux(
         latent, positive, seed, steps, denoise, sigmas, noise_mask, batch_index, variant, shift_mu
     )
     return run_euler(model_fn, plan, callback, model_dtype)
+
+
+def diffusers_model_fn(model: torch.nn.Module) -> ModelFn:
+    """Adapt a diffusers FluxTransformer2DModel (or anything with its forward) to the `model_fn` contract."""
+
+    @torch.no_grad()
+    def model_fn(
+        hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids, guidance
+    ):
+        return model(
+            hidden_states=hidden_states,
+            encoder_hidden_states=encoder_hidden_states,
+            pooled_projections=pooled_projections,
+            timestep=timestep,
+            img_ids=img_ids,
+            txt_ids=txt_ids,
+            guidance=guidance,
+            return_dict=False,
+        )[0]
+
+    return model_fn
