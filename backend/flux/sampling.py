@@ -320,6 +320,7 @@ def _batch_sigma(sigma: torch.Tensor, ndim: int) -> torch.Tensor:
     return sigma.view(sigma.shape[:1] + (1,) * (ndim - 1))
 
 
+@torch.no_grad()
 def run_euler(
     model_fn: ModelFn,
     plan: SamplingPlan,
