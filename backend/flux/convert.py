@@ -1,0 +1,333 @@
+"""Key mapping between the BFL / ComfyUI single-file FLUX layout and diffusers' FluxTransformer2DModel.
+
+The mapping is data (`bfl_sources`): for every diffusers parameter, the BFL tensor it lives in and
+which rows of it. The converters below and the sharded checkpoint loader (load.py) both read it, so
+the loader can fetch a rank's slice of a fused BFL tensor (`qkv`, `linear1 = [q|k|v|mlp]`) straight
+from disk without materialising the whole tensor.
+
+Why not diffusers' `convert_flux_transformer_checkpoint_to_diffusers`: it hard-codes the width 3072,
+so it cannot convert the small random models the tests use, and it has no inverse. Every width here
+is inferred from tensor shapes; the key names are the ones that converter uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..config import ConfigError
+
+# ComfyUI's full checkpoints (and some diffusion_models files) put the transformer under this prefix.
+COMFY_PREFIX = "model.diffusion_model."
+
+# FLUX's single-stream blocks and feed-forwards are 4x wide; diffusers' FluxTransformer2DModel has no
+# option for another ratio, so a checkpoint with a different one cannot be built.
+MLP_RATIO = 4
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be loaded as FLUX; the message names the path, what was found and the fix."""
+
+
+@dataclass(frozen=True)
+class FluxLayout:
+    """The widths and depths the key mapping depends on."""
+
+    hidden: int
+    double_blocks: int
+    single_blocks: int
+    guidance: bool
+
+    @property
+    def mlp(self) -> int:
+        return MLP_RATIO * self.hidden
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where one diffusers tensor lives in a BFL checkpoint.
+
+    The diffusers tensor is the concatenation along dim 0 of `rows` of the BFL tensor `key`;
+    `rows=None` means the whole BFL tensor, unchanged.
+    """
+
+    key: str
+    rows: tuple[tuple[int, int], ...] | None = None
+
+
+@dataclass(frozen=True)
+class _Fused:
+    """A diffusers module reading some of the stacked outputs of one BFL linear, in the order `take`."""
+
+    parts: tuple[str, ...]  # widths of the BFL output blocks, by FluxLayout attribute name
+    take: tuple[int, ...]
+
+
+_QKV = ("hidden", "hidden", "hidden")
+_LINEAR1 = ("hidden", "hidden", "hidden", "mlp")
+
+# diffusers module -> (BFL module, fused part or None). Parameter names: weight/bias, except RMS norms,
+# whose diffusers `weight` is BFL's `scale` (marked by the module names below ending in "_norm").
+_TOP: dict[str, tuple[str, _Fused | None]] = {
+    "time_text_embed.timestep_embedder.linear_1": ("time_in.in_layer", None),
+    "time_text_embed.timestep_embedder.linear_2": ("time_in.out_layer", None),
+    "time_text_embed.text_embedder.linear_1": ("vector_in.in_layer", None),
+    "time_text_embed.text_embedder.linear_2": ("vector_in.out_layer", None),
+    "context_embedder": ("txt_in", None),
+    "x_embedder": ("img_in", None),
+    "proj_out": ("final_layer.linear", None),
+    # BFL stores the final AdaLN output as (shift, scale); diffusers' AdaLayerNormContinuous (scale, shift).
+    "norm_out.linear": ("final_layer.adaLN_modulation.1", _Fused(("hidden", "hidden"), (1, 0))),
+}
+_GUIDANCE: dict[str, tuple[str, _Fused | None]] = {
+    "time_text_embed.guidance_embedder.linear_1": ("guidance_in.in_layer", None),
+    "time_text_embed.guidance_embedder.linear_2": ("guidance_in.out_layer", None),
+}
+_DOUBLE: dict[str, tuple[str, _Fused | None]] = {
+    "norm1.linear": ("img_mod.lin", None),
+    "norm1_context.linear": ("txt_mod.lin", None),
+    "attn.to_q": ("img_attn.qkv", _Fused(_QKV, (0,))),
+    "attn.to_k": ("img_attn.qkv", _Fused(_QKV, (1,))),
+    "attn.to_v": ("img_attn.qkv", _Fused(_QKV, (2,))),
+    "attn.add_q_proj": ("txt_attn.qkv", _Fused(_QKV, (0,))),
+    "attn.add_k_proj": ("txt_attn.qkv", _Fused(_QKV, (1,))),
+    "attn.add_v_proj": ("txt_attn.qkv", _Fused(_QKV, (2,))),
+    "attn.norm_q": ("img_attn.norm.query_norm", None),
+    "attn.norm_k": ("img_attn.norm.key_norm", None),
+    "attn.norm_added_q": ("txt_attn.norm.query_norm", None),
+    "attn.norm_added_k": ("txt_attn.norm.key_norm", None),
+    "attn.to_out.0": ("img_attn.proj", None),
+    "attn.to_add_out": ("txt_attn.proj", None),
+    "ff.net.0.proj": ("img_mlp.0", None),
+    "ff.net.2": ("img_mlp.2", None),
+    "ff_context.net.0.proj": ("txt_mlp.0", None),
+    "ff_context.net.2": ("txt_mlp.2", None),
+}
+_SINGLE: dict[str, tuple[str, _Fused | None]] = {
+    "norm.linear": ("modulation.lin", None),
+    "attn.to_q": ("linear1", _Fused(_LINEAR1, (0,))),
+    "attn.to_k": ("linear1", _Fused(_LINEAR1, (1,))),
+    "attn.to_v": ("linear1", _Fused(_LINEAR1, (2,))),
+    "proj_mlp": ("linear1", _Fused(_LINEAR1, (3,))),
+    "attn.norm_q": ("norm.query_norm", None),
+    "attn.norm_k": ("norm.key_norm", None),
+    "proj_out": ("linear2", None),
+}
+
+
+def _rows(fused: _Fused, layout: FluxLayout) -> tuple[tuple[int, int], ...]:
+    bounds, offset = [], 0
+    for part in fused.parts:
+        width = getattr(layout, part)
+        bounds.append((offset, offset + width))
+        offset += width
+    return tuple(bounds[i] for i in fused.take)
+
+
+def _add(
+    out: dict[str, Source],
+    table: Mapping[str, tuple[str, _Fused | None]],
+    layout: FluxLayout,
+    diffusers_prefix: str = "",
+    bfl_prefix: str = "",
+) -> None:
+    for module, (bfl_module, fused) in table.items():
+        params = {"weight": "scale"} if bfl_module.endswith("_norm") else {"weight": "weight", "bias": "bias"}
+        for d_param, b_param in params.items():
+            rows = None if fused is None else _rows(fused, layout)
+            out[f"{diffusers_prefix}{module}.{d_param}"] = Source(f"{bfl_prefix}{bfl_module}.{b_param}", rows)
+
+
+def bfl_sources(layout: FluxLayout) -> dict[str, Source]:
+    """diffusers parameter name -> where it lives in a BFL checkpoint (no key prefix)."""
+    out: dict[str, Source] = {}
+    _add(out, _TOP, layout)
+    if layout.guidance:
+        _add(out, _GUIDANCE, layout)
+    for i in range(layout.double_blocks):
+        _add(out, _DOUBLE, layout, f"transformer_blocks.{i}.", f"double_blocks.{i}.")
+    for i in range(layout.single_blocks):
+        _add(out, _SINGLE, layout, f"single_transformer_blocks.{i}.", f"single_blocks.{i}.")
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Shapes -> configuration
+
+
+def _shapes(keys_and_shapes: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(v.shape) if hasattr(v, "shape") else tuple(v) for k, v in keys_and_shapes.items()}
+
+
+def strip_prefix(keys_and_shapes: Mapping[str, Any]) -> dict[str, Any]:
+    """Drop ComfyUI's `model.diffusion_model.` prefix; in a full checkpoint keep only the transformer."""
+    if any(k.startswith(COMFY_PREFIX) for k in keys_and_shapes):
+        return {k[len(COMFY_PREFIX) :]: v for k, v in keys_and_shapes.items() if k.startswith(COMFY_PREFIX)}
+    return dict(keys_and_shapes)
+
+
+def _block_count(shapes: Mapping[str, tuple[int, ...]], prefix: str) -> int:
+    indices = {int(k.split(".")[1]) for k in shapes if k.startswith(prefix) and k.split(".")[1].isdigit()}
+    if indices != set(range(len(indices))):
+        missing = sorted(set(range(max(indices) + 1)) - indices)
+        raise CheckpointError(f"'{prefix}*' blocks {missing} are missing; the checkpoint is incomplete")
+    return len(indices)
+
+
+def _require(shapes: Mapping[str, tuple[int, ...]], key: str) -> tuple[int, ...]:
+    if key not in shapes:
+        raise CheckpointError(f"tensor '{key}' is missing; the checkpoint is incomplete or not FLUX.1")
+    return shapes[key]
+
+
+def rope_axes(head_dim: int) -> tuple[int, int, int]:
+    """RoPE axes for a head width: FLUX's (16, 56, 56) of 128, the same proportions for small test models.
+
+    RoPE has no weights, so the checkpoint cannot tell; this is the split `tiny_flux_config` uses.
+    """
+    b = (head_dim - head_dim // 8) // 4 * 2
+    return (head_dim - 2 * b, b, b)
+
+
+def layout_from_bfl(keys_and_shapes: Mapping[str, Any]) -> FluxLayout:
+    shapes = _shapes(strip_prefix(keys_and_shapes))
+    hidden = _require(shapes, "img_in.weight")[0]
+    return FluxLayout(
+        hidden=hidden,
+        double_blocks=_block_count(shapes, "double_blocks."),
+        single_blocks=_block_count(shapes, "single_blocks."),
+        guidance=any(k.startswith("guidance_in.") for k in shapes),
+    )
+
+
+def flux_config_from_bfl(keys_and_shapes: Mapping[str, Any]) -> dict[str, Any]:
+    """The diffusers FluxTransformer2DModel config of a BFL checkpoint, from its keys and shapes alone.
+
+    Accepts {key: shape} or {key: tensor}, with or without the `model.diffusion_model.` prefix.
+    Raises CheckpointError when a shape contradicts FLUX's structure.
+    """
+    shapes = _shapes(strip_prefix(keys_and_shapes))
+    layout = layout_from_bfl(shapes)
+    norm = (
+        "double_blocks.0.img_attn.norm.query_norm.scale"
+        if layout.double_blocks
+        else "single_blocks.0.norm.query_norm.scale"
+    )
+    head_dim = _require(shapes, norm)[0]
+    if layout.hidden % head_dim:
+        raise CheckpointError(
+            f"hidden width {layout.hidden} (img_in.weight) is not a multiple of the head width {head_dim} "
+            f"({norm}); the checkpoint is not a FLUX.1 transformer"
+        )
+    in_channels = _require(shapes, "img_in.weight")[1]
+    config: dict[str, Any] = {
+        "patch_size": 1,
+        "in_channels": in_channels,
+        "num_layers": layout.double_blocks,
+        "num_single_layers": layout.single_blocks,
+        "attention_head_dim": head_dim,
+        "num_attention_heads": layout.hidden // head_dim,
+        "joint_attention_dim": _require(shapes, "txt_in.weight")[1],
+        "pooled_projection_dim": _require(shapes, "vector_in.in_layer.weight")[1],
+        "guidance_embeds": layout.guidance,
+        "axes_dims_rope": rope_axes(head_dim),
+    }
+    out_channels = _require(shapes, "final_layer.linear.weight")[0]
+    if out_channels != in_channels:
+        config["out_channels"] = out_channels
+    return config
+
+
+def layout_from_diffusers(keys_and_shapes: Mapping[str, Any]) -> FluxLayout:
+    shapes = _shapes(keys_and_shapes)
+
+    def count(prefix: str) -> int:
+        return len({k.split(".")[1] for k in shapes if k.startswith(prefix)})
+
+    return FluxLayout(
+        hidden=_require(shapes, "x_embedder.weight")[0],
+        double_blocks=count("transformer_blocks."),
+        single_blocks=count("single_transformer_blocks."),
+        guidance=any(k.startswith("time_text_embed.guidance_embedder.") for k in shapes),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Converters
+
+
+def _gather_rows(tensor: torch.Tensor, rows: tuple[tuple[int, int], ...] | None) -> torch.Tensor:
+    if rows is None:
+        return tensor
+    parts = [tensor[a:b] for a, b in rows]
+    return parts[0].clone() if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def bfl_to_diffusers(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A BFL / ComfyUI FLUX state dict (prefix optional) as FluxTransformer2DModel's state dict."""
+    bfl = strip_prefix(state_dict)
+    sources = bfl_sources(layout_from_bfl(bfl))
+    used = {s.key for s in sources.values()}
+    unknown = sorted(set(bfl) - used)
+    if unknown:
+        raise CheckpointError(f"{len(unknown)} tensors are not part of FLUX.1, e.g. {unknown[:3]}")
+    return {name: _gather_rows(_bfl_tensor(bfl, s.key), s.rows) for name, s in sources.items()}
+
+
+def _bfl_tensor(bfl: Mapping[str, torch.Tensor], key: str) -> torch.Tensor:
+    if key not in bfl:
+        raise CheckpointError(f"tensor '{key}' is missing; the checkpoint is incomplete or not FLUX.1")
+    return bfl[key]
+
+
+def diffusers_to_bfl(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A FluxTransformer2DModel state dict in BFL layout: fused qkv, linear1, final AdaLN (shift, scale)."""
+    sources = bfl_sources(layout_from_diffusers(state_dict))
+    missing = sorted(set(sources) - set(state_dict))
+    unknown = sorted(set(state_dict) - set(sources))
+    if missing or unknown:
+        raise ValueError(
+            f"not a FluxTransformer2DModel state dict: missing {missing[:3]}, unknown {unknown[:3]}"
+        )
+    pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for name, source in sources.items():
+        tensor = state_dict[name]
+        if source.rows is None:
+            pieces.setdefault(source.key, []).append((0, tensor))
+            continue
+        offset = 0
+        for a, b in source.rows:  # the diffusers rows [offset, offset + b - a) came from BFL rows [a, b)
+            pieces.setdefault(source.key, []).append((a, tensor[offset : offset + b - a]))
+            offset += b - a
+    out = {}
+    for key, parts in pieces.items():
+        parts.sort(key=lambda p: p[0])
+        out[key] = parts[0][1] if len(parts) == 1 else torch.cat([t for _, t in parts], dim=0)
+    return out
+
+
+def bfl_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The BFL key -> shape a checkpoint of this diffusers config has (computed on the meta device)."""
+    from .model import build_flux
+
+    model = build_flux(dict(config), device="meta")
+    return {k: tuple(v.shape) for k, v in diffusers_to_bfl(model.state_dict()).items()}
+
+
+__all__ = [
+    "COMFY_PREFIX",
+    "CheckpointError",
+    "FluxLayout",
+    "Source",
+    "bfl_shapes",
+    "bfl_sources",
+    "bfl_to_diffusers",
+    "diffusers_to_bfl",
+    "flux_config_from_bfl",
+    "layout_from_bfl",
+    "rope_axes",
+    "strip_prefix",
+]

@@ -1,0 +1,416 @@
+"""ComfyUI-exact FLUX sampling: latent format, sigma schedules, noise, conditioning, and the Euler loop.
+
+The target is bit-for-bit agreement with ComfyUI's own `KSampler(euler, simple, cfg 1.0)` (and
+`SamplerCustom` with a SIGMAS input), so every formula below repeats ComfyUI's arithmetic in the same
+order and dtype (comfy/model_sampling.py, comfy/samplers.py, comfy/sample.py, comfy/k_diffusion/sampling.py
+at ComfyUI 0.3.64). It is written by hand because ComfyUI is not a dependency of the backend, and
+diffusers' FlowMatchEulerDiscreteScheduler uses a different table and noise.
+
+The loop is a pure function of a `model_fn` callable and plain tensors, so the same code runs in one
+process or inside every rank of a worker group: `plan_sampling` validates the input and decides
+everything (noise, sigmas, conditioning) once; `run_euler` only calls `model_fn`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ConfigError
+from .model import image_ids
+
+# comfy/latent_formats.py `Flux`.
+LATENT_CHANNELS = 16
+SHIFT_FACTOR = 0.1159
+SCALE_FACTOR = 0.3611
+
+# comfy/model_sampling.py `ModelSamplingFlux` default shift (mu) for FLUX.1-dev.
+DEV_MU = 1.15
+VARIANTS = ("dev", "schnell")
+# Conditioning extras this sampler honours; anything else (areas, masks, strengths, hooks, ControlNets,
+# reference latents, timestep ranges) changes ComfyUI's result and is refused rather than ignored.
+SUPPORTED_COND_KEYS = ("pooled_output", "guidance")
+DEFAULT_GUIDANCE = 3.5  # comfy/model_base.py Flux.extra_conds: kwargs.get("guidance", 3.5)
+
+# model_fn(hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids, guidance)
+# -> velocity tokens: exactly diffusers' FluxTransformer2DModel forward (timestep = sigma in [0, 1]).
+ModelFn = Callable[..., torch.Tensor]
+
+
+# --- latent format and tokens ---------------------------------------------------------------------
+
+
+def process_in(latent: torch.Tensor) -> torch.Tensor:
+    """VAE latent -> the space the sampler works in."""
+    return (latent - SHIFT_FACTOR) * SCALE_FACTOR
+
+
+def process_out(latent: torch.Tensor) -> torch.Tensor:
+    """Sampler space -> VAE latent."""
+    return (latent / SCALE_FACTOR) + SHIFT_FACTOR
+
+
+def patchify(latent: torch.Tensor) -> torch.Tensor:
+    """[B, C, H, W] -> [B, (H/2)(W/2), 4C] with channel order (c, ph, pw), rows before columns."""
+    b, c, h, w = latent.shape
+    x = latent.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpatchify(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Inverse of `patchify` for a latent of height x width."""
+    b, _, d = tokens.shape
+    c = d // 4
+    x = tokens.reshape(b, height // 2, width // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, c, height, width)
+
+
+def text_ids(tokens: int) -> torch.Tensor:
+    """Position ids of the text tokens: all zero."""
+    return torch.zeros(tokens, 3)
+
+
+# --- sigma tables and schedules --------------------------------------------------------------------
+
+
+def resolution_mu(width: int, height: int, base_shift: float = 0.5, max_shift: float = 1.15) -> float:
+    """The shift `ModelSamplingFlux` (comfy_extras/nodes_model_advanced.py) sets for an image size.
+
+    width/height are in PIXELS; the line goes through (256 tokens, base_shift) and (4096 tokens,
+    max_shift), tokens = pixels / (8*8*2*2). Same operation order as ComfyUI so the float is identical.
+    """
+    x1, x2 = 256, 4096
+    mm = (max_shift - base_shift) / (x2 - x1)
+    b = base_shift - mm * x1
+    return (width * height / (8 * 8 * 2 * 2)) * mm + b
+
+
+def flux_sigma_table(mu: float = DEV_MU, timesteps: int = 10000) -> torch.Tensor:
+    """ComfyUI's `ModelSamplingFlux.sigmas`: e^mu / (e^mu + (1/t - 1)) for t = 1/10000 .. 1, float32."""
+    t = torch.arange(1, timesteps + 1, 1) / timesteps
+    # Written exactly as comfy's flux_time_shift(mu, 1.0, t) so float32 rounding matches bit for bit.
+    return math.exp(mu) / (math.exp(mu) + (1 / t - 1) ** 1.0)
+
+
+def schnell_sigma_table(timesteps: int = 1000) -> torch.Tensor:
+    """ComfyUI's `ModelSamplingDiscreteFlow.sigmas` for schnell (shift 1, multiplier 1): t = 1/1000 .. 1."""
+    return torch.arange(1, timesteps + 1, 1) / timesteps * 1.0 / 1.0
+
+
+def sigma_table(variant: str, shift_mu: float | None = None) -> torch.Tensor:
+    """The table a FLUX model samples from; a `shift_mu` replaces it like the ModelSamplingFlux node does."""
+    if shift_mu is not None:
+        return flux_sigma_table(shift_mu)  # ModelSamplingFlux patches schnell to the FLUX table too
+    return flux_sigma_table(DEV_MU) if variant == "dev" else schnell_sigma_table()
+
+
+def simple_schedule(table: torch.Tensor, steps: int) -> torch.Tensor:
+    """comfy/samplers.py `simple_scheduler`: every len/steps-th sigma from the top, then 0."""
+    ss = len(table) / steps
+    sigs = [float(table[-(1 + int(x * ss))]) for x in range(steps)]
+    return torch.tensor([*sigs, 0.0], dtype=torch.float32)
+
+
+def denoise_schedule(table: torch.Tensor, steps: int, denoise: float) -> torch.Tensor:
+    """comfy/samplers.py `KSampler.set_steps`: with denoise < 1, schedule steps/denoise, keep the tail."""
+    if denoise > 0.9999:
+        return simple_schedule(table, steps)
+    if denoise <= 0.0:
+        return torch.zeros(0)
+    return simple_schedule(table, int(steps / denoise))[-(steps + 1) :]
+
+
+# --- noise, mask, conditioning ---------------------------------------------------------------------
+
+
+def prepare_noise(shape: Sequence[int], seed: int, batch_index: Sequence[int] | None = None) -> torch.Tensor:
+    """comfy/sample.py `prepare_noise`: CPU float32 noise from `seed`, drawn per batch index when given.
+
+    With batch_index, one [1, C, H, W] draw per index 0..max(index) in order, so a latent that is
+    item k of a larger batch gets the noise item k got there.
+    """
+    g = torch.Generator().manual_seed(seed)
+    if batch_index is None:
+        return torch.randn(tuple(shape), dtype=torch.float32, generator=g)
+    wanted = set(batch_index)
+    draws = {}
+    for i in range(max(wanted) + 1):
+        noise = torch.randn((1, *shape[1:]), dtype=torch.float32, generator=g)
+        if i in wanted:
+            draws[i] = noise
+    return torch.cat([draws[i] for i in batch_index], dim=0)
+
+
+def repeat_to_batch_size(tensor: torch.Tensor, batch_size: int, dim: int = 0) -> torch.Tensor:
+    """comfy/utils.py `repeat_to_batch_size`: truncate, or tile and truncate, along `dim`."""
+    n = tensor.shape[dim]
+    if n > batch_size:
+        return tensor.narrow(dim, 0, batch_size)
+    if n < batch_size:
+        reps = [1] * tensor.ndim
+        reps[dim] = math.ceil(batch_size / n)
+        return tensor.repeat(reps).narrow(dim, 0, batch_size)
+    return tensor
+
+
+def latent_mask(noise_mask: torch.Tensor, latent_shape: Sequence[int]) -> torch.Tensor:
+    """comfy/utils.py `reshape_mask`: any [.., h, w] mask -> bilinear to the latent, every channel, batch."""
+    mask = noise_mask.reshape((-1, 1, noise_mask.shape[-2], noise_mask.shape[-1])).to(torch.float32)
+    mask = F.interpolate(mask, size=tuple(latent_shape[2:]), mode="bilinear")
+    if mask.shape[1] < latent_shape[1]:
+        mask = mask.repeat((1, latent_shape[1], 1, 1))[:, : latent_shape[1]]
+    return repeat_to_batch_size(mask, latent_shape[0])
+
+
+@dataclass(frozen=True)
+class FluxConditioning:
+    """One ComfyUI CONDITIONING entry as the transformer's inputs, repeated to the latent batch."""
+
+    encoder_hidden_states: torch.Tensor  # [B, T, text_dim]
+    pooled_projections: torch.Tensor  # [B, pooled_dim]
+    guidance: torch.Tensor | None  # [B], None for schnell
+
+
+def convert_conditioning(positive: Any, batch: int, variant: str = "dev") -> FluxConditioning:
+    """ComfyUI CONDITIONING `[[cond, {"pooled_output": ..., "guidance": ...}]]` -> transformer inputs."""
+    if not isinstance(positive, (list, tuple)) or len(positive) != 1:
+        n = len(positive) if isinstance(positive, (list, tuple)) else type(positive).__name__
+        raise ConfigError(
+            f"positive conditioning has {n} entries; this sampler supports exactly 1 "
+            "(no Conditioning Combine / Set Area / Concat yet): encode one prompt with CLIPTextEncode"
+        )
+    entry = positive[0]
+    if not isinstance(entry, (list, tuple)) or len(entry) != 2 or not isinstance(entry[1], Mapping):
+        raise ConfigError("positive conditioning entry must be [cond tensor, {'pooled_output': ...}]")
+    cond, extras = entry
+    unsupported = sorted(k for k in extras if k not in SUPPORTED_COND_KEYS)
+    if unsupported:
+        raise ConfigError(
+            f"positive conditioning sets {', '.join(unsupported)}, which this sampler does not support yet "
+            f"(supported: {', '.join(SUPPORTED_COND_KEYS)}); remove the node that adds them"
+        )
+    if not torch.is_tensor(cond) or cond.ndim != 3:
+        shape = tuple(cond.shape) if torch.is_tensor(cond) else type(cond).__name__
+        raise ConfigError(f"conditioning tensor has shape {shape}; expected [batch, tokens, 4096] (T5-XXL)")
+    pooled = extras.get("pooled_output")
+    if not torch.is_tensor(pooled) or pooled.ndim != 2:
+        raise ConfigError(
+            "conditioning has no pooled_output [batch, 768]; encode the prompt with a FLUX DualCLIPLoader "
+            "(clip_l + t5xxl) and CLIPTextEncode"
+        )
+    guidance = None
+    if variant == "dev":
+        value = extras.get("guidance", DEFAULT_GUIDANCE)
+        if value is None:
+            raise ConfigError("conditioning guidance is None; FLUX.1-dev needs one (FluxGuidance, e.g. 3.5)")
+        guidance = repeat_to_batch_size(torch.tensor([float(value)], dtype=torch.float32), batch)
+    return FluxConditioning(
+        encoder_hidden_states=repeat_to_batch_size(cond.to(torch.float32), batch),
+        pooled_projections=repeat_to_batch_size(pooled.to(torch.float32), batch),
+        guidance=guidance,
+    )
+
+
+# --- the plan and the loop -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplingPlan:
+    """Everything the Euler loop needs, decided once (on one rank) from the user's input."""
+
+    noise: torch.Tensor  # [B, 16, H, W]
+    latent_image: torch.Tensor  # process_in(latent), or the zero latent as is
+    sigmas: torch.Tensor  # float32 [steps + 1]
+    cond: FluxConditioning
+    mask: torch.Tensor | None  # [B, 16, H, W] in [0, 1]: 1 = regenerate, 0 = keep latent_image
+    original: torch.Tensor  # the caller's latent, returned as is when there is nothing to do
+
+    @property
+    def steps(self) -> int:
+        return max(len(self.sigmas) - 1, 0)
+
+
+def _checked_latent(latent: torch.Tensor) -> torch.Tensor:
+    if not torch.is_tensor(latent) or latent.ndim != 4:
+        shape = tuple(latent.shape) if torch.is_tensor(latent) else type(latent).__name__
+        raise ConfigError(f"latent samples have shape {shape}; expected [batch, 16, height/8, width/8]")
+    _, c, h, w = latent.shape
+    if c != LATENT_CHANNELS:
+        if torch.count_nonzero(latent) > 0:
+            raise ConfigError(
+                f"latent has {c} channels; FLUX latents have {LATENT_CHANNELS}: encode the image with the "
+                "FLUX VAE (ae.safetensors) or start from EmptySD3LatentImage"
+            )
+        # comfy/sample.py fix_empty_latent_channels: an empty SD latent becomes a 16-channel one.
+        latent = repeat_to_batch_size(latent, LATENT_CHANNELS, dim=1)
+    if h % 2 or w % 2:
+        raise ConfigError(
+            f"image size {w * 8}x{h * 8} pixels (latent {w}x{h}) is not a multiple of 16 pixels; "
+            "use a width and height divisible by 16"
+        )
+    return latent
+
+
+def plan_sampling(
+    latent: torch.Tensor,
+    positive: Any,
+    seed: int,
+    steps: int,
+    denoise: float = 1.0,
+    sigmas: Sequence[float] | torch.Tensor | None = None,
+    noise_mask: torch.Tensor | None = None,
+    batch_index: Sequence[int] | None = None,
+    variant: str = "dev",
+    shift_mu: float | None = None,
+) -> SamplingPlan:
+    """Validate the input and decide noise, schedule and conditioning exactly as ComfyUI would.
+
+    `sigmas` (a SIGMAS input, as SamplerCustom takes it) overrides steps/denoise/shift_mu.
+    """
+    if variant not in VARIANTS:
+        raise ConfigError(f"variant={variant!r} is not a FLUX.1 variant; use 'dev' or 'schnell'")
+    latent = _checked_latent(latent).to(torch.float32)
+    batch = latent.shape[0]
+    if sigmas is not None:
+        schedule = torch.as_tensor(sigmas, dtype=torch.float32).flatten().cpu()
+    else:
+        if int(steps) < 1:
+            raise ConfigError(f"steps={steps} must be at least 1")
+        if not 0.0 <= denoise <= 1.0:
+            raise ConfigError(f"denoise={denoise} must be between 0 and 1")
+        schedule = denoise_schedule(sigma_table(variant, shift_mu), int(steps), float(denoise))
+    if batch_index is not None:
+        batch_index = [int(i) for i in batch_index]
+        if len(batch_index) != batch or min(batch_index) < 0:
+            raise ConfigError(
+                f"batch_index {batch_index} must list one index >= 0 for each of the {batch} latents"
+            )
+    cond = convert_conditioning(positive, batch, variant)
+    mask = None
+    if noise_mask is not None:
+        if not torch.is_tensor(noise_mask) or noise_mask.ndim < 2:
+            raise ConfigError("noise_mask must be a tensor [..., height, width] (SetLatentNoiseMask output)")
+        mask = latent_mask(noise_mask, latent.shape)
+    # CFGGuider.inner_sample: an all-zero latent (EmptyLatentImage) is deliberately NOT shifted.
+    image = process_in(latent) if torch.count_nonzero(latent) > 0 else latent
+    return SamplingPlan(
+        noise=prepare_noise(latent.shape, int(seed), batch_index),
+        latent_image=image,
+        sigmas=schedule,
+        cond=cond,
+        mask=mask,
+        original=latent,
+    )
+
+
+def _noise_scaling(sigma: torch.Tensor, noise: torch.Tensor, latent_image: torch.Tensor) -> torch.Tensor:
+    """comfy CONST.noise_scaling: the point on the straight path from the image (0) to noise (1)."""
+    return sigma * noise + (1.0 - sigma) * latent_image
+
+
+def _batch_sigma(sigma: torch.Tensor, ndim: int) -> torch.Tensor:
+    """comfy reshape_sigma: a scalar for one item, [B, 1, 1, 1] otherwise."""
+    if sigma.nelement() == 1:
+        return sigma.view(())
+    return sigma.view(sigma.shape[:1] + (1,) * (ndim - 1))
+
+
+@torch.no_grad()
+def run_euler(
+    model_fn: ModelFn,
+    plan: SamplingPlan,
+    callback: Callable[[int, int], None] | None = None,
+    model_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """k-diffusion `sample_euler` inside ComfyUI's KSamplerX0Inpaint; returns the VAE-space latent.
+
+    The arithmetic keeps ComfyUI's order (denoised = x - v*sigma; d = (x - denoised)/sigma) rather than
+    the shorter x + v*dt, so results agree bit for bit up to the network itself. `model_dtype` casts the
+    network inputs as ComfyUI does (x, text, pooled, guidance); the output is used in float32.
+    """
+    sigmas = plan.sigmas
+    if len(sigmas) == 0:
+        return plan.original  # denoise 0: ComfyUI hands the input back untouched
+    noise, image, mask = plan.noise, plan.latent_image, plan.mask
+    b, _, h, w = noise.shape
+    cast = (lambda t: t.to(model_dtype)) if model_dtype is not None else (lambda t: t)
+    cond = plan.cond
+    ehs, pooled = cast(cond.encoder_hidden_states), cast(cond.pooled_projections)
+    guidance = cast(cond.guidance) if cond.guidance is not None else None
+    img_ids, txt_ids = image_ids(h, w), text_ids(ehs.shape[1])
+    keep = 1.0 - mask if mask is not None else None
+
+    x = _noise_scaling(sigmas[0], noise, image)
+    s_in = x.new_ones([b])
+    total = len(sigmas) - 1
+    for i in range(total):
+        sigma = sigmas[i]
+        sigma_b = sigma * s_in
+        x_in = x
+        if mask is not None:
+            x_in = x * mask + _noise_scaling(sigma_b.view(b, 1, 1, 1), noise, image) * keep
+        v = model_fn(cast(patchify(x_in)), ehs, pooled, sigma_b, img_ids, txt_ids, guidance)
+        v = unpatchify(v.float(), h, w)
+        denoised = x_in - v * _batch_sigma(sigma_b, v.ndim)
+        if mask is not None:
+            denoised = denoised * mask + image * keep
+        d = (x - denoised) / sigma
+        x = x + d * (sigmas[i + 1] - sigma)
+        if callback is not None:
+            callback(i + 1, total)
+    x = x / (1.0 - sigmas[-1])  # CONST.inverse_noise_scaling; a no-op when the schedule ends at 0
+    return process_out(x.to(torch.float32))
+
+
+def sample_flux(
+    model_fn: ModelFn,
+    latent: torch.Tensor,
+    positive: Any,
+    seed: int,
+    steps: int,
+    denoise: float = 1.0,
+    sigmas: Sequence[float] | torch.Tensor | None = None,
+    noise_mask: torch.Tensor | None = None,
+    batch_index: Sequence[int] | None = None,
+    variant: str = "dev",
+    shift_mu: float | None = None,
+    callback: Callable[[int, int], None] | None = None,
+    model_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """ComfyUI `KSampler(euler, simple, cfg 1.0)` for FLUX around any diffusers-style `model_fn`.
+
+    latent: LATENT["samples"] [B, 16, H/8, W/8] in VAE space; positive: CONDITIONING with one entry;
+    sigmas: a SIGMAS override (SamplerCustom); noise_mask / batch_index: the LATENT's optional entries;
+    shift_mu: the ModelSamplingFlux shift (see `resolution_mu`); callback(step, total) after each step.
+    Returns the sampled latent [B, 16, H/8, W/8] in VAE space, float32.
+    """
+    plan = plan_sampling(
+        latent, positive, seed, steps, denoise, sigmas, noise_mask, batch_index, variant, shift_mu
+    )
+    return run_euler(model_fn, plan, callback, model_dtype)
+
+
+def diffusers_model_fn(model: torch.nn.Module) -> ModelFn:
+    """Adapt a diffusers FluxTransformer2DModel (or anything with its forward) to the `model_fn` contract."""
+
+    @torch.no_grad()
+    def model_fn(
+        hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids, guidance
+    ):
+        return model(
+            hidden_states=hidden_states,
+            encoder_hidden_states=encoder_hidden_states,
+            pooled_projections=pooled_projections,
+            timestep=timestep,
+            img_ids=img_ids,
+            txt_ids=txt_ids,
+            guidance=guidance,
+            return_dict=False,
+        )[0]
+
+    return model_fn

@@ -1,0 +1,256 @@
+"""Record what a REAL ComfyUI samples with small random FLUX models (the references of test_sampling.py).
+
+Run with a ComfyUI checkout that lives outside this repository (torchvision/torchaudio may be stubs: the
+FLUX path never calls them):
+
+    COMFYUI_PATH=/path/to/ComfyUI python tests/tools/make_comfy_references.py [--out FILE.safetensors]
+
+For each case it builds the model with `build_flux(tiny_flux_config(...), seed=...)`, converts the weights to
+the BFL layout ComfyUI loads (`diffusers_to_bfl`), loads them with ComfyUI's own
+`comfy.sd.load_diffusion_model_state_dict`, and samples with ComfyUI's own nodes (`common_ksampler` with
+euler / simple / cfg 1.0, `ModelSamplingFlux`, `SamplerCustom`) in float32 on the CPU. Inputs, settings and
+ComfyUI's output latents go into one safetensors file; the settings, model configs and the ComfyUI commit
+are JSON in its metadata. The tests rebuild identical weights from the recorded config and seed.
+
+ComfyUI's model detection infers depths, input channels, pooled width and guidance from the checkpoint's
+keys but hard-codes the widths of the released model (hidden 3072, 24 heads, T5 4096, RoPE axes 16/56/56),
+so this script wraps `detect_unet_config` to replace exactly those widths by the tiny model's; everything
+else (model class dev vs schnell, sampling settings, latent format) is ComfyUI's own choice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "data" / "comfy_references.safetensors"
+
+# Small but structurally complete models: 2 double + 2 single blocks, 4 heads x 16.
+MODELS: dict[str, dict[str, Any]] = {
+    "dev": {"config": {"heads": 4, "head_dim": 16, "text_dim": 32, "pooled_dim": 24}, "seed": 1234},
+    "schnell": {
+        "config": {"heads": 4, "head_dim": 16, "text_dim": 32, "pooled_dim": 24, "guidance": False},
+        "seed": 4321,
+    },
+}
+TEXT_TOKENS = 8
+
+
+def import_comfy(path: str) -> dict[str, Any]:
+    """Import ComfyUI from a checkout (CPU, argument parsing as `main.py --cpu` would do)."""
+    sys.path.insert(0, path)
+    argv, sys.argv = sys.argv, [sys.argv[0], "--cpu"]
+    try:
+        import comfy.options
+
+        comfy.options.enable_args_parsing()
+        import comfy.model_detection
+        import comfy.samplers
+        import comfy.sd
+        import comfy_extras.nodes_custom_sampler as custom
+        import comfy_extras.nodes_model_advanced as advanced
+
+        import nodes
+    finally:
+        sys.argv = argv
+    return {
+        "sd": comfy.sd,
+        "detection": comfy.model_detection,
+        "samplers": comfy.samplers,
+        "nodes": nodes,
+        "custom": custom,
+        "advanced": advanced,
+    }
+
+
+def comfy_commit(path: str) -> str:
+    try:
+        out = subprocess.run(
+            ["git", "-C", path, "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def comfy_version(path: str) -> str:
+    text = (Path(path) / "comfyui_version.py").read_text()
+    return text.split("__version__ =")[-1].strip().strip("\"'")
+
+
+def load_in_comfy(comfy: dict[str, Any], diffusers_config: dict[str, Any], bfl: dict[str, torch.Tensor]):
+    """Load a BFL state dict with ComfyUI's loader, telling its detection the tiny widths."""
+    detection = comfy["detection"]
+    original = detection.detect_unet_config
+    heads = diffusers_config["num_attention_heads"]
+    widths = {
+        "hidden_size": heads * diffusers_config["attention_head_dim"],
+        "num_heads": heads,
+        "context_in_dim": diffusers_config["joint_attention_dim"],
+        "axes_dim": list(diffusers_config["axes_dims_rope"]),
+    }
+
+    def detect_tiny(state_dict, key_prefix, metadata=None):
+        config = original(state_dict, key_prefix, metadata=metadata)
+        if config is None or config.get("image_model") != "flux":
+            raise RuntimeError(f"ComfyUI did not detect the test checkpoint as FLUX: {config}")
+        return {**config, **widths}
+
+    detection.detect_unet_config = detect_tiny
+    try:
+        model = comfy["sd"].load_diffusion_model_state_dict(dict(bfl), model_options={"dtype": torch.float32})
+    finally:
+        detection.detect_unet_config = original
+    if model is None:
+        raise RuntimeError("ComfyUI could not load the test checkpoint")
+    return model
+
+
+def cond_for(variant: str, batch: int, seed: int, guidance: float | None) -> tuple[list, dict[str, Any]]:
+    """A CONDITIONING like CLIPTextEncode (+ FluxGuidance) makes, with random embeddings."""
+    config = MODELS[variant]["config"]
+    g = torch.Generator().manual_seed(seed)
+    cond = torch.randn(batch, TEXT_TOKENS, config["text_dim"], generator=g)
+    pooled = torch.randn(batch, config["pooled_dim"], generator=g)
+    extras: dict[str, Any] = {"pooled_output": pooled}
+    if guidance is not None:
+        extras["guidance"] = guidance
+    return [[cond, extras]], {"cond": cond, "pooled": pooled}
+
+
+# name -> settings. latent: "zeros" (EmptySD3LatentImage), "zeros4" (4-channel EmptyLatentImage) or "random"
+# (an encoded image); sizes in pixels.
+CASES: dict[str, dict[str, Any]] = {
+    "dev_4steps": {"variant": "dev", "width": 64, "height": 64, "steps": 4, "seed": 42, "guidance": 3.5},
+    "schnell_4steps": {"variant": "schnell", "width": 64, "height": 64, "steps": 4, "seed": 7},
+    "img2img_denoise06": {
+        "variant": "dev", "width": 64, "height": 64, "steps": 5, "seed": 3, "denoise": 0.6,
+        "latent": "random", "guidance": 2.5,
+    },
+    "inpaint_mask": {
+        "variant": "dev", "width": 64, "height": 48, "steps": 4, "seed": 11, "denoise": 0.8,
+        "latent": "random", "mask": True,  # no guidance key: ComfyUI's default 3.5
+    },
+    "batch2": {
+        "variant": "dev", "width": 48, "height": 32, "steps": 3, "seed": 5, "batch": 2, "guidance": 4.0,
+    },
+    "batch2_index": {
+        "variant": "dev", "width": 48, "height": 32, "steps": 3, "seed": 5, "batch": 2, "guidance": 4.0,
+        "latent": "random", "batch_index": [3, 1],
+    },
+    "nonsquare": {"variant": "dev", "width": 96, "height": 48, "steps": 3, "seed": 9, "guidance": 3.5},
+    "empty_sd_latent": {
+        "variant": "schnell", "width": 32, "height": 48, "steps": 2, "seed": 13, "latent": "zeros4",
+    },
+    "model_sampling_flux": {
+        "variant": "dev", "width": 80, "height": 64, "steps": 4, "seed": 21, "guidance": 3.5,
+        "shift": {"max_shift": 1.15, "base_shift": 0.5},
+    },
+    "custom_sigmas": {
+        "variant": "dev", "width": 64, "height": 64, "seed": 17, "guidance": 3.5, "latent": "random",
+        "sigmas": [0.9, 0.7, 0.45, 0.2, 0.05],  # ends above 0: exercises inverse_noise_scaling
+    },
+}  # fmt: skip
+
+
+def case_inputs(name: str, case: dict[str, Any]) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + sorted(CASES).index(name))
+    batch, h, w = case.get("batch", 1), case["height"] // 8, case["width"] // 8
+    kind = case.get("latent", "zeros")
+    if kind == "random":
+        latent = torch.randn(batch, 16, h, w, generator=g) * 0.8 + 0.1
+    else:
+        latent = torch.zeros(batch, 4 if kind == "zeros4" else 16, h, w)
+    tensors = {"latent": latent}
+    if case.get("mask"):
+        # A soft pixel-space mask (SetLatentNoiseMask stores [1, H, W]); ComfyUI resizes it to the latent.
+        ramp = torch.linspace(0.0, 1.0, case["width"])
+        tensors["mask"] = (ramp[None, None, :] * torch.ones(1, case["height"], 1)).clamp(0.2, 0.9)
+    return tensors
+
+
+def run_case(comfy, models, name: str, case: dict[str, Any]) -> dict[str, torch.Tensor]:
+    variant = case["variant"]
+    model = models[variant]
+    tensors = case_inputs(name, case)
+    positive, cond_tensors = cond_for(variant, 1, 500 + len(name), case.get("guidance"))
+    tensors.update(cond_tensors)
+    latent = {"samples": tensors["latent"].clone()}
+    if "mask" in tensors:
+        latent["noise_mask"] = tensors["mask"].clone()
+    if "batch_index" in case:
+        latent["batch_index"] = list(case["batch_index"])
+    if "shift" in case:
+        s = case["shift"]
+        model = (
+            comfy["advanced"]
+            .ModelSamplingFlux()
+            .patch(model, s["max_shift"], s["base_shift"], case["width"], case["height"])[0]
+        )
+    if "sigmas" in case:
+        sampler = comfy["samplers"].sampler_object("euler")
+        sigmas = torch.tensor(case["sigmas"], dtype=torch.float32)
+        out = (
+            comfy["custom"]
+            .SamplerCustom()
+            .sample(model, True, case["seed"], 1.0, positive, positive, sampler, sigmas, latent)[0]
+        )
+    else:
+        out = comfy["nodes"].common_ksampler(
+            model, case["seed"], case["steps"], 1.0, "euler", "simple", positive, positive, latent,
+            denoise=case.get("denoise", 1.0),
+        )[0]  # fmt: skip
+    tensors["output"] = out["samples"].to(torch.float32).contiguous()
+    return tensors
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args()
+    path = os.environ.get("COMFYUI_PATH")
+    if not path:
+        sys.exit("set COMFYUI_PATH to a ComfyUI checkout")
+    torch.set_num_threads(1)
+    comfy = import_comfy(path)
+
+    from rocm_parallel.backend.flux.convert import diffusers_to_bfl
+    from rocm_parallel.backend.flux.model import build_flux, tiny_flux_config
+
+    models = {}
+    for variant, spec in MODELS.items():
+        config = tiny_flux_config(**spec["config"])
+        flux = build_flux(config, seed=spec["seed"])
+        models[variant] = load_in_comfy(comfy, config, diffusers_to_bfl(flux.state_dict()))
+
+    tensors: dict[str, torch.Tensor] = {}
+    for name, case in CASES.items():
+        with torch.no_grad():
+            for key, value in run_case(comfy, models, name, case).items():
+                tensors[f"{name}.{key}"] = value.contiguous()
+        print(f"{name}: output {tuple(tensors[name + '.output'].shape)}")
+
+    commit = comfy_commit(path)
+    metadata = {
+        "comfyui_commit": commit,
+        "comfyui_version": comfy_version(path),
+        "torch": torch.__version__,
+        "models": json.dumps(MODELS),
+        "cases": json.dumps(CASES),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(args.out), metadata=metadata)
+    size = args.out.stat().st_size
+    print(f"wrote {args.out} ({size} bytes) from ComfyUI {metadata['comfyui_version']} {commit}")
+
+
+if __name__ == "__main__":
+    main()
