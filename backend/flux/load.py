@@ -114,7 +114,9 @@ def _missing(path: Path) -> CheckpointError:
             f"checkpoint '{path}' does not exist; '{parent}' has: {_listing(parent)}. "
             "Pick one of those, or put the FLUX file into that folder"
         )
-    return CheckpointError(f"checkpoint '{path}' does not exist, nor does its folder '{parent}'; check the path")
+    return CheckpointError(
+        f"checkpoint '{path}' does not exist, nor does its folder '{parent}'; check the path"
+    )
 
 
 def _check_file_kind(path: Path) -> None:
@@ -140,7 +142,7 @@ def _truncation_detail(path: Path) -> str:
         with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
             if n > size - 8:
-                return f"its header claims {n} bytes but the file has {size}"
+                return f"its header length field says {n} bytes but the file has only {size}"
             header = json.loads(f.read(n))
         end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
         return f"its header promises {8 + n + end} bytes but the file has {size}"
@@ -153,7 +155,7 @@ def _read_header(path: Path) -> dict[str, StoredTensor]:
     try:
         with safe_open(str(path), "pt") as f:
             out = {}
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+            for key in f.keys():
                 s = f.get_slice(key)
                 out[key] = StoredTensor(str(path), key, tuple(s.get_shape()), s.get_dtype())
             return out
@@ -206,8 +208,8 @@ def _check_not_scaled_fp8(path: str, keys: Iterable[str]) -> None:
     scaled = [k for k in keys if k.endswith(".scale_weight") or k == "scaled_fp8"]
     if scaled:
         raise CheckpointError(
-            f"'{path}' is a ComfyUI 'scaled fp8' checkpoint ({len(scaled)} scale tensors such as '{scaled[0]}'); "
-            "those are not supported yet. Use a plain fp8_e4m3fn, fp16 or bf16 FLUX file"
+            f"'{path}' is a ComfyUI 'scaled fp8' checkpoint ({len(scaled)} scale tensors such as "
+            f"'{scaled[0]}'); those are not supported yet. Use a plain fp8_e4m3fn, fp16 or bf16 FLUX file"
         )
 
 
@@ -215,7 +217,9 @@ def _check_not_scaled_fp8(path: str, keys: Iterable[str]) -> None:
 # inspect_checkpoint
 
 
-def _check_shapes(path: str, found: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]]) -> None:
+def _check_shapes(
+    path: str, found: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]]
+) -> None:
     missing = sorted(set(expected) - set(found))
     if missing:
         raise CheckpointError(
@@ -231,8 +235,8 @@ def _check_shapes(path: str, found: Mapping[str, tuple[int, ...]], expected: Map
     for key, shape in expected.items():
         if found[key] != shape:
             raise CheckpointError(
-                f"'{path}': tensor '{key}' has shape {list(found[key])} but this FLUX layout needs {list(shape)}; "
-                "the checkpoint is not a FLUX.1 transformer"
+                f"'{path}': tensor '{key}' has shape {list(found[key])} but this FLUX layout needs "
+                f"{list(shape)}; the checkpoint is not a FLUX.1 transformer"
             )
 
 
@@ -255,7 +259,8 @@ def _bfl_info(path: Path, header: dict[str, StoredTensor]) -> CheckpointInfo:
     config = flux_config_from_bfl(shapes)
     if config["attention_head_dim"] % 8:
         raise CheckpointError(
-            f"'{path}': head width {config['attention_head_dim']} is not a multiple of 8; not a FLUX.1 transformer"
+            f"'{path}': head width {config['attention_head_dim']} is not a multiple of 8; "
+            "not a FLUX.1 transformer"
         )
     _check_shapes(str(path), shapes, bfl_shapes(config))
     sources = {name: (tensors[s.key], s.rows) for name, s in bfl_sources(layout_from_bfl(shapes)).items()}
@@ -277,14 +282,24 @@ def _diffusers_info(
         try:
             config = flux_config_from_bfl(diffusers_to_bfl(meta))
         except ValueError as err:
-            raise CheckpointError(f"'{path}' has diffusers keys but is not a FLUX transformer: {err}") from None
+            raise CheckpointError(
+                f"'{path}' has diffusers keys but is not a FLUX transformer: {err}"
+            ) from None
     _check_shapes(str(path), shapes, _diffusers_shapes(config))
     sources = {k: (t, None) for k, t in tensors.items()}
     return _info(path, "diffusers", files, "", config, sources, tensors.values())
 
 
-def _info(path, fmt, files, prefix, config, sources, tensors) -> CheckpointInfo:  # noqa: ANN001
-    tensors = list(tensors)
+def _info(
+    path: Path,
+    fmt: str,
+    files: tuple[str, ...],
+    prefix: str,
+    config: dict[str, Any],
+    sources: dict[str, tuple[StoredTensor, tuple[tuple[int, int], ...] | None]],
+    stored: Iterable[StoredTensor],
+) -> CheckpointInfo:
+    tensors = list(stored)
     return CheckpointInfo(
         path=str(path),
         format=fmt,
@@ -326,8 +341,9 @@ def _inspect_folder(path: Path) -> CheckpointInfo:
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise CheckpointError(
-            f"'{folder}' is a folder without config.json, so not a diffusers model; it has: {_listing(folder)}. "
-            "Pass a .safetensors file, or a diffusers FLUX folder (or its transformer/ folder)"
+            f"'{folder}' is a folder without config.json, so not a diffusers model; it has: "
+            f"{_listing(folder)}. Pass a .safetensors file, or a diffusers FLUX folder (or its transformer/ "
+            "folder)"
         )
     raw = json.loads(config_file.read_text())
     cls = raw.get("_class_name")
@@ -347,7 +363,8 @@ def _inspect_folder(path: Path) -> CheckpointInfo:
     else:
         raise CheckpointError(
             f"'{folder}' has neither {DIFFUSERS_WEIGHTS} nor {DIFFUSERS_INDEX}; it has: {_listing(folder)}. "
-            "Only safetensors weights are read; re-save the model with save_pretrained(safe_serialization=True)"
+            "Only safetensors weights are read; re-save the model with "
+            "save_pretrained(safe_serialization=True)"
         )
     tensors: dict[str, StoredTensor] = {}
     for shard in shards:
@@ -490,7 +507,9 @@ def load_flux(
             pieces = parameter_pieces(resolved, name, _full_shape(stored, rows), rank, degree, dims)
             tensor = _read(stored, rows, pieces, dtype).to(device)
             if tensor.shape != meta.shape:  # the plan and the meta model disagree: a bug, not bad input
-                raise RuntimeError(f"{name}: read {tuple(tensor.shape)} but the model expects {tuple(meta.shape)}")
+                raise RuntimeError(
+                    f"{name}: read {tuple(tensor.shape)} but the model expects {tuple(meta.shape)}"
+                )
             module_name, _, param = name.rpartition(".")
             setattr(model.get_submodule(module_name), param, nn.Parameter(tensor, requires_grad=False))
     return model.eval()

@@ -155,7 +155,12 @@ def shard_pieces(
 
 
 def parameter_pieces(
-    resolved: Mapping[str, Split], name: str, full_shape: tuple[int, ...], rank: int, degree: int, dims: FluxDims
+    resolved: Mapping[str, Split],
+    name: str,
+    full_shape: tuple[int, ...],
+    rank: int,
+    degree: int,
+    dims: FluxDims,
 ) -> Pieces | None:
     """The slice of parameter `name` (e.g. 'transformer_blocks.0.attn.to_q.weight') that `rank` keeps.
 
