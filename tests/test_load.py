@@ -88,6 +88,8 @@ def _assert_same(got: dict, want: dict) -> None:
     assert got.keys() == want.keys()
     for k, v in want.items():
         assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+        # owns exactly its bytes: not a view of the file's memory map or of a larger tensor
+        assert got[k].is_contiguous() and got[k].untyped_storage().nbytes() == v.numel() * v.element_size(), k
 
 
 STORED = {

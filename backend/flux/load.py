@@ -441,29 +441,42 @@ def _compose(rows: tuple[tuple[int, int], ...], wanted: tuple[tuple[int, int], .
 
 
 def _read(
-    stored: StoredTensor, rows: tuple[tuple[int, int], ...] | None, pieces: Pieces | None, dtype: torch.dtype
+    stored: StoredTensor,
+    rows: tuple[tuple[int, int], ...] | None,
+    pieces: Pieces | None,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> torch.Tensor:
-    """Read the `pieces` of the diffusers tensor held in `rows` of `stored`, upcast slice by slice.
+    """Read the `pieces` of the diffusers tensor held in `rows` of `stored` into a new tensor on `device`.
 
-    The file is opened per tensor so that its memory map (whose touched pages count as resident
-    memory) never spans more than one tensor.
+    safetensors' slices are views of the file's memory map (no copy): each is copied, and upcast, into
+    its place in one preallocated tensor, so nothing but the result is ever allocated and the result
+    owns its memory. The file is opened per tensor so that the map, whose touched pages count as
+    resident memory, never spans more than one tensor's pages.
     """
     file_rows = rows if rows is not None else ((0, stored.shape[0]),)
-    cols = None
+    cols: tuple[tuple[int, int], ...] | None = None
     if pieces is not None and pieces.dim == 0:
         file_rows = tuple(_compose(file_rows, pieces.ranges))
     elif pieces is not None:
         cols = pieces.ranges
+    shape = (sum(b - a for a, b in file_rows), *stored.shape[1:])
+    if cols is not None:
+        shape = (shape[0], sum(d - c for c, d in cols), *shape[2:])
+    out = torch.empty(shape, dtype=dtype, device=device)
     with safe_open(stored.file, "pt") as f:
         sl = f.get_slice(stored.key)
-        blocks = []
+        row = 0
         for a, b in file_rows:
             if cols is None:
-                blocks.append(sl[a:b].to(dtype))
+                out[row : row + b - a].copy_(sl[a:b])
             else:
-                parts = [sl[a:b, c:d].to(dtype) for c, d in cols]
-                blocks.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
-    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=0)
+                col = 0
+                for c, d in cols:
+                    out[row : row + b - a, col : col + d - c].copy_(sl[a:b, c:d])
+                    col += d - c
+            row += b - a
+    return out
 
 
 def _full_shape(stored: StoredTensor, rows: tuple[tuple[int, int], ...] | None) -> tuple[int, ...]:
@@ -505,7 +518,7 @@ def load_flux(
         for name, meta in list(model.named_parameters()):
             stored, rows = info.sources[name]
             pieces = parameter_pieces(resolved, name, _full_shape(stored, rows), rank, degree, dims)
-            tensor = _read(stored, rows, pieces, dtype).to(device)
+            tensor = _read(stored, rows, pieces, dtype, device)
             if tensor.shape != meta.shape:  # the plan and the meta model disagree: a bug, not bad input
                 raise RuntimeError(
                     f"{name}: read {tuple(tensor.shape)} but the model expects {tuple(meta.shape)}"
