@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError, FluxDims
 from rocm_parallel.backend.flux.convert import COMFY_PREFIX, bfl_to_diffusers, diffusers_to_bfl
 from rocm_parallel.backend.flux.load import CheckpointError, inspect_checkpoint, load_flux, resolve_dtype
@@ -363,3 +364,19 @@ def test_tp_needs_a_group_of_that_size(tmp_path: Path) -> None:
         pytest.raises(ConfigError, match="tp_degree=3 does not divide 8 attention heads"),
     ):
         load_flux(path, tp=3)
+
+
+def test_workers_load_their_shards_and_match_one_process(tmp_path: Path, group2: WorkerGroup) -> None:
+    """Real gloo group: each worker reads its own shard, and the TP forward matches a single-process load."""
+    path = write_bfl(tmp_path, stored=torch.bfloat16)
+    inputs = random_inputs(FluxDims.from_diffusers_config(CONFIG)).as_kwargs()
+    with torch.no_grad():
+        expected = load_flux(path, dtype="float32")(**inputs, return_dict=False)[0]
+    loaded = group2.call_all(
+        "call", target="load_checks:load", kwargs={"path": str(path), "dtype": "float32", "tp": 2}
+    )
+    full_bytes = 4 * sum(p.numel() for p in build_flux(CONFIG, device="meta").parameters())
+    assert [r["rank"] for r in loaded] == [0, 1]
+    assert loaded[0]["parameter_bytes"] == loaded[1]["parameter_bytes"] < 0.6 * full_bytes
+    out = group2.call("forward", inputs=inputs)["output"]
+    assert (out - expected).abs().max().item() <= 1e-5

@@ -34,7 +34,6 @@ from ..parallel.tensor import FLUX_TP_PLAN, Pieces, apply_tensor_parallel, param
 from .convert import (
     COMFY_PREFIX,
     CheckpointError,
-    Source,
     bfl_shapes,
     bfl_sources,
     diffusers_to_bfl,
@@ -531,7 +530,6 @@ def load_flux(
 __all__ = [
     "CheckpointError",
     "CheckpointInfo",
-    "Source",
     "StoredTensor",
     "default_dtype",
     "describe_keys",
