@@ -6,7 +6,7 @@ per rank and per variant, each in a fresh process run one after another (peak RS
 * sharded: `load_flux(path, tp=N)`, each rank reading only its slices from disk;
 * naive:   `safetensors.torch.load_file` + key conversion + `load_state_dict` + `apply_tensor_parallel`.
 
-Peak = `ru_maxrss` at the end minus the RSS after imports (the peak mark is reset after imports).
+Peak = VmHWM at the end minus the RSS after imports (the peak mark is reset after imports).
 Ranks run as one rank of a fake world (`fake_process_group`): what a worker does, minus collectives,
 which loading has none of.
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import tempfile
@@ -60,12 +59,22 @@ def write_checkpoint(path: Path, config: dict[str, Any], dtype: str) -> int:
     return path.stat().st_size
 
 
-def _settle() -> int:
-    """Release what imports freed, reset the kernel's peak-RSS mark, and return the RSS: the baseline.
+def _peak_rss() -> int:
+    """This process's peak resident set (VmHWM), in bytes.
 
-    Without the reset, ru_maxrss would still hold the import-time peak (diffusers' imports briefly use
-    more than they keep), hiding the load entirely. Without malloc_trim, heap freed by the imports would
-    be reused by the load without showing up as growth.
+    Not `getrusage().ru_maxrss`: across exec, Linux carries into it the peak of the forked copy of the
+    parent, so a child of a large parent reports at least the parent's size (seen here: ~870 MB).
+    VmHWM belongs to the process's own memory and is reset by writing 5 to /proc/self/clear_refs.
+    """
+    status = Path("/proc/self/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:"))) * 1024
+
+
+def _settle() -> int:
+    """Release what imports freed, reset the peak mark, and return the RSS: the baseline.
+
+    Without the reset the peak would still hold the import-time high; without malloc_trim, heap
+    freed by the imports would be reused by the load without showing up as growth.
     """
     import ctypes
     import gc
@@ -75,7 +84,7 @@ def _settle() -> int:
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-        Path("/proc/self/clear_refs").write_text("5")  # Linux >= 4.0: reset VmHWM, which ru_maxrss reads
+        Path("/proc/self/clear_refs").write_text("5")  # Linux >= 4.0: reset VmHWM
     except OSError as err:
         raise SystemExit(f"bench load needs Linux (glibc, /proc/self/clear_refs): {err}") from None
     return psutil.Process().memory_info().rss
@@ -112,7 +121,7 @@ def child(spec_json: str) -> None:
             del state
             apply_tensor_parallel(model)
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    peak = _peak_rss()
     print(json.dumps({"peak": peak - baseline, "shard": parameter_bytes(model), "seconds": seconds}))
 
 
