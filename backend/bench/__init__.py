@@ -5,4 +5,5 @@ A benchmark prints a Markdown table (what BENCHMARKS.md records) and returns it;
 
 BENCHMARKS = {
     "tp": "tensor parallelism: per-rank bytes, collectives, one-rank compute time",
+    "load": "checkpoint loading: peak host memory per rank, sharded loader vs a naive full load",
 }

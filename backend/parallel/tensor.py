@@ -154,6 +154,26 @@ def shard_pieces(
     raise TypeError(f"unknown split kind {split!r}")
 
 
+def parameter_pieces(
+    resolved: Mapping[str, Split],
+    name: str,
+    full_shape: tuple[int, ...],
+    rank: int,
+    degree: int,
+    dims: FluxDims,
+) -> Pieces | None:
+    """The slice of parameter `name` (e.g. 'transformer_blocks.0.attn.to_q.weight') that `rank` keeps.
+
+    `resolved` is `resolve_plan(model, plan)`; None means the rank keeps the whole tensor (replicated
+    modules, row-parallel biases, degree 1). The checkpoint loader reads exactly this from disk.
+    """
+    module, _, param = name.rpartition(".")
+    split = resolved.get(module)
+    if split is None or degree == 1:
+        return None
+    return shard_pieces(split, param, full_shape, rank, degree, dims)
+
+
 def _pattern(path: str) -> re.Pattern[str]:
     return re.compile("^" + re.escape(path).replace(r"\*", r"[^.]+") + "$")
 
@@ -427,6 +447,7 @@ __all__ = [
     "Row",
     "apply_tensor_parallel",
     "parameter_bytes",
+    "parameter_pieces",
     "resolve_plan",
     "shard_pieces",
 ]

@@ -1,0 +1,15 @@
+"""Functions the test workers run (via the built-in `call` method): load a checkpoint in a real group."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rocm_parallel.backend.flux.load import load_flux
+from rocm_parallel.backend.parallel.tensor import parameter_bytes
+
+
+def load(ctx: Any, path: str, dtype: str, tp: int) -> dict[str, Any]:
+    """What a worker will do: load its own shard onto its device and keep it resident for `forward`."""
+    ctx.state.pop("model", None)
+    ctx.state["model"] = load_flux(path, device=ctx.device, dtype=dtype, tp=tp)
+    return {"rank": ctx.rank, "parameter_bytes": parameter_bytes(ctx.state["model"])}
