@@ -342,7 +342,7 @@ def run_euler(
     cond = plan.cond
     ehs, pooled = cast(cond.encoder_hidden_states), cast(cond.pooled_projections)
     guidance = cast(cond.guidance) if cond.guidance is not None else None
-    img_ids, txt_ids = image_ids(h, w), text_ids(ehs.shape[1])
+    img_ids, txt_ids = image_ids(h, w).to(noise.device), text_ids(ehs.shape[1]).to(noise.device)
     keep = 1.0 - mask if mask is not None else None
 
     x = _noise_scaling(sigmas[0], noise, image)
