@@ -136,7 +136,7 @@ class ParallelLayout:
         degree = self.ring * self.ulysses
         if image_tokens < degree:
             raise ConfigError(
-                f"an image of {image_tokens} tokens is too short for ring={self.ring} x ulysses={self.ulysses} "
-                f"= {degree} devices: each needs at least one image token (16x16 pixels); "
-                f"use an image of at least {degree} tokens or fewer devices"
+                f"an image of {image_tokens} tokens is too short for ring={self.ring} x "
+                f"ulysses={self.ulysses} = {degree} devices: each needs at least one image token "
+                f"(16x16 pixels); use an image of at least {degree} tokens or fewer devices"
             )

@@ -56,7 +56,11 @@ def build_random(
         model.to(ctx.device)
     _sync(ctx.device)
     ctx.state["model"] = model
-    return {"rank": ctx.rank, "parameter_bytes": parameter_bytes(model), "seconds": time.perf_counter() - started}
+    return {
+        "rank": ctx.rank,
+        "parameter_bytes": parameter_bytes(model),
+        "seconds": time.perf_counter() - started,
+    }
 
 
 @handler("forward")

@@ -15,8 +15,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-# c10d op -> (kind, which argument carries the payload)
+# collective op (c10d in-place ops and the _c10d_functional ops DTensor uses) -> (kind, payload argument)
 _PAYLOAD = {
+    "all_reduce": ("all_reduce", 0),
+    "all_gather_into_tensor": ("all_gather", 0),  # input: scaled by the world size below
+    "reduce_scatter_tensor": ("reduce_scatter", 0),
+    "all_to_all_single": ("all_to_all", 0),
     "allreduce_": ("all_reduce", 0),
     "_allgather_base_": ("all_gather", 0),  # output buffer: the gathered size
     "allgather_": ("all_gather", 0),
@@ -46,8 +50,12 @@ class CollectiveLog:
     def wire_bytes_per_rank(self, world_size: int) -> float:
         """Bytes each rank sends with ring algorithms: all-reduce 2(N-1)/N, gathers/scatters (N-1)/N."""
         n = world_size
-        factors = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
-                   "all_to_all": (n - 1) / n}
+        factors = {
+            "all_reduce": 2 * (n - 1) / n,
+            "all_gather": (n - 1) / n,
+            "reduce_scatter": (n - 1) / n,
+            "all_to_all": (n - 1) / n,
+        }
         return sum(self.payload_bytes[k] * factors.get(k, 1.0) for k in self.payload_bytes)
 
 
@@ -59,10 +67,13 @@ class CountCollectives(TorchDispatchMode):
         self.log = CollectiveLog()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        packet = func._overloadpacket
-        if packet.__module__.endswith("c10d") or getattr(func, "namespace", "") == "c10d":
-            name = packet.__name__
-            kind, index = _PAYLOAD.get(name, (name, 0))
+        namespace = getattr(func, "namespace", "")
+        name = func._overloadpacket.__name__
+        if namespace in ("c10d", "_c10d_functional") and name in _PAYLOAD:
+            kind, index = _PAYLOAD[name]
+            payload = _bytes(args[index]) if len(args) > index else 0
+            if namespace == "_c10d_functional" and kind == "all_gather":
+                payload *= int(args[1])  # functional all-gather: input shard x group size
             self.log.counts[kind] += 1
-            self.log.payload_bytes[kind] += _bytes(args[index]) if len(args) > index else 0
+            self.log.payload_bytes[kind] += payload
         return func(*args, **(kwargs or {}))

@@ -99,7 +99,11 @@ def math_forward_op(
     q, k, v = (x.transpose(1, 2).float() for x in (query, key, value))
     scores = q @ k.transpose(-2, -1) * (scale if scale is not None else q.shape[-1] ** -0.5)
     if attn_mask is not None:
-        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+        scores = (
+            scores.masked_fill(~attn_mask, float("-inf"))
+            if attn_mask.dtype == torch.bool
+            else scores + attn_mask
+        )
     lse = scores.logsumexp(-1)
     out = (torch.softmax(scores, -1) @ v).to(query.dtype).transpose(1, 2)
     return (out, lse.transpose(1, 2)) if return_lse else out
@@ -139,7 +143,9 @@ def _enable_rdna3_flash(device: torch.device) -> None:
             os.environ.setdefault("TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL", "1")
 
 
-def choose_attention_kernel(device: torch.device, dtype: torch.dtype, override: str | None = None) -> AttentionKernel:
+def choose_attention_kernel(
+    device: torch.device, dtype: torch.dtype, override: str | None = None
+) -> AttentionKernel:
     """The attention kernel for `device`/`dtype`, or the one named by `override` (see ATTENTION_KERNELS)."""
     name = override or default_attention_kernel(device, dtype)
     if name not in ATTENTION_KERNELS:
@@ -150,10 +156,16 @@ def choose_attention_kernel(device: torch.device, dtype: torch.dtype, override: 
         return AttentionKernel(name, math_forward_op, _inference_only_backward_op)
     from diffusers.models import attention_dispatch as ad
 
-    op = {"native_flash": "_native_flash_attention", "cudnn": "_cudnn_attention", "flash": "_flash_attention"}[name]
+    op = {
+        "native_flash": "_native_flash_attention",
+        "cudnn": "_cudnn_attention",
+        "flash": "_flash_attention",
+    }[name]
     forward, backward = getattr(ad, f"{op}_forward_op", None), getattr(ad, f"{op}_backward_op", None)
     if forward is None:
-        raise ConfigError(f"attention={name!r} is not available in the installed diffusers; use cpu_flash or math")
+        raise ConfigError(
+            f"attention={name!r} is not available in the installed diffusers; use cpu_flash or math"
+        )
     if name == "native_flash":
         _enable_rdna3_flash(device)
     return AttentionKernel(name, forward, backward)
@@ -214,10 +226,19 @@ def masked_forward_op(inner: Callable[..., Any]) -> Callable[..., Any]:
     exact. K/V chunks of other ranks carry their own validity, so this works inside ring and Ulysses.
     """
 
-    def op(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any, *args: Any,
-           **kwargs: Any) -> Any:
+    def op(
+        ctx: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
         keep = key[0, :, 0, -1] > 0.5  # validity is the same for every batch entry and head
-        result = inner(ctx, query[..., :-1], key[:, keep, :, :-1], value[:, keep, :, :-1], None, *args, **kwargs)
+        result = inner(
+            ctx, query[..., :-1], key[:, keep, :, :-1], value[:, keep, :, :-1], None, *args, **kwargs
+        )
         if isinstance(result, tuple):
             out, *rest = result
             return (nn.functional.pad(out, (0, 1)), *rest)
@@ -277,12 +298,17 @@ class ContextAttention:
         if padding is not None:
             if padding.key_valid.numel() != query.shape[1]:
                 raise RuntimeError(
-                    f"local sequence {query.shape[1]} does not match the padding plan {padding.key_valid.numel()}"
+                    f"local sequence {query.shape[1]} does not match the padding plan "
+                    f"{padding.key_valid.numel()}"
                 )
             # The validity channel: 0 in Q (so Q.K is unchanged), the flag in K, 0 in V.
             zeros = query.new_zeros((*query.shape[:-1], 1))
             flag = padding.key_valid.to(key.dtype).view(1, -1, 1, 1).expand(*key.shape[:-1], 1)
-            query, key, value = torch.cat([query, zeros], -1), torch.cat([key, flag], -1), torch.cat([value, zeros], -1)
+            query, key, value = (
+                torch.cat([query, zeros], -1),
+                torch.cat([key, flag], -1),
+                torch.cat([value, zeros], -1),
+            )
         out = _templated_context_parallel_attention(
             query, key, value, None, dropout_p, is_causal, scale, False, False,
             forward_op=self.forward_op(padding is not None),
@@ -299,7 +325,9 @@ def _with_dispatch(fn: Callable[..., Any], dispatch: Callable[..., Any]) -> Call
     and changes only the attention call, for this model only.
     """
     if "dispatch_attention_fn" not in fn.__code__.co_names:
-        raise RuntimeError(f"{fn.__qualname__} does not call dispatch_attention_fn; this diffusers is not supported")
+        raise RuntimeError(
+            f"{fn.__qualname__} does not call dispatch_attention_fn; this diffusers is not supported"
+        )
     scope = dict(fn.__globals__, dispatch_attention_fn=dispatch)
     copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
     copy.__kwdefaults__ = fn.__kwdefaults__
@@ -327,7 +355,9 @@ def _processor_class() -> type:
             attention_mask: torch.Tensor | None = None,
             image_rotary_emb: Any = None,
         ) -> Any:
-            return self._call(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+            return self._call(
+                self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb
+            )
 
     return ContextParallelFluxAttnProcessor
 
@@ -343,8 +373,8 @@ def _install_processors(model: nn.Module, dispatch: ContextAttention) -> int:
             continue
         if type(processor) is not FluxAttnProcessor:
             raise ConfigError(
-                f"{name} uses the attention processor {type(processor).__name__}; context parallelism supports "
-                "FluxAttnProcessor only (remove IP-adapters / custom processors first)"
+                f"{name} uses the attention processor {type(processor).__name__}; context parallelism "
+                "supports FluxAttnProcessor only (remove IP-adapters / custom processors first)"
             )
         module.set_processor(cls(dispatch))
         count += 1
@@ -416,7 +446,8 @@ def _install_padding_hooks(model: nn.Module, state: ContextState) -> None:
         kw = _bind(module, args, kwargs)
         image, text = kw["hidden_states"], kw["encoder_hidden_states"]
         state.layout.validate_sequence(image.shape[1])
-        for ids in ("img_ids", "txt_ids"):  # diffusers accepts (deprecated) batched ids; the CP plan wants 2-D
+        # diffusers accepts (deprecated) batched ids [B, S, 3]; the CP plan splits only 2-D ones.
+        for ids in ("img_ids", "txt_ids"):
             if kw.get(ids) is not None and kw[ids].ndim == 3:
                 kw[ids] = kw[ids][0]
         rank = dist.get_rank(cp_config._flattened_mesh.get_group())

@@ -46,7 +46,9 @@ def lse_to_rank(lse: torch.Tensor, rank: int) -> torch.Tensor:
         return lse.unsqueeze(-1)
     if rank == 3 and lse.ndim == 4 and lse.shape[-1] == 1:
         return lse.squeeze(-1)
-    raise ValueError(f"an attention kernel returned an LSE of shape {tuple(lse.shape)}; expected [B, S, H] or [B, S, H, 1]")
+    raise ValueError(
+        f"an attention kernel returned an LSE of shape {tuple(lse.shape)}; expected [B, S, H] or [B, S, H, 1]"
+    )
 
 
 def guard_forward_op(forward_op: ForwardOp, layout: str) -> ForwardOp:
@@ -74,7 +76,10 @@ def guard_forward_op(forward_op: ForwardOp, layout: str) -> ForwardOp:
 def _synthetic_partials(chunks: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Partial outputs and LSEs that differ per chunk and per position (so weights are not uniform)."""
     b, s, h, d = _PROBE_SHAPE
-    outs = [torch.arange(b * s * h * d, dtype=torch.float32).reshape(b, s, h, d) * (i + 1) / 10 for i in range(chunks)]
+    outs = [
+        torch.arange(b * s * h * d, dtype=torch.float32).reshape(b, s, h, d) * (i + 1) / 10
+        for i in range(chunks)
+    ]
     lses = [torch.linspace(-1.0, 1.0, b * s * h).reshape(b, s, h) * (i - 0.5) for i in range(chunks)]
     return outs, lses
 
@@ -126,7 +131,8 @@ def probe_merge_layout(run_ring: RunRing, chunks: int) -> str:
         return NEEDS_4D
     raise RuntimeError(
         "the installed ring-attention merge gave a wrong result for both LSE layouts [B, S, H] and "
-        "[B, S, H, 1]; this diffusers version is not supported for ring attention (use ulysses_degree instead)"
+        "[B, S, H, 1]; this diffusers version is not supported for ring attention "
+        "(use ulysses_degree instead)"
     )
 
 
