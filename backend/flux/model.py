@@ -100,14 +100,16 @@ class FluxInputs:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
     def to(self, device: str | torch.device, dtype: torch.dtype | None = None) -> FluxInputs:
-        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+        # Activations take the compute dtype; timesteps, guidance and position ids stay float32 (the model
+        # casts the former itself and computes RoPE from the latter in float).
+        activations = ("hidden_states", "encoder_hidden_states", "pooled_projections")
+
+        def move(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
             if t is None:
                 return None
-            if dtype is not None and t.is_floating_point() and t.ndim == 3:
-                return t.to(device=device, dtype=dtype)
-            return t.to(device)
+            return t.to(device=device, dtype=dtype if name in activations else None)
 
-        return FluxInputs(**{k: move(v) for k, v in self.as_kwargs().items()})
+        return FluxInputs(**{k: move(k, v) for k, v in self.as_kwargs().items()})
 
 
 def image_ids(latent_height: int, latent_width: int) -> torch.Tensor:
