@@ -5,4 +5,5 @@ A benchmark prints a Markdown table (what BENCHMARKS.md records) and returns it;
 
 BENCHMARKS = {
     "tp": "tensor parallelism: per-rank bytes, collectives, one-rank compute time",
+    "cp": "context parallelism (ring / Ulysses / hybrid): activations and bytes per GPU, one-rank compute",
 }

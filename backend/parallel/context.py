@@ -259,6 +259,7 @@ class ContextState:
     kernel: AttentionKernel
     lse_layout: str = ANY
     padding: LocalPadding | None = None
+    return_dict: bool = False  # what the caller of this forward asked for
 
 
 class ContextAttention:
@@ -450,6 +451,10 @@ def _install_padding_hooks(model: nn.Module, state: ContextState) -> None:
         for ids in ("img_ids", "txt_ids"):
             if kw.get(ids) is not None and kw[ids].ndim == 3:
                 kw[ids] = kw[ids][0]
+        # diffusers' split hook on the root rejects a Transformer2DModelOutput: run with return_dict=False
+        # and rebuild the output object for the caller afterwards.
+        state.return_dict = bool(kw.get("return_dict", True))
+        kw["return_dict"] = False
         rank = dist.get_rank(cp_config._flattened_mesh.get_group())
         state.padding = local_padding(text.shape[1], image.shape[1], degree, rank, image.device)
         if state.padding is not None:
@@ -459,15 +464,14 @@ def _install_padding_hooks(model: nn.Module, state: ContextState) -> None:
             kw["txt_ids"] = pad_for_ranks(kw["txt_ids"], 0, degree)
         return (), kw
 
-    def unpad_output(module: nn.Module, args: Any, output: Any) -> Any:
+    def unpad_output(module: nn.Module, args: Any, output: tuple[torch.Tensor, ...]) -> Any:
         padding, state.padding = state.padding, None
-        if padding is None:
-            return output
-        sizes = list(padding.image_sizes)
-        if isinstance(output, tuple):
-            return (unpad_from_ranks(output[0], 1, sizes), *output[1:])
-        output.sample = unpad_from_ranks(output.sample, 1, sizes)
-        return output
+        sample = output[0] if padding is None else unpad_from_ranks(output[0], 1, list(padding.image_sizes))
+        if state.return_dict:
+            from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+            return Transformer2DModelOutput(sample=sample)
+        return (sample, *output[1:])
 
     model.register_forward_pre_hook(pad_inputs, with_kwargs=True)
     model.register_forward_hook(unpad_output)
