@@ -1,4 +1,4 @@
-"""Functions the context-parallel tests run inside the workers: `group.call("call", target="cp_checks:fn")`."""
+"""Run inside the workers by the context-parallel tests: `group.call("call", target="cp_checks:fn")`."""
 
 from __future__ import annotations
 
