@@ -84,6 +84,15 @@ def validate_tp_degree(degree: int, dims: FluxDims) -> None:
             raise ConfigError(f"tp_degree={degree} does not divide the {name} {width}; use {_one_of(valid)}")
 
 
+def validate_ulysses_degree(degree: int, dims: FluxDims) -> None:
+    """Ulysses gives each rank whole attention heads (all-to-all from tokens to heads): they must divide."""
+    if dims.heads % degree:
+        valid = [d for d in _divisors(dims.heads) if d > 1]
+        raise ConfigError(
+            f"ulysses_degree={degree} does not divide {dims.heads} attention heads; use {_one_of(valid)}"
+        )
+
+
 @dataclass(frozen=True)
 class ParallelLayout:
     """How the devices of a group are used: tensor-parallel degree x ring x Ulysses degrees.
@@ -111,8 +120,23 @@ class ParallelLayout:
                 "tensor and context parallelism cannot be combined yet; use one of them"
             )
         validate_tp_degree(self.tp, dims)
+        validate_ulysses_degree(self.ulysses, dims)
         if devices is not None and self.world_size != devices:
             raise ConfigError(
                 f"the layout tp={self.tp} x ring={self.ring} x ulysses={self.ulysses} needs "
                 f"{self.world_size} devices but {devices} were given; make the product equal the device count"
+            )
+
+    def validate_sequence(self, image_tokens: int) -> None:
+        """Context parallelism gives every device a slice of the image tokens: at least one each.
+
+        Any length otherwise works (uneven lengths are padded and the padding masked), and the text may
+        be shorter than the degree because every device then still holds a real image token.
+        """
+        degree = self.ring * self.ulysses
+        if image_tokens < degree:
+            raise ConfigError(
+                f"an image of {image_tokens} tokens is too short for ring={self.ring} x "
+                f"ulysses={self.ulysses} = {degree} devices: each needs at least one image token "
+                f"(16x16 pixels); use an image of at least {degree} tokens or fewer devices"
             )

@@ -1,4 +1,4 @@
-"""Model methods a worker serves: build a (tensor-parallel) FLUX and run forwards on it.
+"""Model methods a worker serves: build a (tensor- or context-parallel) FLUX and run forwards on it.
 
 Arguments and results are plain data (dicts, numbers, CPU tensors) so the client and the worker need
 not share class identities: inside ComfyUI the pack's module names differ from the worker's.
@@ -13,6 +13,7 @@ import torch
 
 from .config import ConfigError, FluxDims, ParallelLayout
 from .flux.model import FluxInputs, build_flux
+from .parallel.context import apply_context_parallel
 from .parallel.tensor import apply_tensor_parallel, parameter_bytes
 from .worker import WorkerContext, handler
 
@@ -26,17 +27,33 @@ def _sync(device: torch.device) -> None:
 
 @handler("build_random")
 def build_random(
-    ctx: WorkerContext, config: dict[str, Any], seed: int, dtype: str, tp: int
+    ctx: WorkerContext,
+    config: dict[str, Any],
+    seed: int,
+    dtype: str,
+    tp: int = 1,
+    ring: int = 1,
+    ulysses: int = 1,
+    attention: str | None = None,
 ) -> dict[str, Any]:
-    """Build a FLUX with random weights drawn from `seed` (identical on every rank) and shard it."""
+    """Build a FLUX with random weights drawn from `seed` (identical on every rank) and parallelise it.
+
+    `tp` shards the weights (tensor parallelism); `ring` x `ulysses` split the tokens (context
+    parallelism, `attention` overrides its kernel). Their product must be the group's size.
+    """
     if dtype not in DTYPES:
         raise ConfigError(f"dtype={dtype!r} is not supported; use {', '.join(DTYPES)}")
-    ParallelLayout(tp=tp).validate(FluxDims.from_diffusers_config(config), devices=ctx.world_size)
+    layout = ParallelLayout(tp=tp, ring=ring, ulysses=ulysses)
+    layout.validate(FluxDims.from_diffusers_config(config), devices=ctx.world_size)
     ctx.state.pop("model", None)
     started = time.perf_counter()
     model = build_flux(config, device="cpu", dtype=DTYPES[dtype], seed=seed)
-    apply_tensor_parallel(model)
-    model.to(ctx.device)
+    if layout.ring * layout.ulysses > 1:
+        model.to(ctx.device)
+        apply_context_parallel(model, ring_degree=ring, ulysses_degree=ulysses, attention=attention)
+    else:
+        apply_tensor_parallel(model)
+        model.to(ctx.device)
     _sync(ctx.device)
     ctx.state["model"] = model
     return {

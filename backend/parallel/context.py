@@ -1,0 +1,509 @@
+"""Context parallelism for FLUX: ring attention, Ulysses, or both, on diffusers' own machinery.
+
+Every rank holds the whole model and 1/N of the tokens. diffusers does the heavy lifting:
+`FluxTransformer2DModel._cp_plan` says where to split the sequence (text, image and their position ids)
+and where to gather it (`proj_out`), `enable_parallelism(ContextParallelConfig(...))` installs those
+hooks and builds the (ring, ulysses) device mesh, and its templated ring / Ulysses / unified attention
+moves K/V around and merges the partial results.
+
+Written here, because diffusers cannot do it:
+
+* **Our own attention kernels per device.** diffusers' backends are an Enum-keyed registry with no
+  CPU backend that returns the LSE ring attention needs, and no way to add one without replacing a
+  registry entry for the whole process. So FLUX's attention processor is rebuilt with its
+  `dispatch_attention_fn` pointing at `ContextAttention` (the processor's code itself is diffusers'), and
+  that calls diffusers' `_templated_context_parallel_attention` with the kernel chosen for the device:
+  ROCm flash SDPA (AOTriton), CUDA cuDNN, the CPU flash kernel, or plain math.
+* **The LSE guard** (lse.py) wraps the kernel whenever ring attention runs.
+* **Sequences that do not divide by the degree.** diffusers' `*_anything` modes are missing before
+  0.37/0.40, exclude ring x Ulysses, and add a size all-gather to every attention call; its plain modes
+  assert divisibility. One path covers every layout: each stream (text, image) is padded so that every
+  rank has ceil(L/N) tokens, at most one of them padding, and padded *keys* are dropped from every
+  softmax (never unmasked padding). The key's validity travels through diffusers' collectives as one
+  extra channel of Q/K/V, so the kernel can drop padded keys whichever rank's chunk it is given.
+* **No accelerator on CPU.** diffusers 0.42 records `rank % torch.accelerator.device_count()` as the
+  device (0 on CPU: ZeroDivisionError). `_accelerator_count_at_least_one` makes the count 1 only while
+  `enable_parallelism` runs (and only when it is 0), then the real device is recorded. Nothing else in
+  the process sees it; the device mesh is built here from the model's real device.
+
+Supported diffusers: 0.36 (first `_cp_plan` / `enable_parallelism`) to 0.42; tested on 0.42.1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import os
+import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import ConfigError, FluxDims, ParallelLayout
+from .lse import ANY, guard_forward_op, probe_merge_layout, probe_query_shape
+
+ATTENTION_KERNELS = ("cpu_flash", "math", "native_flash", "cudnn", "flash")
+
+
+# --------------------------------------------------------------------------------------------------
+# Attention kernels in diffusers' forward-op convention: (ctx, q, k, v, mask, dropout, causal, scale, gqa,
+# return_lse, _save_ctx, _parallel_config) on [B, S, H, D] tensors; LSE in [B, S, H].
+
+
+def cpu_flash_forward_op(
+    ctx: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    _save_ctx: bool = True,
+    _parallel_config: Any = None,
+) -> Any:
+    """The CPU flash kernel: the one CPU SDPA that returns the log-sum-exp (ring attention needs it)."""
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+    )
+    out = out.transpose(1, 2)
+    return (out, lse.transpose(1, 2)) if return_lse else out
+
+
+def math_forward_op(
+    ctx: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    _save_ctx: bool = True,
+    _parallel_config: Any = None,
+) -> Any:
+    """Plain attention in float32 on any device and dtype (materialises the scores: a fallback)."""
+    if dropout_p or is_causal:
+        raise ValueError("the math attention kernel runs inference only: no dropout, not causal")
+    q, k, v = (x.transpose(1, 2).float() for x in (query, key, value))
+    scores = q @ k.transpose(-2, -1) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if attn_mask is not None:
+        scores = (
+            scores.masked_fill(~attn_mask, float("-inf"))
+            if attn_mask.dtype == torch.bool
+            else scores + attn_mask
+        )
+    lse = scores.logsumexp(-1)
+    out = (torch.softmax(scores, -1) @ v).to(query.dtype).transpose(1, 2)
+    return (out, lse.transpose(1, 2)) if return_lse else out
+
+
+def _inference_only_backward_op(*args: Any, **kwargs: Any) -> Any:
+    raise NotImplementedError("context-parallel attention in this pack runs inference only (no backward)")
+
+
+@dataclass(frozen=True)
+class AttentionKernel:
+    name: str
+    forward_op: Callable[..., Any]
+    backward_op: Callable[..., Any]
+
+
+def default_attention_kernel(device: torch.device, dtype: torch.dtype) -> str:
+    """The kernel for a device: ROCm flash SDPA (AOTriton), CUDA cuDNN, the CPU flash kernel.
+
+    The GPU kernels take bfloat16/float16 only; float32 on a GPU (parity checks) runs the math kernel.
+    """
+    if device.type in ("cpu", "meta"):
+        return "cpu_flash"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return "math"
+    return "native_flash" if torch.version.hip else "cudnn"
+
+
+def _enable_rdna3_flash(device: torch.device) -> None:
+    """RDNA3 (gfx11) runs flash SDPA through AOTriton only with the experimental flag (read at call time).
+
+    Set here, in the worker process only, before the first attention call; a user's own value wins.
+    """
+    if torch.version.hip and device.type == "cuda":
+        arch = getattr(torch.cuda.get_device_properties(device), "gcnArchName", "")
+        if arch.startswith("gfx11"):
+            os.environ.setdefault("TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL", "1")
+
+
+def choose_attention_kernel(
+    device: torch.device, dtype: torch.dtype, override: str | None = None
+) -> AttentionKernel:
+    """The attention kernel for `device`/`dtype`, or the one named by `override` (see ATTENTION_KERNELS)."""
+    name = override or default_attention_kernel(device, dtype)
+    if name not in ATTENTION_KERNELS:
+        raise ConfigError(f"attention={name!r} is not a known kernel; use {', '.join(ATTENTION_KERNELS)}")
+    if name == "cpu_flash":
+        return AttentionKernel(name, cpu_flash_forward_op, _inference_only_backward_op)
+    if name == "math":
+        return AttentionKernel(name, math_forward_op, _inference_only_backward_op)
+    from diffusers.models import attention_dispatch as ad
+
+    op = {
+        "native_flash": "_native_flash_attention",
+        "cudnn": "_cudnn_attention",
+        "flash": "_flash_attention",
+    }[name]
+    forward, backward = getattr(ad, f"{op}_forward_op", None), getattr(ad, f"{op}_backward_op", None)
+    if forward is None:
+        raise ConfigError(
+            f"attention={name!r} is not available in the installed diffusers; use cpu_flash or math"
+        )
+    if name == "native_flash":
+        _enable_rdna3_flash(device)
+    return AttentionKernel(name, forward, backward)
+
+
+# --------------------------------------------------------------------------------------------------
+# Padding sequences that do not divide by the degree
+
+
+def split_sizes(length: int, degree: int) -> list[int]:
+    """Real tokens per rank: `tensor_split`'s sizes (the first `length % degree` ranks get one more)."""
+    return [len(r) for r in torch.arange(length).tensor_split(degree)]
+
+
+def pad_for_ranks(x: torch.Tensor, dim: int, degree: int) -> torch.Tensor:
+    """Pad each rank's piece of `x` along `dim` to ceil(L/N) with zeros: at most one pad token per rank."""
+    width = math.ceil(x.shape[dim] / degree)
+    pieces = []
+    for piece in x.tensor_split(degree, dim=dim):
+        missing = width - piece.shape[dim]
+        if missing:
+            shape = list(piece.shape)
+            shape[dim] = missing
+            piece = torch.cat([piece, piece.new_zeros(shape)], dim=dim)
+        pieces.append(piece)
+    return torch.cat(pieces, dim=dim)
+
+
+def unpad_from_ranks(x: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
+    """Inverse of `pad_for_ranks`: keep the first `sizes[r]` tokens of every rank's equal piece."""
+    pieces = x.chunk(len(sizes), dim=dim)
+    return torch.cat([p.narrow(dim, 0, n) for p, n in zip(pieces, sizes, strict=True)], dim=dim)
+
+
+@dataclass(frozen=True)
+class LocalPadding:
+    """This rank's joint sequence [text | image] after padding, and which of its keys are real."""
+
+    key_valid: torch.Tensor  # [S_local] 1.0 real, 0.0 padding
+    image_sizes: tuple[int, ...]  # real image tokens on every rank (to unpad the gathered output)
+
+
+def local_padding(text: int, image: int, degree: int, rank: int, device: torch.device) -> LocalPadding | None:
+    if text % degree == 0 and image % degree == 0:
+        return None
+    text_sizes, image_sizes = split_sizes(text, degree), split_sizes(image, degree)
+    text_width, image_width = math.ceil(text / degree), math.ceil(image / degree)
+    valid = torch.zeros(text_width + image_width, device=device)
+    valid[: text_sizes[rank]] = 1.0
+    valid[text_width : text_width + image_sizes[rank]] = 1.0
+    return LocalPadding(valid, tuple(image_sizes))
+
+
+def masked_forward_op(inner: Callable[..., Any]) -> Callable[..., Any]:
+    """Run `inner` on Q/K/V whose last channel is the extra validity channel: drop padded keys first.
+
+    Dropping (not masking) the padded keys keeps the kernels mask-free (flash SDPA takes no mask) and is
+    exact. K/V chunks of other ranks carry their own validity, so this works inside ring and Ulysses.
+    """
+
+    def op(
+        ctx: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        keep = key[0, :, 0, -1] > 0.5  # validity is the same for every batch entry and head
+        result = inner(
+            ctx, query[..., :-1], key[:, keep, :, :-1], value[:, keep, :, :-1], None, *args, **kwargs
+        )
+        if isinstance(result, tuple):
+            out, *rest = result
+            return (nn.functional.pad(out, (0, 1)), *rest)
+        return nn.functional.pad(result, (0, 1))
+
+    return op
+
+
+# --------------------------------------------------------------------------------------------------
+# The attention dispatch FLUX's processor calls
+
+
+@dataclass
+class ContextState:
+    """What the attention calls of one model need: kernel, guard layout, and this forward's padding."""
+
+    layout: ParallelLayout
+    kernel: AttentionKernel
+    lse_layout: str = ANY
+    padding: LocalPadding | None = None
+    return_dict: bool = False  # what the caller of this forward asked for
+
+
+class ContextAttention:
+    """Stands in for diffusers' `dispatch_attention_fn` inside FLUX's attention processor."""
+
+    def __init__(self, state: ContextState) -> None:
+        self.state = state
+
+    def forward_op(self, padded: bool) -> Callable[..., Any]:
+        op = self.state.kernel.forward_op
+        op = masked_forward_op(op) if padded else op
+        return guard_forward_op(op, self.state.lse_layout) if self.state.layout.ring > 1 else op
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+        attention_kwargs: dict[str, Any] | None = None,
+        *,
+        backend: Any = None,
+        parallel_config: Any = None,
+    ) -> torch.Tensor:
+        from diffusers.models.attention_dispatch import _templated_context_parallel_attention
+
+        if attn_mask is not None:
+            raise ValueError("attention masks are not supported under context parallelism")
+        if parallel_config is None:
+            raise RuntimeError("context-parallel attention was called without a parallel config")
+        scale = query.shape[-1] ** -0.5 if scale is None else scale  # explicit: Q/K may gain a channel below
+        padding = self.state.padding
+        if padding is not None:
+            if padding.key_valid.numel() != query.shape[1]:
+                raise RuntimeError(
+                    f"local sequence {query.shape[1]} does not match the padding plan "
+                    f"{padding.key_valid.numel()}"
+                )
+            # The validity channel: 0 in Q (so Q.K is unchanged), the flag in K, 0 in V.
+            zeros = query.new_zeros((*query.shape[:-1], 1))
+            flag = padding.key_valid.to(key.dtype).view(1, -1, 1, 1).expand(*key.shape[:-1], 1)
+            query, key, value = (
+                torch.cat([query, zeros], -1),
+                torch.cat([key, flag], -1),
+                torch.cat([value, zeros], -1),
+            )
+        out = _templated_context_parallel_attention(
+            query, key, value, None, dropout_p, is_causal, scale, False, False,
+            forward_op=self.forward_op(padding is not None),
+            backward_op=self.state.kernel.backward_op,
+            _parallel_config=parallel_config,
+        )  # fmt: skip
+        return out[..., :-1] if padding is not None else out
+
+
+def _with_dispatch(fn: Callable[..., Any], dispatch: Callable[..., Any]) -> Callable[..., Any]:
+    """A copy of diffusers' processor function whose global `dispatch_attention_fn` is `dispatch`.
+
+    Reuses the installed processor's code as is (projections, norms, RoPE and their version differences)
+    and changes only the attention call, for this model only.
+    """
+    if "dispatch_attention_fn" not in fn.__code__.co_names:
+        raise RuntimeError(
+            f"{fn.__qualname__} does not call dispatch_attention_fn; this diffusers is not supported"
+        )
+    scope = dict(fn.__globals__, dispatch_attention_fn=dispatch)
+    copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy
+
+
+def _processor_class() -> type:
+    from diffusers.models.attention_dispatch import AttentionBackendName
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+    class ContextParallelFluxAttnProcessor(FluxAttnProcessor):
+        # Read only by enable_parallelism's check that the backend supports context parallelism; the
+        # attention itself goes through ContextAttention.
+        _attention_backend = AttentionBackendName.NATIVE
+
+        def __init__(self, dispatch: ContextAttention) -> None:
+            super().__init__()
+            self._call = _with_dispatch(FluxAttnProcessor.__call__, dispatch)
+
+        def __call__(
+            self,
+            attn: Any,
+            hidden_states: torch.Tensor,
+            encoder_hidden_states: torch.Tensor | None = None,
+            attention_mask: torch.Tensor | None = None,
+            image_rotary_emb: Any = None,
+        ) -> Any:
+            return self._call(
+                self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb
+            )
+
+    return ContextParallelFluxAttnProcessor
+
+
+def _install_processors(model: nn.Module, dispatch: ContextAttention) -> int:
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+    cls = _processor_class()
+    count = 0
+    for name, module in model.named_modules():
+        processor = getattr(module, "processor", None)
+        if processor is None:
+            continue
+        if type(processor) is not FluxAttnProcessor:
+            raise ConfigError(
+                f"{name} uses the attention processor {type(processor).__name__}; context parallelism "
+                "supports FluxAttnProcessor only (remove IP-adapters / custom processors first)"
+            )
+        module.set_processor(cls(dispatch))
+        count += 1
+    return count
+
+
+# --------------------------------------------------------------------------------------------------
+# Entry point
+
+
+@contextmanager
+def _accelerator_count_at_least_one() -> Iterator[None]:
+    """diffusers 0.42 computes `rank % torch.accelerator.device_count()`: 0 on a CPU-only torch.
+
+    For the duration of the block only, and only when the count is 0, report 1. The value is used to
+    name a device diffusers merely records (we overwrite it with the real one afterwards).
+    """
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is None or accelerator.device_count() > 0:
+        yield
+        return
+    original = accelerator.device_count
+    accelerator.device_count = lambda: 1
+    try:
+        yield
+    finally:
+        accelerator.device_count = original
+
+
+def _model_device(model: nn.Module) -> tuple[torch.device, torch.dtype]:
+    p = next(model.parameters())
+    return p.device, p.dtype
+
+
+def _build_mesh(device: torch.device, ring: int, ulysses: int) -> Any:
+    # On the meta device (sizing under the fake group) collectives run on CPU tensors.
+    device_type = "cpu" if device.type == "meta" else device.type
+    return dist.device_mesh.init_device_mesh(device_type, (ring, ulysses), mesh_dim_names=("ring", "ulysses"))
+
+
+def _probe_ring(model: nn.Module, device: torch.device, state: ContextState) -> str:
+    """Ask the installed TemplatedRingAttention which LSE rank its merge accepts (collective, tiny)."""
+    from diffusers.models.attention_dispatch import TemplatedRingAttention
+
+    config = model._parallel_config
+    probe_device = torch.device("cpu") if device.type == "meta" else device
+    q = torch.zeros(probe_query_shape(), device=probe_device)
+
+    def run_ring(op: Callable[..., Any]) -> torch.Tensor:
+        return TemplatedRingAttention.apply(q, q, q, None, 0.0, False, None, False, False, op, None, config)
+
+    return probe_merge_layout(run_ring, chunks=state.layout.ring)
+
+
+def _bind(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    bound = inspect.signature(type(model).forward).bind(model, *args, **kwargs)
+    arguments = dict(bound.arguments)
+    arguments.pop("self", None)
+    arguments.update(arguments.pop("kwargs", {}))
+    return arguments
+
+
+def _install_padding_hooks(model: nn.Module, state: ContextState) -> None:
+    """Pad the text and image streams before diffusers splits them; unpad the gathered output."""
+    degree = state.layout.ring * state.layout.ulysses
+    cp_config = model._parallel_config.context_parallel_config
+
+    def pad_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        kw = _bind(module, args, kwargs)
+        image, text = kw["hidden_states"], kw["encoder_hidden_states"]
+        state.layout.validate_sequence(image.shape[1])
+        # diffusers accepts (deprecated) batched ids [B, S, 3]; the CP plan splits only 2-D ones.
+        for ids in ("img_ids", "txt_ids"):
+            if kw.get(ids) is not None and kw[ids].ndim == 3:
+                kw[ids] = kw[ids][0]
+        # diffusers' split hook on the root rejects a Transformer2DModelOutput: run with return_dict=False
+        # and rebuild the output object for the caller afterwards.
+        state.return_dict = bool(kw.get("return_dict", True))
+        kw["return_dict"] = False
+        rank = dist.get_rank(cp_config._flattened_mesh.get_group())
+        state.padding = local_padding(text.shape[1], image.shape[1], degree, rank, image.device)
+        if state.padding is not None:
+            kw["hidden_states"] = pad_for_ranks(image, 1, degree)
+            kw["encoder_hidden_states"] = pad_for_ranks(text, 1, degree)
+            kw["img_ids"] = pad_for_ranks(kw["img_ids"], 0, degree)
+            kw["txt_ids"] = pad_for_ranks(kw["txt_ids"], 0, degree)
+        return (), kw
+
+    def unpad_output(module: nn.Module, args: Any, output: tuple[torch.Tensor, ...]) -> Any:
+        padding, state.padding = state.padding, None
+        sample = output[0] if padding is None else unpad_from_ranks(output[0], 1, list(padding.image_sizes))
+        if state.return_dict:
+            from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+            return Transformer2DModelOutput(sample=sample)
+        return (sample, *output[1:])
+
+    model.register_forward_pre_hook(pad_inputs, with_kwargs=True)
+    model.register_forward_hook(unpad_output)
+
+
+def apply_context_parallel(
+    model: nn.Module, ring_degree: int = 1, ulysses_degree: int = 1, *, attention: str | None = None
+) -> nn.Module:
+    """Split FLUX's token sequence over the default process group: ring x Ulysses = world size.
+
+    Collective: every rank calls it with the same arguments. `attention` overrides the kernel chosen for
+    the device (one of ATTENTION_KERNELS). Returns the model, whose forward then takes and returns full
+    tensors on every rank (inputs are split and the output gathered by diffusers' hooks).
+    """
+    layout = ParallelLayout(ring=ring_degree, ulysses=ulysses_degree)
+    layout.validate(FluxDims.from_diffusers_config(model.config), devices=dist.get_world_size())
+    if layout.ring * layout.ulysses == 1:
+        return model
+    from diffusers import ContextParallelConfig
+
+    device, dtype = _model_device(model)
+    state = ContextState(layout=layout, kernel=choose_attention_kernel(device, dtype, attention))
+    _install_processors(model, ContextAttention(state))
+    options: dict[str, Any] = {"ring_degree": layout.ring, "ulysses_degree": layout.ulysses}
+    if "mesh" in {f.name for f in dataclasses.fields(ContextParallelConfig)}:  # diffusers >= 0.37
+        options["mesh"] = _build_mesh(device, layout.ring, layout.ulysses)
+    with _accelerator_count_at_least_one():
+        model.enable_parallelism(config=ContextParallelConfig(**options))
+    model._parallel_config._device = device
+    model._parallel_config.context_parallel_config._device = device
+    if layout.ring > 1:
+        state.lse_layout = _probe_ring(model, device, state)
+    _install_padding_hooks(model, state)
+    model._rp_context_state = state  # for inspection (tests, benchmarks)
+    return model

@@ -1,0 +1,19 @@
+"""Run inside the workers by the context-parallel tests: `group.call("call", target="cp_checks:fn")`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def context_state(ctx: Any) -> dict[str, Any]:
+    """What apply_context_parallel chose on this rank: kernel, LSE guard layout, processors installed."""
+    model = ctx.state["model"]
+    state = model._rp_context_state
+    processors = {type(m.processor).__name__ for m in model.modules() if getattr(m, "processor", None)}
+    return {
+        "rank": ctx.rank,
+        "kernel": state.kernel.name,
+        "lse_layout": state.lse_layout,
+        "processors": sorted(processors),
+        "padding_left": state.padding is not None,
+    }
