@@ -112,7 +112,8 @@ def _call(ctx: WorkerContext, target: str, kwargs: dict[str, Any] | None = None)
 
 def _load_builtin_methods() -> None:
     # Modules that register handlers with @handler; imported here so a worker knows every method.
-    importlib.import_module(f"{__package__}.methods")
+    for module in ("methods", "jobs"):
+        importlib.import_module(f"{__package__}.{module}")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,0 +1,231 @@
+"""The public Python API: a parallel FLUX that stays resident between jobs. The nodes use it too.
+
+>>> from rocm_parallel.backend.api import ParallelFlux
+>>> with ParallelFlux(["cuda:0", "cuda:1"]) as flux:
+...     flux.load("models/diffusion_models/flux1-dev.safetensors", layout="tp")
+...     out = flux.sample(positive, {"samples": latent}, seed=0, steps=20)
+
+Everything a user can get wrong is checked here, in the caller's process, before any worker starts or
+any step runs: devices, checkpoint, layout, latent, conditioning, schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .client import ProgressCallback, WorkerGroup, validate_devices
+from .config import ConfigError, ParallelLayout
+from .flux.load import CheckpointInfo, inspect_checkpoint
+from .flux.sampling import SamplingPlan, plan_sampling
+
+LAYOUTS = ("tp", "context")
+
+
+def default_devices() -> list[str]:
+    """All visible GPUs (ROCm GPUs are 'cuda' devices in torch), else two CPU workers."""
+    gpus = torch.cuda.device_count()
+    return [f"cuda:{i}" for i in range(gpus)] if gpus else ["cpu", "cpu"]
+
+
+def make_layout(
+    kind: str | ParallelLayout, devices: int, ring: int | None = None, ulysses: int | None = None
+) -> ParallelLayout:
+    """'tp' → all devices shard the weights; 'context' → ring x Ulysses = devices (ring by default)."""
+    if isinstance(kind, ParallelLayout):
+        return kind
+    if kind == "tp":
+        return ParallelLayout(tp=devices)
+    if kind == "context":
+        if ring is None and ulysses is None:
+            ring, ulysses = devices, 1
+        elif ring is None:
+            ring = devices // ulysses if ulysses and devices % ulysses == 0 else 0
+        elif ulysses is None:
+            ulysses = devices // ring if ring and devices % ring == 0 else 0
+        if not ring or not ulysses or ring * ulysses != devices:
+            raise ConfigError(
+                f"ring_degree={ring} x ulysses_degree={ulysses} must equal the {devices} devices; "
+                f"e.g. ring_degree={devices}, ulysses_degree=1"
+            )
+        return ParallelLayout(ring=ring, ulysses=ulysses)
+    raise ConfigError(f"layout={kind!r} is not known; use one of {', '.join(LAYOUTS)}")
+
+
+def plan_to_data(plan: SamplingPlan) -> dict[str, Any]:
+    """Plain data for the workers (no class identity crosses the process boundary)."""
+    data = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.name != "cond"}
+    data["cond"] = {f.name: getattr(plan.cond, f.name) for f in dataclasses.fields(plan.cond)}
+    return data
+
+
+@dataclasses.dataclass(frozen=True)
+class Resident:
+    """What the workers hold: a checkpoint in a layout."""
+
+    checkpoint: str
+    info: CheckpointInfo
+    layout: ParallelLayout
+    dtype: str | None
+    attention: str | None
+
+
+class ParallelFlux:
+    """A FLUX transformer spread over several devices, resident in a worker group between jobs.
+
+    A failed job (a worker died, a job hung past its time limit) closes the group; the next call starts a
+    fresh one and loads the same checkpoint again, so a caller never has to clean up.
+    """
+
+    def __init__(
+        self,
+        devices: Sequence[str] | None = None,
+        *,
+        threads: int | None = None,
+        start_timeout: float = 300.0,
+        group: WorkerGroup | None = None,
+    ) -> None:
+        """`group` adopts a running WorkerGroup (tests share one); otherwise one starts on first use."""
+        if group is not None:
+            devices = group.devices
+        self.devices = validate_devices(devices if devices is not None else default_devices())
+        self.threads, self.start_timeout = threads, start_timeout
+        self._group: WorkerGroup | None = group
+        self.resident: Resident | None = None
+        self._loaded_in: WorkerGroup | None = None
+
+    # ------------------------------------------------------------------ group
+
+    @property
+    def group(self) -> WorkerGroup:
+        """The live worker group, started (again) when needed."""
+        if self._group is None or not self._group.alive:
+            if self._group is not None:
+                self._group.close(timeout=2.0)
+            self._group = WorkerGroup(self.devices, threads=self.threads, start_timeout=self.start_timeout)
+        return self._group
+
+    @property
+    def started(self) -> bool:
+        return self._group is not None and self._group.alive
+
+    def close(self) -> None:
+        if self._group is not None:
+            self._group.close()
+        self._group, self._loaded_in = None, None
+
+    def __enter__(self) -> ParallelFlux:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ model
+
+    def load(
+        self,
+        checkpoint: str | os.PathLike[str],
+        *,
+        layout: str | ParallelLayout = "tp",
+        ring: int | None = None,
+        ulysses: int | None = None,
+        dtype: str | None = None,
+        attention: str | None = None,
+        timeout: float | None = None,
+    ) -> list[dict[str, Any]]:
+        """Make `checkpoint` resident in `layout` ('tp' or 'context'); reuses what is already there.
+
+        Returns each rank's status (device, parameter bytes, memory).
+        """
+        info = inspect_checkpoint(checkpoint)
+        parallel = make_layout(layout, len(self.devices), ring, ulysses)
+        parallel.validate(info.dims, devices=len(self.devices))
+        self.resident = Resident(str(checkpoint), info, parallel, dtype, attention)
+        return self._load_resident(timeout)
+
+    def _load_resident(self, timeout: float | None = None) -> list[dict[str, Any]]:
+        r = self.resident
+        assert r is not None
+        group = self.group
+        reports = group.call_all(
+            "load",
+            timeout=timeout,
+            checkpoint=r.checkpoint,
+            dtype=r.dtype,
+            tp=r.layout.tp,
+            ring=r.layout.ring,
+            ulysses=r.layout.ulysses,
+            attention=r.attention,
+        )
+        self._loaded_in = group
+        return reports
+
+    def unload(self) -> None:
+        """Free the model on every device; the worker group stays up."""
+        if self.started:
+            self.group.call_all("unload")
+        self.resident, self._loaded_in = None, None
+
+    def status(self) -> list[dict[str, Any]]:
+        return self.group.call_all("status") if self.started else []
+
+    # ------------------------------------------------------------------ jobs
+
+    def sample(
+        self,
+        positive: Any,
+        latent: dict[str, Any],
+        *,
+        seed: int,
+        steps: int,
+        denoise: float = 1.0,
+        sigmas: Sequence[float] | torch.Tensor | None = None,
+        shift_mu: float | None = None,
+        layout: str | ParallelLayout | None = None,
+        ring: int | None = None,
+        ulysses: int | None = None,
+        progress: ProgressCallback | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """ComfyUI's `KSampler(euler, simple, cfg 1.0)` on the resident model: a LATENT dict in and out.
+
+        `layout` re-shards the resident checkpoint when it differs. `progress(step, total)` runs after
+        every step; raising from it cancels the job on every rank at the next step boundary.
+        """
+        if self.resident is None:
+            raise ConfigError("no checkpoint is loaded; call load(checkpoint) first")
+        if layout is not None:
+            wanted = make_layout(layout, len(self.devices), ring, ulysses)
+            if wanted != self.resident.layout:
+                wanted.validate(self.resident.info.dims, devices=len(self.devices))
+                self.resident = dataclasses.replace(self.resident, layout=wanted)
+                self._loaded_in = None
+        if not isinstance(latent, dict) or "samples" not in latent:
+            raise ConfigError("latent must be a LATENT dict with 'samples' [batch, 16, height/8, width/8]")
+        plan = plan_sampling(
+            latent["samples"],
+            positive,
+            seed,
+            steps,
+            denoise,
+            sigmas,
+            latent.get("noise_mask"),
+            latent.get("batch_index"),
+            variant=self.resident.info.variant,
+            shift_mu=shift_mu,
+        )
+        out = dict(latent)
+        if plan.steps == 0:
+            out["samples"] = plan.original
+            return out
+        h, w = plan.noise.shape[-2:]
+        self.resident.layout.validate_sequence((h // 2) * (w // 2))
+        if self._loaded_in is None or self._loaded_in is not self._group or not self.started:
+            self._load_resident()
+        result = self.group.call("sample", timeout=timeout, progress=progress, plan=plan_to_data(plan))
+        out["samples"] = result["samples"]
+        return out

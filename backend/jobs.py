@@ -1,0 +1,152 @@
+"""The jobs a worker runs for users: load a checkpoint in a layout, sample, unload, report status.
+
+Where a step runs: `sample` → `flux.sampling.run_euler`, one model forward per step on every rank,
+then `WorkerContext.step_done` (progress to the caller, cancel agreed by all ranks).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .config import ConfigError, ParallelLayout
+from .flux.load import inspect_checkpoint, load_flux
+from .flux.sampling import FluxConditioning, SamplingPlan, diffusers_model_fn, run_euler
+from .parallel.context import apply_context_parallel
+from .parallel.tensor import parameter_bytes
+from .worker import WorkerContext, handler
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _memory(device: torch.device) -> dict[str, float]:
+    if device.type != "cuda":
+        return {}
+    free, total = torch.cuda.mem_get_info(device)
+    return {
+        "allocated_gb": torch.cuda.memory_allocated(device) / 1e9,
+        "peak_gb": torch.cuda.max_memory_allocated(device) / 1e9,
+        "free_gb": free / 1e9,
+        "total_gb": total / 1e9,
+    }
+
+
+@handler("unload")
+def unload(ctx: WorkerContext) -> dict[str, Any]:
+    """Drop the resident model and give its memory back to the device."""
+    had = ctx.state.pop("model", None) is not None
+    ctx.state.pop("loaded", None)
+    gc.collect()
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"rank": ctx.rank, "unloaded": had}
+
+
+@handler("load")
+def load(
+    ctx: WorkerContext,
+    checkpoint: str,
+    dtype: str | None = None,
+    tp: int = 1,
+    ring: int = 1,
+    ulysses: int = 1,
+    attention: str | None = None,
+) -> dict[str, Any]:
+    """Make `checkpoint` resident in the given layout; a no-op when it already is."""
+    key = {
+        "checkpoint": checkpoint,
+        "dtype": dtype,
+        "tp": tp,
+        "ring": ring,
+        "ulysses": ulysses,
+        "attention": attention,
+    }
+    if ctx.state.get("loaded") == key:
+        return {**status(ctx), "reused": True}
+    unload(ctx)
+    info = inspect_checkpoint(checkpoint)
+    layout = ParallelLayout(tp=tp, ring=ring, ulysses=ulysses)
+    layout.validate(info.dims, devices=ctx.world_size)
+    started = time.perf_counter()
+    model = load_flux(info, device=ctx.device, dtype=dtype, tp=tp)
+    if layout.ring * layout.ulysses > 1:
+        apply_context_parallel(model, ring_degree=ring, ulysses_degree=ulysses, attention=attention)
+    _sync(ctx.device)
+    ctx.state.update(model=model, loaded=key, variant=info.variant)
+    return {**status(ctx), "reused": False, "seconds": time.perf_counter() - started}
+
+
+@handler("status")
+def status(ctx: WorkerContext) -> dict[str, Any]:
+    model = ctx.state.get("model")
+    return {
+        "rank": ctx.rank,
+        "device": str(ctx.device),
+        "loaded": ctx.state.get("loaded"),
+        "parameter_bytes": parameter_bytes(model) if model is not None else 0,
+        **_memory(ctx.device),
+    }
+
+
+def plan_from_data(data: dict[str, Any], device: torch.device) -> SamplingPlan:
+    """Rebuild the SamplingPlan the client decided, on this rank's device."""
+
+    def put(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device)
+
+    cond = FluxConditioning(**{k: put(v) for k, v in data["cond"].items()})
+    fields = {k: put(v) for k, v in data.items() if k != "cond"}
+    return SamplingPlan(cond=cond, **fields)
+
+
+def _agree(ctx: WorkerContext, plan: SamplingPlan) -> None:
+    """Every rank must run the same schedule on the same noise, or collectives deadlock or mix images.
+
+    The plan reaches every rank from the same files, so this is a cheap belt-and-braces check: one
+    all-gather of a fingerprint before the first step.
+    """
+    if ctx.world_size == 1:
+        return
+    fingerprint = torch.tensor(
+        [
+            len(plan.sigmas),
+            float(plan.sigmas.double().sum()),
+            float(plan.noise.double().sum()),
+            float(plan.cond.encoder_hidden_states.double().sum()),
+        ],
+        dtype=torch.float64,
+        device=ctx.device if ctx.device.type != "cpu" else "cpu",
+    )
+    gathered = [torch.empty_like(fingerprint) for _ in range(ctx.world_size)]
+    dist.all_gather(gathered, fingerprint)
+    if any(not torch.equal(g, gathered[0]) for g in gathered):
+        raise RuntimeError(f"ranks disagree on the sampling inputs: {[g.tolist() for g in gathered]}")
+
+
+@handler("sample")
+def sample(ctx: WorkerContext, plan: dict[str, Any]) -> dict[str, Any]:
+    """Run the whole denoising loop on the resident model; rank 0 returns the latent (VAE space)."""
+    model = ctx.state.get("model")
+    if model is None:
+        raise ConfigError("no model is loaded on the workers; load a checkpoint first")
+    sampling = plan_from_data(plan, ctx.device)
+    _agree(ctx, sampling)
+    dtype = next(model.parameters()).dtype
+    started = time.perf_counter()
+    with torch.inference_mode():
+        samples = run_euler(diffusers_model_fn(model), sampling, callback=ctx.step_done, model_dtype=dtype)
+    _sync(ctx.device)
+    return {
+        "rank": ctx.rank,
+        "samples": samples.cpu() if ctx.rank == 0 else None,
+        "seconds": time.perf_counter() - started,
+        "steps": sampling.steps,
+        **_memory(ctx.device),
+    }
