@@ -1,24 +1,34 @@
-"""The main job on an embedded default: a built-in random FLUX split across the devices present.
+"""The main job on an embedded default: a full FLUX sampling run split across the devices present.
 
-With two or more GPUs it uses them all; otherwise two CPU worker processes over gloo. It prints what
-ran where and how long, and checks the parallel result against a single-process forward.
+A built-in random FLUX is written as a BFL/ComfyUI single-file checkpoint (the format users keep in
+models/diffusion_models/), loaded by the worker group in each layout (tensor parallel, then ring
+attention), sampled exactly like ComfyUI's KSampler(euler, simple), and checked against the same
+sampling in this one process. With two or more GPUs it uses them all; otherwise two CPU workers.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+import tempfile
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
-from .client import WorkerGroup
+from .api import ParallelFlux
 from .config import FluxDims
-from .flux.model import build_flux, random_inputs, tiny_flux_config
+from .flux.convert import diffusers_to_bfl
+from .flux.model import build_flux, tiny_flux_config
+from .flux.sampling import diffusers_model_fn, sample_flux
 
 # Every code path of FLUX.1 at a size a laptop CPU runs in a second: 8 heads x 64, 2 + 4 blocks.
 DEMO_CONFIG = tiny_flux_config(
     heads=8, head_dim=64, double_blocks=2, single_blocks=4, text_dim=256, pooled_dim=64
 )
+TEXT_TOKENS = 64
 
 
 def default_devices() -> list[str]:
@@ -30,9 +40,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--devices", help="comma-separated, e.g. cuda:0,cuda:1 or cpu,cpu (default: all GPUs, else 2 CPU)"
     )
-    parser.add_argument("--size", type=int, default=256, help="image side in pixels (multiple of 16)")
-    parser.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed forwards after one warm-up")
+    parser.add_argument(
+        "--size", type=int, default=256, help="image side in pixels (multiple of 16; default 256)"
+    )
+    parser.add_argument("--steps", type=int, default=4, help="denoising steps (default 4)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layouts", default="tp,context", help="layouts to run: tp, context (default both)")
+
+
+def _progress(label: str) -> Callable[[int, int], None]:
+    def show(step: int, total: int) -> None:
+        bar = "#" * int(20 * step / total)
+        sys.stderr.write(f"\r  {label:<8} [{bar:<20}] step {step}/{total}")
+        if step == total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    return show
 
 
 def _line(*cells: object) -> str:
@@ -42,48 +66,57 @@ def _line(*cells: object) -> str:
 def run(args: argparse.Namespace) -> int:
     devices = args.devices.split(",") if args.devices else default_devices()
     on_gpu = devices[0].startswith("cuda")
-    dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
+    dtype = torch.bfloat16 if on_gpu else torch.float32
     dims = FluxDims.from_diffusers_config(DEMO_CONFIG)
-    inputs = random_inputs(dims, height=args.size, width=args.size, text_tokens=64)
+    tokens = (args.size // 16) ** 2
     print(
-        f"FLUX demo: {dims.heads} heads x {dims.head_dim}, {dims.double_blocks} double + {dims.single_blocks} "
-        f"single blocks, {args.size}x{args.size} px = {inputs.hidden_states.shape[1]} image + 64 text tokens, {dtype}"
+        f"FLUX demo: random FLUX.1-dev-shaped model ({dims.heads} heads x {dims.head_dim}, {dims.double_blocks} "
+        f"double + {dims.single_blocks} single blocks), {args.size}x{args.size} px = {tokens} image + "
+        f"{TEXT_TOKENS} text tokens, {args.steps} euler/simple steps, {str(dtype).removeprefix('torch.')}"
     )
+    g = torch.Generator().manual_seed(args.seed)
+    positive = [[torch.randn(1, TEXT_TOKENS, dims.text_dim, generator=g),
+                 {"pooled_output": torch.randn(1, dims.pooled_dim, generator=g), "guidance": 3.5}]]  # fmt: skip
+    latent = {"samples": torch.zeros(1, 16, args.size // 8, args.size // 8)}  # EmptySD3LatentImage
+    job = {"seed": args.seed, "steps": args.steps}
 
+    model = build_flux(DEMO_CONFIG, seed=args.seed)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
     started = time.perf_counter()
-    threads = 1 if not on_gpu else None
-    with WorkerGroup(devices, threads=threads) as group:
-        print(f"started {group.world_size} workers in {time.perf_counter() - started:.2f} s")
-        built = group.call_all("build_random", config=DEMO_CONFIG, seed=0, dtype=dtype, tp=group.world_size)
-        ran = group.call_all("forward", inputs=inputs.as_kwargs(), repeats=args.repeats)
-        pids = group.pids
+    expected = sample_flux(diffusers_model_fn(model), latent["samples"], positive, **job)
+    single = time.perf_counter() - started
+    print(f"single process on cpu: {single:.2f} s ({single / args.steps * 1e3:.0f} ms/step)")
 
-    print(f"\ntensor parallel over {len(devices)} devices (TP={len(devices)}):")
-    print(_line("rank", "device", "pid", "parameters (MB)", "build (s)", "forward (ms)"))
-    print(_line(*["---"] * 6))
-    for rank, (b, r) in enumerate(zip(built, ran, strict=True)):
-        print(
-            _line(
-                rank,
-                devices[rank],
-                pids[rank],
-                f"{b['parameter_bytes'] / 1e6:.2f}",
-                f"{b['seconds']:.2f}",
-                f"{r['seconds'] * 1e3:.1f}",
+    rows, ok = [], True
+    with tempfile.TemporaryDirectory(prefix="rocm-parallel-demo-") as folder:
+        checkpoint = Path(folder) / "demo-flux-dev.safetensors"
+        save_file(diffusers_to_bfl(torch.nn.Module.to(model, dtype).state_dict()), str(checkpoint))
+        del model
+        started = time.perf_counter()
+        with ParallelFlux(devices, threads=1 if not on_gpu else None) as flux:
+            flux.group  # start the workers now, to time it apart from loading
+            print(
+                f"started {len(devices)} workers on {', '.join(devices)} in {time.perf_counter() - started:.2f} s "
+                f"(pids {' '.join(map(str, flux.group.pids))})"
             )
-        )
+            for layout in args.layouts.split(","):
+                t0 = time.perf_counter()
+                reports = flux.load(checkpoint, layout=layout, dtype=str(dtype).removeprefix("torch."))
+                t1 = time.perf_counter()
+                out = flux.sample(positive, latent, **job, progress=_progress(layout))
+                t2 = time.perf_counter()
+                diff = (out["samples"] - expected).abs().max().item()
+                tolerance = 1e-4 if dtype == torch.float32 else 0.1
+                ok &= diff <= tolerance
+                r = flux.resident.layout
+                rows.append([f"{layout} (tp={r.tp}, ring={r.ring}, ulysses={r.ulysses})",
+                             f"{reports[0]['parameter_bytes'] / 1e6:.1f}", f"{t1 - t0:.2f}", f"{t2 - t1:.2f}",
+                             f"{(t2 - t1) / args.steps * 1e3:.0f}", f"{diff:.1e} (<= {tolerance:g})"])  # fmt: skip
 
-    torch.set_num_threads(1)
-    model = build_flux(DEMO_CONFIG, seed=0, dtype=getattr(torch, dtype))
-    with torch.inference_mode():
-        kwargs = inputs.to("cpu", getattr(torch, dtype)).as_kwargs()
-        t0 = time.perf_counter()
-        expected = model(**kwargs, return_dict=False)[0]
-        single = time.perf_counter() - t0
-    diff = (ran[0]["output"] - expected.float()).abs().max().item()
-    full_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
-    print(f"\nsingle process on cpu: {full_mb:.2f} MB of parameters, forward {single * 1e3:.1f} ms")
-    tolerance = 1e-4 if dtype == "float32" else 5e-2
-    verdict = "OK" if diff <= tolerance else "MISMATCH"
-    print(f"parallel vs single-process output: max |diff| = {diff:.2e} (tolerance {tolerance:.0e}) {verdict}")
-    return 0 if verdict == "OK" else 1
+    print()
+    print(_line("layout", "MB/rank", "load (s)", "sample (s)", "ms/step", "max |diff| vs 1 process"))
+    print(_line(*["---"] * 6))
+    for row in rows:
+        print(_line(*row))
+    print("\nOK: every layout reproduced the single-process image" if ok else "\nMISMATCH")
+    return 0 if ok else 1
