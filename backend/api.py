@@ -109,6 +109,10 @@ class ParallelFlux:
             self._group = WorkerGroup(self.devices, threads=self.threads, start_timeout=self.start_timeout)
         return self._group
 
+    def start(self) -> WorkerGroup:
+        """Start the workers now (otherwise the first load does)."""
+        return self.group
+
     @property
     def started(self) -> bool:
         return self._group is not None and self._group.alive

@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         del model
         started = time.perf_counter()
         with ParallelFlux(devices, threads=1 if not on_gpu else None) as flux:
-            flux.group  # start the workers now, to time it apart from loading
+            flux.start()  # now, to time it apart from loading
             print(
                 f"started {len(devices)} workers on {', '.join(devices)} in {time.perf_counter() - started:.2f} s "
                 f"(pids {' '.join(map(str, flux.group.pids))})"
