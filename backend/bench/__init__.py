@@ -4,6 +4,7 @@ A benchmark prints a Markdown table (what BENCHMARKS.md records) and returns it;
 """
 
 BENCHMARKS = {
+    "group": "worker group: start-up, first vs warm job, per-job overhead against one process",
     "tp": "tensor parallelism: per-rank bytes, collectives, one-rank compute time",
     "load": "checkpoint loading: peak host memory per rank, sharded loader vs a naive full load",
     "cp": "context parallelism (ring / Ulysses / hybrid): activations and bytes per GPU, one-rank compute",

@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> str:
     config, dtype = (FLUX_DEV, torch.bfloat16) if on_gpu else (CPU_CONFIG, torch.float32)
     compute_size = args.compute_size or (1024 if on_gpu else 512)
     if device.type == "cpu":
-        torch.set_num_threads(max(1, torch.get_num_threads()))
+        torch.set_num_threads(1)  # one core: steadier timings on a machine shared with other work
 
     rows: list[dict[str, Any]] = []
     for degree in degrees:

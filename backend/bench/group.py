@@ -1,0 +1,121 @@
+"""`bench group`: what the persistent worker group costs — start-up, first vs warm job, per-job overhead.
+
+The overhead of a job is measured against the same model and the same sampling in this one process:
+both run one thread, one step per job on a small latent, so the difference is the group's own cost
+(request, tensor files, progress messages, agreement check, reply). A one-worker group isolates it from
+any parallel speed-up; two workers (TP=2) are shown for reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from ..api import ParallelFlux
+from ..config import FluxDims
+from ..flux.convert import diffusers_to_bfl
+from ..flux.model import build_flux, tiny_flux_config
+from ..flux.sampling import diffusers_model_fn, sample_flux
+
+CONFIG = tiny_flux_config(heads=4, head_dim=16, text_dim=32, pooled_dim=24)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--jobs", type=int, default=30, help="warm jobs per configuration (default 30)")
+    parser.add_argument("--size", type=int, default=128, help="image side in pixels (default 128)")
+    parser.add_argument("--json", help="also write the results to this JSON file")
+
+
+def _job(dims: FluxDims, size: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    positive = [
+        [torch.randn(1, 16, dims.text_dim, generator=g), {"pooled_output": torch.randn(1, dims.pooled_dim)}]
+    ]
+    return {
+        "positive": positive,
+        "latent": {"samples": torch.zeros(1, 16, size // 8, size // 8)},
+        "seed": 1,
+        "steps": 1,
+    }
+
+
+def _median_ms(times: list[float]) -> float:
+    return statistics.median(times) * 1e3
+
+
+def in_process(job: dict[str, Any], jobs: int) -> float:
+    model_fn = diffusers_model_fn(build_flux(CONFIG, seed=0))
+    times = []
+    for _ in range(jobs + 1):
+        started = time.perf_counter()
+        sample_flux(model_fn, job["latent"]["samples"], job["positive"], seed=job["seed"], steps=job["steps"])
+        times.append(time.perf_counter() - started)
+    return _median_ms(times[1:])
+
+
+def in_group(checkpoint: str, devices: list[str], job: dict[str, Any], jobs: int) -> dict[str, float]:
+    t0 = time.perf_counter()
+    with ParallelFlux(devices, threads=1) as flux:
+        flux.start()
+        t1 = time.perf_counter()
+        flux.load(checkpoint, layout="tp", dtype="float32")
+        t2 = time.perf_counter()
+        flux.sample(job["positive"], job["latent"], seed=job["seed"], steps=job["steps"])
+        t3 = time.perf_counter()
+        warm, pings = [], []
+        for _ in range(jobs):
+            started = time.perf_counter()
+            flux.sample(job["positive"], job["latent"], seed=job["seed"], steps=job["steps"])
+            warm.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            flux.group.call("ping")
+            pings.append(time.perf_counter() - started)
+    return {
+        "start_s": t1 - t0,
+        "load_s": t2 - t1,
+        "first_job_ms": (t3 - t2) * 1e3,
+        "warm_job_ms": _median_ms(warm),
+        "ping_ms": _median_ms(pings),
+    }
+
+
+def run(args: argparse.Namespace) -> str:
+    torch.set_num_threads(1)
+    dims = FluxDims.from_diffusers_config(CONFIG)
+    job = _job(dims, args.size)
+    latent_kb = job["latent"]["samples"].numel() * 4 / 1024
+    local_ms = in_process(job, args.jobs)
+    rows = {}
+    with tempfile.TemporaryDirectory(prefix="rocm-parallel-bench-") as folder:
+        checkpoint = str(Path(folder) / "tiny-flux.safetensors")
+        save_file(diffusers_to_bfl(build_flux(CONFIG, seed=0).state_dict()), checkpoint)
+        for n in (1, 2):
+            rows[n] = in_group(checkpoint, ["cpu"] * n, job, args.jobs)
+            print(f"  measured a group of {n}", flush=True)
+    lines = [
+        f"### Worker group overhead: tiny FLUX, {args.size}x{args.size} px ({latent_kb:.0f} KiB latent), "
+        f"1 step per job, 1 thread per process, median of {args.jobs} warm jobs",
+        "",
+        "| configuration | start (s) | load (s) | first job (ms) | warm job (ms) | overhead vs 1 process (ms) | ping (ms) |",
+        "|---|---|---|---|---|---|---|",
+        f"| one process, no group | - | - | - | {local_ms:.1f} | - | - |",
+    ]
+    for n, r in rows.items():
+        lines.append(
+            f"| group of {n} CPU worker{'s' if n > 1 else ''} (TP={n}) | {r['start_s']:.2f} | {r['load_s']:.2f} | "
+            f"{r['first_job_ms']:.0f} | {r['warm_job_ms']:.1f} | {r['warm_job_ms'] - local_ms:+.1f} | "
+            f"{r['ping_ms']:.2f} |"
+        )
+    text = "\n".join(lines)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"one_process_ms": local_ms, "groups": rows}, indent=2))
+    return text
