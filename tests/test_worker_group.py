@@ -9,14 +9,16 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 import torch
-from conftest import TESTS_DIR
 
 from rocm_parallel.backend.client import JobTimeout, WorkerError, WorkerGroup, validate_devices
 from rocm_parallel.backend.config import ConfigError
+
+TESTS_DIR = str(Path(__file__).resolve().parent)  # on the workers' sys.path: worker_jobs lives here
 
 
 def _gone(pids: list[int], within: float = 10.0) -> bool:
