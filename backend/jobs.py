@@ -21,11 +21,6 @@ from .parallel.tensor import parameter_bytes
 from .worker import WorkerContext, handler
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _memory(device: torch.device) -> dict[str, float]:
     if device.type != "cuda":
         return {}
@@ -78,7 +73,7 @@ def load(
     model = load_flux(info, device=ctx.device, dtype=dtype, tp=tp)
     if layout.ring * layout.ulysses > 1:
         apply_context_parallel(model, ring_degree=ring, ulysses_degree=ulysses, attention=attention)
-    _sync(ctx.device)
+    ctx.synchronize()
     ctx.state.update(model=model, loaded=key, variant=info.variant)
     return {**status(ctx), "reused": False, "seconds": time.perf_counter() - started}
 
@@ -142,7 +137,7 @@ def sample(ctx: WorkerContext, plan: dict[str, Any]) -> dict[str, Any]:
     started = time.perf_counter()
     with torch.inference_mode():
         samples = run_euler(diffusers_model_fn(model), sampling, callback=ctx.step_done, model_dtype=dtype)
-    _sync(ctx.device)
+    ctx.synchronize()
     return {
         "rank": ctx.rank,
         "samples": samples.cpu() if ctx.rank == 0 else None,

@@ -20,11 +20,6 @@ from .worker import WorkerContext, handler
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @handler("build_random")
 def build_random(
     ctx: WorkerContext,
@@ -54,7 +49,7 @@ def build_random(
     else:
         apply_tensor_parallel(model)
         model.to(ctx.device)
-    _sync(ctx.device)
+    ctx.synchronize()
     ctx.state["model"] = model
     return {
         "rank": ctx.rank,
@@ -64,19 +59,17 @@ def build_random(
 
 
 @handler("forward")
-def forward(ctx: WorkerContext, inputs: dict[str, Any], repeats: int = 1) -> dict[str, Any]:
-    """One transformer forward (timed `repeats` times after a warm-up); rank 0 returns the output."""
+def forward(ctx: WorkerContext, inputs: dict[str, Any]) -> dict[str, Any]:
+    """One timed transformer forward on every rank; rank 0 returns the (full) output."""
     model = ctx.state.get("model")
     if model is None:
         raise RuntimeError("no model is resident on this worker; build or load one first")
     dtype = next(model.parameters()).dtype
     args = FluxInputs(**inputs).to(ctx.device, dtype).as_kwargs()
     with torch.inference_mode():
-        out = model(**args, return_dict=False)[0]
-        _sync(ctx.device)
+        ctx.synchronize()
         started = time.perf_counter()
-        for _ in range(repeats):
-            out = model(**args, return_dict=False)[0]
-        _sync(ctx.device)
-    seconds = (time.perf_counter() - started) / max(repeats, 1)
+        out = model(**args, return_dict=False)[0]
+        ctx.synchronize()
+    seconds = time.perf_counter() - started
     return {"rank": ctx.rank, "seconds": seconds, "output": out.float().cpu() if ctx.rank == 0 else None}

@@ -64,6 +64,11 @@ class WorkerContext:
     def backend(self) -> str:
         return dist.get_backend()
 
+    def synchronize(self) -> None:
+        """Wait for this rank's device to finish queued work (timings, results)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     @property
     def cancel_path(self) -> str:
         return os.path.join(self.shm_dir, f"cancel-{self.job}")
