@@ -11,8 +11,8 @@ const LINE = 15;
 const panel = { state: null, error: null };
 window.__rocmParallel = panel; // read by the browser test
 
-function gb(bytes) {
-  return (bytes / 1e9).toFixed(2) + " GB";
+function size(bytes) {
+  return bytes >= 1e9 ? (bytes / 1e9).toFixed(2) + " GB" : (bytes / 1e6).toFixed(1) + " MB";
 }
 
 export function panelLines(state, now = Date.now()) {
@@ -27,7 +27,7 @@ export function panelLines(state, now = Date.now()) {
   ];
   if (state.layout) lines.push(`layout: ${state.layout}`);
   for (const r of state.ranks || []) {
-    let line = `rank ${r.rank} ${r.device}: ${gb(r.parameter_bytes || 0)} weights`;
+    let line = `rank ${r.rank} ${r.device}: ${size(r.parameter_bytes || 0)} weights`;
     if (r.total_gb) line += `, ${r.allocated_gb.toFixed(2)}/${r.total_gb.toFixed(1)} GB used`;
     lines.push(line);
   }

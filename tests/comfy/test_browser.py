@@ -104,6 +104,13 @@ async def _panel(url: str, server: str, screenshot: Path) -> list[str]:
         await tools.send("Page.navigate", url=f"http://{server}/")
         await tools.wait_for("!!(window.app && window.app.graph && window.__rocmParallel)", timeout=240)
         await tools.evaluate(f"app.loadGraphData({json.dumps(loader_workflow())})")
+        # Close whatever dialog the frontend opened (e.g. missing text encoders), then show the loader.
+        await tools.evaluate(
+            "document.querySelectorAll('.p-dialog-close-button').forEach(b => b.click());"
+            "(() => { const n = app.graph._nodes.find(n => n.type === 'RocmParallelLoader');"
+            " app.canvas.ds.scale = 1.3; app.canvas.ds.offset = [40 - n.pos[0], 60 - n.pos[1]];"
+            " app.graph.setDirtyCanvas(true, true); })()"
+        )
         lines = await tools.wait_for(
             "(() => { const n = app.graph._nodes.find(n => n.type === 'RocmParallelLoader');"
             " const l = n && n.rocmParallelLines;"
@@ -120,6 +127,8 @@ def test_panel_shows_the_worker_group(comfy: Comfy) -> None:
     reply = comfy.post("/prompt", {"prompt": sampling_prompt(prefix="browser"), "client_id": "rp-test"})
     assert comfy.wait_done(reply["prompt_id"])["status"]["status_str"] == "success"
 
+    # A fresh user: skip the first-run template browser that would cover the canvas.
+    comfy.post("/settings/Comfy.TutorialCompleted", True)
     shots = comfy.base / "screenshots"
     shots.mkdir(exist_ok=True)
     profile = Path(tempfile.mkdtemp(prefix="rp-chromium-"))
