@@ -6,10 +6,16 @@ importing it outside ComfyUI, is cheap; the engine lives in `backend/` and runs 
 
 __version__ = "0.1.0"
 
+# The web extension (js/): the live worker-group panel on the loader node.
+WEB_DIRECTORY = "./js"
+
 if __package__:  # ComfyUI (custom_nodes/<folder>) or pip-installed as rocm_parallel
     from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+    from .nodes.routes import register_routes
+
+    register_routes()  # only does something inside ComfyUI
 else:  # imported as a bare file: pytest collecting a checkout whose folder name is no identifier
     NODE_CLASS_MAPPINGS: dict[str, type] = {}
     NODE_DISPLAY_NAME_MAPPINGS: dict[str, str] = {}
 
-__all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]
+__all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "WEB_DIRECTORY"]

@@ -1,0 +1,80 @@
+// ROCm Parallel: the worker group's live state, drawn under every ROCm Parallel Loader node.
+// Data: GET /api/rocm_parallel/status (nodes/routes.py), a snapshot the nodes keep up to date; polled
+// once a second while a loader is on the canvas, and right after each progress / executing event.
+import { app } from "../../scripts/app.js";
+import { api } from "../../scripts/api.js";
+
+const LOADER = "RocmParallelLoader";
+const ROUTE = "/rocm_parallel/status";
+const LINE = 15;
+
+const panel = { state: null, error: null };
+window.__rocmParallel = panel; // read by the browser test
+
+function size(bytes) {
+  return bytes >= 1e9 ? (bytes / 1e9).toFixed(2) + " GB" : (bytes / 1e6).toFixed(1) + " MB";
+}
+
+export function panelLines(state, now = Date.now()) {
+  if (!state) return ["ROCm Parallel: waiting for status..."];
+  if (!state.devices || !state.devices.length) return ["ROCm Parallel: workers not started"];
+  let phase = state.phase;
+  if (phase === "sampling" && state.total) phase += ` ${state.step || 0}/${state.total}`;
+  if (phase === "loading" && state.since) phase += ` ${Math.round(now / 1000 - state.since)} s`;
+  const lines = [
+    `${state.devices.length} workers: ${state.devices.join(", ")} (${phase})`,
+    `model: ${state.checkpoint || "none loaded"}`,
+  ];
+  if (state.layout) lines.push(`layout: ${state.layout}`);
+  for (const r of state.ranks || []) {
+    let line = `rank ${r.rank} ${r.device}: ${size(r.parameter_bytes || 0)} weights`;
+    if (r.total_gb) line += `, ${r.allocated_gb.toFixed(2)}/${r.total_gb.toFixed(1)} GB used`;
+    lines.push(line);
+  }
+  if (state.error) lines.push(`last error: ${state.error}`.slice(0, 90));
+  return lines;
+}
+
+function loaders() {
+  return (app.graph?._nodes || []).filter((n) => n.comfyClass === LOADER || n.type === LOADER);
+}
+
+async function poll() {
+  if (!loaders().length) return;
+  try {
+    const response = await api.fetchApi(ROUTE);
+    panel.state = await response.json();
+    panel.error = null;
+  } catch (e) {
+    panel.error = String(e);
+  }
+  app.graph?.setDirtyCanvas(true, false);
+}
+
+app.registerExtension({
+  name: "rocm_parallel.status",
+  setup() {
+    setInterval(poll, 1000);
+    api.addEventListener("progress", poll);
+    api.addEventListener("executing", poll);
+  },
+  async beforeRegisterNodeDef(nodeType, nodeData) {
+    if (nodeData.name !== LOADER) return;
+    const draw = nodeType.prototype.onDrawForeground;
+    nodeType.prototype.onDrawForeground = function (ctx) {
+      draw?.apply(this, arguments);
+      if (this.flags?.collapsed) return;
+      const lines = panel.error ? [`ROCm Parallel: ${panel.error}`] : panelLines(panel.state);
+      this.rocmParallelLines = lines;
+      // Under the node, outside its widgets, so the panel never changes the node's saved layout.
+      const top = this.size[1] + 8;
+      ctx.save();
+      ctx.fillStyle = "rgba(20, 24, 32, 0.85)";
+      ctx.fillRect(0, top, this.size[0], lines.length * LINE + 8);
+      ctx.font = "12px monospace";
+      ctx.fillStyle = panel.state?.error ? "#f0a0a0" : "#b8e0b8";
+      lines.forEach((text, i) => ctx.fillText(text, 6, top + 4 + (i + 1) * LINE - 3));
+      ctx.restore();
+    };
+  },
+});

@@ -1,0 +1,329 @@
+"""Everything the ComfyUI nodes decide, in plain Python: input parsing, the handle, the worker registry.
+
+No ComfyUI and no torch at import time: the pack's entry point imports this module, and the CI tests
+run it without ComfyUI. The node classes in `classes.py` only translate between ComfyUI and these
+functions; the backend is imported lazily, when a node first runs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..backend.config import ConfigError, ParallelLayout
+
+if TYPE_CHECKING:
+    from ..backend.api import ParallelFlux
+
+# The socket type between the loader and the samplers (ComfyUI matches custom types by string).
+HANDLE_TYPE = "PARALLEL_FLUX"
+CATEGORY = "ROCm Parallel"
+
+DEVICES_ALL = "all"
+DTYPES = ("default", "bfloat16", "float16", "float32")
+PRELOAD_LAYOUTS = ("none", "tp", "context")
+# Only ComfyUI's euler / simple are implemented by the backend; offering more would be a lie.
+SAMPLERS = ("euler",)
+SCHEDULERS = ("simple",)
+STATUS_ACTIONS = ("report", "unload", "close")
+# Worker threads per process (torch.set_num_threads); unset leaves torch's default. Tests and shared
+# CPU machines set it to 1 so that several CPU workers do not fight over the same cores.
+THREADS_ENV = "ROCM_PARALLEL_THREADS"
+
+_CPU_TIMES = re.compile(r"^cpu\s*[x*]\s*(\d+)$")
+
+
+# --------------------------------------------------------------------------------------------------
+# Input parsing
+
+
+def parse_devices(text: str, visible_gpus: Callable[[], int] | None = None) -> tuple[str, ...]:
+    """The loader's `devices` text -> device names for the worker group.
+
+    "all" (or empty): every visible GPU, two CPU workers when there is none. "0,1,2,3" or
+    "cuda:0, cuda:1": those GPUs. "cpu x2" (or "cpu*2", "cpu, cpu"): CPU workers, for testing.
+    """
+    spec = text.strip().lower()
+    if spec in ("", DEVICES_ALL):
+        count = (visible_gpus or _visible_gpus)()
+        return tuple(f"cuda:{i}" for i in range(count)) if count else ("cpu", "cpu")
+    match = _CPU_TIMES.match(spec)
+    if match:
+        workers = int(match.group(1))
+        if workers < 1:
+            raise ConfigError(
+                f"devices={text!r} asks for {workers} CPU workers; use at least 1, e.g. 'cpu x2'"
+            )
+        return ("cpu",) * workers
+    devices = []
+    for item in (part.strip() for part in spec.split(",")):
+        if item.isdigit():
+            devices.append(f"cuda:{int(item)}")
+        elif item == "cpu" or re.fullmatch(r"cuda:\d+", item):
+            devices.append(item)
+        else:
+            raise ConfigError(
+                f"devices={text!r}: {item!r} is not a device; use 'all', GPU indices like '0,1,2,3', "
+                "'cuda:0,cuda:1' or CPU workers like 'cpu x2'"
+            )
+    return tuple(devices)
+
+
+def _visible_gpus() -> int:
+    import torch  # only when 'all' is resolved: keeps the pack's import cheap
+
+    return torch.cuda.device_count()
+
+
+def compute_dtype(choice: str) -> str | None:
+    """'default' -> None (bfloat16 on GPUs that support it, float32 on CPU); otherwise the name."""
+    if choice not in DTYPES:
+        raise ConfigError(f"dtype={choice!r} is not offered; use one of {', '.join(DTYPES)}")
+    return None if choice == "default" else choice
+
+
+def tp_layout(devices: int) -> ParallelLayout:
+    """Tensor parallelism over every device of the group."""
+    return ParallelLayout(tp=devices)
+
+
+def context_layout(ring: int, ulysses: int, devices: int) -> ParallelLayout:
+    """Ring x Ulysses degrees with 0 meaning 'fill the rest'; their product must be the device count."""
+    for name, value in (("ring_degree", ring), ("ulysses_degree", ulysses)):
+        if value < 0:
+            raise ConfigError(f"{name}={value} must be 0 (auto) or a positive integer")
+    if ring == 0 and ulysses == 0:
+        ring, ulysses = devices, 1
+    elif ring == 0 or ulysses == 0:
+        given_name, given = ("ulysses_degree", ulysses) if ring == 0 else ("ring_degree", ring)
+        if devices % given:
+            options = ", ".join(str(d) for d in range(1, devices + 1) if devices % d == 0)
+            raise ConfigError(
+                f"{given_name}={given} does not divide the {devices} devices, so the other degree cannot "
+                f"fill the rest; use one of {options}"
+            )
+        rest = devices // given
+        ring, ulysses = (rest, ulysses) if ring == 0 else (ring, rest)
+    if ring * ulysses != devices:
+        raise ConfigError(
+            f"ring_degree={ring} x ulysses_degree={ulysses} = {ring * ulysses} but the loader has "
+            f"{devices} devices; make the product {devices}, or set one degree to 0 (auto)"
+        )
+    return ParallelLayout(ring=ring, ulysses=ulysses)
+
+
+def describe_layout(layout: ParallelLayout) -> str:
+    if layout.tp > 1 or (layout.ring == 1 and layout.ulysses == 1):
+        return f"tensor parallel tp={layout.tp}"
+    return f"context parallel ring={layout.ring} x ulysses={layout.ulysses}"
+
+
+def needs_gpu_memory(devices: Sequence[str]) -> bool:
+    """ComfyUI's own models must leave the GPUs before the workers load theirs."""
+    return any(d.startswith("cuda") for d in devices)
+
+
+# --------------------------------------------------------------------------------------------------
+# The handle between the nodes
+
+
+@dataclass(frozen=True)
+class ParallelHandle:
+    """What flows over a PARALLEL_FLUX link: which checkpoint, on which devices, in which dtype.
+
+    Plain, hashable data: the resident worker group itself stays in the registry, so a handle from a
+    cached node output still finds (or restarts) the group that serves its devices.
+    """
+
+    checkpoint: str  # absolute path
+    name: str  # as listed in ComfyUI's diffusion_models
+    devices: tuple[str, ...]
+    dtype: str | None
+
+    def __repr__(self) -> str:
+        return f"<{HANDLE_TYPE} {self.name} on {', '.join(self.devices)}>"
+
+
+# --------------------------------------------------------------------------------------------------
+# The registry of resident worker groups
+
+
+def _default_factory(devices: tuple[str, ...]) -> ParallelFlux:
+    from ..backend.api import ParallelFlux
+
+    threads = int(os.environ[THREADS_ENV]) if os.environ.get(THREADS_ENV) else None
+    return ParallelFlux(list(devices), threads=threads)
+
+
+class Registry:
+    """One ParallelFlux per device set, kept between queue runs; asking for another set closes the old.
+
+    `state` is a plain snapshot for the web panel, updated by the nodes as they run, so the HTTP route
+    never talks to the workers (a job may be running on them from ComfyUI's execution thread).
+    """
+
+    def __init__(self, factory: Callable[[tuple[str, ...]], ParallelFlux] = _default_factory) -> None:
+        self._factory = factory
+        self._flux: ParallelFlux | None = None
+        self._lock = threading.Lock()
+        self.state: dict[str, Any] = self._idle_state()
+
+    @staticmethod
+    def _idle_state() -> dict[str, Any]:
+        return {"devices": [], "checkpoint": None, "layout": None, "phase": "stopped", "ranks": []}
+
+    @property
+    def current(self) -> ParallelFlux | None:
+        return self._flux
+
+    def flux_for(self, devices: Sequence[str]) -> ParallelFlux:
+        """The resident ParallelFlux for exactly these devices (started lazily by the backend)."""
+        key = tuple(devices)
+        if self._flux is not None and tuple(self._flux.devices) == key:
+            return self._flux
+        self.close()
+        self._flux = self._factory(key)
+        self.update(devices=list(self._flux.devices), phase="idle")
+        return self._flux
+
+    def close(self) -> None:
+        """Stop the worker group (ComfyUI's models can have the devices back)."""
+        flux, self._flux = self._flux, None
+        if flux is not None:
+            flux.close()
+        with self._lock:
+            self.state = self._idle_state()
+
+    def update(self, **fields: Any) -> None:
+        with self._lock:
+            self.state = {**self.state, **fields}
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self.state)
+
+    @contextmanager
+    def phase(self, name: str, **fields: Any) -> Iterator[None]:
+        """Show `name` (loading, sampling) while the body runs, and its error if it fails."""
+        self.update(phase=name, since=time.time(), error=None, **fields)
+        try:
+            yield
+        except BaseException as exc:
+            self.update(phase="idle", error=f"{type(exc).__name__}: {exc}")
+            raise
+        self.update(phase="idle")
+
+    def record_ranks(self, reports: Sequence[dict[str, Any]]) -> None:
+        """Keep each rank's device, parameter bytes and memory for the panel."""
+        keys = ("rank", "device", "parameter_bytes", "allocated_gb", "peak_gb", "free_gb", "total_gb")
+        self.update(ranks=[{k: r[k] for k in keys if k in r} for r in reports])
+
+
+REGISTRY = Registry()
+
+
+# --------------------------------------------------------------------------------------------------
+# What the nodes do
+
+
+def load(
+    registry: Registry, handle: ParallelHandle, preload: str, ring: int = 0, ulysses: int = 0
+) -> ParallelFlux:
+    """Start (or reuse) the group for the handle's devices and, unless preload is 'none', load the model."""
+    if preload not in PRELOAD_LAYOUTS:
+        raise ConfigError(f"preload={preload!r} is not offered; use one of {', '.join(PRELOAD_LAYOUTS)}")
+    flux = registry.flux_for(handle.devices)
+    if preload == "none":
+        _ = flux.group  # start the workers now, so the first sampler run only loads weights
+        registry.update(phase="idle")
+        return flux
+    layout = (
+        tp_layout(len(handle.devices))
+        if preload == "tp"
+        else context_layout(ring, ulysses, len(handle.devices))
+    )
+    ensure_loaded(registry, flux, handle, layout)
+    return flux
+
+
+def ensure_loaded(
+    registry: Registry, flux: ParallelFlux, handle: ParallelHandle, layout: ParallelLayout
+) -> None:
+    """Make the handle's checkpoint resident in `layout` (a no-op on the workers when it already is)."""
+    with registry.phase("loading", checkpoint=handle.name, layout=describe_layout(layout)):
+        reports = flux.load(handle.checkpoint, layout=layout, dtype=handle.dtype)
+    registry.record_ranks(reports)
+
+
+def sample(
+    registry: Registry,
+    handle: ParallelHandle,
+    layout: ParallelLayout,
+    positive: Any,
+    latent: dict[str, Any],
+    *,
+    seed: int,
+    steps: int,
+    denoise: float,
+    sigmas: Any = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Load in `layout` if needed, then run the whole denoising loop on the workers; a LATENT dict back."""
+    flux = registry.flux_for(handle.devices)
+    ensure_loaded(registry, flux, handle, layout)
+
+    def report(step: int, total: int) -> None:
+        registry.update(step=step, total=total)
+        if progress is not None:
+            progress(step, total)  # ComfyUI's progress bar raises here on Cancel: every rank stops
+
+    with registry.phase("sampling", step=0, total=steps):
+        out = flux.sample(
+            positive, latent, seed=seed, steps=steps, denoise=denoise, sigmas=sigmas, progress=report
+        )
+    registry.record_ranks(flux.status())
+    return out
+
+
+def status_text(registry: Registry, action: str) -> str:
+    """The status node: report, or unload the model (workers stay), or close the worker group."""
+    if action not in STATUS_ACTIONS:
+        raise ConfigError(f"action={action!r} is not offered; use one of {', '.join(STATUS_ACTIONS)}")
+    flux = registry.current
+    if action == "unload" and flux is not None:
+        flux.unload()
+        registry.update(checkpoint=None, layout=None)
+        if flux.started:
+            registry.record_ranks(flux.status())
+    elif action == "close":
+        registry.close()
+    elif flux is not None and flux.started:
+        registry.record_ranks(flux.status())
+    return format_state(registry.snapshot())
+
+
+def format_state(state: dict[str, Any]) -> str:
+    """Human text of a registry snapshot (the status node's STRING)."""
+    if not state.get("devices"):
+        return "ROCm Parallel: no worker group is running"
+    lines = [
+        f"ROCm Parallel: {len(state['devices'])} workers on {', '.join(state['devices'])} ({state['phase']})",
+        f"model: {state.get('checkpoint') or 'none loaded'}"
+        + (f", {state['layout']}" if state.get("layout") else ""),
+    ]
+    for r in state.get("ranks", []):
+        line = (
+            f"  rank {r.get('rank')} {r.get('device')}: {r.get('parameter_bytes', 0) / 1e9:.3f} GB parameters"
+        )
+        if "allocated_gb" in r:
+            line += f", {r['allocated_gb']:.2f} / {r.get('total_gb', 0):.2f} GB allocated"
+        lines.append(line)
+    if state.get("error"):
+        lines.append(f"last error: {state['error']}")
+    return "\n".join(lines)

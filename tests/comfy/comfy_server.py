@@ -1,0 +1,215 @@
+"""A real ComfyUI server for the comfy tier, with every writable folder in a temporary base directory.
+
+ComfyUI runs from COMFYUI_PATH with --base-directory / --output-directory in a temporary folder and an
+in-memory database, so nothing is written into the checkout (checked before and after), and with this
+checkout symlinked into its custom_nodes/. The model is a tiny random FLUX.1-dev in BFL format (the
+weights the committed ComfyUI references were made with). No real CLIP/VAE exists here, so prompts take
+their CONDITIONING from a test-only node (a reference prompt embedding from tests/data) through ComfyUI's
+own FluxGuidance, and save the LATENT with ComfyUI's core SaveLatent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psutil
+from safetensors.torch import save_file
+from test_sampling import flux_model
+
+from rocm_parallel.backend.flux.convert import diffusers_to_bfl
+
+COMFYUI_PATH = os.environ.get("COMFYUI_PATH")
+PACK_ROOT = Path(__file__).resolve().parents[2]
+TESTS_DIR = PACK_ROOT / "tests"
+PACK_DIR_NAME = "rocm_parallel_pack"  # any folder name must work
+START_TIMEOUT = 300.0
+
+# A test-only custom node: the prompt embedding of a committed reference case as CONDITIONING.
+REFERENCE_NODE = """
+from safetensors.torch import load_file
+
+REFERENCES = {references!r}
+
+
+class RPTestReferenceConditioning:
+    CATEGORY = "_for_testing"
+    RETURN_TYPES = ("CONDITIONING",)
+    FUNCTION = "load"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {{"required": {{"case": ("STRING", {{"default": "dev_4steps"}})}}}}
+
+    def load(self, case):
+        ref = load_file(REFERENCES)
+        return ([[ref[case + ".cond"], {{"pooled_output": ref[case + ".pooled"]}}]],)
+
+
+NODE_CLASS_MAPPINGS = {{"RPTestReferenceConditioning": RPTestReferenceConditioning}}
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Comfy:
+    def __init__(self, base: Path, port: int, proc: subprocess.Popen[bytes], log: Path) -> None:
+        self.base, self.port, self.proc, self.log = base, port, proc, log
+        self.server = f"127.0.0.1:{port}"
+
+    def get(self, path: str) -> Any:
+        with urllib.request.urlopen(f"http://{self.server}{path}", timeout=30) as r:
+            body = r.read()
+            return json.loads(body) if r.headers.get_content_type() == "application/json" else body
+
+    def post(self, path: str, body: dict[str, Any]) -> Any:
+        request = urllib.request.Request(
+            f"http://{self.server}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=30) as r:
+            text = r.read()
+            return json.loads(text) if text else None
+
+    def wait_done(self, prompt_id: str, timeout: float = 600.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            entry = self.get(f"/history/{prompt_id}").get(prompt_id)
+            if entry and entry["status"].get("completed") is not None:
+                return entry
+            assert self.proc.poll() is None, f"ComfyUI exited:\n{self.log.read_text()[-3000:]}"
+            time.sleep(0.5)
+        raise AssertionError(f"prompt {prompt_id} did not finish within {timeout} s")
+
+
+def _tree_state(path: str) -> str:
+    """Every change git sees in the ComfyUI checkout, ignored files included: it must not change."""
+    return subprocess.run(
+        ["git", "status", "--porcelain", "--ignored", "--untracked-files=all"],
+        cwd=path,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+
+
+@contextmanager
+def running_comfy(base: Path) -> Iterator[Comfy]:
+    """Start ComfyUI on a free loopback port; on exit stop it and check nothing is left behind."""
+    (base / "custom_nodes").mkdir()
+    (base / "custom_nodes" / PACK_DIR_NAME).symlink_to(PACK_ROOT, target_is_directory=True)
+    (base / "custom_nodes" / "rp_test_nodes.py").write_text(
+        REFERENCE_NODE.format(references=str(TESTS_DIR / "data" / "comfy_references.safetensors"))
+    )
+    models = base / "models" / "diffusion_models"
+    models.mkdir(parents=True)
+    save_file(diffusers_to_bfl(flux_model("dev").state_dict()), str(models / "tiny-flux-dev.safetensors"))
+    before = _tree_state(COMFYUI_PATH)
+
+    port = _free_port()
+    env = {
+        **os.environ,
+        "ROCM_PARALLEL_THREADS": "1",  # one thread per worker: the machine's cores are shared
+        "OMP_NUM_THREADS": "1",
+        "PYTHONDONTWRITEBYTECODE": "1",  # nothing written into the ComfyUI checkout
+    }
+    log = base / "comfyui.log"
+    command = [
+        sys.executable,
+        "main.py",
+        "--cpu",
+        "--listen",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--base-directory",
+        str(base),
+        "--output-directory",
+        str(base / "output"),
+        "--database-url",
+        "sqlite:///:memory:",
+        "--disable-auto-launch",
+        "--disable-api-nodes",
+    ]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(command, cwd=COMFYUI_PATH, env=env, stdout=out, stderr=subprocess.STDOUT)
+    server = Comfy(base, port, proc, log)
+    print(f"\nComfyUI base directory (logs, outputs, screenshots): {base}")
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            assert proc.poll() is None, f"ComfyUI exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+            try:
+                server.get("/system_stats")
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert time.monotonic() < deadline, f"ComfyUI did not start:\n{log.read_text()[-3000:]}"
+                time.sleep(1.0)
+        yield server
+    finally:
+        family = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        # The workers follow their parent through the death pipe; give them a moment.
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(_alive(p) for p in family):
+            time.sleep(0.2)
+        left = [p for p in family if _alive(p)]
+        for pid in left:
+            psutil.Process(pid).kill()
+        assert left == [], f"processes left behind by ComfyUI: {left}"
+        assert _tree_state(COMFYUI_PATH) == before, "the ComfyUI checkout was written to"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def sampling_prompt(steps: int = 4, prefix: str = "rp") -> dict[str, Any]:
+    """Reference case dev_4steps through both samplers, each saved with SaveLatent."""
+    shared = {"seed": 42, "steps": steps, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0}
+    links = {"parallel_flux": ["4", 0], "positive": ["2", 0], "latent_image": ["3", 0]}
+    return {
+        "1": {"class_type": "RPTestReferenceConditioning", "inputs": {"case": "dev_4steps"}},
+        "2": {"class_type": "FluxGuidance", "inputs": {"conditioning": ["1", 0], "guidance": 3.5}},
+        "3": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+        "4": {
+            "class_type": "RocmParallelLoader",
+            "inputs": {
+                "checkpoint": "tiny-flux-dev.safetensors",
+                "devices": "cpu x2",
+                "dtype": "float32",
+                "preload": "tp",
+            },
+        },
+        "5": {"class_type": "RocmParallelTPSampler", "inputs": {**links, **shared}},
+        "6": {"class_type": "SaveLatent", "inputs": {"samples": ["5", 0], "filename_prefix": f"{prefix}/tp"}},
+        "7": {
+            "class_type": "RocmParallelRingSampler",
+            "inputs": {**links, **shared, "ring_degree": 0, "ulysses_degree": 0},
+        },
+        "8": {
+            "class_type": "SaveLatent",
+            "inputs": {"samples": ["7", 0], "filename_prefix": f"{prefix}/ring"},
+        },
+    }

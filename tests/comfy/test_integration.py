@@ -1,0 +1,130 @@
+"""The pack inside a real ComfyUI server (opt-in: COMFYUI_PATH=/path/to/ComfyUI; see comfy_server.py).
+
+The prompts use both samplers on 2 CPU workers (one thread each) and must equal ComfyUI's own KSampler
+(tests/data/comfy_references.safetensors); a long run is cancelled through /interrupt.
+
+    COMFYUI_PATH=/work/comfyui PYTHONPATH=<pack parent>:<comfy shims>:<comfy deps> \\
+        python -m pytest -q -m comfy tests/comfy
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from comfy_server import PACK_DIR_NAME, PACK_ROOT, Comfy, sampling_prompt
+from safetensors.torch import load_file
+from test_sampling import reference
+from workflow_check import check_api, check_ui, core_object_info, input_kind
+
+pytestmark = [pytest.mark.comfy, pytest.mark.timeout(1200)]
+
+
+def test_pack_loads_with_nodes_route_js_and_templates(comfy: Comfy) -> None:
+    info = comfy.get("/object_info")
+    for node_id in (
+        "RocmParallelLoader",
+        "RocmParallelTPSampler",
+        "RocmParallelRingSampler",
+        "RocmParallelStatus",
+    ):
+        assert info[node_id]["category"] == "ROCm Parallel"
+    assert info["RocmParallelLoader"]["input"]["required"]["checkpoint"][0] == ["tiny-flux-dev.safetensors"]
+    assert info["RocmParallelLoader"]["display_name"] == "ROCm Parallel Loader"
+    # The panel's route answers the registry's snapshot (whatever ran before in this session).
+    state = comfy.get("/rocm_parallel/status")
+    assert {"devices", "checkpoint", "layout", "phase", "ranks"} <= set(state)
+    assert state["phase"] in ("stopped", "idle")
+    assert b"registerExtension" in comfy.get(f"/extensions/{PACK_DIR_NAME}/rocm_parallel.js")
+    templates = comfy.get("/api/workflow_templates")
+    assert sorted(templates[PACK_DIR_NAME]) == [
+        "flux1_dev_ring2",
+        "flux1_dev_ring2_ulysses2",
+        "flux1_dev_tp4",
+        "flux1_schnell_tp2",
+    ]
+    assert comfy.get(f"/api/workflow_templates/{PACK_DIR_NAME}/flux1_dev_tp4.json")["nodes"]
+
+
+def test_workflows_against_the_live_object_info(comfy: Comfy) -> None:
+    info = comfy.get("/object_info")
+    for path in sorted((PACK_ROOT / "workflows").glob("*.json")):
+        assert check_ui(json.loads(path.read_text()), info) == [], path.name
+        assert check_api(json.loads((path.parent / "api" / path.name).read_text()), info) == [], path.name
+    # The hard-coded core specs of the CI tier are what this ComfyUI reports (model file lists aside).
+    for class_type, spec in core_object_info().items():
+        live = info[class_type]
+        assert live["output"] == spec["output"], class_type
+        for section, inputs in spec["input"].items():
+            assert list(live["input"][section]) == list(inputs), (class_type, section)
+            for name, value in inputs.items():
+                kind, options = input_kind(live["input"][section][name])
+                want_kind, want_options = input_kind(value)
+                assert kind == want_kind, (class_type, name)
+                if kind == "COMBO" and want_options["options"]:
+                    assert options["options"] == want_options["options"], (class_type, name)
+                for key in ("min", "max", "default"):
+                    assert options.get(key) == want_options.get(key), (class_type, name, key)
+
+
+def test_both_samplers_match_comfyui_through_the_prompt_api(comfy: Comfy) -> None:
+    reply = comfy.post("/prompt", {"prompt": sampling_prompt(), "client_id": "rp-test"})
+    entry = comfy.wait_done(reply["prompt_id"])
+    assert entry["status"]["status_str"] == "success", entry["status"]
+    expected = reference("dev_4steps")["output"]
+    for name in ("tp", "ring"):
+        files = sorted((comfy.base / "output" / "rp").glob(f"{name}_*.latent"))
+        assert len(files) == 1, files
+        saved = load_file(str(files[0]))["latent_tensor"]
+        assert (saved - expected).abs().max().item() <= 1e-4, name
+    state = comfy.get("/rocm_parallel/status")
+    assert state["devices"] == ["cpu", "cpu"] and state["phase"] == "idle"
+    # ComfyUI picks the order of the two output branches; the last sampler's layout stays resident.
+    assert state["layout"] in ("context parallel ring=2 x ulysses=1", "tensor parallel tp=2")
+    assert [r["device"] for r in state["ranks"]] == ["cpu", "cpu"]
+
+
+def test_headless_script_runs_a_prompt_and_downloads_its_output(comfy: Comfy, tmp_path: Path) -> None:
+    workflow = tmp_path / "prompt.json"
+    workflow.write_text(json.dumps(sampling_prompt(prefix="headless")))
+    out = subprocess.run(
+        [sys.executable, str(PACK_ROOT / "scripts" / "headless_prompt.py"), str(workflow), "--server",
+         comfy.server, "--out", str(tmp_path / "got"), "--timeout", "600"],
+        capture_output=True, text=True, timeout=700,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    got = sorted(p.name for p in (tmp_path / "got").iterdir())
+    assert [n.split("_")[0] for n in got] == ["ring", "tp"], got
+    for path in (tmp_path / "got").iterdir():
+        saved = load_file(str(path))["latent_tensor"]
+        assert (saved - reference("dev_4steps")["output"]).abs().max().item() <= 1e-4
+
+
+def test_interrupt_cancels_the_job_and_the_workers_stay(comfy: Comfy) -> None:
+    prompt = sampling_prompt(steps=5000, prefix="cancelled")
+    prompt_id = comfy.post("/prompt", {"prompt": prompt, "client_id": "rp-test"})["prompt_id"]
+    deadline = time.monotonic() + 300
+    while True:  # wait until the workers are past a few steps
+        state = comfy.get("/rocm_parallel/status")
+        if state["phase"] == "sampling" and state.get("step", 0) >= 3:
+            break
+        assert time.monotonic() < deadline, f"sampling never started: {state}"
+        time.sleep(0.2)
+    pids_before = sorted(c.pid for c in psutil.Process(comfy.proc.pid).children(recursive=True))
+    comfy.post("/interrupt", {"prompt_id": prompt_id})
+    entry = comfy.wait_done(prompt_id, timeout=120)
+    assert entry["status"]["status_str"] == "error"
+    assert [m[0] for m in entry["status"]["messages"]][-1] == "execution_interrupted"
+    state = comfy.get("/rocm_parallel/status")
+    assert state["phase"] == "idle" and state["step"] < 5000
+    assert "InterruptProcessingException" in state["error"]
+    assert not list((comfy.base / "output").glob("cancelled*"))
+    # The same workers run the next job.
+    reply = comfy.post("/prompt", {"prompt": sampling_prompt(prefix="after_cancel"), "client_id": "rp-test"})
+    assert comfy.wait_done(reply["prompt_id"])["status"]["status_str"] == "success"
+    assert sorted(c.pid for c in psutil.Process(comfy.proc.pid).children(recursive=True)) == pids_before

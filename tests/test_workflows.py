@@ -1,0 +1,119 @@
+"""The shared workflows in workflows/ (UI format) and workflows/api/ (API format) against the node specs.
+
+Core node specs are hard-coded in tests/data/comfy_core_nodes.json (copied from ComfyUI 0.3.64); the
+integration tier (tests/comfy) checks the same files against a live ComfyUI's /object_info.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+from fake_comfy import FakeComfy
+from workflow_check import check_api, check_ui, core_object_info, pack_object_info, ui_to_api
+
+import rocm_parallel
+from rocm_parallel.nodes import NODE_CLASS_MAPPINGS
+
+WORKFLOWS = Path(rocm_parallel.__file__).parent / "workflows"
+NAMES = sorted(p.stem for p in WORKFLOWS.glob("*.json"))
+EXPECTED = {
+    # name: (sampler, devices, checkpoint, ring x ulysses)
+    "flux1_dev_tp4": ("RocmParallelTPSampler", "0,1,2,3", "flux1-dev.safetensors", None),
+    "flux1_dev_ring2": ("RocmParallelRingSampler", "0,1", "flux1-dev.safetensors", (2, 1)),
+    "flux1_dev_ring2_ulysses2": ("RocmParallelRingSampler", "0,1,2,3", "flux1-dev.safetensors", (2, 2)),
+    "flux1_schnell_tp2": ("RocmParallelTPSampler", "0,1", "flux1-schnell.safetensors", None),
+}
+
+
+@pytest.fixture
+def info(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
+    (tmp_path / "models").mkdir()
+    FakeComfy(tmp_path / "models").install(monkeypatch)
+    return {**core_object_info(), **pack_object_info(NODE_CLASS_MAPPINGS)}
+
+
+def load(name: str, api: bool = False) -> dict:
+    return json.loads((WORKFLOWS / ("api" if api else "") / f"{name}.json").read_text())
+
+
+def test_every_advertised_workflow_is_there() -> None:
+    assert NAMES == sorted(EXPECTED)
+    assert sorted(p.stem for p in (WORKFLOWS / "api").glob("*.json")) == sorted(EXPECTED)
+
+
+def test_comfyui_serves_workflows_as_templates() -> None:
+    # ComfyUI serves a pack's templates from the FIRST of these folders that exists (app/custom_node_manager.py
+    # adds one static route per folder under the same prefix, and the first one answers 404 for the rest).
+    shadowing = [
+        d for d in ("example_workflows", "example", "examples", "workflow") if (WORKFLOWS.parent / d).exists()
+    ]
+    assert shadowing == [], f"{shadowing} would hide workflows/ from ComfyUI's template browser"
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_ui_workflow_is_valid(info: dict, name: str) -> None:
+    assert check_ui(load(name), info) == []
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_api_workflow_is_valid_and_matches_the_ui_one(info: dict, name: str) -> None:
+    api = load(name, api=True)
+    assert check_api(api, info) == []
+    stripped = {k: {"class_type": v["class_type"], "inputs": v["inputs"]} for k, v in api.items()}
+    assert ui_to_api(load(name), info) == stripped
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_workflow_does_what_its_name_says(name: str) -> None:
+    sampler, devices, checkpoint, degrees = EXPECTED[name]
+    api = load(name, api=True)
+    by_class = {node["class_type"]: node["inputs"] for node in api.values()}
+    assert by_class["RocmParallelLoader"]["devices"] == devices
+    assert by_class["RocmParallelLoader"]["checkpoint"] == checkpoint
+    assert sampler in by_class
+    if degrees:
+        assert (by_class[sampler]["ring_degree"], by_class[sampler]["ulysses_degree"]) == degrees
+    # FLUX.1-dev takes a guidance value; schnell has no guidance input, so no FluxGuidance node.
+    assert ("FluxGuidance" in by_class) == ("dev" in name)
+    standard = {
+        "DualCLIPLoader",
+        "CLIPTextEncode",
+        "EmptySD3LatentImage",
+        "VAELoader",
+        "VAEDecode",
+        "SaveImage",
+    }
+    assert standard <= set(by_class)
+
+
+def test_checker_finds_broken_workflows(info: dict) -> None:
+    """The checks above can fail: each kind of damage is reported."""
+    ui = load("flux1_dev_tp4")
+    sampler = next(n for n in ui["nodes"] if n["type"] == "RocmParallelTPSampler")
+    broken = copy.deepcopy(ui)
+    node = next(n for n in broken["nodes"] if n["id"] == sampler["id"])
+    node["inputs"][1]["type"] = "LATENT"  # positive typed wrong
+    node["widgets_values"][3] = "dpmpp_2m"  # a sampler the pack does not offer
+    broken["links"] = [link for link in broken["links"] if link[3] != sampler["id"] or link[4] != 2]
+    assert check_ui(broken, info) == [
+        f"node {sampler['id']} RocmParallelTPSampler.positive is typed LATENT, the node takes CONDITIONING",
+        f"node {sampler['id']} RocmParallelTPSampler.latent_image: link "
+        f"{node['inputs'][2]['link']} is not in the links table",
+        f"node {sampler['id']} RocmParallelTPSampler: required input 'latent_image' is not connected",
+        f"node {sampler['id']} RocmParallelTPSampler.sampler_name='dpmpp_2m': not one of ['euler']",
+    ]
+    api = load("flux1_dev_ring2", api=True)
+    ring_id = next(k for k, v in api.items() if v["class_type"] == "RocmParallelRingSampler")
+    api[ring_id]["inputs"]["positive"] = ["4", 0]  # the empty latent, not a CONDITIONING
+    api[ring_id]["inputs"]["ring_degree"] = -1
+    del api[ring_id]["inputs"]["seed"]
+    api["99"] = {"class_type": "KSamplerTurbo", "inputs": {}}
+    assert check_api(api, info) == [
+        f"node {ring_id} RocmParallelRingSampler.positive takes CONDITIONING, linked to LATENT",
+        f"node {ring_id} RocmParallelRingSampler: required input 'seed' missing",
+        f"node {ring_id} RocmParallelRingSampler.ring_degree=-1: outside [0, 64]",
+        "node type 'KSamplerTurbo' is neither a pack node nor a known core node",
+    ]

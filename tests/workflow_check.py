@@ -1,0 +1,219 @@
+"""Check ComfyUI workflows (UI format and API format) against node specs in /object_info's shape.
+
+The specs come from the pack's own node classes (`pack_object_info`) plus either the hard-coded core
+nodes in tests/data/comfy_core_nodes.json (CI) or a live ComfyUI's /object_info (tests/comfy).
+Every check returns a list of error strings, empty when the workflow is valid.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+CORE_NODES = Path(__file__).parent / "data" / "comfy_core_nodes.json"
+WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN")
+# Inputs whose choices are the user's own model files: any file name is valid in a shared workflow.
+MODEL_FILE_INPUTS = {
+    ("DualCLIPLoader", "clip_name1"),
+    ("DualCLIPLoader", "clip_name2"),
+    ("VAELoader", "vae_name"),
+    ("RocmParallelLoader", "checkpoint"),
+}
+
+
+def core_object_info() -> dict[str, Any]:
+    data = json.loads(CORE_NODES.read_text())
+    data.pop("_source")
+    return data
+
+
+def pack_object_info(mappings: dict[str, type]) -> dict[str, Any]:
+    """What ComfyUI's /object_info reports for V1 nodes: INPUT_TYPES and RETURN_TYPES."""
+    return {
+        name: {"input": cls.INPUT_TYPES(), "output": list(cls.RETURN_TYPES)} for name, cls in mappings.items()
+    }
+
+
+def input_kind(spec: Any) -> tuple[str, dict[str, Any]]:
+    """('COMBO', {'options': [...]}) or (type, options) from one /object_info input spec."""
+    head = spec[0]
+    options = dict(spec[1]) if len(spec) > 1 and isinstance(spec[1], dict) else {}
+    if isinstance(head, list):  # V1 combo: the choices themselves
+        return "COMBO", {**options, "options": head}
+    return head, options
+
+
+def inputs_of(info: dict[str, Any], class_type: str) -> dict[str, tuple[str, dict[str, Any], bool]]:
+    """name -> (type, options, required), in widget order (required first)."""
+    spec = info[class_type]["input"]
+    out = {}
+    for section in ("required", "optional"):
+        for name, value in spec.get(section, {}).items():
+            kind, options = input_kind(value)
+            out[name] = (kind, options, section == "required")
+    return out
+
+
+def is_widget(kind: str) -> bool:
+    return kind in WIDGET_TYPES or kind == "COMBO"
+
+
+def check_value(class_type: str, name: str, kind: str, options: dict[str, Any], value: Any) -> str | None:
+    where = f"{class_type}.{name}={value!r}"
+    if kind == "COMBO":
+        if (class_type, name) in MODEL_FILE_INPUTS:
+            return None if isinstance(value, str) and value else f"{where}: not a file name"
+        return None if value in options["options"] else f"{where}: not one of {options['options']}"
+    if kind == "INT" and (not isinstance(value, int) or isinstance(value, bool)):
+        return f"{where}: not an INT"
+    if kind == "FLOAT" and not isinstance(value, (int, float)):
+        return f"{where}: not a FLOAT"
+    if kind == "STRING" and not isinstance(value, str):
+        return f"{where}: not a STRING"
+    if kind in ("INT", "FLOAT"):
+        if ("min" in options and value < options["min"]) or ("max" in options and value > options["max"]):
+            return f"{where}: outside [{options.get('min')}, {options.get('max')}]"
+    return None
+
+
+def _unknown(info: dict[str, Any], class_type: str) -> str | None:
+    return (
+        None
+        if class_type in info
+        else f"node type {class_type!r} is neither a pack node nor a known core node"
+    )
+
+
+def check_api(prompt: dict[str, Any], info: dict[str, Any]) -> list[str]:
+    """An API-format prompt, as POST /prompt takes it."""
+    errors = []
+    for node_id, node in prompt.items():
+        class_type = node["class_type"]
+        if (err := _unknown(info, class_type)) is not None:
+            errors.append(err)
+            continue
+        spec = inputs_of(info, class_type)
+        given = node["inputs"]
+        errors += [f"node {node_id} {class_type}: unknown input {k!r}" for k in given if k not in spec]
+        for name, (kind, options, required) in spec.items():
+            if name not in given:
+                if required:
+                    errors.append(f"node {node_id} {class_type}: required input {name!r} missing")
+                continue
+            value = given[name]
+            if isinstance(value, list) and len(value) == 2 and isinstance(value[0], str):
+                source = prompt.get(value[0])
+                if source is None:
+                    errors.append(f"node {node_id} {class_type}.{name} links to missing node {value[0]}")
+                    continue
+                outputs = info[source["class_type"]]["output"]
+                if value[1] >= len(outputs) or outputs[value[1]] != kind:
+                    got = outputs[value[1]] if value[1] < len(outputs) else "nothing"
+                    errors.append(f"node {node_id} {class_type}.{name} takes {kind}, linked to {got}")
+            elif not is_widget(kind):
+                errors.append(f"node {node_id} {class_type}.{name} takes {kind} and must be linked")
+            elif (err := check_value(class_type, name, kind, options, value)) is not None:
+                errors.append(f"node {node_id} {err}")
+    return errors
+
+
+def widget_names(spec: dict[str, tuple[str, dict[str, Any], bool]], linked: set[str]) -> list[str]:
+    """The order of a UI node's widgets_values; a seed-like INT has a 'control after generate' value next."""
+    names = []
+    for name, (kind, options, _) in spec.items():
+        if is_widget(kind) and name not in linked:
+            names.append(name)
+            if options.get("control_after_generate"):
+                names.append(f"{name}:control_after_generate")
+    return names
+
+
+def check_ui(workflow: dict[str, Any], info: dict[str, Any]) -> list[str]:
+    """A UI-format workflow, as people drag it in: nodes, links table, widget values."""
+    errors = []
+    nodes = {n["id"]: n for n in workflow["nodes"]}
+    links = {link[0]: link for link in workflow["links"]}
+    for node in workflow["nodes"]:
+        class_type, nid = node["type"], node["id"]
+        if (err := _unknown(info, class_type)) is not None:
+            errors.append(err)
+            continue
+        spec = inputs_of(info, class_type)
+        linked = set()
+        for slot, socket in enumerate(node.get("inputs", [])):
+            name = socket["name"]
+            if name not in spec:
+                errors.append(f"node {nid} {class_type}: unknown input {name!r}")
+                continue
+            kind = spec[name][0]
+            if socket["type"] != kind:
+                errors.append(
+                    f"node {nid} {class_type}.{name} is typed {socket['type']}, the node takes {kind}"
+                )
+            if socket.get("link") is None:
+                continue
+            link = links.get(socket["link"])
+            if link is None:
+                errors.append(
+                    f"node {nid} {class_type}.{name}: link {socket['link']} is not in the links table"
+                )
+                continue
+            linked.add(name)
+            _, src, src_slot, dst, dst_slot, link_type = link
+            source = nodes.get(src)
+            out_types = info[source["type"]]["output"] if source and source["type"] in info else []
+            if (dst, dst_slot) != (nid, slot):
+                errors.append(
+                    f"link {link[0]} ends at node {dst} slot {dst_slot}, not node {nid} slot {slot}"
+                )
+            if (
+                source is None
+                or src_slot >= len(out_types)
+                or out_types[src_slot] != kind
+                or link_type != kind
+            ):
+                errors.append(
+                    f"link {link[0]} into {class_type}.{name} ({kind}) comes from a {link_type} output"
+                )
+            elif link[0] not in source["outputs"][src_slot]["links"]:
+                errors.append(f"link {link[0]} is missing from node {src}'s output {src_slot} links")
+        missing = [n for n, (k, _, req) in spec.items() if req and not is_widget(k) and n not in linked]
+        errors += [f"node {nid} {class_type}: required input {n!r} is not connected" for n in missing]
+        names = widget_names(spec, linked)
+        values = node.get("widgets_values", [])
+        if len(values) != len(names):
+            errors.append(f"node {nid} {class_type}: {len(values)} widget values for widgets {names}")
+            continue
+        for name, value in zip(names, values, strict=True):
+            if name.endswith(":control_after_generate"):
+                if value not in ("fixed", "increment", "decrement", "randomize"):
+                    errors.append(f"node {nid} {class_type}.{name}={value!r}")
+                continue
+            kind, options, _ = spec[name]
+            if (err := check_value(class_type, name, kind, options, value)) is not None:
+                errors.append(f"node {nid} {err}")
+    for link in workflow["links"]:
+        if link[3] not in nodes or link[1] not in nodes:
+            errors.append(f"link {link[0]} joins a node that does not exist")
+    return errors
+
+
+def ui_to_api(workflow: dict[str, Any], info: dict[str, Any]) -> dict[str, Any]:
+    """The API prompt a UI workflow stands for (what the frontend queues), for comparing the two files."""
+    links = {link[0]: link for link in workflow["links"]}
+    prompt = {}
+    for node in workflow["nodes"]:
+        spec = inputs_of(info, node["type"])
+        inputs: dict[str, Any] = {}
+        linked = {s["name"] for s in node.get("inputs", []) if s.get("link") is not None}
+        names = widget_names(spec, linked)
+        for name, value in zip(names, node.get("widgets_values", []), strict=True):
+            if ":" not in name:
+                inputs[name] = value
+        for socket in node.get("inputs", []):
+            if socket.get("link") is not None:
+                link = links[socket["link"]]
+                inputs[socket["name"]] = [str(link[1]), link[2]]
+        prompt[str(node["id"])] = {"class_type": node["type"], "inputs": inputs}
+    return prompt
