@@ -138,6 +138,10 @@ class WorkerGroup:
         )
         if self.threads:
             env.update(RP_THREADS=str(self.threads), OMP_NUM_THREADS=str(self.threads))
+        if self.devices[0].startswith("cuda"):
+            # RDNA3 (RX 7000) gets flash SDPA from AOTriton only with this set before torch starts; on
+            # officially supported GPUs (MI300X) and on NVIDIA it changes nothing. A user's value wins.
+            env.setdefault("TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL", "1")
         return env
 
     def _start(self) -> None:
