@@ -19,11 +19,12 @@ from typing import Any
 import torch
 
 from .client import ProgressCallback, WorkerGroup, validate_devices
-from .config import ConfigError, ParallelLayout
-from .flux.load import CheckpointInfo, inspect_checkpoint
+from .config import ConfigError, FluxDims, ParallelLayout
+from .flux.load import CheckpointInfo, inspect_checkpoint, resolve_dtype
 from .flux.sampling import SamplingPlan, plan_sampling
+from .plan import Choice, Link, Setup, choose
 
-LAYOUTS = ("tp", "context")
+LAYOUTS = ("tp", "context", "auto")
 
 
 def default_devices() -> list[str]:
@@ -33,11 +34,23 @@ def default_devices() -> list[str]:
 
 
 def make_layout(
-    kind: str | ParallelLayout, devices: int, ring: int | None = None, ulysses: int | None = None
+    kind: str | ParallelLayout,
+    devices: int,
+    ring: int | None = None,
+    ulysses: int | None = None,
+    setup: Setup | None = None,
 ) -> ParallelLayout:
-    """'tp' → all devices shard the weights; 'context' → ring x Ulysses = devices (ring by default)."""
+    """'tp' → all devices shard the weights; 'context' → ring x Ulysses = devices (ring by default);
+    'auto' → the planner's choice for `setup` (see ParallelFlux.auto_layout, which also explains it)."""
     if isinstance(kind, ParallelLayout):
         return kind
+    if kind == "auto":
+        if setup is None:
+            raise ConfigError(
+                "layout='auto' needs the model, image size and device memory; "
+                "use ParallelFlux.auto_layout(...) or pass setup=plan.Setup(...)"
+            )
+        return choose(setup).layout
     if kind == "tp":
         return ParallelLayout(tp=devices)
     if kind == "context":
@@ -97,6 +110,8 @@ class ParallelFlux:
         self._group: WorkerGroup | None = group
         self.resident: Resident | None = None
         self._loaded_in: WorkerGroup | None = None
+        self.auto_choice: Choice | None = None  # the latest 'auto' decision; .explanation for the node
+        self._machine: tuple[WorkerGroup, dict[str, Any]] | None = None
 
     # ------------------------------------------------------------------ group
 
@@ -128,6 +143,37 @@ class ParallelFlux:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # ------------------------------------------------------------------ auto
+
+    def machine(self) -> dict[str, Any]:
+        """Link bandwidth/latency, device TFLOPS and memory, measured once per worker group (probe.py)."""
+        group = self.group
+        if self._machine is None or self._machine[0] is not group:
+            reports = group.call_all("measure_link")
+            first = reports[0]
+            self._machine = (group, {**first, "memory_bytes": min(r["memory_bytes"] for r in reports)})
+        return self._machine[1]
+
+    def auto_layout(
+        self, dims: FluxDims, width: int = 1024, height: int = 1024, batch: int = 1, dtype: str | None = None
+    ) -> Choice:
+        """The planner's layout for this image on these devices; `.explanation` is one line for the node."""
+        m = self.machine()
+        cpu = self.devices[0].startswith("cpu")
+        link = Link(
+            m.get("gbps", 1.0),
+            m.get("latency_us", 0.0),
+            measured="gbps" in m,
+            name="gloo (CPU)" if cpu else "link",
+        )
+        compute = str(resolve_dtype(dtype, self.devices[0])).removeprefix("torch.")
+        setup = Setup(
+            dims, width, height, batch, dtype=compute, devices=len(self.devices),
+            memory_gb=m["memory_bytes"] / 1e9, link=link, tflops=m["tflops"],
+        )  # fmt: skip
+        self.auto_choice = choose(setup)
+        return self.auto_choice
+
     # ------------------------------------------------------------------ model
 
     def load(
@@ -141,11 +187,14 @@ class ParallelFlux:
         attention: str | None = None,
         timeout: float | None = None,
     ) -> list[dict[str, Any]]:
-        """Make `checkpoint` resident in `layout` ('tp' or 'context'); reuses what is already there.
+        """Make `checkpoint` resident in `layout` ('tp', 'context' or 'auto'); reuses what is already there.
 
+        'auto' plans for a 1024x1024 image; `sample(layout='auto')` re-plans for the latent's size.
         Returns each rank's status (device, parameter bytes, memory).
         """
         info = inspect_checkpoint(checkpoint)
+        if layout == "auto":
+            layout = self.auto_layout(info.dims, dtype=dtype).layout
         parallel = make_layout(layout, len(self.devices), ring, ulysses)
         parallel.validate(info.dims, devices=len(self.devices))
         self.resident = Resident(str(checkpoint), info, parallel, dtype, attention)
@@ -202,6 +251,9 @@ class ParallelFlux:
         """
         if self.resident is None:
             raise ConfigError("no checkpoint is loaded; call load(checkpoint) first")
+        if layout == "auto" and isinstance(latent, dict) and "samples" in latent:
+            b, _, h, w = latent["samples"].shape
+            layout = self.auto_layout(self.resident.info.dims, w * 8, h * 8, b, self.resident.dtype).layout
         if layout is not None:
             wanted = make_layout(layout, len(self.devices), ring, ulysses)
             if wanted != self.resident.layout:

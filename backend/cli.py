@@ -1,9 +1,10 @@
-"""Command line: `python -m rocm_parallel demo | bench <name>`."""
+"""Command line: `python -m rocm_parallel demo | plan | bench <name>`."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 from collections.abc import Sequence
 
@@ -17,6 +18,7 @@ def _parser() -> argparse.ArgumentParser:
     from . import demo as demo_module
 
     demo_module.add_arguments(demo)
+    _add_plan_arguments(sub.add_parser("plan", help="per-GPU memory, bytes moved and step time per layout"))
     bench = sub.add_parser("bench", help="run a benchmark and print its table")
     names = bench.add_subparsers(dest="bench", required=True)
     for name, help_text in BENCHMARKS.items():
@@ -25,8 +27,61 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", choices=("dev", "schnell"), default="dev", help="FLUX.1 variant")
+    parser.add_argument("--size", default="1024", help="image size in pixels: 1024 or WIDTHxHEIGHT")
+    parser.add_argument("--batch", type=int, default=1, help="images per step")
+    parser.add_argument("--text-tokens", type=int, default=256, help="T5 tokens (ComfyUI pads to 256)")
+    parser.add_argument("--devices", type=int, default=2, help="number of GPUs")
+    parser.add_argument("--memory-gb", type=float, default=24.0, help="memory of one GPU in GB")
+    parser.add_argument(
+        "--link-gbps", type=float, default=24.0, help="per-GPU bus bandwidth in GB/s (PCIe 4.0 x16: ~24)"
+    )
+    parser.add_argument("--latency-us", type=float, default=30.0, help="latency of one collective in µs")
+    parser.add_argument("--tflops", type=float, default=100.0, help="sustained TFLOPS of one GPU")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from .config import ConfigError, FluxDims
+    from .flux.model import FLUX_DEV, FLUX_SCHNELL
+    from .plan import Link, Setup, choose, format_table, plan
+
+    width, _, height = args.size.partition("x")
+    try:
+        setup = Setup(
+            FluxDims.from_diffusers_config(FLUX_DEV if args.model == "dev" else FLUX_SCHNELL),
+            width=int(width), height=int(height or width), batch=args.batch, text_tokens=args.text_tokens,
+            dtype=args.dtype, devices=args.devices, memory_gb=args.memory_gb,
+            link=Link(args.link_gbps, args.latency_us, name="link"), tflops=args.tflops,
+        )  # fmt: skip
+        estimates = plan(setup)
+    except (ConfigError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        choice, problem = choose(setup), None
+    except ConfigError as exc:
+        choice, problem = None, str(exc)
+    if args.json:
+        print(json.dumps({
+            "setup": {k: v for k, v in vars(args).items() if k not in ("command", "json")},
+            "layouts": [e.as_dict() for e in estimates],
+            "auto": None if choice is None else {"layout": estimates[0].name, "explanation": choice.explanation},
+            "error": problem,
+        }, indent=2))  # fmt: skip
+    else:
+        print(format_table(setup, estimates))
+        print()
+        print(choice.explanation if choice is not None else f"auto: {problem}")
+    return 0 if choice is not None else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "plan":
+        return _run_plan(args)
     if args.command == "demo":
         from . import demo
 

@@ -117,7 +117,7 @@ def _call(ctx: WorkerContext, target: str, kwargs: dict[str, Any] | None = None)
 
 def _load_builtin_methods() -> None:
     # Modules that register handlers with @handler; imported here so a worker knows every method.
-    for module in ("methods", "jobs"):
+    for module in ("methods", "jobs", "probe"):
         importlib.import_module(f"{__package__}.{module}")
 
 

@@ -8,4 +8,6 @@ BENCHMARKS = {
     "tp": "tensor parallelism: per-rank bytes, collectives, one-rank compute time",
     "load": "checkpoint loading: peak host memory per rank, sharded loader vs a naive full load",
     "cp": "context parallelism (ring / Ulysses / hybrid): activations and bytes per GPU, one-rank compute",
+    "planner": "the planner's weights, activations and collectives vs the engine on the meta device",
+    "scaling": "sampling steps on 1, 2, 4 CPU workers: latency, time per step, peak memory per worker",
 }
