@@ -155,9 +155,18 @@ class ParallelFlux:
         return self._machine[1]
 
     def auto_layout(
-        self, dims: FluxDims, width: int = 1024, height: int = 1024, batch: int = 1, dtype: str | None = None
+        self,
+        dims: FluxDims,
+        width: int = 1024,
+        height: int = 1024,
+        batch: int = 1,
+        dtype: str | None = None,
+        context_only: bool = False,
     ) -> Choice:
-        """The planner's layout for this image on these devices; `.explanation` is one line for the node."""
+        """The planner's layout for this image on these devices; `.explanation` is one line for the node.
+
+        `context_only` chooses among ring x Ulysses splits only (the Ring Attention Sampler's auto).
+        """
         m = self.machine()
         cpu = self.devices[0].startswith("cpu")
         link = Link(
@@ -171,7 +180,7 @@ class ParallelFlux:
             dims, width, height, batch, dtype=compute, devices=len(self.devices),
             memory_gb=m["memory_bytes"] / 1e9, link=link, tflops=m["tflops"],
         )  # fmt: skip
-        self.auto_choice = choose(setup)
+        self.auto_choice = choose(setup, allow=(lambda lay: lay.tp == 1) if context_only else None)
         return self.auto_choice
 
     # ------------------------------------------------------------------ model

@@ -25,6 +25,7 @@ that needs a device, so the client can plan before any worker starts.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -522,12 +523,13 @@ def _gb(n: float) -> str:
     return f"{n / GB:.1f}"
 
 
-def choose(setup: Setup) -> Choice:
+def choose(setup: Setup, allow: Callable[[ParallelLayout], bool] | None = None) -> Choice:
     """The feasible layout with the lowest predicted step time, with a one-line reason.
 
+    `allow` restricts the candidates (the Ring Attention Sampler offers only context layouts).
     Raises ConfigError naming what would fit when nothing does.
     """
-    estimates = plan(setup)
+    estimates = [e for e in plan(setup) if allow is None or allow(e.layout)]
     best = estimates[0]
     if not best.fits:
         raise ConfigError(_nothing_fits(setup, estimates))

@@ -131,7 +131,8 @@ class RocmParallelLoader:
                     {
                         "default": "none",
                         "tooltip": "Load the weights now in this layout (tp = tensor parallel, context = ring "
-                        "attention), or 'none' to load them when a sampler first runs.",
+                        "attention, auto = the planner's choice for these GPUs and a 1024x1024 image, "
+                        "explained on the node), or 'none' to load them when a sampler first runs.",
                     },
                 ),
             }
@@ -242,7 +243,11 @@ class RocmParallelRingSampler(_ParallelSampler):
         required = _sampler_inputs()
         required["ring_degree"] = (
             "INT",
-            {**degree, "tooltip": "Devices passing keys/values around a ring; 0 = auto (fill the rest)."},
+            {
+                **degree,
+                "tooltip": "Devices passing keys/values around a ring; 0 = fill the rest. Both degrees 0 = "
+                "auto: the planner picks the split for this image and the measured link, and says why.",
+            },
         )
         required["ulysses_degree"] = (
             "INT",

@@ -27,7 +27,7 @@ CATEGORY = "ROCm Parallel"
 
 DEVICES_ALL = "all"
 DTYPES = ("default", "bfloat16", "float16", "float32")
-PRELOAD_LAYOUTS = ("none", "tp", "context")
+PRELOAD_LAYOUTS = ("none", "tp", "context", "auto")
 # Only ComfyUI's euler / simple are implemented by the backend; offering more would be a lie.
 SAMPLERS = ("euler",)
 SCHEDULERS = ("simple",)
@@ -93,14 +93,17 @@ def tp_layout(devices: int) -> ParallelLayout:
     return ParallelLayout(tp=devices)
 
 
-def context_layout(ring: int, ulysses: int, devices: int) -> ParallelLayout:
-    """Ring x Ulysses degrees with 0 meaning 'fill the rest'; their product must be the device count."""
+def context_layout(ring: int, ulysses: int, devices: int) -> ParallelLayout | None:
+    """Ring x Ulysses degrees with 0 meaning 'fill the rest'; their product must be the device count.
+
+    Both 0 is `None`: the planner picks the split for the image being sampled (see `sample`).
+    """
     for name, value in (("ring_degree", ring), ("ulysses_degree", ulysses)):
         if value < 0:
             raise ConfigError(f"{name}={value} must be 0 (auto) or a positive integer")
     if ring == 0 and ulysses == 0:
-        ring, ulysses = devices, 1
-    elif ring == 0 or ulysses == 0:
+        return None
+    if ring == 0 or ulysses == 0:
         given_name, given = ("ulysses_degree", ulysses) if ring == 0 else ("ring_degree", ring)
         if devices % given:
             options = ", ".join(str(d) for d in range(1, devices + 1) if devices % d == 0)
@@ -243,13 +246,36 @@ def load(
         _ = flux.group  # start the workers now, so the first sampler run only loads weights
         registry.update(phase="idle")
         return flux
-    layout = (
-        tp_layout(len(handle.devices))
-        if preload == "tp"
-        else context_layout(ring, ulysses, len(handle.devices))
-    )
+    if preload == "auto":
+        layout = auto_layout(registry, flux, handle, 1024, 1024, 1, context_only=False)
+    elif preload == "tp":
+        layout = tp_layout(len(handle.devices))
+    else:
+        layout = context_layout(ring, ulysses, len(handle.devices)) or ParallelLayout(
+            ring=len(handle.devices)
+        )
     ensure_loaded(registry, flux, handle, layout)
     return flux
+
+
+def auto_layout(
+    registry: Registry,
+    flux: ParallelFlux,
+    handle: ParallelHandle,
+    width: int,
+    height: int,
+    batch: int,
+    context_only: bool,
+) -> ParallelLayout:
+    """The planner's layout for this image (link and memory measured once per group); its reason is shown."""
+    from ..backend.flux.load import inspect_checkpoint
+
+    resident = flux.resident
+    dims = resident.info.dims if resident is not None and resident.checkpoint == handle.checkpoint else None
+    dims = dims or inspect_checkpoint(handle.checkpoint).dims
+    choice = flux.auto_layout(dims, width, height, batch, handle.dtype, context_only=context_only)
+    registry.update(auto=choice.explanation)
+    return choice.layout
 
 
 def ensure_loaded(
@@ -264,7 +290,7 @@ def ensure_loaded(
 def sample(
     registry: Registry,
     handle: ParallelHandle,
-    layout: ParallelLayout,
+    layout: ParallelLayout | None,
     positive: Any,
     latent: dict[str, Any],
     *,
@@ -274,8 +300,15 @@ def sample(
     sigmas: Any = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
-    """Load in `layout` if needed, then run the whole denoising loop on the workers; a LATENT dict back."""
+    """Load in `layout` if needed, then run the whole denoising loop on the workers; a LATENT dict back.
+
+    `layout=None` lets the planner choose a ring x Ulysses split for this latent's size.
+    """
     flux = registry.flux_for(handle.devices)
+    if layout is None:
+        samples = latent.get("samples") if isinstance(latent, dict) else None
+        b, _, h, w = samples.shape if samples is not None and samples.ndim == 4 else (1, 16, 128, 128)
+        layout = auto_layout(registry, flux, handle, w * 8, h * 8, b, context_only=True)
     ensure_loaded(registry, flux, handle, layout)
 
     def report(step: int, total: int) -> None:
@@ -324,6 +357,8 @@ def format_state(state: dict[str, Any]) -> str:
         if "allocated_gb" in r:
             line += f", {r['allocated_gb']:.2f} / {r.get('total_gb', 0):.2f} GB allocated"
         lines.append(line)
+    if state.get("auto"):
+        lines.append(state["auto"])
     if state.get("error"):
         lines.append(f"last error: {state['error']}")
     return "\n".join(lines)

@@ -130,13 +130,13 @@ def test_loader_rejects_bad_devices_at_queue_time(comfy: FakeComfy) -> None:
 @pytest.mark.parametrize(
     ("ring", "ulysses", "devices", "layout"),
     [
-        (0, 0, 4, ParallelLayout(ring=4)),
+        (0, 0, 4, None),  # auto: the planner picks the split for the image being sampled
         (2, 0, 4, ParallelLayout(ring=2, ulysses=2)),
         (0, 4, 4, ParallelLayout(ring=1, ulysses=4)),
         (1, 2, 2, ParallelLayout(ulysses=2)),
     ],
 )
-def test_context_layout(ring: int, ulysses: int, devices: int, layout: ParallelLayout) -> None:
+def test_context_layout(ring: int, ulysses: int, devices: int, layout: ParallelLayout | None) -> None:
     assert logic.context_layout(ring, ulysses, devices) == layout
 
 
@@ -266,7 +266,18 @@ def test_nodes_sample_like_comfyui(comfy: FakeComfy, shared_registry: Registry, 
     # CPU workers need no GPU memory: ComfyUI's own models stay where they are.
     assert "unload_all_models" not in comfy.calls and "check_interrupt" in comfy.calls
 
-    ring = _sample("RocmParallelRingSampler", handle, ring_degree=0, ulysses_degree=0)
+    auto = _sample("RocmParallelRingSampler", handle, ring_degree=0, ulysses_degree=0)
+    assert (auto - expected).abs().max().item() <= 1e-4
+    state = shared_registry.snapshot()
+    chosen = {
+        "context parallel ring=2 x ulysses=1": "ring=2",
+        "context parallel ring=1 x ulysses=2": "ulysses=2",
+    }
+    assert state["layout"] in chosen  # the planner picked a context layout, never TP, for this sampler
+    assert state["auto"].startswith(f"auto: {chosen[state['layout']]} — fits ")
+    assert "predicted" in state["auto"] and "measured" in state["auto"]
+
+    ring = _sample("RocmParallelRingSampler", handle, ring_degree=2, ulysses_degree=1)
     assert (ring - expected).abs().max().item() <= 1e-4
     assert shared_registry.snapshot()["layout"] == "context parallel ring=2 x ulysses=1"
 
@@ -327,3 +338,21 @@ def test_threads_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.delenv(logic.THREADS_ENV)
     assert logic._default_factory(("cpu",)).threads is None
     assert os.environ.get(logic.THREADS_ENV) is None
+
+
+def test_loader_auto_preload_explains_its_choice(
+    comfy: FakeComfy, shared_registry: Registry, dev_checkpoint: str
+) -> None:
+    NODE_CLASS_MAPPINGS["RocmParallelLoader"]().load(
+        checkpoint=dev_checkpoint, devices="cpu x2", dtype="float32", preload="auto"
+    )
+    state = shared_registry.snapshot()
+    names = {
+        "tensor parallel tp=2": "tp=2",
+        "context parallel ring=2 x ulysses=1": "ring=2",
+        "context parallel ring=1 x ulysses=2": "ulysses=2",
+    }
+    assert state["layout"] in names
+    assert state["auto"].startswith(f"auto: {names[state['layout']]} — fits ")
+    text = NODE_CLASS_MAPPINGS["RocmParallelStatus"]().status(action="report")["result"][0]
+    assert state["auto"] in text
