@@ -76,4 +76,27 @@ class CountCollectives(TorchDispatchMode):
                 payload *= int(args[1])  # functional all-gather: input shard x group size
             self.log.counts[kind] += 1
             self.log.payload_bytes[kind] += payload
+            return _waited(namespace, func(*args, **(kwargs or {})))
         return func(*args, **(kwargs or {}))
+
+
+def _waited(namespace: str, out: Any) -> Any:
+    """Wait for a functional collective at once.
+
+    Code run only to be measured or probed (meta tensors, the fake group, the LSE probe's K/V) may never
+    use a collective's result, and torch then keeps its work registered and warns at exit about
+    "unwaited collective calls".
+    """
+    if namespace == "_c10d_functional":
+        torch.ops._c10d_functional.wait_tensor(out)
+    return out
+
+
+class WaitCollectives(TorchDispatchMode):
+    """`with WaitCollectives(): ...` waits for every functional collective as soon as it is issued."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func._overloadpacket.__name__ != "wait_tensor":
+            return _waited(getattr(func, "namespace", ""), out)
+        return out

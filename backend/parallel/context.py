@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import ConfigError, FluxDims, ParallelLayout
+from .comm import WaitCollectives
 from .lse import ANY, guard_forward_op, probe_merge_layout, probe_query_shape
 
 ATTENTION_KERNELS = ("cpu_flash", "math", "native_flash", "cudnn", "flash")
@@ -427,7 +428,8 @@ def _probe_ring(model: nn.Module, device: torch.device, state: ContextState) -> 
     def run_ring(op: Callable[..., Any]) -> torch.Tensor:
         return TemplatedRingAttention.apply(q, q, q, None, 0.0, False, None, False, False, op, None, config)
 
-    return probe_merge_layout(run_ring, chunks=state.layout.ring)
+    with WaitCollectives():  # the probe's kernel ignores the gathered K/V: nothing else would wait
+        return probe_merge_layout(run_ring, chunks=state.layout.ring)
 
 
 def _bind(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
