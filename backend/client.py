@@ -138,6 +138,10 @@ class WorkerGroup:
         )
         if self.threads:
             env.update(RP_THREADS=str(self.threads), OMP_NUM_THREADS=str(self.threads))
+        # Every socket on loopback: gloo (CPU) and the NCCL/RCCL bootstrap otherwise listen on the
+        # interface the hostname resolves to. All workers of a group run on this machine anyway.
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        env.setdefault("NCCL_SOCKET_IFNAME", "lo")
         if self.devices[0].startswith("cuda"):
             # RDNA3 (RX 7000) gets flash SDPA from AOTriton only with this set before torch starts; on
             # officially supported GPUs (MI300X) and on NVIDIA it changes nothing. A user's value wins.

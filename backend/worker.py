@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import os
 import pickle
+import socket
 import sys
 import threading
 import time
@@ -148,8 +149,16 @@ def _configure_threads() -> None:
 def _join_group(conn: Connection, rank: int, world_size: int, device: torch.device) -> None:
     timeout = timedelta(seconds=float(os.environ.get("RP_COLLECTIVE_TIMEOUT", "600")))
     if rank == 0:
+        # Bind the store's socket ourselves: TCPStore given a host still listens on every interface.
+        listener = socket.create_server(("127.0.0.1", 0), backlog=128)
         store = dist.TCPStore(
-            "127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False
+            "127.0.0.1",
+            listener.getsockname()[1],
+            world_size,
+            is_master=True,
+            timeout=timeout,
+            wait_for_workers=False,
+            master_listen_fd=listener.fileno(),
         )
         send(conn, {"store_port": store.port})
     else:

@@ -173,3 +173,15 @@ def test_clean_exit_after_a_parallel_forward() -> None:
     for output in group.final_output:
         assert "terminate called" not in output and "Abort" not in output
     assert _gone(group.pids)
+
+
+def test_workers_listen_on_loopback_only(group2: WorkerGroup) -> None:
+    group2.call("ping")
+    listening = [
+        c.laddr.ip
+        for pid in group2.pids
+        for c in psutil.Process(pid).net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    ]
+    assert listening, "a group of two talks over sockets: something must listen"
+    assert all(ip in ("127.0.0.1", "::1") for ip in listening), listening
