@@ -536,10 +536,15 @@ def choose(setup: Setup, allow: Callable[[ParallelLayout], bool] | None = None) 
     others = [e for e in estimates[1:] if e.fits]
     versus = f" vs {others[0].name} {others[0].step_s:.2f} s" if others else ""
     explanation = (
-        f"auto: {best.name} — fits {_gb(best.per_gpu)} of {setup.memory_gb:g} GB per GPU; "
+        f"auto: {best.name} — fits {_gb(best.per_gpu)} of {_capacity(setup.memory_gb)} GB per GPU; "
         f"predicted {best.step_s:.2f} s/step{versus} ({setup.link.describe()})"
     )
     return Choice(best.layout, explanation, estimates)
+
+
+def _capacity(gb: float) -> str:
+    """A device's memory as people say it: 16, 192, 12.6 (measured sizes are not round)."""
+    return f"{gb:.0f}" if gb >= 10 else f"{gb:.1f}"
 
 
 def _nothing_fits(setup: Setup, estimates: list[Estimate]) -> str:
@@ -560,7 +565,7 @@ def _nothing_fits(setup: Setup, estimates: list[Estimate]) -> str:
                 break
     return (
         f"no layout of {setup.devices} device(s) fits {setup.width}x{setup.height} x{setup.batch} in "
-        f"{setup.memory_gb:g} GB per device: the smallest, {smallest.name}, needs {_gb(smallest.per_gpu)} GB "
+        f"{_capacity(setup.memory_gb)} GB per device: the smallest, {smallest.name}, needs {_gb(smallest.per_gpu)} GB "
         f"per GPU ({_gb(smallest.weights)} weights + {_gb(smallest.activations)} activations) and "
         f"{_gb(setup.usable_bytes)} GB are usable ({setup.margin:.0%} kept free); use " + " or ".join(hints)
     )
@@ -581,7 +586,7 @@ def format_table(setup: Setup, estimates: list[Estimate]) -> str:
     head = (
         f"FLUX ({setup.dims.heads} heads x {setup.dims.head_dim}, {setup.dims.double_blocks}+"
         f"{setup.dims.single_blocks} blocks), {setup.dtype}, {setup.width}x{setup.height} x{setup.batch} "
-        f"({setup.tokens} tokens), {setup.devices} device(s) x {setup.memory_gb:g} GB, "
+        f"({setup.tokens} tokens), {setup.devices} device(s) x {_capacity(setup.memory_gb)} GB, "
         f"{setup.link.describe()}, {setup.tflops:g} TFLOPS per device"
     )
     lines = [

@@ -26,7 +26,8 @@ export function panelLines(state, now = Date.now()) {
     `model: ${state.checkpoint || "none loaded"}`,
   ];
   if (state.layout) lines.push(`layout: ${state.layout}`);
-  if (state.auto) lines.push(state.auto);
+  // The planner's one-line reason, split at "; " so it fits the node's width.
+  if (state.auto) lines.push(...state.auto.split("; "));
   for (const r of state.ranks || []) {
     let line = `rank ${r.rank} ${r.device}: ${size(r.parameter_bytes || 0)} weights`;
     if (r.total_gb) line += `, ${r.allocated_gb.toFixed(2)}/${r.total_gb.toFixed(1)} GB used`;

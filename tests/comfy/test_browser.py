@@ -151,5 +151,8 @@ def test_panel_shows_the_worker_group(comfy: Comfy) -> None:
     assert lines[0] == "2 workers: cpu, cpu (idle)"
     assert lines[1] == "model: tiny-flux-dev.safetensors"
     assert lines[2] in ("layout: tensor parallel tp=2", "layout: context parallel ring=2 x ulysses=1")
-    assert [line.split(":")[0] for line in lines[3:5]] == ["rank 0 cpu", "rank 1 cpu"]
+    # the prompt's Ring Attention Sampler has degrees 0/0: the planner chose, and the panel says why
+    assert lines[3].startswith("auto: ") and " — fits " in lines[3]
+    assert lines[4].startswith("predicted ") and "measured" in lines[4]
+    assert [line.split(":")[0] for line in lines[5:7]] == ["rank 0 cpu", "rank 1 cpu"]
     assert (shots / "loader_panel.png").stat().st_size > 10_000
