@@ -544,7 +544,9 @@ def choose(setup: Setup, allow: Callable[[ParallelLayout], bool] | None = None) 
 
 def _capacity(gb: float) -> str:
     """A device's memory as people say it: 16, 192, 12.6 (measured sizes are not round)."""
-    return f"{gb:.0f}" if gb >= 10 else f"{gb:.1f}"
+    if gb == round(gb) or gb >= 100:
+        return f"{gb:.0f}"
+    return f"{gb:.1f}"
 
 
 def _nothing_fits(setup: Setup, estimates: list[Estimate]) -> str:
