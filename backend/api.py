@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .client import ProgressCallback, WorkerGroup, validate_devices
-from .config import ConfigError, FluxDims, ParallelLayout
+from .config import ConfigError, FluxDims, ParallelLayout, split_context
 from .flux.load import CheckpointInfo, inspect_checkpoint, resolve_dtype
 from .flux.sampling import SamplingPlan, plan_sampling
 from .plan import Choice, Link, Setup, choose
@@ -40,7 +40,8 @@ def make_layout(
     ulysses: int | None = None,
     setup: Setup | None = None,
 ) -> ParallelLayout:
-    """'tp' → all devices shard the weights; 'context' → ring x Ulysses = devices (ring by default);
+    """'tp' → all devices shard the weights; 'context' → ring x Ulysses = devices (None or 0 fills the
+    rest; ring by default);
     'auto' → the planner's choice for `setup` (see ParallelFlux.auto_layout, which also explains it)."""
     if isinstance(kind, ParallelLayout):
         return kind
@@ -54,18 +55,7 @@ def make_layout(
     if kind == "tp":
         return ParallelLayout(tp=devices)
     if kind == "context":
-        if ring is None and ulysses is None:
-            ring, ulysses = devices, 1
-        elif ring is None:
-            ring = devices // ulysses if ulysses and devices % ulysses == 0 else 0
-        elif ulysses is None:
-            ulysses = devices // ring if ring and devices % ring == 0 else 0
-        if not ring or not ulysses or ring * ulysses != devices:
-            raise ConfigError(
-                f"ring_degree={ring} x ulysses_degree={ulysses} must equal the {devices} devices; "
-                f"e.g. ring_degree={devices}, ulysses_degree=1"
-            )
-        return ParallelLayout(ring=ring, ulysses=ulysses)
+        return split_context(ring or 0, ulysses or 0, devices)
     raise ConfigError(f"layout={kind!r} is not known; use one of {', '.join(LAYOUTS)}")
 
 

@@ -140,3 +140,31 @@ class ParallelLayout:
                 f"ulysses={self.ulysses} = {degree} devices: each needs at least one image token "
                 f"(16x16 pixels); use an image of at least {degree} tokens or fewer devices"
             )
+
+
+def split_context(ring: int, ulysses: int, devices: int) -> ParallelLayout:
+    """Ring x Ulysses degrees with 0 meaning 'fill the rest' (both 0: all ring); product = device count.
+
+    Shared by the Python API and the Ring Attention Sampler node, so both read degrees the same way.
+    """
+    for name, value in (("ring_degree", ring), ("ulysses_degree", ulysses)):
+        if value < 0:
+            raise ConfigError(f"{name}={value} must be 0 (auto) or a positive integer")
+    if ring == 0 and ulysses == 0:
+        ring, ulysses = devices, 1
+    elif ring == 0 or ulysses == 0:
+        given_name, given = ("ulysses_degree", ulysses) if ring == 0 else ("ring_degree", ring)
+        if devices % given:
+            options = ", ".join(str(d) for d in range(1, devices + 1) if devices % d == 0)
+            raise ConfigError(
+                f"{given_name}={given} does not divide the {devices} devices, so the other degree cannot "
+                f"fill the rest; use one of {options}"
+            )
+        rest = devices // given
+        ring, ulysses = (rest, ulysses) if ring == 0 else (ring, rest)
+    if ring * ulysses != devices:
+        raise ConfigError(
+            f"ring_degree={ring} x ulysses_degree={ulysses} = {ring * ulysses} but the loader has "
+            f"{devices} devices; make the product {devices}, or set one degree to 0 (auto)"
+        )
+    return ParallelLayout(ring=ring, ulysses=ulysses)

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..backend.config import ConfigError, ParallelLayout
+from ..backend.config import ConfigError, ParallelLayout, split_context
 
 if TYPE_CHECKING:
     from ..backend.api import ParallelFlux
@@ -94,31 +94,11 @@ def tp_layout(devices: int) -> ParallelLayout:
 
 
 def context_layout(ring: int, ulysses: int, devices: int) -> ParallelLayout | None:
-    """Ring x Ulysses degrees with 0 meaning 'fill the rest'; their product must be the device count.
-
-    Both 0 is `None`: the planner picks the split for the image being sampled (see `sample`).
-    """
-    for name, value in (("ring_degree", ring), ("ulysses_degree", ulysses)):
-        if value < 0:
-            raise ConfigError(f"{name}={value} must be 0 (auto) or a positive integer")
+    """The Ring Attention Sampler's degrees: 0 fills the rest; both 0 is `None`, the planner's choice
+    for the image being sampled (see `sample`)."""
     if ring == 0 and ulysses == 0:
         return None
-    if ring == 0 or ulysses == 0:
-        given_name, given = ("ulysses_degree", ulysses) if ring == 0 else ("ring_degree", ring)
-        if devices % given:
-            options = ", ".join(str(d) for d in range(1, devices + 1) if devices % d == 0)
-            raise ConfigError(
-                f"{given_name}={given} does not divide the {devices} devices, so the other degree cannot "
-                f"fill the rest; use one of {options}"
-            )
-        rest = devices // given
-        ring, ulysses = (rest, ulysses) if ring == 0 else (ring, rest)
-    if ring * ulysses != devices:
-        raise ConfigError(
-            f"ring_degree={ring} x ulysses_degree={ulysses} = {ring * ulysses} but the loader has "
-            f"{devices} devices; make the product {devices}, or set one degree to 0 (auto)"
-        )
-    return ParallelLayout(ring=ring, ulysses=ulysses)
+    return split_context(ring, ulysses, devices)
 
 
 def describe_layout(layout: ParallelLayout) -> str:
@@ -251,9 +231,7 @@ def load(
     elif preload == "tp":
         layout = tp_layout(len(handle.devices))
     else:
-        layout = context_layout(ring, ulysses, len(handle.devices)) or ParallelLayout(
-            ring=len(handle.devices)
-        )
+        layout = split_context(ring, ulysses, len(handle.devices))
     ensure_loaded(registry, flux, handle, layout)
     return flux
 
