@@ -102,11 +102,15 @@ class WorkerGroup:
         threads: int | None = None,
         start_timeout: float = 300.0,
         extra_sys_path: Sequence[str] = (),
+        methods: Sequence[str] = (),
         env: dict[str, str] | None = None,
     ) -> None:
+        """`methods` names extra modules each worker imports at start (found on `extra_sys_path` or in
+        the pack); their `@worker.handler` functions become callable methods of this group."""
         self.devices = validate_devices(devices)
         self.threads, self.start_timeout = threads, start_timeout
         self._extra_sys_path, self._env = tuple(extra_sys_path), dict(env or {})
+        self._methods = tuple(methods)
         self._procs: list[subprocess.Popen[bytes]] = []
         self._conns: list[Connection] = []
         self._tmp: str | None = None
@@ -134,6 +138,7 @@ class WorkerGroup:
             RP_ADDRESS=address,
             RP_SHM_DIR=self._shm,
             RP_EXTRA_SYS_PATH=os.pathsep.join(self._extra_sys_path),
+            RP_METHODS=",".join(self._methods),
             PYTHONUNBUFFERED="1",
         )
         if self.threads:

@@ -109,17 +109,16 @@ def _ping(ctx: WorkerContext) -> dict[str, Any]:
     return {"rank": ctx.rank, "pid": os.getpid(), "device": str(ctx.device), "backend": ctx.backend}
 
 
-@handler("call")
-def _call(ctx: WorkerContext, target: str, kwargs: dict[str, Any] | None = None) -> Any:
-    """Run `package.module:function(ctx, **kwargs)`: scripting and tests (the channel is authenticated)."""
-    module_name, _, function = target.partition(":")
-    return getattr(importlib.import_module(module_name), function)(ctx, **(kwargs or {}))
+def _load_methods() -> None:
+    """Import the modules that register handlers with @handler, so a worker knows every method.
 
-
-def _load_builtin_methods() -> None:
-    # Modules that register handlers with @handler; imported here so a worker knows every method.
+    The built-in ones first, then the modules the group was started with (`WorkerGroup(methods=...)`,
+    e.g. tests' and benchmarks' own methods): product code carries no method that only they use.
+    """
     for module in ("methods", "jobs", "probe"):
         importlib.import_module(f"{__package__}.{module}")
+    for module in filter(None, os.environ.get("RP_METHODS", "").split(",")):
+        importlib.import_module(module)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -241,7 +240,7 @@ def main() -> None:
     conn = Client(os.environ["RP_ADDRESS"], family="AF_UNIX", authkey=key)
     send(conn, {"hello": rank, "pid": os.getpid()})
     _join_group(conn, rank, world_size, device)
-    _load_builtin_methods()
+    _load_methods()
     ctx = WorkerContext(
         rank=rank, world_size=world_size, device=device, conn=conn, shm_dir=os.environ["RP_SHM_DIR"]
     )

@@ -13,6 +13,8 @@ import torch
 from rocm_parallel.backend.client import WorkerGroup
 
 TESTS_DIR = str(Path(__file__).resolve().parent)
+# Test-only worker methods, imported by the workers from tests/ (see WorkerGroup(methods=...)).
+TEST_METHODS = ("worker_jobs", "cp_checks", "load_checks")
 
 # The suite runs several worker processes on a 2-core machine: one thread each keeps them from
 # fighting over cores (and keeps float results reproducible).
@@ -20,7 +22,7 @@ torch.set_num_threads(1)
 
 
 def _start(world_size: int) -> WorkerGroup:
-    return WorkerGroup(["cpu"] * world_size, threads=1, extra_sys_path=[TESTS_DIR])
+    return WorkerGroup(["cpu"] * world_size, threads=1, extra_sys_path=[TESTS_DIR], methods=TEST_METHODS)
 
 
 def _assert_gone(pids: list[int]) -> None:

@@ -1,10 +1,13 @@
-"""Run inside the workers by the context-parallel tests: `group.call("call", target="cp_checks:fn")`."""
+"""Methods the context-parallel tests run inside the workers (`WorkerGroup(methods=["cp_checks"])`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from rocm_parallel.backend.worker import handler
 
+
+@handler("context_state")
 def context_state(ctx: Any) -> dict[str, Any]:
     """What apply_context_parallel chose on this rank: kernel, LSE guard layout, processors installed."""
     model = ctx.state["model"]

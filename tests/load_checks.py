@@ -1,4 +1,4 @@
-"""Functions the test workers run (via the built-in `call` method): load a checkpoint in a real group."""
+"""Methods the loading tests run inside the workers (`WorkerGroup(methods=["load_checks"])`)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,11 @@ from typing import Any
 
 from rocm_parallel.backend.flux.load import load_flux
 from rocm_parallel.backend.parallel.tensor import parameter_bytes
+from rocm_parallel.backend.worker import handler
 
 
-def load(ctx: Any, path: str, dtype: str, tp: int) -> dict[str, Any]:
+@handler("load_shards")
+def load_shards(ctx: Any, path: str, dtype: str, tp: int) -> dict[str, Any]:
     """What a worker will do: load its own shard onto its device and keep it resident for `forward`."""
     ctx.state.pop("model", None)
     ctx.state["model"] = load_flux(path, device=ctx.device, dtype=dtype, tp=tp)

@@ -65,7 +65,7 @@ def test_cp_matches_single_process(groups: WorkerGroup, ring: int, ulysses: int,
     out = groups.call("forward", inputs=inputs)["output"]
     assert out.shape == expected.shape  # rank 0 returns the whole gathered output, padding removed
     assert (out - expected).abs().max().item() <= 1e-5
-    states = groups.call_all("call", target="cp_checks:context_state")
+    states = groups.call_all("context_state")
     for state in states:
         assert state["kernel"] == "cpu_flash"
         assert state["processors"] == ["ContextParallelFluxAttnProcessor"]
