@@ -254,6 +254,23 @@ def test_gguf_and_pickle_are_named(tmp_path: Path) -> None:
     )
 
 
+def test_header_length_starting_with_0x80_is_safetensors_not_a_pickle(tmp_path: Path) -> None:
+    """The 8-byte header length is little-endian: its first byte is 0x80 for 1 file in 32 (8-byte
+    padding), e.g. an 8320-byte header. A pickle's magic byte alone must not reject such a file."""
+    bfl = _contiguous(diffusers_to_bfl(_model().state_dict()))
+    path = tmp_path / "flux-0x80.safetensors"
+    for pad in range(0, 256 * 8):
+        save_file(bfl, str(path), metadata={"note": "x" * pad})
+        if path.read_bytes()[0] == 0x80:
+            break
+    assert path.read_bytes()[0] == 0x80
+    info = inspect_checkpoint(path)
+    model = load_flux(info, device="cpu", dtype="float32")
+    reference = _model().state_dict()
+    assert model.state_dict().keys() == reference.keys()
+    assert all(torch.equal(v, reference[k]) for k, v in model.state_dict().items())
+
+
 def test_unsupported_stored_dtype(tmp_path: Path) -> None:
     bfl = diffusers_to_bfl(build_flux(CONFIG, seed=SEED).state_dict())
     bfl["txt_in.bias"] = bfl["txt_in.bias"].to(torch.float64)

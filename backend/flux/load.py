@@ -118,10 +118,21 @@ def _missing(path: Path) -> CheckpointError:
     )
 
 
+def _starts_like_safetensors(head: bytes, size: int) -> bool:
+    """8-byte little-endian header length that fits the file, then the header's JSON '{'.
+
+    The length's first byte can be anything (0x80 for a 8320-byte header), so a pickle's 0x80 magic
+    alone proves nothing: only a file that is not shaped like safetensors is judged by its magic.
+    """
+    return len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") <= size - 8
+
+
 def _check_file_kind(path: Path) -> None:
     """Recognize the formats people mistake for safetensors by their first bytes."""
     with open(path, "rb") as f:
-        head = f.read(8)
+        head = f.read(9)
+    if _starts_like_safetensors(head, path.stat().st_size):
+        return
     if head[:4] == b"GGUF" or path.suffix.lower() == ".gguf":
         raise CheckpointError(
             f"'{path}' is a GGUF file; this loader reads safetensors. Use a .safetensors FLUX checkpoint "
