@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -80,8 +81,13 @@ class Resident:
 class ParallelFlux:
     """A FLUX transformer spread over several devices, resident in a worker group between jobs.
 
-    A failed job (a worker died, a job hung past its time limit) closes the group; the next call starts a
-    fresh one and loads the same checkpoint again, so a caller never has to clean up.
+    A failed job (a rank failed while its peers waited for it, a worker died, stopped answering or ran
+    past its time limit) closes the group; the next call starts a fresh one and loads the same checkpoint
+    again, so a caller never has to clean up. Every job runs under the group's default watchdog
+    (`client.DEFAULT_WATCHDOG`), so a hung GPU fails the job without the caller passing `timeout`.
+
+    Thread-safe: calls from several threads run one at a time; `status()` never waits for a running
+    job (it answers from the last report, marked busy).
     """
 
     def __init__(
@@ -102,17 +108,22 @@ class ParallelFlux:
         self._loaded_in: WorkerGroup | None = None
         self.auto_choice: Choice | None = None  # the latest 'auto' decision; .explanation for the node
         self._machine: tuple[WorkerGroup, dict[str, Any]] | None = None
+        self._lock = threading.RLock()
+        self._last_status: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ group
 
     @property
     def group(self) -> WorkerGroup:
         """The live worker group, started (again) when needed."""
-        if self._group is None or not self._group.alive:
-            if self._group is not None:
-                self._group.close(timeout=2.0)
-            self._group = WorkerGroup(self.devices, threads=self.threads, start_timeout=self.start_timeout)
-        return self._group
+        with self._lock:
+            if self._group is None or not self._group.alive:
+                if self._group is not None:
+                    self._group.close(timeout=2.0)
+                self._group = WorkerGroup(
+                    self.devices, threads=self.threads, start_timeout=self.start_timeout
+                )
+            return self._group
 
     def start(self) -> WorkerGroup:
         """Start the workers now (otherwise the first load does)."""
@@ -123,9 +134,10 @@ class ParallelFlux:
         return self._group is not None and self._group.alive
 
     def close(self) -> None:
-        if self._group is not None:
-            self._group.close()
-        self._group, self._loaded_in = None, None
+        with self._lock:
+            if self._group is not None:
+                self._group.close()
+            self._group, self._loaded_in = None, None
 
     def __enter__(self) -> ParallelFlux:
         return self
@@ -184,48 +196,106 @@ class ParallelFlux:
         ulysses: int | None = None,
         dtype: str | None = None,
         attention: str | None = None,
+        progress: ProgressCallback | None = None,
         timeout: float | None = None,
     ) -> list[dict[str, Any]]:
         """Make `checkpoint` resident in `layout` ('tp', 'context' or 'auto'); reuses what is already there.
 
         'auto' plans for a 1024x1024 image; `sample(layout='auto')` re-plans for the latent's size.
-        Returns each rank's status (device, parameter bytes, memory).
+        `progress(done, total)` runs as the tensors arrive; raising from it stops the load between
+        tensors on every rank (nothing stays resident then). Returns each rank's status (device,
+        parameter bytes, memory).
         """
         info = inspect_checkpoint(checkpoint)
-        if layout == "auto":
-            layout = self.auto_layout(info.dims, dtype=dtype).layout
-        parallel = make_layout(layout, len(self.devices), ring, ulysses)
-        parallel.validate(info.dims, devices=len(self.devices))
-        self.resident = Resident(str(checkpoint), info, parallel, dtype, attention)
-        return self._load_resident(timeout)
+        resolve_dtype(dtype, self.devices[0])  # a bad dtype fails here, before anything is unloaded
+        with self._lock:
+            if layout == "auto":
+                layout = self.auto_layout(info.dims, dtype=dtype).layout
+            parallel = make_layout(layout, len(self.devices), ring, ulysses)
+            parallel.validate(info.dims, devices=len(self.devices))
+            return self._load_resident(
+                Resident(str(checkpoint), info, parallel, dtype, attention), progress, timeout
+            )
 
-    def _load_resident(self, timeout: float | None = None) -> list[dict[str, Any]]:
-        r = self.resident
-        assert r is not None
+    def _load_resident(
+        self, r: Resident, progress: ProgressCallback | None = None, timeout: float | None = None
+    ) -> list[dict[str, Any]]:
+        """Load `r` on the workers; `self.resident` names it only once every rank holds it."""
         group = self.group
+        self.resident, self._loaded_in = None, None  # the workers drop what they held first
         reports = group.call_all(
             "load",
+            {
+                "checkpoint": r.checkpoint,
+                "dtype": r.dtype,
+                "tp": r.layout.tp,
+                "ring": r.layout.ring,
+                "ulysses": r.layout.ulysses,
+                "attention": r.attention,
+            },
             timeout=timeout,
-            checkpoint=r.checkpoint,
-            dtype=r.dtype,
-            tp=r.layout.tp,
-            ring=r.layout.ring,
-            ulysses=r.layout.ulysses,
-            attention=r.attention,
+            progress=progress,
         )
-        self._loaded_in = group
+        self.resident, self._loaded_in = r, group
+        self._last_status = reports
         return reports
 
     def unload(self) -> None:
         """Free the model on every device; the worker group stays up."""
-        if self.started:
-            self.group.call_all("unload")
-        self.resident, self._loaded_in = None, None
+        with self._lock:
+            if self.started:
+                self.group.call_all("unload")
+            self.resident, self._loaded_in = None, None
 
     def status(self) -> list[dict[str, Any]]:
-        return self.group.call_all("status") if self.started else []
+        """Each rank's device, resident model and memory. While a job runs (another thread), the last
+        report, each marked `busy`, instead of waiting for the job."""
+        if not self._lock.acquire(blocking=False):
+            return [{**r, "busy": True} for r in self._last_status]
+        try:
+            if not self.started:
+                return []
+            self._last_status = self.group.call_all("status")
+            return self._last_status
+        finally:
+            self._lock.release()
 
     # ------------------------------------------------------------------ jobs
+
+    @staticmethod
+    def check_sample(
+        positive: Any,
+        latent: dict[str, Any],
+        *,
+        checkpoint: str | os.PathLike[str] | CheckpointInfo,
+        seed: int,
+        steps: int,
+        denoise: float = 1.0,
+        sigmas: Sequence[float] | torch.Tensor | None = None,
+        shift_mu: float | None = None,
+    ) -> SamplingPlan:
+        """Validate a sampling job against the checkpoint's header alone: no worker starts, nothing loads.
+
+        Raises ConfigError naming the input, the value and the fix; returns the decided plan.
+        """
+        info = checkpoint if isinstance(checkpoint, CheckpointInfo) else inspect_checkpoint(checkpoint)
+        if not isinstance(latent, dict) or "samples" not in latent:
+            raise ConfigError("latent must be a LATENT dict with 'samples' [batch, 16, height/8, width/8]")
+        dims = info.dims
+        return plan_sampling(
+            latent["samples"],
+            positive,
+            seed,
+            steps,
+            denoise,
+            sigmas,
+            latent.get("noise_mask"),
+            latent.get("batch_index"),
+            variant=info.variant,
+            shift_mu=shift_mu,
+            text_dim=dims.text_dim,
+            pooled_dim=dims.pooled_dim,
+        )
 
     def sample(
         self,
@@ -246,41 +316,35 @@ class ParallelFlux:
         """ComfyUI's `KSampler(euler, simple, cfg 1.0)` on the resident model: a LATENT dict in and out.
 
         `layout` re-shards the resident checkpoint when it differs. `progress(step, total)` runs after
-        every step; raising from it cancels the job on every rank at the next step boundary.
+        every step; raising from it cancels the job on every rank at the next step boundary, and so does
+        any exception while waiting (Ctrl+C): the next call never sees this job's result.
         """
-        if self.resident is None:
-            raise ConfigError("no checkpoint is loaded; call load(checkpoint) first")
-        if layout == "auto" and isinstance(latent, dict) and "samples" in latent:
-            b, _, h, w = latent["samples"].shape
-            layout = self.auto_layout(self.resident.info.dims, w * 8, h * 8, b, self.resident.dtype).layout
-        if layout is not None:
-            wanted = make_layout(layout, len(self.devices), ring, ulysses)
-            if wanted != self.resident.layout:
-                wanted.validate(self.resident.info.dims, devices=len(self.devices))
-                self.resident = dataclasses.replace(self.resident, layout=wanted)
-                self._loaded_in = None
-        if not isinstance(latent, dict) or "samples" not in latent:
-            raise ConfigError("latent must be a LATENT dict with 'samples' [batch, 16, height/8, width/8]")
-        plan = plan_sampling(
-            latent["samples"],
-            positive,
-            seed,
-            steps,
-            denoise,
-            sigmas,
-            latent.get("noise_mask"),
-            latent.get("batch_index"),
-            variant=self.resident.info.variant,
-            shift_mu=shift_mu,
-        )
-        out = dict(latent)
-        if plan.steps == 0:
-            out["samples"] = plan.original
+        with self._lock:
+            resident = self.resident
+            if resident is None:
+                raise ConfigError("no checkpoint is loaded; call load(checkpoint) first")
+            plan = self.check_sample(
+                positive, latent, checkpoint=resident.info, seed=seed, steps=steps, denoise=denoise,
+                sigmas=sigmas, shift_mu=shift_mu,
+            )  # fmt: skip
+            if layout == "auto":
+                b, _, h, w = plan.original.shape
+                layout = self.auto_layout(resident.info.dims, w * 8, h * 8, b, resident.dtype).layout
+            if layout is not None:
+                wanted = make_layout(layout, len(self.devices), ring, ulysses)
+                if wanted != resident.layout:
+                    wanted.validate(resident.info.dims, devices=len(self.devices))
+                    resident = dataclasses.replace(resident, layout=wanted)
+            out = dict(latent)
+            if plan.steps == 0:
+                out["samples"] = plan.original
+                return out
+            h, w = plan.noise.shape[-2:]
+            resident.layout.validate_sequence((h // 2) * (w // 2))
+            if resident != self.resident or self._loaded_in is not self._group or not self.started:
+                self._load_resident(resident)
+            result = self.group.call(
+                "sample", {"plan": plan_to_data(plan)}, timeout=timeout, progress=progress
+            )
+            out["samples"] = result["samples"]
             return out
-        h, w = plan.noise.shape[-2:]
-        self.resident.layout.validate_sequence((h // 2) * (w // 2))
-        if self._loaded_in is None or self._loaded_in is not self._group or not self.started:
-            self._load_resident()
-        result = self.group.call("sample", timeout=timeout, progress=progress, plan=plan_to_data(plan))
-        out["samples"] = result["samples"]
-        return out

@@ -1,7 +1,7 @@
 """WorkerGroup: the persistent group of worker processes, one per device, seen from the caller.
 
-Where a request enters: `WorkerGroup.call(method, **kwargs)` sends the same request to every rank and
-returns their replies (rank 0 first). Workers are plain subprocesses of `sys.executable` that import
+Where a request enters: `WorkerGroup.call_all(method, kwargs, timeout=, progress=)` sends the same
+`transport.Request` to every rank and returns their results (rank 0 first); `call` returns rank 0's. Workers are plain subprocesses of `sys.executable` that import
 this very source tree by path, so the pack works from ComfyUI's custom_nodes/<any folder> as well as
 pip-installed. The control channel is a Unix socket in a private temporary directory, authenticated
 with a random key handed over on the worker's stdin; stdin then stays open as the death pipe.
@@ -9,23 +9,44 @@ with a random key handed over on the worker's stdin; stdin then stays open as th
 
 from __future__ import annotations
 
-import atexit
+import contextlib
 import os
 import secrets
 import shutil
+import socket
+import struct
 import subprocess
 import sys
-import tempfile
+import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
+
+import psutil
 
 from .config import ConfigError
-from .transport import files_in, pack, private_dir, unpack
-from .worker import recv, send
+from .transport import (
+    Hello,
+    Progress,
+    Ready,
+    Reply,
+    Request,
+    StorePort,
+    files_in,
+    pack,
+    private_dir,
+    recv,
+    remove_stale_dirs,
+    send,
+    unpack,
+)
+
+T = TypeVar("T")
 
 PACK_ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,6 +65,7 @@ class WorkerError(RuntimeError):
     def __init__(self, message: str, rank: int | None = None, remote_type: str | None = None):
         super().__init__(message)
         self.rank, self.remote_type = rank, remote_type
+        self.remote_traceback = ""  # the worker's own traceback, also attached as a note
 
 
 class JobTimeout(WorkerError):
@@ -67,11 +89,21 @@ def validate_devices(devices: Sequence[str]) -> tuple[str, ...]:
         )
     if len(kinds) > 1:
         raise ConfigError(f"devices={list(devices)} mixes CPU and GPU workers; use only GPUs or only 'cpu'")
+    if "cpu" in kinds:
+        _check_host_memory(len(normalized), devices)
     if "cuda" in kinds:
         import torch
 
         available = torch.cuda.device_count()
-        indices = [int(d.split(":")[1]) if ":" in d else 0 for d in normalized]
+        try:
+            indices = [int(d.split(":")[1]) if ":" in d else 0 for d in normalized]
+        except ValueError:
+            indices = [-1]
+        if min(indices) < 0:
+            raise ConfigError(
+                f"devices={list(devices)}: a GPU is named 'cuda:N' with N = 0, 1, ... (an index, not "
+                f"{next(d for d in normalized if not d.removeprefix('cuda:').isdigit())!r})"
+            )
         if len(set(indices)) != len(indices):
             raise ConfigError(f"devices={list(devices)} names a GPU twice; each worker needs its own GPU")
         missing = [i for i in indices if i >= available]
@@ -84,12 +116,56 @@ def validate_devices(devices: Sequence[str]) -> tuple[str, ...]:
     return normalized
 
 
+def _check_host_memory(workers: int, devices: Sequence[str]) -> None:
+    """Each CPU worker is a whole Python process with torch and diffusers: bound the count by host RAM."""
+    available = psutil.virtual_memory().available
+    most = max(1, int(available // WORKER_HOST_BYTES))
+    if workers > most:
+        raise ConfigError(
+            f"devices asks for {workers} CPU workers, which need at least {workers * WORKER_HOST_BYTES / 1e9:.0f} GB "
+            f"of host memory ({WORKER_HOST_BYTES / 1e9:g} GB each before any model) but "
+            f"{available / 1e9:.1f} GB are available; use at most {most} (e.g. 'cpu x2' for testing)"
+        )
+
+
 def bootstrap_command() -> list[str]:
     return [sys.executable, "-c", _BOOTSTRAP, str(PACK_ROOT)]
 
 
+@dataclass(frozen=True)
+class Watchdog:
+    """How long a job may go without a word from the group (a progress record or a reply).
+
+    A rank that hangs (stopped, deadlocked in a collective, a driver that never returns) shows as
+    silence: past the limit the job fails with the ranks that did not answer and the group is torn
+    down. Before the first progress record the limit is `first` (imports, a first step that compiles
+    kernels); afterwards it is `factor` times the longest gap seen so far, at least `floor` seconds, so
+    it follows the speed of the hardware. A rank the OS reports as stopped (SIGSTOP, a debugger) fails
+    the job after `stopped` seconds whatever the phase.
+    """
+
+    first: float = 300.0
+    floor: float = 10.0
+    factor: float = 5.0
+    stopped: float = 3.0
+
+    def limit(self, longest_gap: float | None) -> float:
+        return self.first if longest_gap is None else max(self.floor, self.factor * longest_gap)
+
+
+DEFAULT_WATCHDOG = Watchdog()
+# After one rank reported an error, how long the others get to finish too. A failure before the first
+# collective (bad input: every rank raises) keeps the group; a rank left waiting in a collective for
+# the failed one cannot be freed, so the group is torn down and rebuilt on the next call.
+FAILURE_GRACE = 2.0
+WORKER_HOST_BYTES = 0.5e9  # host memory one worker process needs at least (python, torch, diffusers)
+
+
 class WorkerGroup:
     """One worker process per device, started once and kept until `close()`.
+
+    Thread-safe: one call runs at a time (a lock owns the connections); a second thread's call waits
+    for it, and `busy` says whether a job is running. `cancel()` may be called from any thread.
 
     >>> with WorkerGroup(["cpu", "cpu"]) as group:
     ...     group.call("ping")
@@ -113,15 +189,18 @@ class WorkerGroup:
         self._methods = tuple(methods)
         self._procs: list[subprocess.Popen[bytes]] = []
         self._conns: list[Connection] = []
-        self._tmp: str | None = None
-        self._shm = private_dir()
+        self._lock = threading.RLock()
         self._closed = False
         self._job = 0
         self.pids: list[int] = []
         self.exit_codes: list[int | None] = []
+        self.last_replies: dict[int, Reply] = {}
+        remove_stale_dirs()
+        self._tmp = private_dir("ctl")  # mode 0700: only this user reaches the socket
+        self._shm = private_dir("shm", tmpfs=True)
+        # Runs at interpreter exit too: closing the death pipes first makes the workers leave at once.
+        self._finalizer = weakref.finalize(self, _terminate, self._procs, (self._tmp, self._shm), 0.0)
         self._start()
-        self._finalizer = weakref.finalize(self, _terminate, self._procs, self._tmp, self._shm)
-        atexit.register(self._finalizer)
 
     # ---------------------------------------------------------------- start
 
@@ -154,72 +233,84 @@ class WorkerGroup:
         return env
 
     def _start(self) -> None:
-        self._tmp = tempfile.mkdtemp(prefix="rocm-parallel-")  # mode 0700: only this user reaches the socket
         address = os.path.join(self._tmp, "control.sock")
         key = secrets.token_bytes(32)
         listener = Listener(address, family="AF_UNIX", authkey=key)
         try:
             for rank in range(self.world_size):
-                log = open(self.log_path(rank), "wb")
-                proc = subprocess.Popen(
-                    bootstrap_command(),
-                    stdin=subprocess.PIPE,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env=self._worker_env(rank, address),
-                    cwd=self._tmp,
-                )
-                log.close()
+                with open(self.log_path(rank), "wb") as log:
+                    proc = subprocess.Popen(
+                        bootstrap_command(),
+                        stdin=subprocess.PIPE,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env=self._worker_env(rank, address),
+                        cwd=self._tmp,
+                    )
                 proc.stdin.write(key.hex().encode() + b"\n")
                 proc.stdin.flush()
                 self._procs.append(proc)
                 self.pids.append(proc.pid)
             self._handshake(listener)
-        except BaseException:
-            _terminate(self._procs, self._tmp, self._shm)
-            self._closed = True
-            raise
-        finally:
-            listener.close()
+        except BaseException as exc:
+            listener.close()  # before the directory goes: a late unlink would hide the real error
+            failure = self._exit_report("starting") or exc
+            self._shutdown_now()
+            if failure is exc:
+                raise
+            raise failure from exc
+        listener.close()
 
     def _accept(self, listener: Listener, deadline: float) -> Connection:
         # Listener.accept blocks without a timeout; poll its socket so a worker that dies at import time
-        # is reported instead of hanging the caller.
+        # is reported instead of hanging the caller, and drop connections that fail the HMAC challenge
+        # (or stay silent through it) instead of failing the start.
         sock = listener._listener._socket
         while True:
-            self._check_alive("starting")
+            self._raise_if_exited("starting")
             if time.monotonic() > deadline:
                 raise WorkerError(f"workers did not connect within {self.start_timeout:.0f} s")
-            if wait([sock], timeout=0.2):
-                return listener.accept()
+            if not wait([sock], timeout=0.2):
+                continue
+            try:
+                with _recv_timeout(sock, seconds=5.0):
+                    return listener.accept()
+            except (AuthenticationError, OSError, EOFError):
+                continue
 
     def _handshake(self, listener: Listener) -> None:
         deadline = time.monotonic() + self.start_timeout
         by_rank: dict[int, Connection] = {}
-        for _ in range(self.world_size):
+        while len(by_rank) < self.world_size:
             conn = self._accept(listener, deadline)
-            by_rank[recv(conn)["hello"]] = conn
+            hello = self._next_record(conn, Hello, deadline, "connecting")
+            by_rank[hello.rank] = conn
         self._conns = [by_rank[r] for r in range(self.world_size)]
-        port = self._expect(0, "store_port", deadline)
+        port = self._next_record(self._conns[0], StorePort, deadline, "opening the store").port
         for conn in self._conns[1:]:
-            send(conn, {"store_port": port})
-        for rank in range(self.world_size):
-            self._expect(rank, "ready", deadline)
+            send(conn, StorePort(port=port))
+        for conn in self._conns:
+            self._next_record(conn, Ready, deadline, "joining the process group")
 
-    def _expect(self, rank: int, key: str, deadline: float) -> Any:
-        conn = self._conns[rank]
+    def _next_record(self, conn: Connection, kind: type[T], deadline: float, doing: str) -> T:
         while not conn.poll(0.2):
-            self._check_alive("starting")
+            self._raise_if_exited("starting")
             if time.monotonic() > deadline:
                 raise WorkerError(
-                    f"worker rank {rank} did not report {key!r} within {self.start_timeout:.0f} s", rank
+                    f"a worker did not finish {doing} within {self.start_timeout:.0f} s (start_timeout)"
+                    + self._log_tails()
                 )
-        return recv(conn)[key]
+        record = recv(conn)
+        if not isinstance(record, kind):
+            raise WorkerError(
+                f"a worker sent {type(record).__name__} while {doing}; expected {kind.__name__}"
+            )
+        return record
 
-    # ---------------------------------------------------------------- calls
+    # ---------------------------------------------------------------- state
 
     def log_path(self, rank: int) -> str:
-        return os.path.join(self._tmp or "", f"worker{rank}.log")
+        return os.path.join(self._tmp, f"worker{rank}.log")
 
     def log_tail(self, rank: int, chars: int = 2000) -> str:
         try:
@@ -227,17 +318,230 @@ class WorkerGroup:
         except OSError:
             return ""
 
-    def _check_alive(self, doing: str) -> None:
+    def _log_tails(self) -> str:
+        tails = [(r, self.log_tail(r, 800)) for r in range(len(self._procs))]
+        return "".join(f"\nrank {r} output:\n{t}" for r, t in tails if t)
+
+    def _exit_report(self, doing: str) -> WorkerError | None:
+        """A WorkerError for the first rank that exited (rank, device, pid, exit code, its last output)."""
         for rank, proc in enumerate(self._procs):
             code = proc.poll()
             if code is not None:
                 tail = self.log_tail(rank)
-                self.close(timeout=2.0)
-                raise WorkerError(
+                return WorkerError(
                     f"worker rank {rank} ({self.devices[rank]}, pid {proc.pid}) exited with code {code} while "
                     f"{doing}" + (f"; its last output:\n{tail}" if tail else ""),
                     rank,
                 )
+        return None
+
+    def _raise_if_exited(self, doing: str) -> None:
+        failure = self._exit_report(doing)
+        if failure is not None:
+            self._shutdown_now()
+            raise failure
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed and all(p.poll() is None for p in self._procs)
+
+    @property
+    def busy(self) -> bool:
+        """A job is running (another thread's call would wait for it)."""
+        if self._lock.acquire(blocking=False):
+            self._lock.release()
+            return False
+        return True
+
+    # ---------------------------------------------------------------- calls
+
+    def call_all(
+        self,
+        method: str,
+        kwargs: dict[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+        progress: ProgressCallback | None = None,
+        watchdog: Watchdog = DEFAULT_WATCHDOG,
+        cancel_grace: float = 10.0,
+    ) -> list[Any]:
+        """Run `method(**kwargs)` on every rank; the results by rank. Raises WorkerError on any failure.
+
+        `progress(step, total)` is called for each step rank 0 reports; if it raises (ComfyUI's interrupt
+        does), the job is cancelled at the next step boundary on every rank and the exception re-raised.
+        `timeout` (seconds) cancels the same way, and so does any exception while waiting (Ctrl+C): the
+        next call never sees this job's messages. A job that does not stop within `cancel_grace` seconds
+        after a cancel is stuck, and the group is closed. A rank that fails, dies or stays silent past
+        `watchdog` fails the job with that rank's own message; when its peers cannot finish (they wait
+        for it in a collective) the group is closed too, and `alive` turns False.
+        """
+        with self._lock:
+            if self._closed:
+                raise WorkerError("the worker group is closed; start a new one")
+            self._job += 1
+            job = Job(self._job, method, self.world_size, timeout, progress, watchdog, cancel_grace)
+            packed = pack(kwargs or {}, self._shm, f"request-{job.id}")
+            try:
+                for conn in self._conns:
+                    send(conn, Request(job=job.id, method=method, kwargs=packed))
+                self._collect(job)
+            except BaseException as exc:
+                if not job.settled and not self._closed:
+                    self._stop(job, f"{type(exc).__name__} while waiting")
+                raise
+            finally:
+                self.last_replies = dict(job.replies)  # what each rank said of the last job (diagnostics)
+                for path in files_in(packed):
+                    _unlink(path)
+                _unlink(self._cancel_path(job.id))
+            results = [unpack(job.replies[r].result) for r in range(self.world_size)]
+            if job.interrupt is not None:
+                raise job.interrupt
+            failed = [rep for _, rep in sorted(job.replies.items()) if not rep.ok]
+            if failed:
+                raise self._failure(failed[0])
+            return results
+
+    def call(
+        self,
+        method: str,
+        kwargs: dict[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+        progress: ProgressCallback | None = None,
+        watchdog: Watchdog = DEFAULT_WATCHDOG,
+    ) -> Any:
+        """Run `method` on every rank and return rank 0's result."""
+        return self.call_all(method, kwargs, timeout=timeout, progress=progress, watchdog=watchdog)[0]
+
+    def _failure(self, reply: Reply, note: str = "") -> WorkerError:
+        rank = reply.rank
+        error = WorkerError(
+            f"rank {rank} ({self.devices[rank]}): {reply.error}{note}", rank, reply.error_type
+        )
+        error.remote_traceback = reply.traceback
+        if reply.traceback:
+            error.add_note(f"traceback on rank {rank}:\n{reply.traceback.rstrip()}")
+        return error
+
+    def _collect(self, job: Job) -> None:
+        """Wait for every rank's reply, relaying progress and turning interrupts/timeouts into a cancel."""
+        while len(job.replies) < self.world_size:
+            pending = [c for r, c in enumerate(self._conns) if r not in job.replies]
+            for conn in wait(pending, timeout=0.2):
+                rank = self._conns.index(conn)
+                try:
+                    record = recv(conn)
+                except (EOFError, OSError):
+                    self._lost(rank, f"running {job.method!r}")
+                if getattr(record, "job", None) != job.id:
+                    continue  # another job's message: never taken for this one's
+                job.heard()
+                if isinstance(record, Progress):
+                    self._relay(job, record)
+                elif isinstance(record, Reply):
+                    job.replies[rank] = record
+                    if not record.ok and job.first_error is None:
+                        job.first_error = record
+                        job.error_deadline = time.monotonic() + FAILURE_GRACE
+            if len(job.replies) < self.world_size:
+                self._raise_if_exited(f"running {job.method!r}")
+                self._check_time(job)
+
+    def _relay(self, job: Job, record: Progress) -> None:
+        job.last_progress = (record.step, record.total, record.phase)
+        if job.progress is None or job.interrupt is not None:
+            return
+        try:
+            job.progress(record.step, record.total)
+        except BaseException as exc:  # the caller's interrupt: stop every rank together
+            job.interrupt = exc
+            self._cancel_job(job)
+
+    def _check_time(self, job: Job) -> None:
+        now = time.monotonic()
+        pending = [r for r in range(self.world_size) if r not in job.replies]
+        if job.first_error is not None and now > job.error_deadline:
+            self.close(timeout=1.0)
+            raise self._failure(
+                job.first_error,
+                f"; rank(s) {pending} were left waiting for it in a collective, so the worker group was "
+                "stopped (the next call starts it again)",
+            )
+        if job.cancel_deadline is not None and now > job.cancel_deadline:
+            self.close(timeout=1.0)
+            raise JobTimeout(
+                f"{job.method!r} did not stop within {job.cancel_grace:g} s of being cancelled on rank(s) "
+                f"{pending}; the worker group was closed",
+                pending[0],
+            )
+        if job.timeout is not None and job.interrupt is None and now - job.started > job.timeout:
+            job.interrupt = JobTimeout(
+                f"{job.method!r} ran past its time limit of {job.timeout:g} s and was cancelled"
+            )
+            self._cancel_job(job)
+        self._watch(job, pending, now)
+
+    def _watch(self, job: Job, pending: list[int], now: float) -> None:
+        stopped = [r for r in pending if _is_stopped(self._procs[r].pid)]
+        for rank in stopped:
+            job.stopped_since.setdefault(rank, now)
+        for rank in list(job.stopped_since):
+            if rank not in stopped:
+                del job.stopped_since[rank]
+        stuck = [r for r, since in job.stopped_since.items() if now - since > job.watchdog.stopped]
+        silence = now - job.last_heard
+        limit = job.watchdog.limit(job.longest_gap)
+        if not stuck and silence <= limit:
+            return
+        if stuck:
+            rank = stuck[0]
+            self._procs[rank].kill()  # SIGTERM waits for a SIGCONT that may never come
+            why = (
+                f"worker rank {rank} ({self.devices[rank]}, pid {self._procs[rank].pid}) is stopped "
+                f"(SIGSTOP or a debugger) while running {job.method!r}"
+            )
+        else:
+            why = (
+                f"no progress or reply from rank(s) {pending} ({', '.join(self.devices[r] for r in pending)}) "
+                f"for {silence:.0f} s while running {job.method!r} (watchdog limit {limit:.0f} s"
+                + (f"; last progress: {job.describe_progress()}" if job.last_progress else "")
+                + "); a rank hung in a collective or a device call"
+            )
+        self.close(timeout=1.0)
+        raise WorkerError(why + "; the worker group was stopped (the next call starts it again)", pending[0])
+
+    def _stop(self, job: Job, why: str) -> None:
+        """Cancel `job` on every rank and wait for their replies, so nothing of it reaches a later call;
+        a rank that does not stop within the grace time is stuck: close the group."""
+        self._cancel_job(job)
+        deadline = time.monotonic() + job.cancel_grace
+        try:
+            while len(job.replies) < self.world_size and time.monotonic() < deadline:
+                pending = [c for r, c in enumerate(self._conns) if r not in job.replies]
+                for conn in wait(pending, timeout=0.2):
+                    record = recv(conn)
+                    if isinstance(record, Reply) and record.job == job.id:
+                        job.replies[self._conns.index(conn)] = record
+                if any(p.poll() is not None for p in self._procs):
+                    break
+        except BaseException:  # a second interrupt, a lost connection: no time for manners
+            pass
+        if len(job.replies) < self.world_size:
+            self.close(timeout=1.0)
+
+    def _cancel_path(self, job: int) -> str:
+        return os.path.join(self._shm, f"cancel-{job}")
+
+    def _cancel_job(self, job: Job) -> None:
+        if job.cancel_deadline is None:
+            job.cancel_deadline = time.monotonic() + job.cancel_grace
+        Path(self._cancel_path(job.id)).touch()
+
+    def cancel(self) -> None:
+        """Ask the running job to stop after its current step (safe to call from another thread)."""
+        if not self._closed:
+            Path(self._cancel_path(self._job)).touch()
 
     def _lost(self, rank: int, doing: str) -> NoReturn:
         """Rank's connection closed: report its exit status (give the OS a moment to reap it)."""
@@ -245,130 +549,38 @@ class WorkerGroup:
             self._procs[rank].wait(timeout=2.0)
         except subprocess.TimeoutExpired:
             pass
-        self._check_alive(doing)
-        self.close(timeout=2.0)
+        self._raise_if_exited(doing)
+        self.close(timeout=1.0)
         raise WorkerError(
             f"worker rank {rank} ({self.devices[rank]}) closed its connection while {doing}", rank
         )
-
-    @property
-    def alive(self) -> bool:
-        return not self._closed and all(p.poll() is None for p in self._procs)
-
-    def call_all(
-        self,
-        method: str,
-        timeout: float | None = None,
-        progress: ProgressCallback | None = None,
-        cancel_grace: float = 10.0,
-        **kwargs: Any,
-    ) -> list[Any]:
-        """Run `method` on every rank; the list of results by rank. Raises WorkerError on any failure.
-
-        `progress(step, total)` is called for each step rank 0 reports; if it raises (ComfyUI's interrupt
-        does), the job is cancelled at the next step boundary on every rank and the exception re-raised.
-        `timeout` (seconds) cancels the same way; a job that does not stop within `cancel_grace` seconds
-        after that is stuck, and the group is closed.
-        """
-        if self._closed:
-            raise WorkerError("the worker group is closed; start a new one")
-        self._job += 1
-        job = self._job
-        packed = pack(kwargs, self._shm, f"request-{job}")
-        try:
-            for conn in self._conns:
-                send(conn, {"method": method, "kwargs": packed, "job": job})
-            replies, interrupt = self._collect(method, job, timeout, progress, cancel_grace)
-        finally:
-            for path in files_in(packed):
-                _unlink(path)
-            _unlink(os.path.join(self._shm, f"cancel-{job}"))
-        results = [unpack(replies[r].get("result")) for r in range(self.world_size)]
-        if interrupt is not None:
-            raise interrupt
-        failed = [(r, rep) for r, rep in sorted(replies.items()) if not rep["ok"]]
-        if failed:
-            rank, rep = failed[0]
-            raise WorkerError(f"rank {rank} ({self.devices[rank]}): {rep['error']}", rank, rep["type"])
-        return results
-
-    def _collect(
-        self,
-        method: str,
-        job: int,
-        timeout: float | None,
-        progress: ProgressCallback | None,
-        cancel_grace: float,
-    ) -> tuple[dict[int, dict[str, Any]], BaseException | None]:
-        """Wait for every rank's reply, relaying progress and turning interrupts/timeouts into a cancel."""
-        replies: dict[int, dict[str, Any]] = {}
-        interrupt: BaseException | None = None
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while len(replies) < self.world_size:
-            pending = [c for r, c in enumerate(self._conns) if r not in replies]
-            for conn in wait(pending, timeout=0.2):
-                try:
-                    message = recv(conn)
-                except (EOFError, OSError):
-                    self._lost(self._conns.index(conn), f"running {method!r}")
-                if "progress" in message:
-                    if progress is not None and interrupt is None:
-                        try:
-                            progress(message["progress"], message["total"])
-                        except BaseException as exc:  # the caller's interrupt: stop every rank together
-                            interrupt = exc
-                            self.cancel()
-                    continue
-                replies[self._conns.index(conn)] = message
-            if len(replies) < self.world_size:
-                self._check_alive(f"running {method!r}")
-            if deadline is not None and time.monotonic() > deadline:
-                if interrupt is None:
-                    interrupt = JobTimeout(
-                        f"{method!r} ran past its time limit of {timeout:g} s and was cancelled"
-                    )
-                    self.cancel()
-                    deadline = time.monotonic() + cancel_grace
-                else:
-                    late = [r for r in range(self.world_size) if r not in replies]
-                    self.close(timeout=2.0)
-                    raise JobTimeout(
-                        f"{method!r} did not stop within {cancel_grace:g} s of being cancelled on rank(s) {late}; "
-                        "the worker group was closed",
-                        late[0],
-                    )
-        return replies, interrupt
-
-    def cancel(self) -> None:
-        """Ask the running job to stop after its current step (safe to call from another thread)."""
-        Path(self._shm, f"cancel-{self._job}").touch()
-
-    def call(
-        self,
-        method: str,
-        timeout: float | None = None,
-        progress: ProgressCallback | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        """Run `method` on every rank and return rank 0's result."""
-        return self.call_all(method, timeout=timeout, progress=progress, **kwargs)[0]
 
     # ---------------------------------------------------------------- shutdown
 
     def close(self, timeout: float = 15.0) -> None:
         """Ask every worker to leave the group, then terminate, then kill whatever is left."""
-        if self._closed:
-            return
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for conn in self._conns:
+                try:
+                    send(conn, Request(job=0, method="shutdown"))
+                except OSError:
+                    pass
+            _terminate(self._procs, (), grace=timeout)
+            self._finish()
+
+    def _shutdown_now(self) -> None:
+        """No clean leave (a start failed, a rank hung): close the death pipes, terminate, kill."""
         self._closed = True
-        for conn in self._conns:
-            try:
-                send(conn, {"method": "shutdown"})
-            except OSError:
-                pass
-        _terminate(self._procs, None, None, grace=timeout)
+        _terminate(self._procs, (), grace=0.0)
+        self._finish()
+
+    def _finish(self) -> None:
         self.exit_codes = [p.returncode for p in self._procs]
         self.final_output = [self.log_tail(r) for r in range(len(self._procs))]
-        _terminate(self._procs, self._tmp, self._shm)
+        self._finalizer()
         for conn in self._conns:
             conn.close()
 
@@ -379,6 +591,62 @@ class WorkerGroup:
         self.close()
 
 
+@dataclass
+class Job:
+    """What the client knows about the job in flight."""
+
+    id: int
+    method: str
+    ranks: int
+    timeout: float | None
+    progress: ProgressCallback | None
+    watchdog: Watchdog
+    cancel_grace: float
+    replies: dict[int, Reply] = field(default_factory=dict)
+    interrupt: BaseException | None = None
+    first_error: Reply | None = None
+    error_deadline: float = 0.0
+    cancel_deadline: float | None = None
+    last_progress: tuple[int, int, str] | None = None
+    stopped_since: dict[int, float] = field(default_factory=dict)
+    longest_gap: float | None = None
+    started: float = field(default_factory=time.monotonic)
+    last_heard: float = field(default_factory=time.monotonic)
+
+    @property
+    def settled(self) -> bool:
+        """Every rank replied: nothing of this job can reach a later call."""
+        return len(self.replies) >= self.ranks
+
+    def heard(self) -> None:
+        now = time.monotonic()
+        if self.last_progress is not None or self.longest_gap is not None:
+            self.longest_gap = max(self.longest_gap or 0.0, now - self.last_heard)
+        self.last_heard = now
+
+    def describe_progress(self) -> str:
+        step, total, phase = self.last_progress or (0, 0, "step")
+        return f"{'tensor' if phase == 'load' else 'step'} {step} of {total}"
+
+
+def _is_stopped(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+    except psutil.Error:
+        return False
+
+
+@contextlib.contextmanager
+def _recv_timeout(listening: socket.socket, seconds: float) -> Iterator[None]:
+    """Accepted sockets inherit the listener's receive timeout (Linux): a silent stray connection then
+    fails the HMAC challenge with an OSError instead of blocking the start; workers' sockets get none."""
+    listening.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(seconds), 0))
+    try:
+        yield
+    finally:
+        listening.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
+
+
 def _unlink(path: str) -> None:
     try:
         os.unlink(path)
@@ -386,11 +654,23 @@ def _unlink(path: str) -> None:
         pass
 
 
-def _terminate(
-    procs: list[subprocess.Popen[bytes]], tmp: str | None, shm: str | None, grace: float = 5.0
-) -> None:
-    """Wait for exits, then SIGTERM, then SIGKILL; close the death pipes; remove the private directories."""
+def _terminate(procs: list[subprocess.Popen[bytes]], directories: Sequence[str], grace: float = 5.0) -> None:
+    """Wait `grace` s for exits, close the death pipes (workers leave at once), SIGTERM, then SIGKILL;
+    remove the private directories. With grace 0 (interpreter exit, a failed start) it takes about as
+    long as the workers need to notice their closed stdin."""
     deadline = time.monotonic() + grace
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for proc in procs:
+        if proc.stdin and not proc.stdin.closed:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+    deadline = time.monotonic() + 1.0
     for proc in procs:
         try:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -402,11 +682,5 @@ def _terminate(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        if proc.stdin and not proc.stdin.closed:
-            try:
-                proc.stdin.close()
-            except OSError:
-                pass
-    for directory in (tmp, shm):
-        if directory:
-            shutil.rmtree(directory, ignore_errors=True)
+    for directory in directories:
+        shutil.rmtree(directory, ignore_errors=True)

@@ -36,8 +36,7 @@ def _memory(device: torch.device) -> dict[str, float]:
 @handler("unload")
 def unload(ctx: WorkerContext) -> dict[str, Any]:
     """Drop the resident model and give its memory back to the device."""
-    had = ctx.state.pop("model", None) is not None
-    ctx.state.pop("loaded", None)
+    had = ctx.resident.clear()
     gc.collect()
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -63,28 +62,28 @@ def load(
         "ulysses": ulysses,
         "attention": attention,
     }
-    if ctx.state.get("loaded") == key:
+    if ctx.resident.key == key:
         return {**status(ctx), "reused": True}
     unload(ctx)
     info = inspect_checkpoint(checkpoint)
     layout = ParallelLayout(tp=tp, ring=ring, ulysses=ulysses)
     layout.validate(info.dims, devices=ctx.world_size)
     started = time.perf_counter()
-    model = load_flux(info, device=ctx.device, dtype=dtype, tp=tp)
+    model = load_flux(info, device=ctx.device, dtype=dtype, tp=tp, progress=ctx.load_progress)
     if layout.ring * layout.ulysses > 1:
         apply_context_parallel(model, ring_degree=ring, ulysses_degree=ulysses, attention=attention)
     ctx.synchronize()
-    ctx.state.update(model=model, loaded=key, variant=info.variant)
+    ctx.resident.set(model, key)
     return {**status(ctx), "reused": False, "seconds": time.perf_counter() - started}
 
 
 @handler("status")
 def status(ctx: WorkerContext) -> dict[str, Any]:
-    model = ctx.state.get("model")
+    model = ctx.resident.model
     return {
         "rank": ctx.rank,
         "device": str(ctx.device),
-        "loaded": ctx.state.get("loaded"),
+        "loaded": ctx.resident.key,
         "parameter_bytes": parameter_bytes(model) if model is not None else 0,
         **_memory(ctx.device),
     }
@@ -128,7 +127,7 @@ def _agree(ctx: WorkerContext, plan: SamplingPlan) -> None:
 @handler("sample")
 def sample(ctx: WorkerContext, plan: dict[str, Any]) -> dict[str, Any]:
     """Run the whole denoising loop on the resident model; rank 0 returns the latent (VAE space)."""
-    model = ctx.state.get("model")
+    model = ctx.resident.model
     if model is None:
         raise ConfigError("no model is loaded on the workers; load a checkpoint first")
     sampling = plan_from_data(plan, ctx.device)

@@ -40,7 +40,7 @@ def build_random(
         raise ConfigError(f"dtype={dtype!r} is not supported; use {', '.join(DTYPES)}")
     layout = ParallelLayout(tp=tp, ring=ring, ulysses=ulysses)
     layout.validate(FluxDims.from_diffusers_config(config), devices=ctx.world_size)
-    ctx.state.pop("model", None)
+    ctx.resident.clear()
     started = time.perf_counter()
     model = build_flux(config, device="cpu", dtype=DTYPES[dtype], seed=seed)
     if layout.ring * layout.ulysses > 1:
@@ -50,7 +50,8 @@ def build_random(
         apply_tensor_parallel(model)
         model.to(ctx.device)
     ctx.synchronize()
-    ctx.state["model"] = model
+    key = {"random": config, "seed": seed, "dtype": dtype, "tp": tp, "ring": ring, "ulysses": ulysses}
+    ctx.resident.set(model, {**key, "attention": attention})
     return {
         "rank": ctx.rank,
         "parameter_bytes": parameter_bytes(model),
@@ -61,9 +62,7 @@ def build_random(
 @handler("forward")
 def forward(ctx: WorkerContext, inputs: dict[str, Any]) -> dict[str, Any]:
     """One timed transformer forward on every rank; rank 0 returns the (full) output."""
-    model = ctx.state.get("model")
-    if model is None:
-        raise RuntimeError("no model is resident on this worker; build or load one first")
+    model = ctx.resident.require()
     dtype = next(model.parameters()).dtype
     args = FluxInputs(**inputs).to(ctx.device, dtype).as_kwargs()
     with torch.inference_mode():

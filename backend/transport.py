@@ -1,4 +1,9 @@
-"""Moving tensors between the client and the workers without big pickles over the control socket.
+"""The worker protocol: typed records over an authenticated socket, big tensors through tmpfs files.
+
+Records (`Request`, `Progress`, `Reply` and the start-up `Hello` / `StorePort` / `Ready`) are frozen
+dataclasses, sent as a kind tag plus plain data and rebuilt on arrival: the client (inside ComfyUI the
+pack's modules have other names) and the workers never need to share class identities. Every job
+record carries the job id, so a reply from another job is never taken for this one's.
 
 Tensors above a few KiB are written as safetensors files into a private directory on tmpfs
 (/dev/shm: shared memory, no disk I/O) and replaced in the message by a small reference. safetensors
@@ -7,24 +12,160 @@ holds only raw tensor data, so reading a file never runs code.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
+import pickle
+import shutil
 import tempfile
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
 INLINE_LIMIT = 64 * 1024  # bytes; smaller tensors are cheaper to pickle than to put in a file
+PREFIX = "rocm-parallel-"
 _REF = "__rocm_parallel_tensor__"
 _counter = itertools.count()
 
 
-def private_dir(prefix: str = "rocm-parallel-") -> str:
-    """A 0700 directory on tmpfs when there is one (shared memory), else in the temp directory."""
-    shm = "/dev/shm"
-    base = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
-    return tempfile.mkdtemp(prefix=prefix, dir=base)
+# --------------------------------------------------------------------------------------------------
+# Records
+
+
+@dataclass(frozen=True)
+class Hello:
+    """A worker's first message after the authenticated connect."""
+
+    rank: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class StorePort:
+    """Rank 0's TCPStore port, relayed by the client to the other ranks."""
+
+    port: int
+
+
+@dataclass(frozen=True)
+class Ready:
+    """A worker joined the process group and serves requests."""
+
+    rank: int
+    device: str
+    pid: int
+
+
+@dataclass(frozen=True)
+class Request:
+    """Run `method(**kwargs)` on a rank. `method == "shutdown"` leaves the group."""
+
+    job: int
+    method: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Rank `rank` finished `step` of `total` of job `job` (`phase`: 'load' or 'step')."""
+
+    job: int
+    rank: int
+    step: int
+    total: int
+    phase: str = "step"
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The end of a job on one rank: its result, or its error with the worker's traceback."""
+
+    job: int
+    rank: int
+    ok: bool
+    result: Any = None
+    error: str = ""
+    error_type: str = ""
+    traceback: str = ""
+    seconds: float = 0.0
+
+
+RECORDS = {cls.__name__: cls for cls in (Hello, StorePort, Ready, Request, Progress, Reply)}
+Record = Hello | StorePort | Ready | Request | Progress | Reply
+
+
+def send(conn: Connection, record: Record) -> None:
+    """Plain pickle of plain data (a kind and a dict): never torch.multiprocessing's fd-passing reductions."""
+    data = {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
+    conn.send_bytes(pickle.dumps((type(record).__name__, data), protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def recv(conn: Connection) -> Record:
+    """The next record; only ever called on connections authenticated by the HMAC challenge."""
+    kind, data = pickle.loads(conn.recv_bytes())
+    return RECORDS[kind](**data)
+
+
+# --------------------------------------------------------------------------------------------------
+# Private directories
+
+
+def private_dir(kind: str, owner: int | None = None, tmpfs: bool = False) -> str:
+    """A 0700 directory named after its owner's pid (so stale ones can be found once the owner is gone).
+
+    `tmpfs` puts it on /dev/shm (shared memory) when there is one, for tensor files.
+    """
+    base = None
+    if tmpfs and os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        base = "/dev/shm"
+    return tempfile.mkdtemp(prefix=f"{PREFIX}{kind}-{owner or os.getpid()}-", dir=base)
+
+
+def _owner_pid(name: str) -> int | None:
+    parts = name.removeprefix(PREFIX).split("-")
+    return int(parts[1]) if len(parts) >= 3 and parts[1].isdigit() else None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def remove_stale_dirs() -> list[str]:
+    """Remove this user's private directories whose owner process is gone (killed parents leave them).
+
+    Only directories named by `private_dir` with a dead owner pid and owned by this user are touched.
+    """
+    removed = []
+    bases = {tempfile.gettempdir()} | ({"/dev/shm"} if os.path.isdir("/dev/shm") else set())
+    for base in bases:
+        try:
+            entries = list(os.scandir(base))
+        except OSError:
+            continue
+        for entry in entries:
+            pid = _owner_pid(entry.name) if entry.name.startswith(PREFIX) else None
+            if pid is None or _pid_alive(pid):
+                continue
+            try:
+                if entry.is_dir(follow_symlinks=False) and entry.stat().st_uid == os.getuid():
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                    removed.append(entry.path)
+            except OSError:
+                continue
+    return removed
+
+
+# --------------------------------------------------------------------------------------------------
+# Tensors through files
 
 
 def pack(obj: Any, directory: str, tag: str) -> Any:

@@ -6,16 +6,17 @@ Started by `client.WorkerGroup` (never imported by ComfyUI itself). Life of a wo
    dies, stdin reaches EOF and the worker exits at once (no orphan holding GPU memory);
 2. connect to the parent's Unix socket (HMAC-authenticated before anything is unpickled);
 3. rendezvous: rank 0 opens a TCPStore on 127.0.0.1 (free port), the parent relays the port;
-4. report READY, then serve requests `{"method": name, "kwargs": {...}}` until "shutdown";
+4. report Ready, then serve `transport.Request` records until "shutdown", answering each with a `Reply`
+   (and `Progress` records on the way) that carry the request's job id;
 5. leave the group cleanly (barrier, destroy_process_group, os._exit) — gloo can abort at interpreter
    exit after correct results otherwise.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
-import pickle
 import socket
 import sys
 import threading
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .transport import pack, unpack
+from .transport import Hello, Progress, Ready, Reply, Request, StorePort, pack, recv, send, unpack
 
 HANDLERS: dict[str, Callable[..., Any]] = {}
 
@@ -50,13 +51,36 @@ class JobCancelled(RuntimeError):
 
 
 @dataclass
+class Resident:
+    """The one owner of the model this rank keeps between jobs, and what it is (`key`: checkpoint,
+    layout, dtype... or a description of a random model). Set and cleared only through `set`/`clear`,
+    so the record can never describe another model than the one held."""
+
+    model: torch.nn.Module | None = None
+    key: dict[str, Any] | None = None
+
+    def set(self, model: torch.nn.Module, key: dict[str, Any]) -> None:
+        self.model, self.key = model, dict(key)
+
+    def clear(self) -> bool:
+        had = self.model is not None
+        self.model, self.key = None, None
+        return had
+
+    def require(self) -> torch.nn.Module:
+        if self.model is None:
+            raise RuntimeError("no model is resident on this worker; load one first")
+        return self.model
+
+
+@dataclass
 class WorkerContext:
-    """What a handler may use: this rank's identity, device, process group and resident state."""
+    """What a handler may use: this rank's identity, device, process group and resident model."""
 
     rank: int
     world_size: int
     device: torch.device
-    state: dict[str, Any] = field(default_factory=dict)
+    resident: Resident = field(default_factory=Resident)
     conn: Connection | None = None
     shm_dir: str = ""
     job: int = 0
@@ -82,22 +106,27 @@ class WorkerContext:
         """
         flag = torch.zeros(1, dtype=torch.int32, device=self.device if self.device.type != "cpu" else "cpu")
         if self.rank == 0:
-            if self.conn is not None:
-                send(self.conn, {"progress": step, "total": total, "job": self.job})
-            flag[0] = int(os.path.exists(self.cancel_path))
+            self._report(step, total, "step")
+            flag[0] = int(self.cancel_requested())
         if self.world_size > 1:
             dist.broadcast(flag, src=0)
         if flag.item():
             raise JobCancelled(f"cancelled after step {step} of {total}")
 
+    def load_progress(self, done: int, total: int) -> None:
+        """Call between tensors of a load: reports progress (the caller's watchdog sees a live load) and
+        stops at once on cancel. Loading has no collectives, so each rank decides alone."""
+        if self.rank == 0:
+            self._report(done, total, "load")
+        if self.cancel_requested():
+            raise JobCancelled(f"load cancelled after {done} of {total} tensors")
 
-def send(conn: Connection, obj: Any) -> None:
-    # Plain pickle of plain data: never torch.multiprocessing's fd-passing reductions.
-    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    def cancel_requested(self) -> bool:
+        return os.path.exists(self.cancel_path)
 
-
-def recv(conn: Connection) -> Any:
-    return pickle.loads(conn.recv_bytes())
+    def _report(self, step: int, total: int, phase: str) -> None:
+        if self.conn is not None:
+            send(self.conn, Progress(job=self.job, rank=self.rank, step=step, total=total, phase=phase))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -159,9 +188,11 @@ def _join_group(conn: Connection, rank: int, world_size: int, device: torch.devi
             wait_for_workers=False,
             master_listen_fd=listener.fileno(),
         )
-        send(conn, {"store_port": store.port})
+        send(conn, StorePort(port=store.port))
     else:
-        port = recv(conn)["store_port"]
+        reply = recv(conn)
+        assert isinstance(reply, StorePort), reply
+        port = reply.port
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
     backend = "gloo" if device.type == "cpu" else "nccl"
     if device.type != "cpu":
@@ -205,28 +236,30 @@ def _serve(conn: Connection, ctx: WorkerContext) -> bool:
             request = recv(conn)
         except EOFError:
             return False
-        method = request.get("method")
-        if method == "shutdown":
-            send(conn, {"ok": True, "result": None})
+        assert isinstance(request, Request), request
+        ctx.job = request.job
+        if request.method == "shutdown":
+            send(conn, Reply(job=request.job, rank=ctx.rank, ok=True))
             return True
-        ctx.job = request.get("job", 0)
         started = time.perf_counter()
         try:
-            fn = HANDLERS.get(method)
+            fn = HANDLERS.get(request.method)
             if fn is None:
-                raise KeyError(f"unknown worker method {method!r}; known: {', '.join(sorted(HANDLERS))}")
-            result = fn(ctx, **unpack(request.get("kwargs", {}), remove=False))
-            reply = {"ok": True, "result": pack(result, ctx.shm_dir, f"result-{ctx.job}-{ctx.rank}")}
-        except BaseException as exc:  # report every failure to the caller; the worker stays up
-            reply = {
-                "ok": False,
-                "error": _describe_failure(ctx, exc),
-                "type": type(exc).__name__,
-                "traceback": traceback.format_exc(),
-            }
-        reply["seconds"] = time.perf_counter() - started
-        reply["job"] = ctx.job
-        send(conn, reply)
+                known = ", ".join(sorted(HANDLERS))
+                raise KeyError(f"unknown worker method {request.method!r}; known: {known}")
+            result = fn(ctx, **unpack(request.kwargs, remove=False))
+            packed = pack(result, ctx.shm_dir, f"result-{ctx.job}-{ctx.rank}")
+            reply = Reply(job=ctx.job, rank=ctx.rank, ok=True, result=packed)
+        except BaseException as exc:  # report every failure to the caller at once; the worker stays up
+            reply = Reply(
+                job=ctx.job,
+                rank=ctx.rank,
+                ok=False,
+                error=_describe_failure(ctx, exc),
+                error_type=type(exc).__name__,
+                traceback=traceback.format_exc(),
+            )
+        send(conn, dataclasses.replace(reply, seconds=time.perf_counter() - started))
 
 
 def main() -> None:
@@ -238,13 +271,13 @@ def main() -> None:
     for path in filter(None, os.environ.get("RP_EXTRA_SYS_PATH", "").split(os.pathsep)):
         sys.path.insert(0, path)
     conn = Client(os.environ["RP_ADDRESS"], family="AF_UNIX", authkey=key)
-    send(conn, {"hello": rank, "pid": os.getpid()})
+    send(conn, Hello(rank=rank, pid=os.getpid()))
     _join_group(conn, rank, world_size, device)
     _load_methods()
     ctx = WorkerContext(
         rank=rank, world_size=world_size, device=device, conn=conn, shm_dir=os.environ["RP_SHM_DIR"]
     )
-    send(conn, {"ready": rank, "device": str(device), "pid": os.getpid()})
+    send(conn, Ready(rank=rank, device=str(device), pid=os.getpid()))
     _leave_group(clean=_serve(conn, ctx))
 
 

@@ -10,7 +10,7 @@ from rocm_parallel.backend.worker import handler
 @handler("context_state")
 def context_state(ctx: Any) -> dict[str, Any]:
     """What apply_context_parallel chose on this rank: kernel, LSE guard layout, processors installed."""
-    model = ctx.state["model"]
+    model = ctx.resident.require()
     state = model._rp_context_state
     processors = {type(m.processor).__name__ for m in model.modules() if getattr(m, "processor", None)}
     return {

@@ -12,6 +12,7 @@ from rocm_parallel.backend.worker import handler
 @handler("load_shards")
 def load_shards(ctx: Any, path: str, dtype: str, tp: int) -> dict[str, Any]:
     """What a worker will do: load its own shard onto its device and keep it resident for `forward`."""
-    ctx.state.pop("model", None)
-    ctx.state["model"] = load_flux(path, device=ctx.device, dtype=dtype, tp=tp)
-    return {"rank": ctx.rank, "parameter_bytes": parameter_bytes(ctx.state["model"])}
+    ctx.resident.clear()
+    model = load_flux(path, device=ctx.device, dtype=dtype, tp=tp)
+    ctx.resident.set(model, {"checkpoint": path, "dtype": dtype, "tp": tp})
+    return {"rank": ctx.rank, "parameter_bytes": parameter_bytes(model)}

@@ -35,7 +35,7 @@ def _gone(pids: list[int], within: float = 10.0) -> bool:
 
 def test_progress_reaches_the_caller(group2: WorkerGroup) -> None:
     seen: list[tuple[int, int]] = []
-    results = group2.call_all("steps", n=4, progress=lambda s, t: seen.append((s, t)))
+    results = group2.call_all("steps", {"n": 4}, progress=lambda s, t: seen.append((s, t)))
     assert seen == [(1, 4), (2, 4), (3, 4), (4, 4)]
     assert [r["sum"] for r in results] == [8.0, 8.0]  # 4 steps x all-reduce of 1 over 2 ranks
 
@@ -53,17 +53,17 @@ def test_cancel_stops_every_rank_within_a_step(group2: WorkerGroup) -> None:
             raise Interrupted("user pressed Cancel")
 
     with pytest.raises(Interrupted, match="user pressed Cancel"):
-        group2.call("steps", n=50, seconds=0.05, progress=interrupt_at_two)
+        group2.call("steps", {"n": 50, "seconds": 0.05}, progress=interrupt_at_two)
     assert seen == [2] or seen[:2] == [1, 2]
     assert len(seen) <= 3  # stopped at the next step boundary
     # the group is still usable
-    assert group2.call("steps", n=2)["sum"] == 4.0
+    assert group2.call("steps", {"n": 2})["sum"] == 4.0
 
 
 def test_timeout_cancels_and_keeps_the_group(group2: WorkerGroup) -> None:
     started = time.monotonic()
     with pytest.raises(JobTimeout, match=r"'steps' ran past its time limit of 1 s and was cancelled"):
-        group2.call("steps", timeout=1.0, n=100, seconds=0.1)
+        group2.call("steps", {"n": 100, "seconds": 0.1}, timeout=1.0)
     assert time.monotonic() - started < 5
     assert group2.alive
     assert group2.call("ping")["rank"] == 0
@@ -71,7 +71,7 @@ def test_timeout_cancels_and_keeps_the_group(group2: WorkerGroup) -> None:
 
 def test_large_tensors_travel_through_shared_files(group2: WorkerGroup) -> None:
     big = torch.randn(512, 1024)  # 2 MiB: above the inline limit
-    results = group2.call_all("scale", tensor=big)
+    results = group2.call_all("scale", {"tensor": big})
     assert torch.equal(results[0]["scaled"], big)
     assert torch.equal(results[1]["scaled"], big * 2)
     assert any(name.startswith("request-") for name in results[0]["files"])  # it was a file, not a pickle
@@ -80,7 +80,7 @@ def test_large_tensors_travel_through_shared_files(group2: WorkerGroup) -> None:
 
 def test_out_of_memory_names_the_device_and_the_remedy(group2: WorkerGroup) -> None:
     with pytest.raises(WorkerError) as err:
-        group2.call("out_of_memory", rank=1)
+        group2.call("out_of_memory", {"rank": 1})
     assert str(err.value) == (
         "rank 1 (cpu): out of memory on cpu (rank 1 of 2): CUDA out of memory. Tried to allocate 20.00 GiB. "
         "To fit: use more GPUs, use tensor parallelism (it splits the weights; context parallelism keeps a "
@@ -129,13 +129,13 @@ def test_killed_worker_is_reported_and_a_new_group_works() -> None:
     threading.Timer(1.0, os.kill, (victim, signal.SIGKILL)).start()
     started = time.monotonic()
     with pytest.raises(WorkerError) as err:
-        group.call("steps", n=1000, seconds=0.02)
+        group.call("steps", {"n": 1000, "seconds": 0.02})
     assert time.monotonic() - started < 10
     assert f"worker rank 1 (cpu, pid {victim}) exited with code -9 while running 'steps'" in str(err.value)
     assert err.value.rank == 1
     assert _gone(group.pids)
     with WorkerGroup(["cpu", "cpu"], threads=1, extra_sys_path=[TESTS_DIR], methods=["worker_jobs"]) as fresh:
-        assert fresh.call("steps", n=2)["sum"] == 4.0
+        assert fresh.call("steps", {"n": 2})["sum"] == 4.0
 
 
 def test_workers_exit_when_the_parent_dies(tmp_path) -> None:
@@ -162,8 +162,8 @@ def test_clean_exit_after_a_parallel_forward() -> None:
 
     config = tiny_flux_config(heads=4, head_dim=16)
     group = WorkerGroup(["cpu", "cpu"], threads=1)
-    group.call_all("build_random", config=config, seed=0, dtype="float32", tp=2)
-    group.call("forward", inputs=random_inputs(FluxDims.from_diffusers_config(config)).as_kwargs())
+    group.call_all("build_random", {"config": config, "seed": 0, "dtype": "float32", "tp": 2})
+    group.call("forward", {"inputs": random_inputs(FluxDims.from_diffusers_config(config)).as_kwargs()})
     group.close()
     assert group.exit_codes == [0, 0]
     for output in group.final_output:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -502,12 +502,14 @@ def load_flux(
     dtype: str | torch.dtype | None = None,
     group: Any = None,
     tp: int = 1,
+    progress: Callable[[int, int], None] | None = None,
 ) -> nn.Module:
     """Build FluxTransformer2DModel from a checkpoint holding only this rank's weights on `device`.
 
     tp=1: the whole model (single device, or one full copy per rank for context parallelism).
     tp>1: this rank's tensor-parallel shard over `group` (default: the world, whose size must be tp),
     equal to `apply_tensor_parallel(full model, group)` on this rank.
+    `progress(done, total)` runs after each parameter is read (workers report it and stop on cancel).
     """
     info = path if isinstance(path, CheckpointInfo) else inspect_checkpoint(path)
     device = torch.device(device)
@@ -524,8 +526,9 @@ def load_flux(
         apply_tensor_parallel(model, group)
         rank, degree = dist.get_rank(group), tp
     dims = info.dims
+    parameters = list(model.named_parameters())
     with torch.no_grad():
-        for name, meta in list(model.named_parameters()):
+        for done, (name, meta) in enumerate(parameters, 1):
             stored, rows = info.sources[name]
             pieces = parameter_pieces(resolved, name, _full_shape(stored, rows), rank, degree, dims)
             tensor = _read(stored, rows, pieces, dtype, device)
@@ -535,6 +538,8 @@ def load_flux(
                 )
             module_name, _, param = name.rpartition(".")
             setattr(model.get_submodule(module_name), param, nn.Parameter(tensor, requires_grad=False))
+            if progress is not None:
+                progress(done, len(parameters))
     return model.eval()
 
 

@@ -176,8 +176,31 @@ class FluxConditioning:
     guidance: torch.Tensor | None  # [B], None for schnell
 
 
-def convert_conditioning(positive: Any, batch: int, variant: str = "dev") -> FluxConditioning:
-    """ComfyUI CONDITIONING `[[cond, {"pooled_output": ..., "guidance": ...}]]` -> transformer inputs."""
+def _finite(name: str, tensor: torch.Tensor, fix: str) -> None:
+    """NaN or inf in an input makes every step NaN: refuse it, naming the input."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        bad = "NaN" if bool(torch.isnan(tensor).any()) else "inf"
+        raise ConfigError(f"{name} contains {bad} values; {fix}")
+
+
+def _real_tensor(name: str, tensor: torch.Tensor) -> None:
+    if tensor.is_meta or tensor.device.type not in ("cpu", "cuda"):
+        raise ConfigError(
+            f"{name} is on the '{tensor.device}' device and holds no values; give a CPU or GPU tensor"
+        )
+
+
+def convert_conditioning(
+    positive: Any,
+    batch: int,
+    variant: str = "dev",
+    text_dim: int | None = None,
+    pooled_dim: int | None = None,
+) -> FluxConditioning:
+    """ComfyUI CONDITIONING `[[cond, {"pooled_output": ..., "guidance": ...}]]` -> transformer inputs.
+
+    `text_dim` / `pooled_dim` are the checkpoint's (FluxDims.text_dim / pooled_dim): the widths the
+    text encoders must have produced (T5-XXL 4096, CLIP-L 768 for FLUX.1); None accepts any width."""
     if not isinstance(positive, (list, tuple)) or len(positive) != 1:
         n = len(positive) if isinstance(positive, (list, tuple)) else type(positive).__name__
         raise ConfigError(
@@ -194,20 +217,32 @@ def convert_conditioning(positive: Any, batch: int, variant: str = "dev") -> Flu
             f"positive conditioning sets {', '.join(unsupported)}, which this sampler does not support yet "
             f"(supported: {', '.join(SUPPORTED_COND_KEYS)}); remove the node that adds them"
         )
-    if not torch.is_tensor(cond) or cond.ndim != 3:
+    width = lambda t, want: want is None or t.shape[-1] == want  # noqa: E731
+    if not torch.is_tensor(cond) or cond.ndim != 3 or not width(cond, text_dim) or cond.shape[0] < 1:
         shape = tuple(cond.shape) if torch.is_tensor(cond) else type(cond).__name__
-        raise ConfigError(f"conditioning tensor has shape {shape}; expected [batch, tokens, 4096] (T5-XXL)")
-    pooled = extras.get("pooled_output")
-    if not torch.is_tensor(pooled) or pooled.ndim != 2:
         raise ConfigError(
-            "conditioning has no pooled_output [batch, 768]; encode the prompt with a FLUX DualCLIPLoader "
-            "(clip_l + t5xxl) and CLIPTextEncode"
+            f"conditioning tensor has shape {shape}; this model expects [batch, tokens, {text_dim or 4096}] "
+            "(T5-XXL text features): encode the prompt with a FLUX DualCLIPLoader (clip_l + t5xxl)"
         )
+    pooled = extras.get("pooled_output")
+    if not torch.is_tensor(pooled) or pooled.ndim != 2 or not width(pooled, pooled_dim):
+        got = f" (got {tuple(pooled.shape)})" if torch.is_tensor(pooled) else ""
+        raise ConfigError(
+            f"conditioning has no pooled_output [batch, {pooled_dim or 768}]{got}; encode the prompt with a FLUX "
+            "DualCLIPLoader (clip_l + t5xxl) and CLIPTextEncode"
+        )
+    for name, tensor in (("conditioning tensor", cond), ("pooled_output", pooled)):
+        _real_tensor(name, tensor)
+        _finite(name, tensor, "re-encode the prompt (a broken text encoder or a bad upstream node)")
     guidance = None
     if variant == "dev":
         value = extras.get("guidance", DEFAULT_GUIDANCE)
         if value is None:
             raise ConfigError("conditioning guidance is None; FLUX.1-dev needs one (FluxGuidance, e.g. 3.5)")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise ConfigError(
+                f"conditioning guidance={value!r} is not a finite number; set it with FluxGuidance (e.g. 3.5)"
+            )
         guidance = repeat_to_batch_size(torch.tensor([float(value)], dtype=torch.float32), batch)
     return FluxConditioning(
         encoder_hidden_states=repeat_to_batch_size(cond.to(torch.float32), batch),
@@ -236,9 +271,14 @@ class SamplingPlan:
 
 
 def _checked_latent(latent: torch.Tensor) -> torch.Tensor:
-    if not torch.is_tensor(latent) or latent.ndim != 4:
+    if not torch.is_tensor(latent) or latent.ndim != 4 or 0 in latent.shape:
         shape = tuple(latent.shape) if torch.is_tensor(latent) else type(latent).__name__
-        raise ConfigError(f"latent samples have shape {shape}; expected [batch, 16, height/8, width/8]")
+        raise ConfigError(
+            f"latent samples have shape {shape}; expected [batch, 16, height/8, width/8] with at least one "
+            "image (batch >= 1)"
+        )
+    _real_tensor("latent samples", latent)
+    _finite("latent samples", latent, "encode the image again or start from EmptySD3LatentImage")
     _, c, h, w = latent.shape
     if c != LATENT_CHANNELS:
         if torch.count_nonzero(latent) > 0:
@@ -267,17 +307,21 @@ def plan_sampling(
     batch_index: Sequence[int] | None = None,
     variant: str = "dev",
     shift_mu: float | None = None,
+    text_dim: int | None = None,
+    pooled_dim: int | None = None,
 ) -> SamplingPlan:
     """Validate the input and decide noise, schedule and conditioning exactly as ComfyUI would.
 
     `sigmas` (a SIGMAS input, as SamplerCustom takes it) overrides steps/denoise/shift_mu.
+    `text_dim` / `pooled_dim`: the checkpoint's conditioning widths (see convert_conditioning).
     """
     if variant not in VARIANTS:
         raise ConfigError(f"variant={variant!r} is not a FLUX.1 variant; use 'dev' or 'schnell'")
+    _check_seed(seed)
     latent = _checked_latent(latent).to(torch.float32)
     batch = latent.shape[0]
     if sigmas is not None:
-        schedule = torch.as_tensor(sigmas, dtype=torch.float32).flatten().cpu()
+        schedule = _checked_sigmas(sigmas)
     else:
         if int(steps) < 1:
             raise ConfigError(f"steps={steps} must be at least 1")
@@ -290,7 +334,7 @@ def plan_sampling(
             raise ConfigError(
                 f"batch_index {batch_index} must list one index >= 0 for each of the {batch} latents"
             )
-    cond = convert_conditioning(positive, batch, variant)
+    cond = convert_conditioning(positive, batch, variant, text_dim, pooled_dim)
     mask = None
     if noise_mask is not None:
         if not torch.is_tensor(noise_mask) or noise_mask.ndim < 2:
@@ -306,6 +350,32 @@ def plan_sampling(
         mask=mask,
         original=latent,
     )
+
+
+SEED_LIMIT = 2**64  # ComfyUI's seed widgets: 0 .. 0xffffffffffffffff
+
+
+def _check_seed(seed: Any) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+        raise ConfigError(
+            f"seed={seed!r} must be an integer from 0 to {SEED_LIMIT - 1} (2**64 - 1), as in ComfyUI"
+        )
+
+
+def _checked_sigmas(sigmas: Sequence[float] | torch.Tensor) -> torch.Tensor:
+    """A SIGMAS input: finite, never increasing (noise goes down step by step), at least one step."""
+    schedule = torch.as_tensor(sigmas, dtype=torch.float32).flatten().cpu()
+    _finite("sigmas", schedule, "check the scheduler node that made them")
+    rising = [i for i in range(len(schedule) - 1) if schedule[i + 1] > schedule[i]]
+    if rising:
+        i = rising[0]
+        raise ConfigError(
+            f"sigmas must not increase, but sigma[{i + 1}]={schedule[i + 1].item():g} > "
+            f"sigma[{i}]={schedule[i].item():g}; use a scheduler's output (e.g. BasicScheduler) or flip them"
+        )
+    if len(schedule) and (schedule < 0).any():
+        raise ConfigError(f"sigmas must be >= 0; got {schedule.min().item():g}")
+    return schedule
 
 
 def _noise_scaling(sigma: torch.Tensor, noise: torch.Tensor, latent_image: torch.Tensor) -> torch.Tensor:
@@ -361,6 +431,11 @@ def run_euler(
             denoised = denoised * mask + image * keep
         d = (x - denoised) / sigma
         x = x + d * (sigmas[i + 1] - sigma)
+        if not bool(torch.isfinite(x).all()):  # identical on every rank: all stop at the same step
+            raise FloatingPointError(
+                f"step {i + 1} of {total} produced NaN or inf values (sigma {sigma.item():g}); the model's "
+                "output overflowed: try dtype='bfloat16' or 'float32' instead of float16, or check the inputs"
+            )
         if callback is not None:
             callback(i + 1, total)
     x = x / (1.0 - sigmas[-1])  # CONST.inverse_noise_scaling; a no-op when the schedule ends at 0

@@ -44,7 +44,7 @@ def test_parallel_forward_matches_one_gpu(layout: dict) -> None:
             reference(**inputs.to("cuda", torch.bfloat16).as_kwargs(), return_dict=False)[0].float().cpu()
         )
     with WorkerGroup(["cuda:0", "cuda:1"]) as group:
-        group.call_all("build_random", config=config, seed=3, dtype="bfloat16", **layout)
-        out = group.call("forward", inputs=inputs.as_kwargs())["output"]
+        group.call_all("build_random", {"config": config, "seed": 3, "dtype": "bfloat16", **layout})
+        out = group.call("forward", {"inputs": inputs.as_kwargs()})["output"]
     # bf16 with a different reduction order: compare relative to the output's scale
     assert (out - expected).abs().max().item() <= 2e-2 * expected.abs().max().item()
