@@ -24,14 +24,15 @@ from .config import ConfigError, FluxDims, ParallelLayout, split_context
 from .flux.load import CheckpointInfo, inspect_checkpoint, resolve_dtype
 from .flux.sampling import SamplingPlan, plan_sampling
 from .plan import Choice, Link, Setup, choose
+from .platforms import parse_devices
 
 LAYOUTS = ("tp", "context", "auto")
 
 
 def default_devices() -> list[str]:
-    """All visible GPUs (ROCm GPUs are 'cuda' devices in torch), else two CPU workers."""
-    gpus = torch.cuda.device_count()
-    return [f"cuda:{i}" for i in range(gpus)] if gpus else ["cpu", "cpu"]
+    """All visible GPUs (ROCm GPUs are 'cuda' devices in torch); an error naming the torch build when
+    there is none (CPU workers are for testing: ask for them, e.g. ParallelFlux(["cpu", "cpu"]))."""
+    return list(parse_devices("all"))
 
 
 def make_layout(
@@ -128,6 +129,11 @@ class ParallelFlux:
     def start(self) -> WorkerGroup:
         """Start the workers now (otherwise the first load does)."""
         return self.group
+
+    @property
+    def warnings(self) -> list[str]:
+        """What the running group's start-up changed on its own (e.g. NCCL_P2P_DISABLE=1 after a hang)."""
+        return list(self._group.warnings) if self._group is not None else []
 
     @property
     def started(self) -> bool:

@@ -93,7 +93,6 @@ def validate_devices(devices: Sequence[str], backend: str | None = None) -> tupl
         )
     if len(kinds) > 1:
         raise ConfigError(f"devices={list(devices)} mixes CPU and GPU workers; use only GPUs or only 'cpu'")
-    check_platform(normalized, backend)
     if "cpu" in kinds:
         _check_host_memory(len(normalized), devices)
     if "cuda" in kinds:
@@ -121,6 +120,7 @@ def validate_devices(devices: Sequence[str], backend: str | None = None) -> tupl
                 f"use indices 0..{available - 1}"
             )
         normalized = tuple(f"cuda:{i}" for i in indices)
+    check_platform(normalized, backend)
     return normalized
 
 
