@@ -195,6 +195,7 @@ class RecordingFlux:
     def __init__(self, devices: tuple[str, ...]) -> None:
         self.devices, self.closed = devices, False
         self.warnings: list[str] = []
+        self.started = False
 
     def close(self) -> None:
         self.closed = True
