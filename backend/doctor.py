@@ -146,7 +146,7 @@ def advise(facts: dict[str, Any], check: dict[str, Any]) -> list[tuple[str, str]
     elif not gpus:
         out.append(
             (
-                "error",
+                "warn",
                 f"{facts['build_text']} sees no GPU: check the driver (rocm-smi / nvidia-smi), "
                 "the user's groups 'video' and 'render' (ROCm), and HIP/CUDA_VISIBLE_DEVICES",
             )
