@@ -339,7 +339,8 @@ class WorkerGroup:
                 self.pids.append(proc.pid)
             self._handshake(listener)
         except BaseException as exc:
-            listener.close()  # before the directory goes: a late unlink would hide the real error
+            with contextlib.suppress(OSError):  # its socket file may be gone with the directory already
+                listener.close()  # before the directory goes: a late unlink would hide the real error
             failure = self._exit_report("starting") or exc
             self._shutdown_now()
             if failure is exc:
@@ -386,7 +387,15 @@ class WorkerGroup:
                     f"a worker did not finish {doing} within {self.start_timeout:.0f} s (start_timeout)"
                     + self._log_tails()
                 )
-        record = recv(conn)
+        try:
+            record = recv(conn)
+        except (EOFError, OSError):  # the worker died: its exit report says why (give the OS a moment)
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline and all(p.poll() is None for p in self._procs):
+                time.sleep(0.05)
+            raise self._exit_report("starting") or WorkerError(
+                f"a worker closed its connection while {doing}"
+            ) from None
         if not isinstance(record, kind):
             raise WorkerError(
                 f"a worker sent {type(record).__name__} while {doing}; expected {kind.__name__}"

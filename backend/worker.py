@@ -266,6 +266,18 @@ def _serve(conn: Connection, ctx: WorkerContext) -> bool:
 def main() -> None:
     key = bytes.fromhex(sys.stdin.buffer.readline().decode().strip())
     _watch_parent()
+    try:
+        _run(key)
+    except BaseException:
+        # Exit 1 with the traceback at once: a normal interpreter exit would abort (SIGABRT, "could not
+        # acquire lock for <stdin>") because the death-pipe thread is blocked reading stdin.
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _run(key: bytes) -> None:
     _configure_threads()
     rank, world_size = int(os.environ["RP_RANK"]), int(os.environ["RP_WORLD_SIZE"])
     device = torch.device(os.environ["RP_DEVICE"])
