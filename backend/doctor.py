@@ -139,7 +139,8 @@ def advise(facts: dict[str, Any], check: dict[str, Any]) -> list[tuple[str, str]
             (
                 "note",
                 f"torch {facts['torch']} is a CPU-only build: only 'cpu xN' workers (testing). For GPUs install "
-                "the ROCm build (Linux: pip install torch --index-url https://download.pytorch.org/whl/rocm6.4) "
+                "the ROCm build (Linux: pip install torch --index-url https://download.pytorch.org/whl/rocmX.Y, "
+                "X.Y from pytorch.org's install selector) "
                 "or the CUDA build of torch (README, 'Platforms')",
             )
         )
