@@ -99,11 +99,14 @@ class ParallelFlux:
         threads: int | None = None,
         start_timeout: float = 300.0,
         group: WorkerGroup | None = None,
+        backend: str | None = None,
     ) -> None:
-        """`group` adopts a running WorkerGroup (tests share one); otherwise one starts on first use."""
+        """`group` adopts a running WorkerGroup (tests share one); otherwise one starts on first use.
+        `backend='gloo'` runs GPU collectives through gloo (no NCCL/RCCL; several workers on one GPU)."""
         if group is not None:
-            devices = group.devices
-        self.devices = validate_devices(devices if devices is not None else default_devices())
+            devices, backend = group.devices, group.backend
+        self.backend = backend
+        self.devices = validate_devices(devices if devices is not None else default_devices(), backend)
         self.threads, self.start_timeout = threads, start_timeout
         self._group: WorkerGroup | None = group
         self.resident: Resident | None = None
@@ -123,7 +126,7 @@ class ParallelFlux:
                 if self._group is not None:
                     self._group.close(timeout=2.0)
                 self._group = WorkerGroup(
-                    self.devices, threads=self.threads, start_timeout=self.start_timeout
+                    self.devices, threads=self.threads, start_timeout=self.start_timeout, backend=self.backend
                 )
             return self._group
 
