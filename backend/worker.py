@@ -105,8 +105,8 @@ class WorkerContext:
         step; a rank that stopped alone would leave the others waiting in a collective forever.
         """
         flag = torch.zeros(1, dtype=torch.int32, device=self.device if self.device.type != "cpu" else "cpu")
+        self._report(step, total, "step")  # every rank: the caller's watchdog hears each one
         if self.rank == 0:
-            self._report(step, total, "step")
             flag[0] = int(self.cancel_requested())
         if self.world_size > 1:
             dist.broadcast(flag, src=0)
@@ -116,8 +116,7 @@ class WorkerContext:
     def load_progress(self, done: int, total: int) -> None:
         """Call between tensors of a load: reports progress (the caller's watchdog sees a live load) and
         stops at once on cancel. Loading has no collectives, so each rank decides alone."""
-        if self.rank == 0:
-            self._report(done, total, "load")
+        self._report(done, total, "load")
         if self.cancel_requested():
             raise JobCancelled(f"load cancelled after {done} of {total} tensors")
 
@@ -266,18 +265,6 @@ def _serve(conn: Connection, ctx: WorkerContext) -> bool:
 def main() -> None:
     key = bytes.fromhex(sys.stdin.buffer.readline().decode().strip())
     _watch_parent()
-    try:
-        _run(key)
-    except BaseException:
-        # Exit 1 with the traceback at once: a normal interpreter exit would abort (SIGABRT, "could not
-        # acquire lock for <stdin>") because the death-pipe thread is blocked reading stdin.
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-
-
-def _run(key: bytes) -> None:
     _configure_threads()
     rank, world_size = int(os.environ["RP_RANK"]), int(os.environ["RP_WORLD_SIZE"])
     device = torch.device(os.environ["RP_DEVICE"])
@@ -286,7 +273,14 @@ def _run(key: bytes) -> None:
     conn = Client(os.environ["RP_ADDRESS"], family="AF_UNIX", authkey=key)
     send(conn, Hello(rank=rank, pid=os.getpid()))
     _join_group(conn, rank, world_size, device)
-    _load_methods()
+    try:
+        _load_methods()
+    except BaseException:
+        # Exit with a plain status and the traceback in the log (the client shows both): a normal
+        # interpreter exit with a live gloo group aborts (-6) and hides the cause.
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
     ctx = WorkerContext(
         rank=rank, world_size=world_size, device=device, conn=conn, shm_dir=os.environ["RP_SHM_DIR"]
     )
