@@ -26,7 +26,7 @@ from ..parallel.comm import CountCollectives
 from ..parallel.context import apply_context_parallel
 from ..parallel.fake import fake_process_group
 from ..parallel.tensor import apply_tensor_parallel, parameter_bytes
-from ..plan import GB, Setup, estimate, layout_name
+from ..plan import GB, Setup, estimate
 
 LAYOUTS = "1x1x1,2x1x1,4x1x1,8x1x1,1x2x1,1x4x1,1x1x2,1x1x4,1x2x2"
 
@@ -119,7 +119,7 @@ def compare(layout: ParallelLayout, size: int, batch: int, text_tokens: int) -> 
         counts[c.kind] = counts.get(c.kind, 0) + c.count
         payload[c.kind] = payload.get(c.kind, 0) + c.count * c.payload
     return {
-        "layout": layout_name(layout),
+        "layout": str(layout),
         "size": size,
         "planned_weights": planned.weights,
         "measured_weights": measured["weights"],

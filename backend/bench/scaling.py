@@ -25,7 +25,7 @@ import torch
 
 from ..config import ConfigError, FluxDims, ParallelLayout
 from ..flux.model import build_flux, tiny_flux_config
-from ..plan import GB, Setup, estimate, layout_name
+from ..plan import GB, Setup, estimate
 
 CONFIG = tiny_flux_config(heads=8, head_dim=64, double_blocks=2, single_blocks=4, text_dim=256, pooled_dim=64)
 MB = 1e6
@@ -112,7 +112,7 @@ def measure(flux: Any, checkpoint: str, layout: ParallelLayout, args: argparse.N
 
     def progress(step: int, total: int) -> None:
         stamps.append(time.perf_counter())
-        bar.advance(f"{layout_name(layout)} step {step}/{total}")
+        bar.advance(f"{layout} step {step}/{total}")
 
     started = time.perf_counter()
     flux.sample(positive, latent, seed=0, steps=args.steps, progress=progress)
@@ -128,7 +128,7 @@ def measure(flux: Any, checkpoint: str, layout: ParallelLayout, args: argparse.N
         growth = [a["hwm"] - b["rss"] for a, b in zip(after, before, strict=True)]
     return {
         "workers": len(flux.devices),
-        "layout": layout_name(layout),
+        "layout": str(layout),
         "latency_s": latency,
         "step_s": per_step,
         "peak_bytes": max(peaks),
@@ -189,7 +189,7 @@ def run(args: argparse.Namespace) -> str:
             try:
                 layout.validate(dims, devices=n)
             except ConfigError as exc:
-                print(f"  skipped {layout_name(layout)}: {exc}", file=sys.stderr)
+                print(f"  skipped {layout}: {exc}", file=sys.stderr)
                 continue
             plans.append(layout)
     bar = Bar(len(plans) * args.steps)
