@@ -37,8 +37,8 @@ from .convert import (
     bfl_shapes,
     bfl_sources,
     diffusers_to_bfl,
+    dims_from_bfl,
     flux_config_from_bfl,
-    layout_from_bfl,
 )
 
 # safetensors dtype names this loader reads -> torch dtype (fp8 is upcast to the compute dtype).
@@ -268,7 +268,7 @@ def _bfl_info(path: Path, header: dict[str, StoredTensor]) -> CheckpointInfo:
             "not a FLUX.1 transformer"
         )
     _check_shapes(str(path), shapes, bfl_shapes(config))
-    sources = {name: (tensors[s.key], s.rows) for name, s in bfl_sources(layout_from_bfl(shapes)).items()}
+    sources = {name: (tensors[s.key], s.rows) for name, s in bfl_sources(dims_from_bfl(shapes)).items()}
     return _info(path, "bfl", (str(path),), prefix, config, sources, tensors.values())
 
 
