@@ -28,9 +28,10 @@ from rocm_parallel.backend.parallel.lse import (
     probe_merge_shape,
     probe_query_shape,
 )
+from rocm_parallel.testing.helpers import TEST_CONFIG
 
 # 8 heads so that Ulysses 2 and 4 both split them; 2 double + 3 single blocks.
-CONFIG = tiny_flux_config(heads=8, head_dim=16, double_blocks=2, single_blocks=3)
+CONFIG = TEST_CONFIG
 
 SHAPES = {
     # 16 image + 16 text tokens: divides by 2 and 4

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -310,6 +311,15 @@ def diffusers_to_bfl(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.
     return out
 
 
+def save_bfl_checkpoint(model: torch.nn.Module | Mapping[str, torch.Tensor], path: str | Path) -> str:
+    """Write a FluxTransformer2DModel (or its state dict) as a BFL/ComfyUI single file; returns the path."""
+    from safetensors.torch import save_file
+
+    state = model.state_dict() if isinstance(model, torch.nn.Module) else model
+    save_file(diffusers_to_bfl(state), str(path))
+    return str(path)
+
+
 def bfl_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     """The BFL key -> shape a checkpoint of this diffusers config has (computed on the meta device)."""
     from .model import build_flux
@@ -330,5 +340,6 @@ __all__ = [
     "dims_from_diffusers",
     "flux_config_from_bfl",
     "rope_axes",
+    "save_bfl_checkpoint",
     "strip_prefix",
 ]

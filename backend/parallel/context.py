@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-import os
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -133,17 +132,6 @@ def default_attention_kernel(device: torch.device, dtype: torch.dtype) -> str:
     return "native_flash" if torch.version.hip else "cudnn"
 
 
-def _enable_rdna3_flash(device: torch.device) -> None:
-    """RDNA3 (gfx11) runs flash SDPA through AOTriton only with the experimental flag (read at call time).
-
-    Set here, in the worker process only, before the first attention call; a user's own value wins.
-    """
-    if torch.version.hip and device.type == "cuda":
-        arch = getattr(torch.cuda.get_device_properties(device), "gcnArchName", "")
-        if arch.startswith("gfx11"):
-            os.environ.setdefault("TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL", "1")
-
-
 def choose_attention_kernel(
     device: torch.device, dtype: torch.dtype, override: str | None = None
 ) -> AttentionKernel:
@@ -167,8 +155,9 @@ def choose_attention_kernel(
         raise ConfigError(
             f"attention={name!r} is not available in the installed diffusers; use cpu_flash or math"
         )
-    if name == "native_flash":
-        _enable_rdna3_flash(device)
+    # RDNA3 (gfx11) needs TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL=1 for flash SDPA. torch reads it once, at
+    # the first attention call, so it is set in one place only: the workers' environment (client.py, before
+    # the process starts). A script that runs this outside a worker group exports it itself.
     return AttentionKernel(name, forward, backward)
 
 

@@ -28,6 +28,7 @@ The names below are its public surface: `from .plan import choose, Setup, Link` 
 
 from __future__ import annotations
 
+from ..text import GB
 from .choice import Choice, choose
 from .cost import (
     ATTENTION_BLOCK_FULL,
@@ -42,15 +43,17 @@ from .cost import (
     buffer_bytes,
     candidate_layouts,
     collectives,
+    count_by_kind,
     cp_local_tokens,
     estimate,
     forward_flops,
     modulation_width,
+    payload_by_kind,
     plan,
     ring_attention,
 )
 from .report import format_table
-from .setup import GB, MARGIN, PCIE4, XGMI, Link, Setup
+from .setup import MARGIN, PCIE4, XGMI, Link, Setup
 from .shapes import TIMESTEP_CHANNELS, flux_parameter_shapes, weight_bytes
 
 __all__ = [
@@ -75,12 +78,14 @@ __all__ = [
     "candidate_layouts",
     "choose",
     "collectives",
+    "count_by_kind",
     "cp_local_tokens",
     "estimate",
     "flux_parameter_shapes",
     "format_table",
     "forward_flops",
     "modulation_width",
+    "payload_by_kind",
     "plan",
     "ring_attention",
     "weight_bytes",

@@ -7,9 +7,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ..config import ConfigError, ParallelLayout
+from ..text import GB
 from .cost import Estimate, plan
 from .report import capacity, gb
-from .setup import GB, Setup
+from .setup import Setup
 
 
 @dataclass(frozen=True)

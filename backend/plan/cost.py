@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import ConfigError, FluxDims, ParallelLayout
-from .setup import GB, Setup
+from ..text import GB
+from .setup import Setup
 from .shapes import weight_bytes
 
 # --------------------------------------------------------------------------------------------------
@@ -38,6 +39,22 @@ class Collective:
         n = self.group
         factor = 2 * (n - 1) / n if self.kind == "all_reduce" else (n - 1) / n
         return self.count * self.payload * factor
+
+
+def count_by_kind(comms: list[Collective]) -> dict[str, int]:
+    """Collectives per kind ('all_reduce': 76, ...), in the order the kinds first appear."""
+    counts: dict[str, int] = {}
+    for c in comms:
+        counts[c.kind] = counts.get(c.kind, 0) + c.count
+    return counts
+
+
+def payload_by_kind(comms: list[Collective]) -> dict[str, int]:
+    """Payload bytes per kind over all collectives of that kind (what CountCollectives reports)."""
+    payload: dict[str, int] = {}
+    for c in comms:
+        payload[c.kind] = payload.get(c.kind, 0) + c.count * c.payload
+    return payload
 
 
 def modulation_width(dims: FluxDims) -> int:

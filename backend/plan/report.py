@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from .cost import Collective, Estimate
-from .setup import GB, Setup
+from ..text import GB, markdown_table
+from .cost import Estimate, count_by_kind
+from .setup import Setup
 
 
 def gb(n: float) -> str:
@@ -17,11 +18,11 @@ def capacity(gb: float) -> str:
     return f"{gb:.1f}"
 
 
-def _count_by_kind(comms: list[Collective]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for c in comms:
-        counts[c.kind] = counts.get(c.kind, 0) + c.count
-    return counts
+def _row(e: Estimate) -> list[str]:
+    gb_cells = (e.weights, e.activations, e.buffers, e.per_gpu)
+    counts = ", ".join(f"{n} {kind}" for kind, n in count_by_kind(e.collectives).items()) or "-"
+    return [e.name, *(f"{b / GB:.2f}" for b in gb_cells), "yes" if e.fits else "no", counts,
+            f"{e.sent_per_gpu / GB:.2f}", f"{e.compute_s:.2f}", f"{e.comm_s:.3f}", f"{e.step_s:.2f}"]  # fmt: skip
 
 
 def format_table(setup: Setup, estimates: list[Estimate]) -> str:
@@ -31,18 +32,8 @@ def format_table(setup: Setup, estimates: list[Estimate]) -> str:
         f"({setup.tokens} tokens), {setup.devices} device(s) x {capacity(setup.memory_gb)} GB, "
         f"{setup.link.describe()}, {setup.tflops:g} TFLOPS per device"
     )
-    lines = [
-        head,
-        "",
-        "| layout | weights (GB) | activations (GB) | of which buffers (GB) | per GPU (GB) | fits | "
-        "collectives / step | sent per GPU (GB) | compute (s) | comm (s) | step (s) |",
-        "|---|---:|---:|---:|---:|---|---|---:|---:|---:|---:|",
-    ]
-    for e in estimates:
-        counts = ", ".join(f"{n} {kind}" for kind, n in _count_by_kind(e.collectives).items()) or "-"
-        lines.append(
-            f"| {e.name} | {e.weights / GB:.2f} | {e.activations / GB:.2f} | {e.buffers / GB:.2f} | "
-            f"{e.per_gpu / GB:.2f} | {'yes' if e.fits else 'no'} | {counts} | {e.sent_per_gpu / GB:.2f} | "
-            f"{e.compute_s:.2f} | {e.comm_s:.3f} | {e.step_s:.2f} |"
-        )
-    return "\n".join(lines)
+    header = ["layout", "weights (GB)", "activations (GB)", "of which buffers (GB)", "per GPU (GB)", "fits",
+              "collectives / step", "sent per GPU (GB)", "compute (s)", "comm (s)", "step (s)"]  # fmt: skip
+    rows = [_row(e) for e in estimates]
+    align = ["---", *["---:"] * 4, "---", "---", *["---:"] * 4]
+    return head + "\n\n" + markdown_table(header, rows, align)

@@ -1,7 +1,6 @@
 """The planner's inputs: one generation job on one machine (`Setup`) and the link between devices (`Link`).
 
-All sizes are bytes; "GB" in text is 1e9 bytes (device memory as vendors state it). Host-memory figures
-elsewhere (`bench load`) are MiB and say so.
+All sizes are bytes; "GB" in text is 1e9 bytes (see backend/text.py for the units everything prints).
 """
 
 from __future__ import annotations
@@ -9,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import COMPUTE_DTYPE_BYTES, ConfigError, FluxDims
+from ..text import GB
 
-GB = 1e9
 MARGIN = 0.10  # of device memory kept free: allocator fragmentation, RCCL/NCCL buffers, runtime context
 
 

@@ -17,13 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
-from ..api import ParallelFlux
-from ..config import FluxDims
-from ..flux.convert import diffusers_to_bfl
-from ..flux.model import build_flux, tiny_flux_config
-from ..flux.sampling import diffusers_model_fn, sample_flux
+from ..backend.api import ParallelFlux
+from ..backend.config import FluxDims
+from ..backend.flux.model import build_flux, tiny_flux_config
+from ..backend.flux.sampling import diffusers_model_fn, sample_flux
+from ..testing.helpers import write_random_checkpoint
 
 CONFIG = tiny_flux_config(heads=4, head_dim=16, text_dim=32, pooled_dim=24)
 
@@ -99,7 +98,7 @@ def run(args: argparse.Namespace) -> str:
     rows = {}
     with tempfile.TemporaryDirectory(prefix="rocm-parallel-bench-") as folder:
         checkpoint = str(Path(folder) / "tiny-flux.safetensors")
-        save_file(diffusers_to_bfl(build_flux(CONFIG, seed=0).state_dict()), checkpoint)
+        write_random_checkpoint(checkpoint, CONFIG)
         for n in (1, 2):
             rows[n] = in_group(checkpoint, ["cpu"] * n, job, args.jobs)
             print(f"  measured a group of {n}", flush=True)
