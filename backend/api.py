@@ -11,6 +11,7 @@ any step runs: devices, checkpoint, layout, latent, conditioning, schedule.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .client import ProgressCallback, WorkerGroup, validate_devices
+from .client import ProgressCallback, WorkerError, WorkerGroup, validate_devices
 from .config import ConfigError, FluxDims, ParallelLayout
 from .flux.load import CheckpointInfo, inspect_checkpoint, resolve_dtype
 from .flux.sampling import SamplingPlan, plan_sampling
@@ -211,19 +212,23 @@ class ParallelFlux:
         """Load `r` on the workers; `self.resident` names it only once every rank holds it."""
         group = self.group
         self.resident, self._loaded_in = None, None  # the workers drop what they held first
-        reports = group.call_all(
-            "load",
-            {
-                "checkpoint": r.checkpoint,
-                "dtype": r.dtype,
-                "tp": r.layout.tp,
-                "ring": r.layout.ring,
-                "ulysses": r.layout.ulysses,
-                "attention": r.attention,
-            },
-            timeout=timeout,
-            progress=progress,
-        )
+        kwargs = {
+            "checkpoint": r.checkpoint,
+            "dtype": r.dtype,
+            "tp": r.layout.tp,
+            "ring": r.layout.ring,
+            "ulysses": r.layout.ulysses,
+            "attention": r.attention,
+        }
+        try:
+            reports = group.call_all("load", kwargs, timeout=timeout, progress=progress)
+        except BaseException:
+            # Loading has no collectives, so a cancel or a one-rank failure can leave some ranks holding
+            # the new model and others nothing: drop it everywhere, so no rank holds what no record names.
+            if group.alive:
+                with contextlib.suppress(WorkerError):
+                    group.call_all("unload")
+            raise
         self.resident, self._loaded_in = r, group
         self._last_status = reports
         return reports

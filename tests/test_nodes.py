@@ -298,6 +298,12 @@ def test_cancel_stops_every_rank_and_the_group_survives(
     with pytest.raises(InterruptProcessingException):
         _sample("RocmParallelTPSampler", handle)
     assert comfy.progress == [(1, 4), (2, 4)]
+    # every rank stopped (mutation tried: `step_done` never raising JobCancelled → replies were ok)
+    replies = shared_registry.current.group.last_replies
+    errors = [r.error for r in replies.values()]
+    assert errors[0] == errors[1] and errors[0] in (
+        f"JobCancelled: cancelled after step {s} of 4" for s in (2, 3)
+    )
     assert "InterruptProcessingException" in shared_registry.snapshot()["error"]
     comfy.interrupt_at = None
     out = _sample("RocmParallelTPSampler", handle)  # same workers, next job runs in full

@@ -189,6 +189,11 @@ def test_cancel_mid_sampling_keeps_the_model_resident(
         flux.sample(positive(ref["cond"], ref["pooled"]), {"samples": ref["latent"]}, seed=0, steps=300,
                     progress=cancel_at_three)  # fmt: skip
     assert steps[-1] <= 4
+    # every rank stopped at the agreed step (mutation tried: `step_done` never raising JobCancelled)
+    errors = [r.error for r in group2.last_replies.values()]
+    assert errors[0] == errors[1] and errors[0] in (
+        f"JobCancelled: cancelled after step {s} of 300" for s in (3, 4)
+    )
     assert all(r["loaded"] is not None for r in flux.status())
     out = run_case(flux, "dev_4steps")
     assert (out - ref["output"]).abs().max().item() <= 1e-4

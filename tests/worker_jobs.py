@@ -39,3 +39,97 @@ def out_of_memory(ctx, rank: int) -> None:
 @handler("pid")
 def pid(ctx) -> int:
     return os.getpid()
+
+
+@handler("steps_logged")
+def steps_logged(ctx, n: int, log: str, seconds: float = 0.0) -> dict:
+    """`steps`, writing how many steps this rank finished to `log`.rank<k>: a test reads what the
+    workers did, not what the client relayed."""
+    path = f"{log}.rank{ctx.rank}"
+    for step in range(1, n + 1):
+        time.sleep(seconds)
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        with open(path, "w") as f:
+            f.write(str(step))
+        ctx.step_done(step, n)
+    return {"rank": ctx.rank, "steps": n}
+
+
+@handler("fail_in_collective")
+def fail_in_collective(ctx, rank: int, at_step: int, n: int = 100) -> dict:
+    """One rank runs out of memory at `at_step` while its peers enter that step's all-reduce: the most
+    common multi-GPU fault, and the one that leaves the peers blocked."""
+    for step in range(1, n + 1):
+        if ctx.rank == rank and step == at_step:
+            raise torch.OutOfMemoryError("HIP out of memory. Tried to allocate 2.00 GiB")
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        ctx.step_done(step, n)
+    return {"rank": ctx.rank}
+
+
+@handler("send_stale_reply")
+def send_stale_reply(ctx, value: int) -> dict:
+    """Before its real reply, rank 0 sends a reply of the previous job id (a late reply of a cancelled
+    job looks like this): the client must not take it for this job's."""
+    from rocm_parallel.backend.transport import Reply, send
+
+    if ctx.rank == 0:
+        send(ctx.conn, Reply(job=ctx.job - 1, rank=0, ok=True, result={"value": -1}))
+    return {"value": value}
+
+
+@handler("arm_failure")
+def arm_failure(ctx, rank: int, at_step: int, kind: str = "oom") -> bool:
+    """Make `rank` fail at step `at_step` of the NEXT sampling job (out of memory, or SIGSTOP itself),
+    the way a real GPU fails in the middle of a denoising loop."""
+    import signal
+
+    from rocm_parallel.backend.worker import WorkerContext
+
+    if ctx.rank != rank:
+        return False
+    original = WorkerContext.step_done
+
+    def failing(self, step: int, total: int) -> None:
+        if step == at_step:
+            WorkerContext.step_done = original
+            if kind == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            raise torch.OutOfMemoryError("HIP out of memory. Tried to allocate 2.00 GiB")
+        original(self, step, total)
+
+    WorkerContext.step_done = failing
+    return True
+
+
+@handler("hang_at")
+def hang_at(ctx, rank: int, at_step: int, n: int = 100) -> dict:
+    """`rank` stops answering at `at_step` (alive, not stopped: as if stuck in a driver call)."""
+    for step in range(1, n + 1):
+        if ctx.rank == rank and step == at_step:
+            time.sleep(3600)
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        ctx.step_done(step, n)
+    return {"rank": ctx.rank}
+
+
+@handler("arm_load_failure")
+def arm_load_failure(ctx, rank: int, at_tensor: int) -> bool:
+    """Make `rank` run out of memory at tensor `at_tensor` of the NEXT load (its peers load in full)."""
+    from rocm_parallel.backend.worker import WorkerContext
+
+    if ctx.rank != rank:
+        return False
+    original = WorkerContext.load_progress
+
+    def failing(self, done: int, total: int) -> None:
+        if done == at_tensor:
+            WorkerContext.load_progress = original
+            raise torch.OutOfMemoryError("HIP out of memory. Tried to allocate 2.00 GiB")
+        original(self, done, total)
+
+    WorkerContext.load_progress = failing
+    return True
