@@ -195,16 +195,28 @@ class ParallelFlux:
         tensors on every rank (nothing stays resident then). Returns each rank's status (device,
         parameter bytes, memory).
         """
+        with self._lock:
+            resident = self.check_load(checkpoint, layout=layout, ring=ring, ulysses=ulysses, dtype=dtype)
+            return self._load_resident(dataclasses.replace(resident, attention=attention), progress, timeout)
+
+    def check_load(
+        self,
+        checkpoint: str | os.PathLike[str],
+        *,
+        layout: str | ParallelLayout = "tp",
+        ring: int | None = None,
+        ulysses: int | None = None,
+        dtype: str | None = None,
+    ) -> Resident:
+        """Validate a load from the checkpoint's header alone: no worker starts (except to measure the
+        link for 'auto'), nothing is unloaded. Raises ConfigError naming the input; returns the plan."""
         info = inspect_checkpoint(checkpoint)
         resolve_dtype(dtype, self.devices[0])  # a bad dtype fails here, before anything is unloaded
-        with self._lock:
-            if layout == "auto":
-                layout = self.auto_layout(info.dims, dtype=dtype).layout
-            parallel = make_layout(layout, len(self.devices), ring, ulysses)
-            parallel.validate(info.dims, devices=len(self.devices))
-            return self._load_resident(
-                Resident(str(checkpoint), info, parallel, dtype, attention), progress, timeout
-            )
+        if layout == "auto":
+            layout = self.auto_layout(info.dims, dtype=dtype).layout
+        parallel = make_layout(layout, len(self.devices), ring, ulysses)
+        parallel.validate(info.dims, devices=len(self.devices))
+        return Resident(str(checkpoint), info, parallel, dtype, None)
 
     def _load_resident(
         self, r: Resident, progress: ProgressCallback | None = None, timeout: float | None = None

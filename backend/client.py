@@ -20,10 +20,10 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, Listener, wait
+from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge, wait
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -136,16 +136,17 @@ def bootstrap_command() -> list[str]:
 class Watchdog:
     """How long a job may go without a word from the group (a progress record or a reply).
 
-    A rank that hangs (stopped, deadlocked in a collective, a driver that never returns) shows as
-    silence: past the limit the job fails with the ranks that did not answer and the group is torn
-    down. Before the first progress record the limit is `first` (imports, a first step that compiles
-    kernels); afterwards it is `factor` times the longest gap seen so far, at least `floor` seconds, so
-    it follows the speed of the hardware. A rank the OS reports as stopped (SIGSTOP, a debugger) fails
+    Every rank reports each step (and each tensor of a load), so a rank that hangs (stopped,
+    deadlocked in a collective, a driver that never returns) shows as its own silence: past the limit
+    the job fails naming the silent ranks and the group is torn down. Before a rank's first record the
+    limit is `first` (imports, a first step that compiles kernels); afterwards it is `factor` times the
+    longest gap between one rank's records so far, at least `floor` seconds, so it follows the speed of
+    the hardware. A rank the OS reports as stopped (SIGSTOP, a debugger) fails
     the job after `stopped` seconds whatever the phase.
     """
 
     first: float = 300.0
-    floor: float = 10.0
+    floor: float = 8.0
     factor: float = 5.0
     stopped: float = 3.0
 
@@ -253,8 +254,12 @@ class WorkerGroup:
                 self.pids.append(proc.pid)
             self._handshake(listener)
         except BaseException as exc:
-            listener.close()  # before the directory goes: a late unlink would hide the real error
-            failure = self._exit_report("starting") or exc
+            # The directory (and the socket file in it) may already be gone (`_raise_if_exited` shut the
+            # group down): closing must not replace the real error with a FileNotFoundError.
+            with contextlib.suppress(OSError):
+                listener.close()
+            # A WorkerError already names the rank and its log (read before the directory went).
+            failure = exc if isinstance(exc, WorkerError) else (self._exit_report("starting") or exc)
             self._shutdown_now()
             if failure is exc:
                 raise
@@ -273,8 +278,7 @@ class WorkerGroup:
             if not wait([sock], timeout=0.2):
                 continue
             try:
-                with _recv_timeout(sock, seconds=5.0):
-                    return listener.accept()
+                return _authenticated_accept(listener, seconds=5.0)
             except (AuthenticationError, OSError, EOFError):
                 continue
 
@@ -300,12 +304,24 @@ class WorkerGroup:
                     f"a worker did not finish {doing} within {self.start_timeout:.0f} s (start_timeout)"
                     + self._log_tails()
                 )
-        record = recv(conn)
+        try:
+            record = recv(conn)
+        except (EOFError, OSError):
+            # The worker closed its connection: it is exiting. Its exit status (and log) says why; the
+            # OS may need a moment to report it after the socket closed.
+            self._wait_for_an_exit(2.0)
+            self._raise_if_exited("starting")
+            raise WorkerError(f"a worker closed its connection while {doing}" + self._log_tails()) from None
         if not isinstance(record, kind):
             raise WorkerError(
                 f"a worker sent {type(record).__name__} while {doing}; expected {kind.__name__}"
             )
         return record
+
+    def _wait_for_an_exit(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and all(p.poll() is None for p in self._procs):
+            time.sleep(0.02)
 
     # ---------------------------------------------------------------- state
 
@@ -436,9 +452,9 @@ class WorkerGroup:
                     self._lost(rank, f"running {job.method!r}")
                 if getattr(record, "job", None) != job.id:
                     continue  # another job's message: never taken for this one's
-                job.heard()
-                if isinstance(record, Progress):
-                    self._relay(job, record)
+                job.heard(rank)
+                if isinstance(record, Progress) and record.rank == 0:
+                    self._relay(job, record)  # every rank reports (liveness); rank 0 speaks for the job
                 elif isinstance(record, Reply):
                     job.replies[rank] = record
                     if not record.ok and job.first_error is None:
@@ -490,10 +506,17 @@ class WorkerGroup:
             if rank not in stopped:
                 del job.stopped_since[rank]
         stuck = [r for r, since in job.stopped_since.items() if now - since > job.watchdog.stopped]
-        silence = now - job.last_heard
         limit = job.watchdog.limit(job.longest_gap)
-        if not stuck and silence <= limit:
+        # a rank not heard from yet in this job (imports, a first step that compiles) gets `first`
+        silent = [
+            r
+            for r in pending
+            if now - job.last_heard.get(r, job.started)
+            > (limit if r in job.last_heard else job.watchdog.first)
+        ]
+        if not stuck and not silent:
             return
+        silence = now - min(job.last_heard.get(r, job.started) for r in (silent or pending))
         if stuck:
             rank = stuck[0]
             self._procs[rank].kill()  # SIGTERM waits for a SIGCONT that may never come
@@ -503,7 +526,7 @@ class WorkerGroup:
             )
         else:
             why = (
-                f"no progress or reply from rank(s) {pending} ({', '.join(self.devices[r] for r in pending)}) "
+                f"no progress or reply from rank(s) {silent} ({', '.join(self.devices[r] for r in silent)}) "
                 f"for {silence:.0f} s while running {job.method!r} (watchdog limit {limit:.0f} s"
                 + (f"; last progress: {job.describe_progress()}" if job.last_progress else "")
                 + "); a rank hung in a collective or a device call"
@@ -611,18 +634,20 @@ class Job:
     stopped_since: dict[int, float] = field(default_factory=dict)
     longest_gap: float | None = None
     started: float = field(default_factory=time.monotonic)
-    last_heard: float = field(default_factory=time.monotonic)
+    last_heard: dict[int, float] = field(default_factory=dict)  # by rank; every rank reports progress
 
     @property
     def settled(self) -> bool:
         """Every rank replied: nothing of this job can reach a later call."""
         return len(self.replies) >= self.ranks
 
-    def heard(self) -> None:
+    def heard(self, rank: int) -> None:
+        """A record from `rank`. Gaps between one rank's records measure the job's pace (the watchdog's
+        limit follows it); the wait before a rank's first record (imports, compiling) does not count."""
         now = time.monotonic()
-        if self.last_progress is not None or self.longest_gap is not None:
-            self.longest_gap = max(self.longest_gap or 0.0, now - self.last_heard)
-        self.last_heard = now
+        if rank in self.last_heard:
+            self.longest_gap = max(self.longest_gap or 0.0, now - self.last_heard[rank])
+        self.last_heard[rank] = now
 
     def describe_progress(self) -> str:
         step, total, phase = self.last_progress or (0, 0, "step")
@@ -636,15 +661,26 @@ def _is_stopped(pid: int) -> bool:
         return False
 
 
-@contextlib.contextmanager
-def _recv_timeout(listening: socket.socket, seconds: float) -> Iterator[None]:
-    """Accepted sockets inherit the listener's receive timeout (Linux): a silent stray connection then
-    fails the HMAC challenge with an OSError instead of blocking the start; workers' sockets get none."""
-    listening.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(seconds), 0))
+def _authenticated_accept(listener: Listener, seconds: float) -> Connection:
+    """`Listener.accept()` with a receive timeout on the HMAC challenge: a silent stray connection then
+    fails with an OSError instead of blocking the start. (An AF_UNIX socket does not inherit the
+    listener's SO_RCVTIMEO, and Connection reads its fd directly, so the timeout is set on the accepted
+    socket itself, and cleared once the peer is authenticated: a worker may stay quiet for long.)"""
+    conn = listener._listener.accept()
     try:
-        yield
-    finally:
-        listening.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
+        _set_receive_timeout(conn, seconds)
+        deliver_challenge(conn, listener._authkey)
+        answer_challenge(conn, listener._authkey)
+        _set_receive_timeout(conn, 0)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _set_receive_timeout(conn: Connection, seconds: float) -> None:
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:  # the same socket, through a second fd
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(seconds), 0))
 
 
 def _unlink(path: str) -> None:

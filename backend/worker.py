@@ -105,8 +105,8 @@ class WorkerContext:
         step; a rank that stopped alone would leave the others waiting in a collective forever.
         """
         flag = torch.zeros(1, dtype=torch.int32, device=self.device if self.device.type != "cpu" else "cpu")
+        self._report(step, total, "step")  # every rank: the caller's watchdog hears each one
         if self.rank == 0:
-            self._report(step, total, "step")
             flag[0] = int(self.cancel_requested())
         if self.world_size > 1:
             dist.broadcast(flag, src=0)
@@ -116,8 +116,7 @@ class WorkerContext:
     def load_progress(self, done: int, total: int) -> None:
         """Call between tensors of a load: reports progress (the caller's watchdog sees a live load) and
         stops at once on cancel. Loading has no collectives, so each rank decides alone."""
-        if self.rank == 0:
-            self._report(done, total, "load")
+        self._report(done, total, "load")
         if self.cancel_requested():
             raise JobCancelled(f"load cancelled after {done} of {total} tensors")
 
@@ -273,7 +272,14 @@ def main() -> None:
     conn = Client(os.environ["RP_ADDRESS"], family="AF_UNIX", authkey=key)
     send(conn, Hello(rank=rank, pid=os.getpid()))
     _join_group(conn, rank, world_size, device)
-    _load_methods()
+    try:
+        _load_methods()
+    except BaseException:
+        # Exit with a plain status and the traceback in the log (the client shows both): a normal
+        # interpreter exit with a live gloo group aborts (-6) and hides the cause.
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
     ctx = WorkerContext(
         rank=rank, world_size=world_size, device=device, conn=conn, shm_dir=os.environ["RP_SHM_DIR"]
     )

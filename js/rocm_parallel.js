@@ -5,6 +5,7 @@ import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
 const LOADER = "RocmParallelLoader";
+const STATUS = "RocmParallelStatus";
 const ROUTE = "/rocm_parallel/status";
 const LINE = 15;
 
@@ -26,6 +27,7 @@ export function panelLines(state, now = Date.now()) {
     `model: ${state.checkpoint || "none loaded"}`,
   ];
   if (state.layout) lines.push(`layout: ${state.layout}`);
+  if (state.loading) lines.push(`loading: ${state.loading}`);
   // The planner's one-line reason, split at "; " so it fits the node's width.
   if (state.auto) lines.push(...state.auto.split("; "));
   for (const r of state.ranks || []) {
@@ -33,8 +35,21 @@ export function panelLines(state, now = Date.now()) {
     if (r.total_gb) line += `, ${r.allocated_gb.toFixed(2)}/${r.total_gb.toFixed(1)} GB used`;
     lines.push(line);
   }
+  if (state.last) lines.push(`last job: ${state.last}`);
   if (state.error) lines.push(`last error: ${state.error}`.slice(0, 90));
   return lines;
+}
+
+// Lines drawn under a node, outside its widgets, so they never change the node's saved layout.
+function drawLines(node, ctx, lines, color) {
+  const top = node.size[1] + 8;
+  ctx.save();
+  ctx.fillStyle = "rgba(20, 24, 32, 0.85)";
+  ctx.fillRect(0, top, node.size[0], lines.length * LINE + 8);
+  ctx.font = "12px monospace";
+  ctx.fillStyle = color;
+  lines.forEach((text, i) => ctx.fillText(text, 6, top + 4 + (i + 1) * LINE - 3));
+  ctx.restore();
 }
 
 function loaders() {
@@ -61,6 +76,22 @@ app.registerExtension({
     api.addEventListener("executing", poll);
   },
   async beforeRegisterNodeDef(nodeType, nodeData) {
+    if (nodeData.name === STATUS) {
+      // The Status node's text (its `ui.text` output), shown on the node after each run.
+      const executed = nodeType.prototype.onExecuted;
+      nodeType.prototype.onExecuted = function (message) {
+        executed?.apply(this, arguments);
+        this.rocmParallelLines = String(message?.text?.[0] ?? "").split("\n");
+        this.setDirtyCanvas?.(true, false);
+      };
+      const drawStatus = nodeType.prototype.onDrawForeground;
+      nodeType.prototype.onDrawForeground = function (ctx) {
+        drawStatus?.apply(this, arguments);
+        if (this.flags?.collapsed || !this.rocmParallelLines?.length) return;
+        drawLines(this, ctx, this.rocmParallelLines, "#b8e0b8");
+      };
+      return;
+    }
     if (nodeData.name !== LOADER) return;
     const draw = nodeType.prototype.onDrawForeground;
     nodeType.prototype.onDrawForeground = function (ctx) {
@@ -68,15 +99,7 @@ app.registerExtension({
       if (this.flags?.collapsed) return;
       const lines = panel.error ? [`ROCm Parallel: ${panel.error}`] : panelLines(panel.state);
       this.rocmParallelLines = lines;
-      // Under the node, outside its widgets, so the panel never changes the node's saved layout.
-      const top = this.size[1] + 8;
-      ctx.save();
-      ctx.fillStyle = "rgba(20, 24, 32, 0.85)";
-      ctx.fillRect(0, top, this.size[0], lines.length * LINE + 8);
-      ctx.font = "12px monospace";
-      ctx.fillStyle = panel.state?.error ? "#f0a0a0" : "#b8e0b8";
-      lines.forEach((text, i) => ctx.fillText(text, 6, top + 4 + (i + 1) * LINE - 3));
-      ctx.restore();
+      drawLines(this, ctx, lines, panel.state?.error ? "#f0a0a0" : "#b8e0b8");
     };
   },
 });

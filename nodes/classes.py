@@ -25,6 +25,14 @@ def _free_comfy_models(devices: tuple[str, ...]) -> None:
         mm.soft_empty_cache()
 
 
+def _interrupted() -> None:
+    """Raises ComfyUI's InterruptProcessingException when the user pressed Cancel (checked between the
+    tensors of a load, so a Cancel during a long load stops it there on every rank)."""
+    import comfy.model_management as mm
+
+    mm.throw_exception_if_processing_interrupted()
+
+
 def _progress_bar(total: int):
     """ComfyUI's progress bar; its hook raises on a pending interrupt, which cancels the job on all ranks."""
     import comfy.utils
@@ -163,7 +171,7 @@ class RocmParallelLoader:
         )
         if preload != "none":
             _free_comfy_models(handle.devices)
-        logic.load(REGISTRY, handle, preload)
+        logic.load(REGISTRY, handle, preload, interrupted=_interrupted)
         return (handle,)
 
 
@@ -187,7 +195,6 @@ class _ParallelSampler:
         import comfy.model_management as mm
 
         mm.throw_exception_if_processing_interrupted()
-        _free_comfy_models(parallel_flux.devices)
         total = steps if sigmas is None else max(len(sigmas) - 1, 0)
         out = logic.sample(
             REGISTRY,
@@ -200,6 +207,8 @@ class _ParallelSampler:
             denoise=denoise,
             sigmas=sigmas,
             progress=_progress_bar(total),
+            interrupted=_interrupted,
+            make_room=lambda: _free_comfy_models(parallel_flux.devices),
         )
         return (out,)
 

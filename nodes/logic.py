@@ -105,6 +105,25 @@ def describe_layout(layout: ParallelLayout) -> str:
     return layout.describe()
 
 
+# ComfyUI's Cancel raises comfy.model_management.InterruptProcessingException; matched by name because
+# this module never imports ComfyUI. A JobTimeout is not a cancel: it is shown as an error.
+_CANCELS = ("InterruptProcessingException", "KeyboardInterrupt", "JobCancelled")
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.])(?:[A-Za-z]:)?[/\\](?:[^\s'\"/\\:;,]+[/\\])*([^\s'\"/\\:;,]+)")
+_LISTING = re.compile(r"(?:; |, )?'[^']*' has: .*?(?:\.(?= [A-Z])|\.?$)")
+
+
+def is_cancel(exc: BaseException) -> bool:
+    """The user's Cancel (or Ctrl+C), as opposed to a failure."""
+    return type(exc).__name__ in _CANCELS
+
+
+def public_error(exc: BaseException) -> str:
+    """An error for the panel and the status route: absolute paths shortened to their file names and
+    folder listings dropped (the route is readable by anyone who reaches ComfyUI's port)."""
+    text = _LISTING.sub(".", str(exc).splitlines()[0] if str(exc) else "")
+    return f"{type(exc).__name__}: {_ABSOLUTE_PATH.sub(lambda m: m.group(1), text)}"
+
+
 def needs_gpu_memory(devices: Sequence[str]) -> bool:
     """ComfyUI's own models must leave the GPUs before the workers load theirs."""
     return any(d.startswith("cuda") for d in devices)
@@ -191,14 +210,29 @@ class Registry:
 
     @contextmanager
     def phase(self, name: str, **fields: Any) -> Iterator[None]:
-        """Show `name` (loading, sampling) while the body runs, and its error if it fails."""
-        self.update(phase=name, since=time.time(), error=None, **fields)
+        """Show `name` (starting, loading, sampling) while the body runs, and how it ended.
+
+        A user's Cancel is shown as such ('cancelled'), not as an error; an error is shown with file
+        names only, never the absolute paths or folder listings a backend message may carry.
+        """
+        self.update(phase=name, since=time.time(), error=None, last=None, **fields)
         try:
             yield
         except BaseException as exc:
-            self.update(phase="idle", error=f"{type(exc).__name__}: {exc}")
+            if is_cancel(exc):
+                self.update(phase="idle", last=f"{name} cancelled by the user")
+            else:
+                self.update(phase="idle", error=public_error(exc))
             raise
         self.update(phase="idle")
+
+    def record_resident(self, flux: ParallelFlux) -> None:
+        """Name what the workers really hold (never a file that was asked for and rejected)."""
+        resident = flux.resident
+        self.update(
+            checkpoint=os.path.basename(resident.checkpoint) if resident is not None else None,
+            layout=describe_layout(resident.layout) if resident is not None else None,
+        )
 
     def record_ranks(self, reports: Sequence[dict[str, Any]]) -> None:
         """Keep each rank's device, parameter bytes and memory for the panel."""
@@ -214,24 +248,38 @@ REGISTRY = Registry()
 
 
 def load(
-    registry: Registry, handle: ParallelHandle, preload: str, ring: int = 0, ulysses: int = 0
+    registry: Registry,
+    handle: ParallelHandle,
+    preload: str,
+    ring: int = 0,
+    ulysses: int = 0,
+    interrupted: Callable[[], None] | None = None,
 ) -> ParallelFlux:
     """Start (or reuse) the group for the handle's devices and, unless preload is 'none', load the model."""
     if preload not in PRELOAD_LAYOUTS:
         raise ConfigError(f"preload={preload!r} is not offered; use one of {', '.join(PRELOAD_LAYOUTS)}")
     flux = registry.flux_for(handle.devices)
     if preload == "none":
-        _ = flux.group  # start the workers now, so the first sampler run only loads weights
-        registry.update(phase="idle")
+        start_workers(registry, flux)  # now, so the first sampler run only loads weights
         return flux
     if preload == "auto":
         layout = auto_layout(registry, flux, handle, 1024, 1024, 1, context_only=False)
-    elif preload == "tp":
-        layout = tp_layout(len(handle.devices))
     else:
-        layout = ParallelLayout.make("context", len(handle.devices), ring, ulysses)
-    ensure_loaded(registry, flux, handle, layout)
+        registry.update(auto=None)
+        layout = (
+            tp_layout(len(handle.devices))
+            if preload == "tp"
+            else ParallelLayout.make("context", len(handle.devices), ring, ulysses)
+        )
+    ensure_loaded(registry, flux, handle, layout, interrupted)
     return flux
+
+
+def start_workers(registry: Registry, flux: ParallelFlux) -> None:
+    """Start the worker processes if they are not running, showing 'starting' meanwhile."""
+    if not flux.started:
+        with registry.phase("starting workers"):
+            flux.start()
 
 
 def auto_layout(
@@ -255,11 +303,34 @@ def auto_layout(
 
 
 def ensure_loaded(
-    registry: Registry, flux: ParallelFlux, handle: ParallelHandle, layout: ParallelLayout
+    registry: Registry,
+    flux: ParallelFlux,
+    handle: ParallelHandle,
+    layout: ParallelLayout,
+    interrupted: Callable[[], None] | None = None,
 ) -> None:
-    """Make the handle's checkpoint resident in `layout` (a no-op on the workers when it already is)."""
-    with registry.phase("loading", checkpoint=handle.name, layout=describe_layout(layout)):
-        reports = flux.load(handle.checkpoint, layout=layout, dtype=handle.dtype)
+    """Make the handle's checkpoint resident in `layout` (a no-op on the workers when it already is).
+
+    `interrupted()` runs between tensors and raises on a pending Cancel: the load stops there on every
+    rank. The panel names the file being loaded as such, and the resident one only once it is.
+    """
+
+    def check(done: int, total: int) -> None:
+        registry.update(step=done, total=total)
+        if interrupted is not None:
+            interrupted()
+
+    with registry.phase("loading", loading=handle.name, step=0, total=0):
+        try:
+            flux.check_load(handle.checkpoint, layout=layout, dtype=handle.dtype)  # before any worker starts
+            if not flux.started:
+                registry.update(phase="starting workers")
+                flux.start()
+                registry.update(phase="loading")
+            reports = flux.load(handle.checkpoint, layout=layout, dtype=handle.dtype, progress=check)
+        finally:
+            registry.update(loading=None)
+            registry.record_resident(flux)
     registry.record_ranks(reports)
 
 
@@ -275,17 +346,29 @@ def sample(
     denoise: float,
     sigmas: Any = None,
     progress: Callable[[int, int], None] | None = None,
+    interrupted: Callable[[], None] | None = None,
+    make_room: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
-    """Load in `layout` if needed, then run the whole denoising loop on the workers; a LATENT dict back.
+    """Validate, load in `layout` if needed, then run the whole denoising loop on the workers.
 
-    `layout=None` lets the planner choose a ring x Ulysses split for this latent's size.
+    The job is checked against the checkpoint's header before any worker starts, any weight loads or
+    `make_room()` (ComfyUI freeing its own models for the workers) runs. `layout=None` lets the planner
+    choose a ring x Ulysses split for this latent's size.
     """
+    from ..backend.api import ParallelFlux
+
+    ParallelFlux.check_sample(
+        positive, latent, checkpoint=handle.checkpoint, seed=seed, steps=steps, denoise=denoise, sigmas=sigmas
+    )
+    if make_room is not None:
+        make_room()
     flux = registry.flux_for(handle.devices)
     if layout is None:
-        samples = latent.get("samples") if isinstance(latent, dict) else None
-        b, _, h, w = samples.shape if samples is not None and samples.ndim == 4 else (1, 16, 128, 128)
+        b, _, h, w = latent["samples"].shape
         layout = auto_layout(registry, flux, handle, w * 8, h * 8, b, context_only=True)
-    ensure_loaded(registry, flux, handle, layout)
+    else:
+        registry.update(auto=None)
+    ensure_loaded(registry, flux, handle, layout, interrupted)
 
     def report(step: int, total: int) -> None:
         registry.update(step=step, total=total)
@@ -307,7 +390,7 @@ def status_text(registry: Registry, action: str) -> str:
     flux = registry.current
     if action == "unload" and flux is not None:
         flux.unload()
-        registry.update(checkpoint=None, layout=None)
+        registry.record_resident(flux)
         if flux.started:
             registry.record_ranks(flux.status())
     elif action == "close":
@@ -326,6 +409,8 @@ def format_state(state: dict[str, Any]) -> str:
         f"model: {state.get('checkpoint') or 'none loaded'}"
         + (f", {state['layout']}" if state.get("layout") else ""),
     ]
+    if state.get("loading"):
+        lines.append(f"loading: {state['loading']}")
     for r in state.get("ranks", []):
         line = (
             f"  rank {r.get('rank')} {r.get('device')}: {r.get('parameter_bytes', 0) / 1e9:.3f} GB parameters"
@@ -335,6 +420,8 @@ def format_state(state: dict[str, Any]) -> str:
         lines.append(line)
     if state.get("auto"):
         lines.append(state["auto"])
+    if state.get("last"):
+        lines.append(f"last job: {state['last']}")
     if state.get("error"):
         lines.append(f"last error: {state['error']}")
     return "\n".join(lines)

@@ -29,16 +29,20 @@ from ..backend.text import markdown_row, markdown_table
 
 # The tests' parallel FLUX: 8 heads (TP and Ulysses 2, 4, 8 divide it) x 16, 2 double + 3 single blocks.
 TEST_CONFIG = tiny_flux_config(heads=8, head_dim=16, double_blocks=2, single_blocks=3)
+# The smallest FLUX the group benchmarks time (their figures are the group's own cost, not compute).
+TINY_CONFIG = tiny_flux_config(heads=4, head_dim=16, text_dim=32, pooled_dim=24)
 
 __all__ = [
     "DEMO_CONFIG",
     "TEST_CONFIG",
+    "TINY_CONFIG",
     "flash_attention_on_meta",
     "local_parameter_bytes",
     "markdown_row",
     "markdown_table",
     "measure_on_meta",
     "median_seconds",
+    "sampling_job",
     "synchronize",
     "write_random_checkpoint",
 ]
@@ -47,6 +51,21 @@ __all__ = [
 def write_random_checkpoint(path: str | Path, config: dict[str, Any], seed: int = 0) -> str:
     """A FLUX with random weights drawn from `seed`, saved as a BFL/ComfyUI single file; returns the path."""
     return save_bfl_checkpoint(build_flux(config, seed=seed), path)
+
+
+def sampling_job(config: dict[str, Any], size: int, steps: int, seed: int) -> dict[str, Any]:
+    """A ComfyUI-shaped job for `ParallelFlux.sample`: random conditioning (16 tokens) and an empty latent."""
+    dims = FluxDims.from_diffusers_config(config)
+    g = torch.Generator().manual_seed(0)
+    positive = [
+        [torch.randn(1, 16, dims.text_dim, generator=g), {"pooled_output": torch.randn(1, dims.pooled_dim)}]
+    ]
+    return {
+        "positive": positive,
+        "latent": {"samples": torch.zeros(1, 16, size // 8, size // 8)},
+        "seed": seed,
+        "steps": steps,
+    }
 
 
 def median_seconds(

@@ -21,6 +21,7 @@ class FakeComfy:
         self.calls: list[str] = []  # model_management calls, in order
         self.progress: list[tuple[int, int]] = []  # every update_absolute(value, total)
         self.interrupt_at: int | None = None  # raise from the progress bar once this step is reported
+        self.interrupt_at_check: int | None = None  # raise from the n-th interrupt check (1-based)
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         fake = self
@@ -43,7 +44,16 @@ class FakeComfy:
         mm.InterruptProcessingException = InterruptProcessingException
         mm.unload_all_models = lambda: fake.calls.append("unload_all_models")
         mm.soft_empty_cache = lambda force=False: fake.calls.append("soft_empty_cache")
-        mm.throw_exception_if_processing_interrupted = lambda: fake.calls.append("check_interrupt")
+
+        def throw_exception_if_processing_interrupted() -> None:
+            fake.calls.append("check_interrupt")
+            if (
+                fake.interrupt_at_check is not None
+                and fake.calls.count("check_interrupt") >= fake.interrupt_at_check
+            ):
+                raise InterruptProcessingException()
+
+        mm.throw_exception_if_processing_interrupted = throw_exception_if_processing_interrupted
 
         class ProgressBar:
             def __init__(self, total: int, node_id: str | None = None) -> None:

@@ -304,7 +304,8 @@ def test_cancel_stops_every_rank_and_the_group_survives(
     assert errors[0] == errors[1] and errors[0] in (
         f"JobCancelled: cancelled after step {s} of 4" for s in (2, 3)
     )
-    assert "InterruptProcessingException" in shared_registry.snapshot()["error"]
+    state = shared_registry.snapshot()  # a Cancel is not an error
+    assert (state["last"], state["error"], state["phase"]) == ("sampling cancelled by the user", None, "idle")
     comfy.interrupt_at = None
     out = _sample("RocmParallelTPSampler", handle)  # same workers, next job runs in full
     assert (out - reference("dev_4steps")["output"]).abs().max().item() <= 1e-4
@@ -361,3 +362,113 @@ def test_loader_auto_preload_explains_its_choice(
     assert state["auto"].startswith(f"auto: {names[state['layout']]} — fits ")
     text = NODE_CLASS_MAPPINGS["RocmParallelStatus"]().status(action="report")["result"][0]
     assert state["auto"] in text
+
+
+# --- what the panel and the status node show after failures (issue: one failing GPU) ----------------
+
+
+def test_a_rejected_checkpoint_is_never_shown_as_the_model(
+    comfy: FakeComfy, shared_registry: Registry, dev_checkpoint: str
+) -> None:
+    loader = NODE_CLASS_MAPPINGS["RocmParallelLoader"]()
+    loader.load(checkpoint=dev_checkpoint, devices="cpu x2", dtype="float32", preload="tp")
+    (comfy.models / "not-flux.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    with pytest.raises(Exception, match=r"not-flux\.safetensors"):
+        loader.load(checkpoint="not-flux.safetensors", devices="cpu x2", dtype="float32", preload="tp")
+    state = shared_registry.snapshot()
+    # refused from its header: the resident model stays, and the panel names it, not the rejected file
+    assert (state["checkpoint"], state["layout"], state["loading"]) == (
+        dev_checkpoint,
+        "tensor parallel tp=2",
+        None,
+    )
+    assert [r["loaded"] is not None for r in shared_registry.current.status()] == [True, True]
+    assert state["error"].startswith("CheckpointError: ") and "not-flux.safetensors" in state["error"]
+    assert str(comfy.models) not in state["error"]  # a file name, never the absolute path
+
+
+def test_the_auto_line_is_cleared_when_a_fixed_layout_runs(
+    comfy: FakeComfy, shared_registry: Registry, dev_checkpoint: str
+) -> None:
+    loader = NODE_CLASS_MAPPINGS["RocmParallelLoader"]()
+    (handle,) = loader.load(checkpoint=dev_checkpoint, devices="cpu x2", dtype="float32", preload="auto")
+    assert shared_registry.snapshot()["auto"].startswith("auto: ")
+    _sample("RocmParallelTPSampler", handle)
+    state = shared_registry.snapshot()
+    assert state["auto"] is None and state["layout"] == "tensor parallel tp=2"
+    assert "auto:" not in logic.format_state(state)
+
+
+def test_samplers_validate_before_starting_or_loading(comfy: FakeComfy, dev_checkpoint: str) -> None:
+    """A bad latent fails before any worker process starts and before ComfyUI's models are evicted."""
+    started: list[tuple[str, ...]] = []
+    registry = Registry(factory=lambda devices: started.append(devices) or ParallelFlux(list(devices)))
+    handle = ParallelHandle(str(comfy.models / dev_checkpoint), dev_checkpoint, ("cuda:0", "cuda:1"), None)
+    ref = reference("dev_4steps")
+    with pytest.raises(ConfigError, match=r"^image size 64x56 pixels \(latent 8x7\) is not a multiple of 16"):
+        logic.sample(
+            registry, handle, ParallelLayout(tp=2), positive(ref["cond"], ref["pooled"]),
+            {"samples": torch.zeros(1, 16, 7, 8)}, seed=0, steps=2, denoise=1.0,
+            make_room=lambda: comfy.calls.append("make_room"),
+        )  # fmt: skip
+    assert started == [] and "make_room" not in comfy.calls
+
+
+def test_cancel_during_a_load_stops_it(
+    comfy: FakeComfy, shared_registry: Registry, dev_checkpoint: str
+) -> None:
+    """Cancel pressed while the weights load: the load stops between tensors, nothing stays resident.
+    Mutation tried: `ensure_loaded` not passing its check as the load's progress → the load finished."""
+    loader = NODE_CLASS_MAPPINGS["RocmParallelLoader"]()
+    comfy.interrupt_at_check = 3
+    with pytest.raises(InterruptProcessingException):
+        loader.load(checkpoint=dev_checkpoint, devices="cpu x2", dtype="float32", preload="tp")
+    state = shared_registry.snapshot()
+    assert (state["last"], state["error"], state["checkpoint"]) == (
+        "loading cancelled by the user",
+        None,
+        None,
+    )
+    assert 0 < state["step"] < state["total"]  # stopped part-way through the tensors
+    assert [r["loaded"] for r in shared_registry.current.status()] == [None, None]
+
+
+def test_workers_starting_are_shown_as_such() -> None:
+    phases: list[str] = []
+
+    class Recording(Registry):
+        def update(self, **fields):
+            super().update(**fields)
+            phases.append(self.state["phase"])
+
+    class Slow:
+        devices, started, resident = ("cpu", "cpu"), False, None
+
+        def start(self) -> None:
+            phases.append("start() called")
+
+    registry = Recording(factory=lambda devices: Slow())
+    logic.load(registry, ParallelHandle("/m/x.safetensors", "x.safetensors", ("cpu", "cpu"), None), "none")
+    assert phases[phases.index("start() called") - 1] == "starting workers"
+    assert phases[-1] == "idle"
+
+
+@pytest.mark.parametrize(
+    ("message", "shown"),
+    [
+        (
+            "checkpoint '/home/me/ComfyUI/models/diffusion_models/flux.safetensors' does not exist; "
+            "'/home/me/ComfyUI/models/diffusion_models' has: a.safetensors, b.safetensors. Pick one of those",
+            "CheckpointError: checkpoint 'flux.safetensors' does not exist. Pick one of those",
+        ),
+        (
+            "rank 1 (cuda:1): out of memory on cuda:1",
+            "CheckpointError: rank 1 (cuda:1): out of memory on cuda:1",
+        ),
+        ("C:\\Users\\me\\models\\x.safetensors is truncated", "CheckpointError: x.safetensors is truncated"),
+    ],
+)
+def test_public_error_names_files_not_paths(message: str, shown: str) -> None:
+    from rocm_parallel.backend.flux.load import CheckpointError
+
+    assert logic.public_error(CheckpointError(message)) == shown

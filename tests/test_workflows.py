@@ -12,7 +12,14 @@ from pathlib import Path
 
 import pytest
 from fake_comfy import FakeComfy
-from workflow_check import check_api, check_ui, core_object_info, pack_object_info, ui_to_api
+from workflow_check import (
+    check_api,
+    check_ui,
+    core_object_info,
+    overlapping_nodes,
+    pack_object_info,
+    ui_to_api,
+)
 
 import rocm_parallel
 from rocm_parallel.nodes import NODE_CLASS_MAPPINGS
@@ -56,6 +63,19 @@ def test_comfyui_serves_workflows_as_templates() -> None:
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_ui_workflow_is_valid(info: dict, name: str) -> None:
     assert check_ui(load(name), info) == []
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_ui_workflow_nodes_do_not_overlap(name: str) -> None:
+    assert overlapping_nodes(load(name)) == []
+
+
+def test_overlap_check_finds_overlaps() -> None:
+    ui = load("flux1_dev_tp4")
+    decode = next(n for n in ui["nodes"] if n["type"] == "VAEDecode")
+    save = next(n for n in ui["nodes"] if n["type"] == "SaveImage")
+    save["pos"] = [decode["pos"][0] + 280, decode["pos"][1]]  # how the shipped files had it
+    assert overlapping_nodes(ui) == [f"{decode['id']} VAEDecode overlaps {save['id']} SaveImage"]
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

@@ -133,3 +133,13 @@ def arm_load_failure(ctx, rank: int, at_tensor: int) -> bool:
 
     WorkerContext.load_progress = failing
     return True
+
+
+@handler("uneven_load")
+def uneven_load(ctx, tensors: int, seconds: float) -> dict:
+    """A load (no collectives) where rank 0 is fast and every other rank takes `seconds` per tensor."""
+    for done in range(1, tensors + 1):
+        if ctx.rank:
+            time.sleep(seconds)
+        ctx.load_progress(done, tensors)
+    return {"rank": ctx.rank}

@@ -217,3 +217,20 @@ def ui_to_api(workflow: dict[str, Any], info: dict[str, Any]) -> dict[str, Any]:
                 inputs[socket["name"]] = [str(link[1]), link[2]]
         prompt[str(node["id"])] = {"class_type": node["type"], "inputs": inputs}
     return prompt
+
+
+TITLE_HEIGHT = 30  # LiteGraph draws a node's title bar above its `pos`
+
+
+def overlapping_nodes(workflow: dict[str, Any], gap: int = 10) -> list[str]:
+    """Pairs of nodes whose boxes (title bar included, `gap` pixels apart at least) overlap on the canvas."""
+    boxes = []
+    for node in workflow["nodes"]:
+        (x, y), (w, h) = node["pos"], node["size"]
+        boxes.append((f"{node['id']} {node['type']}", x, y - TITLE_HEIGHT, x + w, y + h))
+    found = []
+    for i, (name_a, ax0, ay0, ax1, ay1) in enumerate(boxes):
+        for name_b, bx0, by0, bx1, by1 in boxes[i + 1 :]:
+            if ax0 < bx1 + gap and bx0 < ax1 + gap and ay0 < by1 + gap and by0 < ay1 + gap:
+                found.append(f"{name_a} overlaps {name_b}")
+    return found
