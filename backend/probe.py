@@ -14,22 +14,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .parallel.comm import synchronize
 from .worker import WorkerContext, handler
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _timed(fn: Any, device: torch.device, repeats: int) -> float:
     fn()  # warm-up: first collectives set up connections, first matmul picks kernels
-    _sync(device)
+    synchronize(device)
     best = float("inf")
     for _ in range(repeats):
         started = time.perf_counter()
         fn()
-        _sync(device)
+        synchronize(device)
         best = min(best, time.perf_counter() - started)
     return best  # the least disturbed run: other work only ever adds time
 
@@ -75,7 +71,7 @@ def health_check(ctx: WorkerContext, elements: int = 1024) -> dict[str, Any]:
     started = time.perf_counter()
     ones = torch.full((elements,), float(ctx.rank + 1), dtype=torch.float32, device=device)
     dist.all_reduce(ones)
-    _sync(device)
+    synchronize(device)
     all_reduce_s = time.perf_counter() - started
     expected_sum = n * (n + 1) / 2
     reduce_ok = bool((ones == expected_sum).all().item())
@@ -83,7 +79,7 @@ def health_check(ctx: WorkerContext, elements: int = 1024) -> dict[str, Any]:
     mine = torch.full((elements,), float(ctx.rank), dtype=torch.float32, device=device)
     gathered = [torch.empty_like(mine) for _ in range(n)]
     dist.all_gather(gathered, mine)
-    _sync(device)
+    synchronize(device)
     all_gather_s = time.perf_counter() - started
     gather_ok = all(bool((g == r).all().item()) for r, g in enumerate(gathered))
     detail = (
@@ -133,7 +129,7 @@ def attention_kernels(ctx: WorkerContext) -> dict[str, Any]:
         try:
             with sdpa_kernel([backend]):
                 F.scaled_dot_product_attention(q, q, q)
-            _sync(device)
+            synchronize(device)
             works[name] = "ok"
         except Exception as exc:  # "No available kernel", a missing arch in the build, ...
             works[name] = (
