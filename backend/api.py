@@ -21,12 +21,10 @@ from typing import Any
 import torch
 
 from .client import ProgressCallback, WorkerError, WorkerGroup, validate_devices
-from .config import ConfigError, FluxDims, ParallelLayout, split_context
+from .config import ConfigError, FluxDims, ParallelLayout
 from .flux.load import CheckpointInfo, inspect_checkpoint, resolve_dtype
 from .flux.sampling import SamplingPlan, plan_sampling
 from .plan import Choice, Link, Setup, choose
-
-LAYOUTS = ("tp", "context", "auto")
 
 
 def default_devices() -> list[str]:
@@ -42,23 +40,13 @@ def make_layout(
     ulysses: int | None = None,
     setup: Setup | None = None,
 ) -> ParallelLayout:
-    """'tp' → all devices shard the weights; 'context' → ring x Ulysses = devices (None or 0 fills the
-    rest; ring by default);
-    'auto' → the planner's choice for `setup` (see ParallelFlux.auto_layout, which also explains it)."""
+    """`ParallelLayout.make(kind, devices, ring, ulysses)`, plus 'auto' → the planner's choice for `setup`
+    (see ParallelFlux.auto_layout, which also explains it)."""
     if isinstance(kind, ParallelLayout):
         return kind
-    if kind == "auto":
-        if setup is None:
-            raise ConfigError(
-                "layout='auto' needs the model, image size and device memory; "
-                "use ParallelFlux.auto_layout(...) or pass setup=plan.Setup(...)"
-            )
+    if kind == "auto" and setup is not None:
         return choose(setup).layout
-    if kind == "tp":
-        return ParallelLayout(tp=devices)
-    if kind == "context":
-        return split_context(ring or 0, ulysses or 0, devices)
-    raise ConfigError(f"layout={kind!r} is not known; use one of {', '.join(LAYOUTS)}")
+    return ParallelLayout.make(kind, devices, ring, ulysses)
 
 
 def plan_to_data(plan: SamplingPlan) -> dict[str, Any]:
@@ -182,6 +170,7 @@ class ParallelFlux:
         setup = Setup(
             dims, width, height, batch, dtype=compute, devices=len(self.devices),
             memory_gb=m["memory_bytes"] / 1e9, link=link, tflops=m["tflops"],
+            device_word="CPU worker" if cpu else "GPU",
         )  # fmt: skip
         self.auto_choice = choose(setup, allow=(lambda lay: lay.tp == 1) if context_only else None)
         return self.auto_choice

@@ -1,4 +1,4 @@
-"""Command line: `python -m rocm_parallel demo | plan | bench <name>`."""
+"""Command line: `python -m rocm_parallel demo | plan | bench <name>` (bench: from a checkout only)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,24 @@ import importlib
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from .bench import BENCHMARKS
+# The benchmarks are not part of the installed package: they live in the repository's top-level
+# benchmarks/ folder, next to backend/ (the repository root is the package), and run from a checkout.
+BENCHMARKS_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
+NO_BENCHMARKS = (
+    "the benchmarks are not installed with the package; run them from a checkout of the repository: "
+    "git clone https://github.com/rocm-parallel/rocm-parallel && cd rocm-parallel && "
+    "python -m rocm_parallel bench <name>"
+)
+_ROOT_PACKAGE = __package__.rpartition(".")[0] if __package__ else "rocm_parallel"
+
+
+def _benchmark_names() -> dict[str, str] | None:
+    """{name: help} of the benchmarks in BENCHMARKS_DIR, or None when the folder is absent (a wheel)."""
+    if not (BENCHMARKS_DIR / "__init__.py").is_file():
+        return None
+    return importlib.import_module(f"{_ROOT_PACKAGE}.benchmarks").BENCHMARKS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -19,10 +35,14 @@ def _parser() -> argparse.ArgumentParser:
 
     demo_module.add_arguments(demo)
     _add_plan_arguments(sub.add_parser("plan", help="per-GPU memory, bytes moved and step time per layout"))
-    bench = sub.add_parser("bench", help="run a benchmark and print its table")
+    bench = sub.add_parser("bench", help="run a benchmark and print its table (from a checkout)")
+    benchmarks = _benchmark_names()
+    if benchmarks is None:
+        bench.add_argument("bench", nargs=argparse.REMAINDER, help="not installed; see the message")
+        return parser
     names = bench.add_subparsers(dest="bench", required=True)
-    for name, help_text in BENCHMARKS.items():
-        module = importlib.import_module(f"{__package__}.bench.{name}")
+    for name, help_text in benchmarks.items():
+        module = importlib.import_module(f"{_ROOT_PACKAGE}.benchmarks.{name}")
         module.add_arguments(names.add_parser(name, help=help_text))
     return parser
 
@@ -86,7 +106,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from . import demo
 
         return demo.run(args)
-    module = importlib.import_module(f"{__package__}.bench.{args.bench}")
+    if _benchmark_names() is None:
+        print(f"error: {NO_BENCHMARKS}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"{_ROOT_PACKAGE}.benchmarks.{args.bench}")
     module.run(args)
     return 0
 

@@ -10,6 +10,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+# The compute dtypes by name, with their bytes per element: the one table the planner, the loader and the
+# test/benchmark helpers read (torch-free, so the client plans without importing torch). The loader also
+# accepts the short aliases.
+COMPUTE_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
 
 class ConfigError(ValueError):
     """Bad input from a user or a caller; the message says what to change."""
@@ -22,6 +28,8 @@ def _divisors(n: int) -> list[int]:
 def _one_of(values: list[int]) -> str:
     """'2, 3 or 4' — the human list of allowed values."""
     words = [str(v) for v in values]
+    if not words:
+        return "1 (no degree above 1 divides it)"
     if len(words) == 1:
         return words[0]
     return ", ".join(words[:-1]) + " or " + words[-1]
@@ -93,6 +101,10 @@ def validate_ulysses_degree(degree: int, dims: FluxDims) -> None:
         )
 
 
+# What `ParallelLayout.make` and the API accept (the API resolves "auto" with the planner).
+LAYOUT_KINDS = ("tp", "context", "auto")
+
+
 @dataclass(frozen=True)
 class ParallelLayout:
     """How the devices of a group are used: tensor-parallel degree x ring x Ulysses degrees.
@@ -108,6 +120,43 @@ class ParallelLayout:
     @property
     def world_size(self) -> int:
         return self.tp * self.ring * self.ulysses
+
+    @classmethod
+    def make(
+        cls, kind: str, devices: int, ring: int | None = None, ulysses: int | None = None
+    ) -> ParallelLayout:
+        """The layout a user names: 'tp' → every device shards the weights; 'context' → ring x Ulysses =
+        devices, where None or 0 fills the rest (both: all ring).
+
+        'auto' is the planner's choice and needs the model and image (`api.make_layout`,
+        `ParallelFlux.auto_layout`); the API, the nodes and the benchmarks all build layouts here.
+        """
+        if kind == "tp":
+            return cls(tp=devices)
+        if kind == "context":
+            return _split_context(ring or 0, ulysses or 0, devices)
+        if kind == "auto":
+            raise ConfigError(
+                "layout='auto' needs the model, image size and device memory; "
+                "use ParallelFlux.auto_layout(...) or pass setup=plan.Setup(...)"
+            )
+        raise ConfigError(f"layout={kind!r} is not known; use one of {', '.join(LAYOUT_KINDS)}")
+
+    def __str__(self) -> str:
+        """The short name tables and progress lines print: 'single', 'tp=4', 'ring=2 x ulysses=2'."""
+        if self.world_size == 1:
+            return "single"
+        if self.tp > 1:
+            return f"tp={self.tp}"
+        parts = [f"ring={self.ring}"] if self.ring > 1 else []
+        parts += [f"ulysses={self.ulysses}"] if self.ulysses > 1 else []
+        return " x ".join(parts)
+
+    def describe(self) -> str:
+        """The long name the loader panel shows: 'tensor parallel tp=4', 'context parallel ring=2 x ulysses=1'."""
+        if self.tp > 1 or (self.ring == 1 and self.ulysses == 1):
+            return f"tensor parallel tp={self.tp}"
+        return f"context parallel ring={self.ring} x ulysses={self.ulysses}"
 
     def validate(self, dims: FluxDims, devices: int | None = None) -> None:
         for name in ("tp", "ring", "ulysses"):
@@ -142,11 +191,8 @@ class ParallelLayout:
             )
 
 
-def split_context(ring: int, ulysses: int, devices: int) -> ParallelLayout:
-    """Ring x Ulysses degrees with 0 meaning 'fill the rest' (both 0: all ring); product = device count.
-
-    Shared by the Python API and the Ring Attention Sampler node, so both read degrees the same way.
-    """
+def _split_context(ring: int, ulysses: int, devices: int) -> ParallelLayout:
+    """Ring x Ulysses degrees with 0 meaning 'fill the rest' (both 0: all ring); product = device count."""
     for name, value in (("ring_degree", ring), ("ulysses_degree", ulysses)):
         if value < 0:
             raise ConfigError(f"{name}={value} must be 0 (auto) or a positive integer")

@@ -16,14 +16,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from .api import ParallelFlux
 from .api import default_devices as api_default_devices
 from .config import FluxDims
-from .flux.convert import diffusers_to_bfl
+from .flux.convert import save_bfl_checkpoint
 from .flux.model import build_flux, tiny_flux_config
 from .flux.sampling import diffusers_model_fn, sample_flux
+from .text import MB, markdown_table
 
 # Every code path of FLUX.1 at a size a laptop CPU runs in a second: 8 heads x 64, 2 + 4 blocks.
 DEMO_CONFIG = tiny_flux_config(
@@ -61,10 +61,6 @@ def _progress(label: str) -> Callable[[int, int], None]:
     return show
 
 
-def _line(*cells: object) -> str:
-    return "| " + " | ".join(str(c) for c in cells) + " |"
-
-
 def run(args: argparse.Namespace) -> int:
     devices = args.devices.split(",") if args.devices else default_devices()
     on_gpu = devices[0].startswith("cuda")
@@ -92,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     rows, ok = [], True
     with tempfile.TemporaryDirectory(prefix="rocm-parallel-demo-") as folder:
         checkpoint = Path(folder) / "demo-flux-dev.safetensors"
-        save_file(diffusers_to_bfl(torch.nn.Module.to(model, dtype).state_dict()), str(checkpoint))
+        save_bfl_checkpoint(torch.nn.Module.to(model, dtype), checkpoint)
         del model
         started = time.perf_counter()
         with ParallelFlux(devices, threads=1 if not on_gpu else None) as flux:
@@ -112,13 +108,11 @@ def run(args: argparse.Namespace) -> int:
                 ok &= diff <= tolerance
                 r = flux.resident.layout
                 rows.append([f"{layout} (tp={r.tp}, ring={r.ring}, ulysses={r.ulysses})",
-                             f"{reports[0]['parameter_bytes'] / 1e6:.1f}", f"{t1 - t0:.2f}", f"{t2 - t1:.2f}",
+                             f"{reports[0]['parameter_bytes'] / MB:.1f}", f"{t1 - t0:.2f}", f"{t2 - t1:.2f}",
                              f"{(t2 - t1) / args.steps * 1e3:.0f}", f"{diff:.1e} (<= {tolerance:g})"])  # fmt: skip
 
     print()
-    print(_line("layout", "MB/rank", "load (s)", "sample (s)", "ms/step", "max |diff| vs 1 process"))
-    print(_line(*["---"] * 6))
-    for row in rows:
-        print(_line(*row))
+    header = ["layout", "MB/rank", "load (s)", "sample (s)", "ms/step", "max |diff| vs 1 process"]
+    print(markdown_table(header, rows, align=" --- "))
     print("\nOK: every layout reproduced the single-process image" if ok else "\nMISMATCH")
     return 0 if ok else 1

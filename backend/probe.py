@@ -13,22 +13,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .parallel.comm import synchronize
 from .worker import WorkerContext, handler
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _timed(fn: Any, device: torch.device, repeats: int) -> float:
     fn()  # warm-up: first collectives set up connections, first matmul picks kernels
-    _sync(device)
+    synchronize(device)
     best = float("inf")
     for _ in range(repeats):
         started = time.perf_counter()
         fn()
-        _sync(device)
+        synchronize(device)
         best = min(best, time.perf_counter() - started)
     return best  # the least disturbed run: other work only ever adds time
 

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .parallel.comm import synchronize
 from .transport import Hello, Progress, Ready, Reply, Request, StorePort, pack, recv, send, unpack
 
 HANDLERS: dict[str, Callable[..., Any]] = {}
@@ -91,8 +92,7 @@ class WorkerContext:
 
     def synchronize(self) -> None:
         """Wait for this rank's device to finish queued work (timings, results)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)
 
     @property
     def cancel_path(self) -> str:
@@ -143,7 +143,7 @@ def _load_methods() -> None:
     The built-in ones first, then the modules the group was started with (`WorkerGroup(methods=...)`,
     e.g. tests' and benchmarks' own methods): product code carries no method that only they use.
     """
-    for module in ("methods", "jobs", "probe"):
+    for module in ("jobs", "probe"):
         importlib.import_module(f"{__package__}.{module}")
     for module in filter(None, os.environ.get("RP_METHODS", "").split(",")):
         importlib.import_module(module)

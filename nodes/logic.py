@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..backend.config import ConfigError, ParallelLayout, split_context
+from ..backend.config import ConfigError, ParallelLayout
 
 if TYPE_CHECKING:
     from ..backend.api import ParallelFlux
@@ -90,7 +90,7 @@ def compute_dtype(choice: str) -> str | None:
 
 def tp_layout(devices: int) -> ParallelLayout:
     """Tensor parallelism over every device of the group."""
-    return ParallelLayout(tp=devices)
+    return ParallelLayout.make("tp", devices)
 
 
 def context_layout(ring: int, ulysses: int, devices: int) -> ParallelLayout | None:
@@ -98,13 +98,11 @@ def context_layout(ring: int, ulysses: int, devices: int) -> ParallelLayout | No
     for the image being sampled (see `sample`)."""
     if ring == 0 and ulysses == 0:
         return None
-    return split_context(ring, ulysses, devices)
+    return ParallelLayout.make("context", devices, ring, ulysses)
 
 
 def describe_layout(layout: ParallelLayout) -> str:
-    if layout.tp > 1 or (layout.ring == 1 and layout.ulysses == 1):
-        return f"tensor parallel tp={layout.tp}"
-    return f"context parallel ring={layout.ring} x ulysses={layout.ulysses}"
+    return layout.describe()
 
 
 # ComfyUI's Cancel raises comfy.model_management.InterruptProcessingException; matched by name because
@@ -271,7 +269,7 @@ def load(
         layout = (
             tp_layout(len(handle.devices))
             if preload == "tp"
-            else split_context(ring, ulysses, len(handle.devices))
+            else ParallelLayout.make("context", len(handle.devices), ring, ulysses)
         )
     ensure_loaded(registry, flux, handle, layout, interrupted)
     return flux

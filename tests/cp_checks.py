@@ -16,7 +16,7 @@ def context_state(ctx: Any) -> dict[str, Any]:
     return {
         "rank": ctx.rank,
         "kernel": state.kernel.name,
-        "lse_layout": state.lse_layout,
+        "lse_shape": state.lse_shape,
         "processors": sorted(processors),
         "padding_left": state.padding is not None,
     }

@@ -25,12 +25,13 @@ from rocm_parallel.backend.parallel.lse import (
     NEEDS_3D,
     NEEDS_4D,
     guard_forward_op,
-    probe_merge_layout,
+    probe_merge_shape,
     probe_query_shape,
 )
+from rocm_parallel.testing.helpers import TEST_CONFIG
 
 # 8 heads so that Ulysses 2 and 4 both split them; 2 double + 3 single blocks.
-CONFIG = tiny_flux_config(heads=8, head_dim=16, double_blocks=2, single_blocks=3)
+CONFIG = TEST_CONFIG
 
 SHAPES = {
     # 16 image + 16 text tokens: divides by 2 and 4
@@ -72,7 +73,7 @@ def test_cp_matches_single_process(groups: WorkerGroup, ring: int, ulysses: int,
         assert state["processors"] == ["ContextParallelFluxAttnProcessor"]
         assert not state["padding_left"]  # the per-forward padding plan is cleared after the forward
         # diffusers 0.42.1 merges both LSE layouts itself: the guard found nothing to do
-        assert state["lse_layout"] == ANY
+        assert state["lse_shape"] == ANY
 
 
 def test_worker_reports_bad_ulysses_degree_before_building(group2: WorkerGroup) -> None:
@@ -283,7 +284,7 @@ def test_old_merge_fails_on_a_3d_lse() -> None:
 def test_guard_makes_every_merge_exact(unsqueeze, layout: str, kernel_lse: str) -> None:
     q, chunks, expected = flux_dev_attention()
     probe = torch.zeros(probe_query_shape())
-    probed = probe_merge_layout(lambda op: ring(op, probe, [(probe, probe)] * 2, unsqueeze), chunks=2)
+    probed = probe_merge_shape(lambda op: ring(op, probe, [(probe, probe)] * 2, unsqueeze), chunks=2)
     assert probed == layout
     kernel = cpu_flash_forward_op if kernel_lse == "3d" else four_d(cpu_flash_forward_op)
     out = ring(guard_forward_op(kernel, probed), q, chunks, unsqueeze)

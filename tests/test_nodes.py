@@ -16,14 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 from fake_comfy import FakeComfy, InterruptProcessingException
-from safetensors.torch import save_file
 from test_sampling import flux_model, positive, reference
 
 import rocm_parallel
 from rocm_parallel.backend.api import ParallelFlux
 from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError, ParallelLayout
-from rocm_parallel.backend.flux.convert import diffusers_to_bfl
+from rocm_parallel.backend.flux.convert import save_bfl_checkpoint
 from rocm_parallel.nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS, logic
 from rocm_parallel.nodes.logic import ParallelHandle, Registry
 
@@ -226,7 +225,7 @@ def shared_registry(group2: WorkerGroup, monkeypatch: pytest.MonkeyPatch) -> Reg
 
 @pytest.fixture
 def dev_checkpoint(comfy: FakeComfy) -> str:
-    save_file(diffusers_to_bfl(flux_model("dev").state_dict()), str(comfy.models / "tiny-dev.safetensors"))
+    save_bfl_checkpoint(flux_model("dev"), comfy.models / "tiny-dev.safetensors")
     return "tiny-dev.safetensors"
 
 
@@ -361,6 +360,7 @@ def test_loader_auto_preload_explains_its_choice(
     }
     assert state["layout"] in names
     assert state["auto"].startswith(f"auto: {names[state['layout']]} — fits ")
+    assert " GB per CPU worker; predicted " in state["auto"] and "GPU" not in state["auto"]
     text = NODE_CLASS_MAPPINGS["RocmParallelStatus"]().status(action="report")["result"][0]
     assert state["auto"] in text
 

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import save_file
 from test_sampling import CASES, flux_model, positive, reference
 
 from rocm_parallel.backend.api import ParallelFlux
 from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError, ParallelLayout
-from rocm_parallel.backend.flux.convert import diffusers_to_bfl
+from rocm_parallel.backend.flux.convert import save_bfl_checkpoint
 from rocm_parallel.backend.flux.sampling import resolution_mu
 
 LAYOUTS = {
@@ -35,7 +34,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     paths = {}
     for variant in ("dev", "schnell"):
         path = folder / f"tiny-flux-{variant}.safetensors"
-        save_file(diffusers_to_bfl(flux_model(variant).state_dict()), str(path))
+        save_bfl_checkpoint(flux_model(variant), path)
         paths[variant] = str(path)
     return paths
 

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from rocm_parallel.backend.api import ParallelFlux, make_layout
-from rocm_parallel.backend.bench.planner import measure_on_meta
 from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError, FluxDims, ParallelLayout
 from rocm_parallel.backend.flux.model import FLUX_DEV, FLUX_SCHNELL, build_flux, tiny_flux_config
@@ -26,6 +25,7 @@ from rocm_parallel.backend.plan import (
     ring_attention,
     weight_bytes,
 )
+from rocm_parallel.testing.helpers import measure_on_meta
 
 DEV = FluxDims.from_diffusers_config(FLUX_DEV)
 TINY_CONFIG = tiny_flux_config(

@@ -18,9 +18,10 @@ from rocm_parallel.backend.parallel.tensor import (
     parameter_bytes,
     shard_pieces,
 )
+from rocm_parallel.testing.helpers import TEST_CONFIG
 
 # 8 heads so that TP 2 and 4 both split them; 2 double + 3 single blocks.
-CONFIG = tiny_flux_config(heads=8, head_dim=16, double_blocks=2, single_blocks=3)
+CONFIG = TEST_CONFIG
 
 
 def reference(config: dict, **shape) -> tuple[dict, torch.Tensor]:

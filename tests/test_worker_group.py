@@ -164,7 +164,7 @@ def test_clean_exit_after_a_parallel_forward() -> None:
     from rocm_parallel.backend.flux.model import random_inputs, tiny_flux_config
 
     config = tiny_flux_config(heads=4, head_dim=16)
-    group = WorkerGroup(["cpu", "cpu"], threads=1)
+    group = WorkerGroup(["cpu", "cpu"], threads=1, extra_sys_path=[TESTS_DIR], methods=["model_methods"])
     group.call_all("build_random", {"config": config, "seed": 0, "dtype": "float32", "tp": 2})
     group.call("forward", {"inputs": random_inputs(FluxDims.from_diffusers_config(config)).as_kwargs()})
     group.close()

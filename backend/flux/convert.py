@@ -14,36 +14,23 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..config import ConfigError
+from ..config import ConfigError, FluxDims
 
 # ComfyUI's full checkpoints (and some diffusion_models files) put the transformer under this prefix.
 COMFY_PREFIX = "model.diffusion_model."
 
-# FLUX's single-stream blocks and feed-forwards are 4x wide; diffusers' FluxTransformer2DModel has no
-# option for another ratio, so a checkpoint with a different one cannot be built.
-MLP_RATIO = 4
+# FLUX's single-stream blocks and feed-forwards are 4x wide (FluxDims.mlp_ratio's default); diffusers'
+# FluxTransformer2DModel has no option for another ratio, so a checkpoint with a different one cannot be
+# built. The key mapping reads the widths from the same FluxDims the rest of the pack uses.
 
 
 class CheckpointError(ConfigError):
     """A checkpoint that cannot be loaded as FLUX; the message names the path, what was found and the fix."""
-
-
-@dataclass(frozen=True)
-class FluxLayout:
-    """The widths and depths the key mapping depends on."""
-
-    hidden: int
-    double_blocks: int
-    single_blocks: int
-    guidance: bool
-
-    @property
-    def mlp(self) -> int:
-        return MLP_RATIO * self.hidden
 
 
 @dataclass(frozen=True)
@@ -62,7 +49,7 @@ class Source:
 class _Fused:
     """A diffusers module reading some of the stacked outputs of one BFL linear, in the order `take`."""
 
-    parts: tuple[str, ...]  # widths of the BFL output blocks, by FluxLayout attribute name
+    parts: tuple[str, ...]  # widths of the BFL output blocks, by FluxDims attribute name
     take: tuple[int, ...]
 
 
@@ -118,10 +105,10 @@ _SINGLE: dict[str, tuple[str, _Fused | None]] = {
 }
 
 
-def _rows(fused: _Fused, layout: FluxLayout) -> tuple[tuple[int, int], ...]:
+def _rows(fused: _Fused, dims: FluxDims) -> tuple[tuple[int, int], ...]:
     bounds, offset = [], 0
     for part in fused.parts:
-        width = getattr(layout, part)
+        width = getattr(dims, part)
         bounds.append((offset, offset + width))
         offset += width
     return tuple(bounds[i] for i in fused.take)
@@ -130,27 +117,27 @@ def _rows(fused: _Fused, layout: FluxLayout) -> tuple[tuple[int, int], ...]:
 def _add(
     out: dict[str, Source],
     table: Mapping[str, tuple[str, _Fused | None]],
-    layout: FluxLayout,
+    dims: FluxDims,
     diffusers_prefix: str = "",
     bfl_prefix: str = "",
 ) -> None:
     for module, (bfl_module, fused) in table.items():
         params = {"weight": "scale"} if bfl_module.endswith("_norm") else {"weight": "weight", "bias": "bias"}
         for d_param, b_param in params.items():
-            rows = None if fused is None else _rows(fused, layout)
+            rows = None if fused is None else _rows(fused, dims)
             out[f"{diffusers_prefix}{module}.{d_param}"] = Source(f"{bfl_prefix}{bfl_module}.{b_param}", rows)
 
 
-def bfl_sources(layout: FluxLayout) -> dict[str, Source]:
+def bfl_sources(dims: FluxDims) -> dict[str, Source]:
     """diffusers parameter name -> where it lives in a BFL checkpoint (no key prefix)."""
     out: dict[str, Source] = {}
-    _add(out, _TOP, layout)
-    if layout.guidance:
-        _add(out, _GUIDANCE, layout)
-    for i in range(layout.double_blocks):
-        _add(out, _DOUBLE, layout, f"transformer_blocks.{i}.", f"double_blocks.{i}.")
-    for i in range(layout.single_blocks):
-        _add(out, _SINGLE, layout, f"single_transformer_blocks.{i}.", f"single_blocks.{i}.")
+    _add(out, _TOP, dims)
+    if dims.guidance:
+        _add(out, _GUIDANCE, dims)
+    for i in range(dims.double_blocks):
+        _add(out, _DOUBLE, dims, f"transformer_blocks.{i}.", f"double_blocks.{i}.")
+    for i in range(dims.single_blocks):
+        _add(out, _SINGLE, dims, f"single_transformer_blocks.{i}.", f"single_blocks.{i}.")
     return out
 
 
@@ -192,14 +179,32 @@ def rope_axes(head_dim: int) -> tuple[int, int, int]:
     return (head_dim - 2 * b, b, b)
 
 
-def layout_from_bfl(keys_and_shapes: Mapping[str, Any]) -> FluxLayout:
+def dims_from_bfl(keys_and_shapes: Mapping[str, Any]) -> FluxDims:
+    """The FluxDims of a BFL checkpoint (prefix optional), from its keys and shapes alone."""
     shapes = _shapes(strip_prefix(keys_and_shapes))
-    hidden = _require(shapes, "img_in.weight")[0]
-    return FluxLayout(
-        hidden=hidden,
-        double_blocks=_block_count(shapes, "double_blocks."),
-        single_blocks=_block_count(shapes, "single_blocks."),
+    hidden, in_channels = _require(shapes, "img_in.weight")
+    double_blocks = _block_count(shapes, "double_blocks.")
+    single_blocks = _block_count(shapes, "single_blocks.")
+    norm = (
+        "double_blocks.0.img_attn.norm.query_norm.scale"
+        if double_blocks
+        else "single_blocks.0.norm.query_norm.scale"
+    )
+    head_dim = _require(shapes, norm)[0]
+    if hidden % head_dim:
+        raise CheckpointError(
+            f"hidden width {hidden} (img_in.weight) is not a multiple of the head width {head_dim} "
+            f"({norm}); the checkpoint is not a FLUX.1 transformer"
+        )
+    return FluxDims(
+        heads=hidden // head_dim,
+        head_dim=head_dim,
+        double_blocks=double_blocks,
+        single_blocks=single_blocks,
         guidance=any(k.startswith("guidance_in.") for k in shapes),
+        text_dim=shapes.get("txt_in.weight", (0, 4096))[1],
+        pooled_dim=shapes.get("vector_in.in_layer.weight", (0, 768))[1],
+        in_channels=in_channels,
     )
 
 
@@ -210,48 +215,45 @@ def flux_config_from_bfl(keys_and_shapes: Mapping[str, Any]) -> dict[str, Any]:
     Raises CheckpointError when a shape contradicts FLUX's structure.
     """
     shapes = _shapes(strip_prefix(keys_and_shapes))
-    layout = layout_from_bfl(shapes)
-    norm = (
-        "double_blocks.0.img_attn.norm.query_norm.scale"
-        if layout.double_blocks
-        else "single_blocks.0.norm.query_norm.scale"
-    )
-    head_dim = _require(shapes, norm)[0]
-    if layout.hidden % head_dim:
-        raise CheckpointError(
-            f"hidden width {layout.hidden} (img_in.weight) is not a multiple of the head width {head_dim} "
-            f"({norm}); the checkpoint is not a FLUX.1 transformer"
-        )
-    in_channels = _require(shapes, "img_in.weight")[1]
+    dims = dims_from_bfl(shapes)
     config: dict[str, Any] = {
         "patch_size": 1,
-        "in_channels": in_channels,
-        "num_layers": layout.double_blocks,
-        "num_single_layers": layout.single_blocks,
-        "attention_head_dim": head_dim,
-        "num_attention_heads": layout.hidden // head_dim,
+        "in_channels": dims.in_channels,
+        "num_layers": dims.double_blocks,
+        "num_single_layers": dims.single_blocks,
+        "attention_head_dim": dims.head_dim,
+        "num_attention_heads": dims.heads,
         "joint_attention_dim": _require(shapes, "txt_in.weight")[1],
         "pooled_projection_dim": _require(shapes, "vector_in.in_layer.weight")[1],
-        "guidance_embeds": layout.guidance,
-        "axes_dims_rope": rope_axes(head_dim),
+        "guidance_embeds": dims.guidance,
+        "axes_dims_rope": rope_axes(dims.head_dim),
     }
     out_channels = _require(shapes, "final_layer.linear.weight")[0]
-    if out_channels != in_channels:
+    if out_channels != dims.in_channels:
         config["out_channels"] = out_channels
     return config
 
 
-def layout_from_diffusers(keys_and_shapes: Mapping[str, Any]) -> FluxLayout:
+def dims_from_diffusers(keys_and_shapes: Mapping[str, Any]) -> FluxDims:
+    """The FluxDims of a FluxTransformer2DModel state dict, from its keys and shapes alone."""
     shapes = _shapes(keys_and_shapes)
 
     def count(prefix: str) -> int:
         return len({k.split(".")[1] for k in shapes if k.startswith(prefix)})
 
-    return FluxLayout(
-        hidden=_require(shapes, "x_embedder.weight")[0],
-        double_blocks=count("transformer_blocks."),
+    hidden, in_channels = _require(shapes, "x_embedder.weight")
+    double_blocks = count("transformer_blocks.")
+    norm = f"{'' if double_blocks else 'single_'}transformer_blocks.0.attn.norm_q.weight"
+    head_dim = _require(shapes, norm)[0]
+    return FluxDims(
+        heads=hidden // head_dim,
+        head_dim=head_dim,
+        double_blocks=double_blocks,
         single_blocks=count("single_transformer_blocks."),
         guidance=any(k.startswith("time_text_embed.guidance_embedder.") for k in shapes),
+        text_dim=shapes.get("context_embedder.weight", (0, 4096))[1],
+        pooled_dim=shapes.get("time_text_embed.text_embedder.linear_1.weight", (0, 768))[1],
+        in_channels=in_channels,
     )
 
 
@@ -269,7 +271,7 @@ def _gather_rows(tensor: torch.Tensor, rows: tuple[tuple[int, int], ...] | None)
 def bfl_to_diffusers(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A BFL / ComfyUI FLUX state dict (prefix optional) as FluxTransformer2DModel's state dict."""
     bfl = strip_prefix(state_dict)
-    sources = bfl_sources(layout_from_bfl(bfl))
+    sources = bfl_sources(dims_from_bfl(bfl))
     used = {s.key for s in sources.values()}
     unknown = sorted(set(bfl) - used)
     if unknown:
@@ -285,7 +287,7 @@ def _bfl_tensor(bfl: Mapping[str, torch.Tensor], key: str) -> torch.Tensor:
 
 def diffusers_to_bfl(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A FluxTransformer2DModel state dict in BFL layout: fused qkv, linear1, final AdaLN (shift, scale)."""
-    sources = bfl_sources(layout_from_diffusers(state_dict))
+    sources = bfl_sources(dims_from_diffusers(state_dict))
     missing = sorted(set(sources) - set(state_dict))
     unknown = sorted(set(state_dict) - set(sources))
     if missing or unknown:
@@ -309,6 +311,15 @@ def diffusers_to_bfl(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.
     return out
 
 
+def save_bfl_checkpoint(model: torch.nn.Module | Mapping[str, torch.Tensor], path: str | Path) -> str:
+    """Write a FluxTransformer2DModel (or its state dict) as a BFL/ComfyUI single file; returns the path."""
+    from safetensors.torch import save_file
+
+    state = model.state_dict() if isinstance(model, torch.nn.Module) else model
+    save_file(diffusers_to_bfl(state), str(path))
+    return str(path)
+
+
 def bfl_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     """The BFL key -> shape a checkpoint of this diffusers config has (computed on the meta device)."""
     from .model import build_flux
@@ -320,14 +331,15 @@ def bfl_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
 __all__ = [
     "COMFY_PREFIX",
     "CheckpointError",
-    "FluxLayout",
     "Source",
     "bfl_shapes",
     "bfl_sources",
     "bfl_to_diffusers",
     "diffusers_to_bfl",
+    "dims_from_bfl",
+    "dims_from_diffusers",
     "flux_config_from_bfl",
-    "layout_from_bfl",
     "rope_axes",
+    "save_bfl_checkpoint",
     "strip_prefix",
 ]

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from ..config import FluxDims
+from ..config import COMPUTE_DTYPE_BYTES, DTYPE_ALIASES, FluxDims
 from ..parallel.tensor import FLUX_TP_PLAN, Pieces, apply_tensor_parallel, parameter_pieces, resolve_plan
 from .convert import (
     COMFY_PREFIX,
@@ -37,8 +37,8 @@ from .convert import (
     bfl_shapes,
     bfl_sources,
     diffusers_to_bfl,
+    dims_from_bfl,
     flux_config_from_bfl,
-    layout_from_bfl,
 )
 
 # safetensors dtype names this loader reads -> torch dtype (fp8 is upcast to the compute dtype).
@@ -50,12 +50,7 @@ STORED_DTYPES: dict[str, torch.dtype] = {
     "F8_E5M2": torch.float8_e5m2,
 }
 COMPUTE_DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "float32": torch.float32,
-    "fp32": torch.float32,
+    name: getattr(torch, DTYPE_ALIASES.get(name, name)) for name in [*COMPUTE_DTYPE_BYTES, *DTYPE_ALIASES]
 }
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
 DIFFUSERS_INDEX = "diffusion_pytorch_model.safetensors.index.json"
@@ -273,7 +268,7 @@ def _bfl_info(path: Path, header: dict[str, StoredTensor]) -> CheckpointInfo:
             "not a FLUX.1 transformer"
         )
     _check_shapes(str(path), shapes, bfl_shapes(config))
-    sources = {name: (tensors[s.key], s.rows) for name, s in bfl_sources(layout_from_bfl(shapes)).items()}
+    sources = {name: (tensors[s.key], s.rows) for name, s in bfl_sources(dims_from_bfl(shapes)).items()}
     return _info(path, "bfl", (str(path),), prefix, config, sources, tensors.values())
 
 

@@ -9,6 +9,9 @@ diffusers' FlowMatchEulerDiscreteScheduler uses a different table and noise.
 The loop is a pure function of a `model_fn` callable and plain tensors, so the same code runs in one
 process or inside every rank of a worker group: `plan_sampling` validates the input and decides
 everything (noise, sigmas, conditioning) once; `run_euler` only calls `model_fn`.
+
+"Sampling plan" (`SamplingPlan`) is one job's decided inputs; it is unrelated to the TP plan
+(`parallel.tensor.FLUX_TP_PLAN`) and to the planner (`backend/plan/`, layout costs and `auto`).
 """
 
 from __future__ import annotations

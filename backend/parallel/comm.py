@@ -34,6 +34,12 @@ _PAYLOAD = {
 }
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for `device` to finish queued work (for timings and results); CPU and meta need nothing."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _bytes(arg: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tree_leaves(arg) if isinstance(t, torch.Tensor))
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-import os
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -47,7 +46,7 @@ from torch import nn
 
 from ..config import ConfigError, FluxDims, ParallelLayout
 from .comm import WaitCollectives
-from .lse import ANY, guard_forward_op, probe_merge_layout, probe_query_shape
+from .lse import ANY, guard_forward_op, probe_merge_shape, probe_query_shape
 
 ATTENTION_KERNELS = ("cpu_flash", "math", "native_flash", "cudnn", "flash")
 
@@ -133,17 +132,6 @@ def default_attention_kernel(device: torch.device, dtype: torch.dtype) -> str:
     return "native_flash" if torch.version.hip else "cudnn"
 
 
-def _enable_rdna3_flash(device: torch.device) -> None:
-    """RDNA3 (gfx11) runs flash SDPA through AOTriton only with the experimental flag (read at call time).
-
-    Set here, in the worker process only, before the first attention call; a user's own value wins.
-    """
-    if torch.version.hip and device.type == "cuda":
-        arch = getattr(torch.cuda.get_device_properties(device), "gcnArchName", "")
-        if arch.startswith("gfx11"):
-            os.environ.setdefault("TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL", "1")
-
-
 def choose_attention_kernel(
     device: torch.device, dtype: torch.dtype, override: str | None = None
 ) -> AttentionKernel:
@@ -167,8 +155,9 @@ def choose_attention_kernel(
         raise ConfigError(
             f"attention={name!r} is not available in the installed diffusers; use cpu_flash or math"
         )
-    if name == "native_flash":
-        _enable_rdna3_flash(device)
+    # RDNA3 (gfx11) needs TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL=1 for flash SDPA. torch reads it once, at
+    # the first attention call, so it is set in one place only: the workers' environment (client.py, before
+    # the process starts). A script that runs this outside a worker group exports it itself.
     return AttentionKernel(name, forward, backward)
 
 
@@ -258,7 +247,7 @@ class ContextState:
 
     layout: ParallelLayout
     kernel: AttentionKernel
-    lse_layout: str = ANY
+    lse_shape: str = ANY
     padding: LocalPadding | None = None
     return_dict: bool = False  # what the caller of this forward asked for
 
@@ -272,7 +261,7 @@ class ContextAttention:
     def forward_op(self, padded: bool) -> Callable[..., Any]:
         op = self.state.kernel.forward_op
         op = masked_forward_op(op) if padded else op
-        return guard_forward_op(op, self.state.lse_layout) if self.state.layout.ring > 1 else op
+        return guard_forward_op(op, self.state.lse_shape) if self.state.layout.ring > 1 else op
 
     def __call__(
         self,
@@ -429,7 +418,7 @@ def _probe_ring(model: nn.Module, device: torch.device, state: ContextState) -> 
         return TemplatedRingAttention.apply(q, q, q, None, 0.0, False, None, False, False, op, None, config)
 
     with WaitCollectives():  # the probe's kernel ignores the gathered K/V: nothing else would wait
-        return probe_merge_layout(run_ring, chunks=state.layout.ring)
+        return probe_merge_shape(run_ring, chunks=state.layout.ring)
 
 
 def _bind(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -505,7 +494,7 @@ def apply_context_parallel(
     model._parallel_config._device = device
     model._parallel_config.context_parallel_config._device = device
     if layout.ring > 1:
-        state.lse_layout = _probe_ring(model, device, state)
+        state.lse_shape = _probe_ring(model, device, state)
     _install_padding_hooks(model, state)
     model._rp_context_state = state  # for inspection (tests, benchmarks)
     return model

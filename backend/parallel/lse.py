@@ -14,7 +14,7 @@ key the unsqueeze on `lse.ndim == 3` instead and accept both.
 
 The guard never looks at a version. It *probes* the merge that will actually run: feed it a synthetic
 kernel that returns a 3-D LSE, then one that returns a 4-D LSE, and compare with the exact merge. The
-result is the layout the merge accepts (`ANY`, `NEEDS_3D` or `NEEDS_4D`), and `guard_forward_op` wraps a
+result is the LSE shape the merge accepts (`ANY`, `NEEDS_3D` or `NEEDS_4D`), and `guard_forward_op` wraps a
 kernel so its LSE has that rank — returning the kernel unchanged for `ANY`, i.e. a no-op on diffusers that
 already handle it. Wrapping twice changes nothing (idempotent).
 """
@@ -51,14 +51,15 @@ def lse_to_rank(lse: torch.Tensor, rank: int) -> torch.Tensor:
     )
 
 
-def guard_forward_op(forward_op: ForwardOp, layout: str) -> ForwardOp:
+def guard_forward_op(forward_op: ForwardOp, lse_shape: str) -> ForwardOp:
     """Wrap a diffusers-style attention forward op so the LSE it returns has the rank the merge needs."""
-    if layout not in (ANY, NEEDS_3D, NEEDS_4D):
-        raise ValueError(f"layout={layout!r} is not one of {ANY!r}, {NEEDS_3D!r}, {NEEDS_4D!r}")
+    if lse_shape not in (ANY, NEEDS_3D, NEEDS_4D):
+        # (the message keeps its historical 'layout=' wording)
+        raise ValueError(f"layout={lse_shape!r} is not one of {ANY!r}, {NEEDS_3D!r}, {NEEDS_4D!r}")
     inner = getattr(forward_op, "__lse_guarded__", forward_op)  # idempotent: never wrap a wrapper
-    if layout == ANY:
+    if lse_shape == ANY:
         return inner
-    rank = 3 if layout == NEEDS_3D else 4
+    rank = 3 if lse_shape == NEEDS_3D else 4
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
         result = inner(*args, **kwargs)
@@ -68,7 +69,7 @@ def guard_forward_op(forward_op: ForwardOp, layout: str) -> ForwardOp:
         return result
 
     guarded.__lse_guarded__ = inner  # type: ignore[attr-defined]
-    guarded.__lse_layout__ = layout  # type: ignore[attr-defined]
+    guarded.__lse_shape__ = lse_shape  # type: ignore[attr-defined]
     guarded.__name__ = f"lse_guarded_{getattr(inner, '__name__', 'op')}"
     return guarded
 
@@ -106,7 +107,7 @@ def synthetic_forward_op(rank: int, chunks: int) -> ForwardOp:
     return op
 
 
-def probe_merge_layout(run_ring: RunRing, chunks: int) -> str:
+def probe_merge_shape(run_ring: RunRing, chunks: int) -> str:
     """Which LSE rank does the ring merge behind `run_ring` accept? Decided by running it, never by versions.
 
     `run_ring(forward_op)` must run the ring once over `chunks` K/V chunks with `forward_op` as the kernel,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -9,6 +11,8 @@ from rocm_parallel.backend.config import FluxDims
 from rocm_parallel.backend.flux.model import FLUX_DEV, build_flux, random_inputs, tiny_flux_config
 from rocm_parallel.backend.parallel.fake import fake_process_group
 from rocm_parallel.backend.parallel.tensor import apply_tensor_parallel, parameter_bytes
+
+TESTS_DIR = str(Path(__file__).resolve().parents[1])  # on the workers' sys.path: model_methods lives there
 
 
 def test_flux_dev_one_rank_of_tp4_in_bf16() -> None:
@@ -43,7 +47,7 @@ def test_parallel_forward_matches_one_gpu(layout: dict) -> None:
         expected = (
             reference(**inputs.to("cuda", torch.bfloat16).as_kwargs(), return_dict=False)[0].float().cpu()
         )
-    with WorkerGroup(["cuda:0", "cuda:1"]) as group:
+    with WorkerGroup(["cuda:0", "cuda:1"], extra_sys_path=[TESTS_DIR], methods=["model_methods"]) as group:
         group.call_all("build_random", {"config": config, "seed": 3, "dtype": "bfloat16", **layout})
         out = group.call("forward", {"inputs": inputs.as_kwargs()})["output"]
     # bf16 with a different reduction order: compare relative to the output's scale

@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..config import FluxDims
-from ..flux.model import FLUX_DEV, build_flux, random_inputs, tiny_flux_config
-from ..parallel.comm import CountCollectives
-from ..parallel.fake import fake_process_group
-from ..parallel.tensor import apply_tensor_parallel
+from ..backend.config import FluxDims, ParallelLayout
+from ..backend.flux.model import FLUX_DEV, build_flux, random_inputs, tiny_flux_config
+from ..backend.parallel.fake import fake_process_group
+from ..backend.parallel.tensor import apply_tensor_parallel
+from ..backend.text import GB, MB
+from ..testing.helpers import markdown_table, measure_on_meta, median_seconds
 
 # What a CPU can time in seconds: FLUX.1's structure with 24 heads x 32 (hidden 768), 2 + 4 blocks.
 CPU_CONFIG = tiny_flux_config(
@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--compute-size", type=int, default=None, help="image side for the timing (CPU 512, GPU 1024)"
     )
     parser.add_argument(
-        "--repeats", type=int, default=5, help="timed forwards per degree after a warm-up; min is kept"
+        "--repeats", type=int, default=5, help="timed forwards per degree after a warm-up; the median is kept"
     )
     parser.add_argument("--json", help="also write the rows to this JSON file")
 
@@ -74,35 +74,28 @@ PLANS: dict[str, Callable[[nn.Module], nn.Module]] = {
 }
 
 
-def local_bytes(model: nn.Module) -> int:
-    from torch.distributed.tensor import DTensor
-
-    return sum(
-        (p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in model.parameters()
-    )
-
-
 # ---------------------------------------------------------------------------------------------- measures
 
 
 def sizes_and_collectives(plan: str, degree: int, size: int) -> dict[str, Any]:
-    dims = FluxDims.from_diffusers_config(FLUX_DEV)
-    with fake_process_group(degree):
-        model = build_flux(FLUX_DEV, device="meta", dtype=torch.bfloat16)
-        if degree > 1:
-            PLANS[plan](model)
-        inputs = random_inputs(dims, height=size, width=size, text_tokens=512, device="meta")
-        with CountCollectives() as counter, torch.no_grad():
-            model(**inputs.to("meta", torch.bfloat16).as_kwargs())
-    log = counter.log
+    traced = measure_on_meta(
+        FLUX_DEV,
+        ParallelLayout(tp=degree),
+        size,
+        size,
+        text_tokens=512,
+        parallelize=PLANS[plan],
+        memory=False,
+    )
+    log = traced["log"]
     return {
         "plan": plan,
         "degree": degree,
-        "param_gb": local_bytes(model) / 1e9,
+        "param_gb": traced["weights"] / GB,
         "all_reduce": log.counts["all_reduce"],
         "all_gather": log.counts["all_gather"],
-        "payload_mb": sum(log.payload_bytes.values()) / 1e6,
-        "wire_mb_per_rank": log.wire_bytes_per_rank(degree) / 1e6,
+        "payload_mb": sum(log.payload_bytes.values()) / MB,
+        "wire_mb_per_rank": log.wire_bytes_per_rank(degree) / MB,
     }
 
 
@@ -136,30 +129,11 @@ def compute_time(
         _materialize(model, device)
         kwargs = random_inputs(dims, height=size, width=size, text_tokens=512 if size >= 1024 else 128)
         kwargs = kwargs.to(device, dtype).as_kwargs()
-        times = []
         with torch.inference_mode():
-            model(**kwargs)  # warm-up
-            for _ in range(repeats):
-                _sync(device)
-                started = time.perf_counter()
-                model(**kwargs)
-                _sync(device)
-                times.append(time.perf_counter() - started)
-    return min(times)  # the least disturbed run: other processes only ever add time
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+            return median_seconds(lambda: model(**kwargs), repeats, device)
 
 
 # ---------------------------------------------------------------------------------------------- report
-
-
-def _table(header: list[str], rows: list[list[Any]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> str:
@@ -196,7 +170,7 @@ def run(args: argparse.Namespace) -> str:
         "Per rank, one transformer forward. Parameters and collectives from the meta device under the fake",
         "process group; wire MB assume ring algorithms (all-reduce 2(N-1)/N x payload, all-gather (N-1)/N).",
         "",
-        _table(
+        markdown_table(
             [
                 "TP",
                 "plan",
@@ -222,8 +196,8 @@ def run(args: argparse.Namespace) -> str:
         "",
         f"### One rank's compute per forward: {model_name}, {compute_size}x{compute_size}, on {device.type}",
         "",
-        _table(
-            ["TP", "plan", "forward (ms, min)", "vs TP=1"],
+        markdown_table(
+            ["TP", "plan", "forward (ms, median)", "vs TP=1"],
             [
                 [
                     r["degree"],

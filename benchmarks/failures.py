@@ -26,16 +26,13 @@ from typing import Any
 
 import psutil
 import torch
-from safetensors.torch import save_file
 
-from ..api import ParallelFlux
-from ..client import DEFAULT_WATCHDOG, WorkerGroup
-from ..config import FluxDims
-from ..flux.convert import diffusers_to_bfl
-from ..flux.model import build_flux, tiny_flux_config
+from ..backend.api import ParallelFlux
+from ..backend.client import DEFAULT_WATCHDOG, WorkerGroup
+from ..testing.helpers import TINY_CONFIG as CONFIG
+from ..testing.helpers import sampling_job, write_random_checkpoint
 
-CONFIG = tiny_flux_config(heads=4, head_dim=16, text_dim=32, pooled_dim=24)
-TESTS = Path(__file__).resolve().parents[2] / "tests"  # the fault-injecting worker methods
+TESTS = Path(__file__).resolve().parents[1] / "tests"  # the fault-injecting worker methods
 FAULT_STEP = 3
 
 
@@ -43,20 +40,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", type=int, default=128, help="image side in pixels (default 128)")
     parser.add_argument("--steps", type=int, default=8, help="steps per job (default 8)")
     parser.add_argument("--json", help="also write the results to this JSON file")
-
-
-def _job(size: int, steps: int) -> dict[str, Any]:
-    dims = FluxDims.from_diffusers_config(CONFIG)
-    g = torch.Generator().manual_seed(0)
-    cond = [
-        [torch.randn(1, 16, dims.text_dim, generator=g), {"pooled_output": torch.randn(1, dims.pooled_dim)}]
-    ]
-    return {
-        "positive": cond,
-        "latent": {"samples": torch.zeros(1, 16, size // 8, size // 8)},
-        "seed": 3,
-        "steps": steps,
-    }
 
 
 def _group() -> WorkerGroup:
@@ -184,11 +167,10 @@ SCENARIOS: dict[str, tuple[str, Callable[..., Any]]] = {
 
 def run(args: argparse.Namespace) -> str:
     torch.set_num_threads(1)
-    job = _job(args.size, args.steps)
+    job = sampling_job(CONFIG, args.size, args.steps, seed=3)
     rows: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="rocm-parallel-bench-") as folder:
-        checkpoint = str(Path(folder) / "tiny-flux.safetensors")
-        save_file(diffusers_to_bfl(build_flux(CONFIG, seed=0).state_dict()), checkpoint)
+        checkpoint = write_random_checkpoint(Path(folder) / "tiny-flux.safetensors", CONFIG)
         with ParallelFlux(group=_group()) as flux:
             flux.load(checkpoint, layout="tp", dtype="float32")
             expected = _sample(flux, job)["samples"]

@@ -1,6 +1,9 @@
 """Benchmarks behind `python -m rocm_parallel bench <name>`; each module has add_arguments() and run().
 
-A benchmark prints a Markdown table (what BENCHMARKS.md records) and returns it; none is a test.
+A benchmark prints a Markdown table (what BENCHMARKS.md records) and returns it; none is a test. This
+folder is not part of the installed package: the command runs it from a checkout (backend/cli.py finds
+it next to backend/). What it shares with the tests (meta-device tracer, configs, checkpoint writer,
+timing, tables) is in testing/helpers.py.
 """
 
 BENCHMARKS = {

@@ -23,12 +23,11 @@ from typing import Any
 
 import torch
 
-from ..config import ConfigError, FluxDims, ParallelLayout
-from ..flux.model import build_flux, tiny_flux_config
-from ..plan import GB, Setup, estimate, layout_name
-
-CONFIG = tiny_flux_config(heads=8, head_dim=64, double_blocks=2, single_blocks=4, text_dim=256, pooled_dim=64)
-MB = 1e6
+from ..backend.config import ConfigError, FluxDims, ParallelLayout
+from ..backend.plan import Setup, estimate
+from ..backend.text import GB, MB
+from ..testing.helpers import DEMO_CONFIG as CONFIG
+from ..testing.helpers import write_random_checkpoint
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,20 +59,14 @@ class Bar:
         sys.stderr.write("\n")
 
 
-def write_checkpoint(folder: Path) -> str:
-    from safetensors.torch import save_file
-
-    from ..flux.convert import diffusers_to_bfl
-
-    path = folder / "scaled-down-flux-dev.safetensors"
-    save_file(diffusers_to_bfl(build_flux(CONFIG, seed=0).state_dict()), str(path))
-    return str(path)
-
-
 def _layout(kind: str, n: int) -> ParallelLayout:
-    return {"tp": ParallelLayout(tp=n), "ring": ParallelLayout(ring=n), "ulysses": ParallelLayout(ulysses=n)}[
-        kind
-    ]
+    """'tp', 'ring' or 'ulysses' over all n workers."""
+    name, ring, ulysses = {
+        "tp": ("tp", None, None),
+        "ring": ("context", n, None),
+        "ulysses": ("context", None, n),
+    }[kind]
+    return ParallelLayout.make(name, n, ring, ulysses)
 
 
 def _proc(pid: int) -> dict[str, int]:
@@ -98,7 +91,7 @@ def _inputs(size: int, text_tokens: int, dims: FluxDims) -> tuple[list[Any], dic
 
 
 def measure(flux: Any, checkpoint: str, layout: ParallelLayout, args: argparse.Namespace, bar: Bar) -> dict:
-    from ..api import ParallelFlux
+    from ..backend.api import ParallelFlux
 
     assert isinstance(flux, ParallelFlux)
     dims = FluxDims.from_diffusers_config(CONFIG)
@@ -112,7 +105,7 @@ def measure(flux: Any, checkpoint: str, layout: ParallelLayout, args: argparse.N
 
     def progress(step: int, total: int) -> None:
         stamps.append(time.perf_counter())
-        bar.advance(f"{layout_name(layout)} step {step}/{total}")
+        bar.advance(f"{layout} step {step}/{total}")
 
     started = time.perf_counter()
     flux.sample(positive, latent, seed=0, steps=args.steps, progress=progress)
@@ -128,7 +121,7 @@ def measure(flux: Any, checkpoint: str, layout: ParallelLayout, args: argparse.N
         growth = [a["hwm"] - b["rss"] for a, b in zip(after, before, strict=True)]
     return {
         "workers": len(flux.devices),
-        "layout": layout_name(layout),
+        "layout": str(layout),
         "latency_s": latency,
         "step_s": per_step,
         "peak_bytes": max(peaks),
@@ -176,7 +169,7 @@ def _plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
 
 
 def run(args: argparse.Namespace) -> str:
-    from ..api import ParallelFlux
+    from ..backend.api import ParallelFlux
 
     gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
     counts = [int(n) for n in args.workers.split(",")]
@@ -189,13 +182,13 @@ def run(args: argparse.Namespace) -> str:
             try:
                 layout.validate(dims, devices=n)
             except ConfigError as exc:
-                print(f"  skipped {layout_name(layout)}: {exc}", file=sys.stderr)
+                print(f"  skipped {layout}: {exc}", file=sys.stderr)
                 continue
             plans.append(layout)
     bar = Bar(len(plans) * args.steps)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as folder:
-        checkpoint = write_checkpoint(Path(folder))
+        checkpoint = write_random_checkpoint(Path(folder) / "scaled-down-flux-dev.safetensors", CONFIG)
         for n in counts:
             devices = [f"cuda:{i}" for i in range(n)] if gpu else ["cpu"] * n
             with ParallelFlux(devices, threads=1) as flux:

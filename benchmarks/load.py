@@ -22,15 +22,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-PACK_ROOT = Path(__file__).resolve().parents[2]
-MB = 1 << 20
+from ..backend.text import MiB
+
+PACK_ROOT = Path(__file__).resolve().parents[1]
 
 # Same trick as the worker bootstrap (client.py): import the backend from PACK_ROOT as
 # `rocm_parallel` without running the pack's ComfyUI __init__.
 _CHILD = (
     "import sys, types; root = sys.argv[1]; pkg = types.ModuleType('rocm_parallel'); "
     "pkg.__path__ = [root]; sys.modules['rocm_parallel'] = pkg; "
-    "from rocm_parallel.backend.bench.load import child; child(sys.argv[2])"
+    "from rocm_parallel.benchmarks.load import child; child(sys.argv[2])"
 )
 
 
@@ -48,7 +49,7 @@ def write_checkpoint(path: Path, config: dict[str, Any], dtype: str) -> int:
     import torch
     from safetensors.torch import save_file
 
-    from ..flux.convert import bfl_shapes
+    from ..backend.flux.convert import bfl_shapes
 
     g = torch.Generator().manual_seed(0)
     tensors = {
@@ -63,7 +64,7 @@ def _peak_rss() -> int:
     """This process's peak resident set (VmHWM), in bytes.
 
     Not `getrusage().ru_maxrss`: across exec, Linux carries into it the peak of the forked copy of the
-    parent, so a child of a large parent reports at least the parent's size (seen here: ~870 MB).
+    parent, so a child of a large parent reports at least the parent's size (seen here: ~870 MiB).
     VmHWM belongs to the process's own memory and is reset by writing 5 to /proc/self/clear_refs.
     """
     status = Path("/proc/self/status").read_text()
@@ -99,11 +100,11 @@ def child(spec_json: str) -> None:
     from diffusers import FluxTransformer2DModel  # noqa: F401  (imported before the baseline)
     from safetensors.torch import load_file
 
-    from ..flux.convert import bfl_to_diffusers
-    from ..flux.load import inspect_checkpoint, load_flux
-    from ..flux.model import build_flux
-    from ..parallel.fake import fake_process_group
-    from ..parallel.tensor import apply_tensor_parallel, parameter_bytes
+    from ..backend.flux.convert import bfl_to_diffusers
+    from ..backend.flux.load import inspect_checkpoint, load_flux
+    from ..backend.flux.model import build_flux
+    from ..backend.parallel.fake import fake_process_group
+    from ..backend.parallel.tensor import apply_tensor_parallel, parameter_bytes
 
     dtype = getattr(torch, spec["dtype"])
     path, degree, rank = spec["path"], spec["degree"], spec["rank"]
@@ -142,7 +143,7 @@ def _measure(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> str:
-    from ..flux.model import tiny_flux_config
+    from ..backend.flux.model import tiny_flux_config
 
     if args.hidden % 128:
         raise SystemExit(f"--hidden={args.hidden} must be a multiple of the head width 128")
@@ -160,9 +161,9 @@ def run(args: argparse.Namespace) -> str:
         size = write_checkpoint(path, config, args.dtype)
         lines = [
             f"Checkpoint: BFL layout, hidden {args.hidden}, {args.double_blocks} double + "
-            f"{args.single_blocks} single blocks, {args.dtype}, {size / MB:.0f} MB on disk.",
+            f"{args.single_blocks} single blocks, {args.dtype}, {size / MiB:.0f} MiB on disk.",
             "",
-            "| TP | rank | shard (MB) | sharded peak (MB) | peak / shard | naive peak (MB) | naive / shard |",
+            "| TP | rank | shard (MiB) | sharded peak (MiB) | peak / shard | naive peak (MiB) | naive / shard |",
             "|---:|---:|---:|---:|---:|---:|---:|",
         ]
         print("\n".join(lines), flush=True)
@@ -174,8 +175,8 @@ def run(args: argparse.Namespace) -> str:
                 shard = sharded["shard"]
                 s_peak, n_peak = sharded["peak"], naive["peak"]
                 line = (
-                    f"| {degree} | {rank} | {shard / MB:.0f} | {s_peak / MB:.0f} | {s_peak / shard:.2f} | "
-                    f"{n_peak / MB:.0f} | {n_peak / shard:.2f} |"
+                    f"| {degree} | {rank} | {shard / MiB:.0f} | {s_peak / MiB:.0f} | {s_peak / shard:.2f} | "
+                    f"{n_peak / MiB:.0f} | {n_peak / shard:.2f} |"
                 )
                 print(line, flush=True)
                 lines.append(line)

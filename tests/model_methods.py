@@ -1,4 +1,5 @@
-"""Model methods a worker serves: build a (tensor- or context-parallel) FLUX and run forwards on it.
+"""Model methods the parallelism tests run inside the workers (`WorkerGroup(methods=["model_methods"])`):
+build a (tensor- or context-parallel) random FLUX and run forwards on it. Test-only: not in the package.
 
 Arguments and results are plain data (dicts, numbers, CPU tensors) so the client and the worker need
 not share class identities: inside ComfyUI the pack's module names differ from the worker's.
@@ -11,13 +12,11 @@ from typing import Any
 
 import torch
 
-from .config import ConfigError, FluxDims, ParallelLayout
-from .flux.model import FluxInputs, build_flux
-from .parallel.context import apply_context_parallel
-from .parallel.tensor import apply_tensor_parallel, parameter_bytes
-from .worker import WorkerContext, handler
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from rocm_parallel.backend.config import COMPUTE_DTYPE_BYTES, ConfigError, FluxDims, ParallelLayout
+from rocm_parallel.backend.flux.model import FluxInputs, build_flux
+from rocm_parallel.backend.parallel.context import apply_context_parallel
+from rocm_parallel.backend.parallel.tensor import apply_tensor_parallel, parameter_bytes
+from rocm_parallel.backend.worker import WorkerContext, handler
 
 
 @handler("build_random")
@@ -36,13 +35,13 @@ def build_random(
     `tp` shards the weights (tensor parallelism); `ring` x `ulysses` split the tokens (context
     parallelism, `attention` overrides its kernel). Their product must be the group's size.
     """
-    if dtype not in DTYPES:
-        raise ConfigError(f"dtype={dtype!r} is not supported; use {', '.join(DTYPES)}")
+    if dtype not in COMPUTE_DTYPE_BYTES:
+        raise ConfigError(f"dtype={dtype!r} is not supported; use {', '.join(COMPUTE_DTYPE_BYTES)}")
     layout = ParallelLayout(tp=tp, ring=ring, ulysses=ulysses)
     layout.validate(FluxDims.from_diffusers_config(config), devices=ctx.world_size)
     ctx.resident.clear()
     started = time.perf_counter()
-    model = build_flux(config, device="cpu", dtype=DTYPES[dtype], seed=seed)
+    model = build_flux(config, device="cpu", dtype=getattr(torch, dtype), seed=seed)
     if layout.ring * layout.ulysses > 1:
         model.to(ctx.device)
         apply_context_parallel(model, ring_degree=ring, ulysses_degree=ulysses, attention=attention)

@@ -17,34 +17,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
-from ..api import ParallelFlux
-from ..config import FluxDims
-from ..flux.convert import diffusers_to_bfl
-from ..flux.model import build_flux, tiny_flux_config
-from ..flux.sampling import diffusers_model_fn, sample_flux
-
-CONFIG = tiny_flux_config(heads=4, head_dim=16, text_dim=32, pooled_dim=24)
+from ..backend.api import ParallelFlux
+from ..backend.flux.model import build_flux
+from ..backend.flux.sampling import diffusers_model_fn, sample_flux
+from ..testing.helpers import TINY_CONFIG as CONFIG
+from ..testing.helpers import sampling_job, write_random_checkpoint
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", type=int, default=30, help="warm jobs per configuration (default 30)")
     parser.add_argument("--size", type=int, default=128, help="image side in pixels (default 128)")
     parser.add_argument("--json", help="also write the results to this JSON file")
-
-
-def _job(dims: FluxDims, size: int) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(0)
-    positive = [
-        [torch.randn(1, 16, dims.text_dim, generator=g), {"pooled_output": torch.randn(1, dims.pooled_dim)}]
-    ]
-    return {
-        "positive": positive,
-        "latent": {"samples": torch.zeros(1, 16, size // 8, size // 8)},
-        "seed": 1,
-        "steps": 1,
-    }
 
 
 def _median_ms(times: list[float]) -> float:
@@ -93,13 +77,12 @@ def in_group(checkpoint: str, devices: list[str], job: dict[str, Any], jobs: int
 
 def run(args: argparse.Namespace) -> str:
     torch.set_num_threads(1)
-    dims = FluxDims.from_diffusers_config(CONFIG)
-    job = _job(dims, args.size)
+    job = sampling_job(CONFIG, args.size, steps=1, seed=1)
     latent_kb = job["latent"]["samples"].numel() * 4 / 1024
     rows = {}
     with tempfile.TemporaryDirectory(prefix="rocm-parallel-bench-") as folder:
         checkpoint = str(Path(folder) / "tiny-flux.safetensors")
-        save_file(diffusers_to_bfl(build_flux(CONFIG, seed=0).state_dict()), checkpoint)
+        write_random_checkpoint(checkpoint, CONFIG)
         for n in (1, 2):
             rows[n] = in_group(checkpoint, ["cpu"] * n, job, args.jobs)
             print(f"  measured a group of {n}", flush=True)

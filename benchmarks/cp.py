@@ -17,21 +17,18 @@ Everything is per *one transformer forward* (one denoising step without CFG).
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Any
 
 import torch
 
-from ..config import FluxDims
-from ..flux.model import FLUX_DEV, build_flux, random_inputs, tiny_flux_config
-from ..parallel.comm import CountCollectives
-from ..parallel.context import apply_context_parallel
-from ..parallel.fake import fake_process_group
+from ..backend.config import FluxDims, ParallelLayout
+from ..backend.flux.model import FLUX_DEV, build_flux, random_inputs
+from ..backend.parallel.context import apply_context_parallel
+from ..backend.parallel.fake import fake_process_group
+from ..backend.text import GB
+from ..testing.helpers import DEMO_CONFIG, measure_on_meta, median_seconds
 
 LAYOUTS = ["2x1", "1x2", "4x1", "1x4", "2x2", "8x1", "1x8", "2x4", "4x2"]
-COMPUTE_CONFIG = tiny_flux_config(
-    heads=8, head_dim=64, double_blocks=2, single_blocks=4, text_dim=256, pooled_dim=64
-)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,7 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text-tokens", type=int, default=512, help="T5 tokens (512 for dev)")
     parser.add_argument("--compute-size", type=int, default=512, help="image side for the compute rows")
     parser.add_argument(
-        "--repeats", type=int, default=2, help="timed forwards per compute row, after a warm-up"
+        "--repeats",
+        type=int,
+        default=2,
+        help="timed forwards per compute row after a warm-up; the median is kept",
     )
     parser.add_argument("--no-compute", action="store_true", help="skip the CPU compute rows")
 
@@ -50,59 +50,40 @@ def _layouts(text: str) -> list[tuple[int, int]]:
 
 
 def _gb(n: float) -> str:
-    return f"{n / 1e9:.2f}"
+    return f"{n / GB:.2f}"
 
 
 def measure_forward(ring: int, ulysses: int, size: int, text_tokens: int) -> dict[str, Any]:
     """One FLUX.1-dev bf16 forward of rank 0 on the meta device: collectives and peak activations."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    dims = FluxDims.from_diffusers_config(FLUX_DEV)
     world = ring * ulysses
-    with fake_process_group(world, rank=0):
-        model = apply_context_parallel(
-            build_flux(FLUX_DEV, device="meta", dtype=torch.bfloat16), ring, ulysses
-        )
-        inputs = random_inputs(dims, height=size, width=size, text_tokens=text_tokens, device="meta")
-        inputs = inputs.to("meta", torch.bfloat16)
-        tracker = MemTracker()
-        tracker.track_external(model)
-        with tracker, CountCollectives() as counter, torch.no_grad():
-            model(**inputs.as_kwargs(), return_dict=False)
-    peak = tracker.get_tracker_snapshot("peak")[torch.device("meta")]
-    activations = sum(v for k, v in peak.items() if "ACT" in str(k) or "TEMP" in str(k))
-    log = counter.log
-    image_tokens = inputs.hidden_states.shape[1]
-    output_gather = image_tokens * dims.in_channels * 2  # bf16 [1, S_img, 64], over all N devices
+    traced = measure_on_meta(FLUX_DEV, ParallelLayout(ring=ring, ulysses=ulysses), size, size, 1, text_tokens)
+    log = traced["log"]
+    image_tokens = traced["image_tokens"]
+    output_gather = (
+        image_tokens * FluxDims.from_diffusers_config(FLUX_DEV).in_channels * 2
+    )  # bf16 [1, S_img, 64]
     sent = log.payload_bytes["all_to_all"] * (ulysses - 1) / ulysses
     sent += (log.payload_bytes["all_gather"] - output_gather) * (ring - 1) / ring
     sent += output_gather * (world - 1) / world
     return {
-        "counts": dict(log.counts),
+        "counts": traced["counts"],
         "payload": sum(log.payload_bytes.values()),
         "sent": sent,
-        "activations": activations,
+        "activations": traced["activations"],
         "tokens": image_tokens + text_tokens,
     }
 
 
-def _time(model: torch.nn.Module, kwargs: dict[str, Any], repeats: int) -> float:
-    with torch.no_grad():
-        model(**kwargs)
-        started = time.perf_counter()
-        for _ in range(repeats):
-            model(**kwargs)
-    return (time.perf_counter() - started) / repeats
-
-
 def time_one_rank(ring: int, ulysses: int, size: int, repeats: int) -> float:
-    dims = FluxDims.from_diffusers_config(COMPUTE_CONFIG)
+    dims = FluxDims.from_diffusers_config(DEMO_CONFIG)
     kwargs = random_inputs(dims, height=size, width=size, text_tokens=256).as_kwargs()
-    if ring * ulysses == 1:
-        return _time(build_flux(COMPUTE_CONFIG, seed=0), kwargs, repeats)
-    with fake_process_group(ring * ulysses, rank=0):
-        model = apply_context_parallel(build_flux(COMPUTE_CONFIG, seed=0), ring, ulysses)
-        return _time(model, kwargs, repeats)
+    with torch.no_grad():
+        if ring * ulysses == 1:
+            model = build_flux(DEMO_CONFIG, seed=0)
+            return median_seconds(lambda: model(**kwargs), repeats)
+        with fake_process_group(ring * ulysses, rank=0):
+            model = apply_context_parallel(build_flux(DEMO_CONFIG, seed=0), ring, ulysses)
+            return median_seconds(lambda: model(**kwargs), repeats)
 
 
 def _collectives(counts: dict[str, int]) -> str:
@@ -130,7 +111,7 @@ def run(args: argparse.Namespace) -> str:
             )
             print(lines[-1], flush=True)
     if not args.no_compute:
-        dims = FluxDims.from_diffusers_config(COMPUTE_CONFIG)
+        dims = FluxDims.from_diffusers_config(DEMO_CONFIG)
         tokens = (args.compute_size // 16) ** 2 + 256
         lines += [
             "",
@@ -139,7 +120,7 @@ def run(args: argparse.Namespace) -> str:
             f"{args.compute_size} = {tokens} tokens, fake process group (no communication), "
             f"{torch.get_num_threads()} thread(s)",
             "",
-            "| ring x ulysses | GPUs | forward (ms) | vs 1 device |",
+            "| ring x ulysses | GPUs | forward (ms, median) | vs 1 device |",
             "|---|---|---|---|",
         ]
         base = time_one_rank(1, 1, args.compute_size, args.repeats)

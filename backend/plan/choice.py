@@ -1,0 +1,63 @@
+"""`auto`: the feasible layout with the lowest predicted step time, or a message naming what would fit."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from ..config import ConfigError, ParallelLayout
+from ..text import GB
+from .cost import Estimate, plan
+from .report import capacity, gb
+from .setup import Setup
+
+
+@dataclass(frozen=True)
+class Choice:
+    layout: ParallelLayout
+    explanation: str
+    estimates: list[Estimate]
+
+
+def choose(setup: Setup, allow: Callable[[ParallelLayout], bool] | None = None) -> Choice:
+    """The feasible layout with the lowest predicted step time, with a one-line reason.
+
+    `allow` restricts the candidates (the Ring Attention Sampler offers only context layouts).
+    Raises ConfigError naming what would fit when nothing does.
+    """
+    estimates = [e for e in plan(setup) if allow is None or allow(e.layout)]
+    best = estimates[0]
+    if not best.fits:
+        raise ConfigError(_nothing_fits(setup, estimates))
+    others = [e for e in estimates[1:] if e.fits]
+    versus = f" vs {others[0].name} {others[0].step_s:.2f} s" if others else ""
+    explanation = (
+        f"auto: {best.name} — fits {gb(best.per_gpu)} of {capacity(setup.memory_gb)} GB per {setup.device_word}; "
+        f"predicted {best.step_s:.2f} s/step{versus} ({setup.link.describe()})"
+    )
+    return Choice(best.layout, explanation, estimates)
+
+
+def _nothing_fits(setup: Setup, estimates: list[Estimate]) -> str:
+    smallest = min(estimates, key=lambda e: e.per_gpu)
+    need = smallest.per_gpu / (1 - setup.margin)
+    hints = [f"GPUs with at least {math.ceil(need / GB)} GB"]
+    for devices in (2, 4, 8):
+        if devices > setup.devices:
+            more = [e for e in plan(replace(setup, devices=devices)) if e.fits]
+            if more:
+                hints.append(f"{devices} GPUs ({more[0].name})")
+                break
+    for side in (1024, 768, 512):
+        if side * side < setup.width * setup.height:
+            smaller = [e for e in plan(replace(setup, width=side, height=side)) if e.fits]
+            if smaller:
+                hints.append(f"{side}x{side} images ({smaller[0].name})")
+                break
+    return (
+        f"no layout of {setup.devices} device(s) fits {setup.width}x{setup.height} x{setup.batch} in "
+        f"{capacity(setup.memory_gb)} GB per device: the smallest, {smallest.name}, needs {gb(smallest.per_gpu)} GB "
+        f"per {setup.device_word} ({gb(smallest.weights)} weights + {gb(smallest.activations)} activations) and "
+        f"{gb(setup.usable_bytes)} GB are usable ({setup.margin:.0%} kept free); use " + " or ".join(hints)
+    )

@@ -1,0 +1,39 @@
+"""The planner's report: the Markdown table of `python -m rocm_parallel plan` and memory as people say it."""
+
+from __future__ import annotations
+
+from ..text import GB, markdown_table
+from .cost import Estimate, count_by_kind
+from .setup import Setup
+
+
+def gb(n: float) -> str:
+    return f"{n / GB:.1f}"
+
+
+def capacity(gb: float) -> str:
+    """A device's memory as people say it: 16, 192, 12.6 (measured sizes are not round)."""
+    if gb == round(gb) or gb >= 100:
+        return f"{gb:.0f}"
+    return f"{gb:.1f}"
+
+
+def _row(e: Estimate) -> list[str]:
+    gb_cells = (e.weights, e.activations, e.buffers, e.per_gpu)
+    counts = ", ".join(f"{n} {kind}" for kind, n in count_by_kind(e.collectives).items()) or "-"
+    return [e.name, *(f"{b / GB:.2f}" for b in gb_cells), "yes" if e.fits else "no", counts,
+            f"{e.sent_per_gpu / GB:.2f}", f"{e.compute_s:.2f}", f"{e.comm_s:.3f}", f"{e.step_s:.2f}"]  # fmt: skip
+
+
+def format_table(setup: Setup, estimates: list[Estimate]) -> str:
+    head = (
+        f"FLUX ({setup.dims.heads} heads x {setup.dims.head_dim}, {setup.dims.double_blocks}+"
+        f"{setup.dims.single_blocks} blocks), {setup.dtype}, {setup.width}x{setup.height} x{setup.batch} "
+        f"({setup.tokens} tokens), {setup.devices} device(s) x {capacity(setup.memory_gb)} GB, "
+        f"{setup.link.describe()}, {setup.tflops:g} TFLOPS per device"
+    )
+    header = ["layout", "weights (GB)", "activations (GB)", "of which buffers (GB)", "per GPU (GB)", "fits",
+              "collectives / step", "sent per GPU (GB)", "compute (s)", "comm (s)", "step (s)"]  # fmt: skip
+    rows = [_row(e) for e in estimates]
+    align = ["---", *["---:"] * 4, "---", "---", *["---:"] * 4]
+    return head + "\n\n" + markdown_table(header, rows, align)

@@ -1,0 +1,85 @@
+"""The planner's inputs: one generation job on one machine (`Setup`) and the link between devices (`Link`).
+
+All sizes are bytes; "GB" in text is 1e9 bytes (see backend/text.py for the units everything prints).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import COMPUTE_DTYPE_BYTES, ConfigError, FluxDims
+from ..text import GB
+
+MARGIN = 0.10  # of device memory kept free: allocator fragmentation, RCCL/NCCL buffers, runtime context
+
+
+@dataclass(frozen=True)
+class Link:
+    """The link between devices as the cost model sees it: per-GPU bus bandwidth and per-collective latency.
+
+    Bus bandwidth as nccl-tests defines it: an all-reduce of P bytes on N devices moves 2(N-1)/N x P per
+    device, so time = latency + that / bandwidth.
+    """
+
+    gbps: float  # GB/s per device
+    latency_us: float = 30.0
+    measured: bool = False
+    name: str = "link"
+
+    def describe(self) -> str:
+        return f"{self.name} {self.gbps:.0f} GB/s {'measured' if self.measured else 'assumed'}"
+
+
+PCIE4 = Link(24.0, 30.0, name="PCIe 4.0 x16")
+XGMI = Link(300.0, 10.0, name="xGMI / NVLink")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One generation job on one machine: what the planner needs to price a layout."""
+
+    dims: FluxDims
+    width: int = 1024
+    height: int = 1024
+    batch: int = 1
+    text_tokens: int = 256  # ComfyUI pads T5 to 256 tokens; longer prompts use more (diffusers: 512)
+    dtype: str = "bfloat16"
+    devices: int = 1
+    memory_gb: float = 24.0  # per device
+    link: Link = PCIE4
+    tflops: float = 100.0  # sustained dense bf16 throughput of one device
+    margin: float = MARGIN
+    device_word: str = "GPU"  # how explanations name one device ("CPU worker" for CPU groups)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in COMPUTE_DTYPE_BYTES:
+            raise ConfigError(f"dtype={self.dtype!r} is not supported; use {', '.join(COMPUTE_DTYPE_BYTES)}")
+        if self.width % 16 or self.height % 16 or self.width < 16 or self.height < 16:
+            raise ConfigError(
+                f"image size {self.width}x{self.height} is not a multiple of 16 pixels; use e.g. 1024x1024"
+            )
+        for name in ("batch", "devices", "text_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be a positive integer")
+        if self.memory_gb <= 0 or self.link.gbps <= 0 or self.tflops <= 0:
+            raise ConfigError(
+                f"memory_gb={self.memory_gb}, link {self.link.gbps} GB/s and tflops={self.tflops} "
+                "must all be positive"
+            )
+
+    @property
+    def bytes(self) -> int:
+        return COMPUTE_DTYPE_BYTES[self.dtype]
+
+    @property
+    def image_tokens(self) -> int:
+        return (self.width // 16) * (self.height // 16)
+
+    @property
+    def tokens(self) -> int:
+        return self.image_tokens + self.text_tokens
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.memory_gb * GB * (1 - self.margin)

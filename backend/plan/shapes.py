@@ -1,0 +1,79 @@
+"""Model shapes and bytes: diffusers' parameter shapes from the dims, sharded with the engine's own plan."""
+
+from __future__ import annotations
+
+import math
+
+from ..config import FluxDims, ParallelLayout
+
+TIMESTEP_CHANNELS = 256  # diffusers' Timesteps(num_channels=256) in FLUX's time/guidance embedders
+
+
+def flux_parameter_shapes(dims: FluxDims) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every parameter of diffusers' FluxTransformer2DModel with these dims.
+
+    Written out instead of building the model so the client can plan without diffusers; the test checks
+    it equals the state dict of a meta model, name for name.
+    """
+    d, m, hd = dims.hidden, dims.mlp, dims.head_dim
+    ff = 4 * d  # diffusers' FeedForward(mult=4) in the double blocks, whatever mlp_ratio says
+    shapes: dict[str, tuple[int, ...]] = {}
+
+    def linear(name: str, fan_in: int, fan_out: int) -> None:
+        shapes[f"{name}.weight"] = (fan_out, fan_in)
+        shapes[f"{name}.bias"] = (fan_out,)
+
+    embedders = ["timestep_embedder"] + (["guidance_embedder"] if dims.guidance else [])
+    for emb in embedders:
+        linear(f"time_text_embed.{emb}.linear_1", TIMESTEP_CHANNELS, d)
+        linear(f"time_text_embed.{emb}.linear_2", d, d)
+    linear("time_text_embed.text_embedder.linear_1", dims.pooled_dim, d)
+    linear("time_text_embed.text_embedder.linear_2", d, d)
+    linear("context_embedder", dims.text_dim, d)
+    linear("x_embedder", dims.in_channels, d)
+    for i in range(dims.double_blocks):
+        p = f"transformer_blocks.{i}"
+        linear(f"{p}.norm1.linear", d, 6 * d)
+        linear(f"{p}.norm1_context.linear", d, 6 * d)
+        for norm in ("norm_q", "norm_k"):
+            shapes[f"{p}.attn.{norm}.weight"] = (hd,)
+        for proj in ("to_q", "to_k", "to_v"):
+            linear(f"{p}.attn.{proj}", d, d)
+        linear(f"{p}.attn.to_out.0", d, d)
+        for norm in ("norm_added_q", "norm_added_k"):
+            shapes[f"{p}.attn.{norm}.weight"] = (hd,)
+        for proj in ("add_q_proj", "add_k_proj", "add_v_proj"):
+            linear(f"{p}.attn.{proj}", d, d)
+        linear(f"{p}.attn.to_add_out", d, d)
+        for stream in ("ff", "ff_context"):
+            linear(f"{p}.{stream}.net.0.proj", d, ff)
+            linear(f"{p}.{stream}.net.2", ff, d)
+    for i in range(dims.single_blocks):
+        p = f"single_transformer_blocks.{i}"
+        linear(f"{p}.norm.linear", d, 3 * d)
+        linear(f"{p}.proj_mlp", d, m)
+        linear(f"{p}.proj_out", d + m, d)
+        for norm in ("norm_q", "norm_k"):
+            shapes[f"{p}.attn.{norm}.weight"] = (hd,)
+        for proj in ("to_q", "to_k", "to_v"):
+            linear(f"{p}.attn.{proj}", d, d)
+    linear("norm_out.linear", d, 2 * d)
+    linear("proj_out", d, dims.in_channels)
+    return shapes
+
+
+def weight_bytes(dims: FluxDims, layout: ParallelLayout, dtype_bytes: int, rank: int = 0) -> int:
+    """Parameter bytes one rank holds in `layout`: a TP shard, or the full model under context parallelism."""
+    from ..parallel.tensor import FLUX_TP_PLAN, _pattern, shard_pieces
+
+    shapes = flux_parameter_shapes(dims)
+    if layout.tp == 1:
+        return dtype_bytes * sum(math.prod(s) for s in shapes.values())
+    patterns = [(_pattern(k), split) for k, split in FLUX_TP_PLAN.items()]
+    total = 0
+    for name, shape in shapes.items():
+        module, _, param = name.rpartition(".")
+        split = next((s for rx, s in patterns if rx.match(module)), None)
+        pieces = None if split is None else shard_pieces(split, param, shape, rank, layout.tp, dims)
+        total += math.prod(shape if pieces is None else pieces.shape(shape))
+    return dtype_bytes * total
