@@ -179,6 +179,7 @@ class ParallelFlux:
         setup = Setup(
             dims, width, height, batch, dtype=compute, devices=len(self.devices),
             memory_gb=m["memory_bytes"] / 1e9, link=link, tflops=m["tflops"],
+            device_word="CPU worker" if cpu else "GPU",
         )  # fmt: skip
         self.auto_choice = choose(setup, allow=(lambda lay: lay.tp == 1) if context_only else None)
         return self.auto_choice

@@ -28,6 +28,8 @@ def _divisors(n: int) -> list[int]:
 def _one_of(values: list[int]) -> str:
     """'2, 3 or 4' — the human list of allowed values."""
     words = [str(v) for v in values]
+    if not words:
+        return "1 (no degree above 1 divides it)"
     if len(words) == 1:
         return words[0]
     return ", ".join(words[:-1]) + " or " + words[-1]

@@ -36,20 +36,50 @@ export function panelLines(state, now = Date.now()) {
     lines.push(line);
   }
   if (state.last) lines.push(`last job: ${state.last}`);
-  if (state.error) lines.push(`last error: ${state.error}`.slice(0, 90));
+  if (state.error) {
+    // Wrapped when drawn; only a very long message is cut, and then visibly.
+    const line = `last error: ${state.error}`;
+    lines.push(line.length > 240 ? line.slice(0, 239) + "…" : line);
+  }
   return lines;
 }
 
-// Lines drawn under a node, outside its widgets, so they never change the node's saved layout.
+// A line split at spaces (or anywhere, for one long word) so that it fits `width` pixels.
+function wrap(ctx, text, width) {
+  const out = [];
+  let line = null; // leading spaces (indentation) are kept
+  for (const word of text.split(" ")) {
+    const next = line === null ? word : line + " " + word;
+    if (line === null || ctx.measureText(next).width <= width) {
+      line = next;
+    } else {
+      out.push(line);
+      line = word;
+    }
+    while (ctx.measureText(line).width > width && line.length > 1) {
+      let cut = line.length - 1;
+      while (cut > 1 && ctx.measureText(line.slice(0, cut)).width > width) cut--;
+      out.push(line.slice(0, cut));
+      line = line.slice(cut);
+    }
+  }
+  out.push(line ?? "");
+  return out;
+}
+
+// Lines drawn under a node, outside its widgets, so they never change the node's saved layout; long
+// lines wrap at the node's width instead of running over the nodes beside it.
 function drawLines(node, ctx, lines, color) {
   const top = node.size[1] + 8;
   ctx.save();
-  ctx.fillStyle = "rgba(20, 24, 32, 0.85)";
-  ctx.fillRect(0, top, node.size[0], lines.length * LINE + 8);
   ctx.font = "12px monospace";
+  const rows = lines.flatMap((text) => wrap(ctx, text, node.size[0] - 12));
+  ctx.fillStyle = "rgba(20, 24, 32, 0.85)";
+  ctx.fillRect(0, top, node.size[0], rows.length * LINE + 8);
   ctx.fillStyle = color;
-  lines.forEach((text, i) => ctx.fillText(text, 6, top + 4 + (i + 1) * LINE - 3));
+  rows.forEach((text, i) => ctx.fillText(text, 6, top + 4 + (i + 1) * LINE - 3));
   ctx.restore();
+  node.rocmParallelRows = rows.length; // read by the browser test (the panel's drawn height)
 }
 
 function loaders() {

@@ -44,3 +44,13 @@ def test_layout_device_count() -> None:
         "the layout tp=4 x ring=1 x ulysses=1 needs 4 devices but 2 were given; "
         "make the product equal the device count"
     )
+
+
+def test_a_model_with_one_head_says_no_degree_fits() -> None:
+    one_head = FluxDims(heads=1, head_dim=128, double_blocks=1, single_blocks=1, guidance=False)
+    with pytest.raises(ConfigError) as err:
+        validate_tp_degree(2, one_head)
+    assert (
+        str(err.value)
+        == "tp_degree=2 does not divide 1 attention heads; use 1 (no degree above 1 divides it)"
+    )

@@ -382,6 +382,7 @@ def test_loader_auto_preload_explains_its_choice(
     }
     assert state["layout"] in names
     assert state["auto"].startswith(f"auto: {names[state['layout']]} — fits ")
+    assert " GB per CPU worker; predicted " in state["auto"] and "GPU" not in state["auto"]
     text = NODE_CLASS_MAPPINGS["RocmParallelStatus"]().status(action="report")["result"][0]
     assert state["auto"] in text
 

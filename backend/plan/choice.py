@@ -33,7 +33,7 @@ def choose(setup: Setup, allow: Callable[[ParallelLayout], bool] | None = None) 
     others = [e for e in estimates[1:] if e.fits]
     versus = f" vs {others[0].name} {others[0].step_s:.2f} s" if others else ""
     explanation = (
-        f"auto: {best.name} — fits {gb(best.per_gpu)} of {capacity(setup.memory_gb)} GB per GPU; "
+        f"auto: {best.name} — fits {gb(best.per_gpu)} of {capacity(setup.memory_gb)} GB per {setup.device_word}; "
         f"predicted {best.step_s:.2f} s/step{versus} ({setup.link.describe()})"
     )
     return Choice(best.layout, explanation, estimates)
@@ -58,6 +58,6 @@ def _nothing_fits(setup: Setup, estimates: list[Estimate]) -> str:
     return (
         f"no layout of {setup.devices} device(s) fits {setup.width}x{setup.height} x{setup.batch} in "
         f"{capacity(setup.memory_gb)} GB per device: the smallest, {smallest.name}, needs {gb(smallest.per_gpu)} GB "
-        f"per GPU ({gb(smallest.weights)} weights + {gb(smallest.activations)} activations) and "
+        f"per {setup.device_word} ({gb(smallest.weights)} weights + {gb(smallest.activations)} activations) and "
         f"{gb(setup.usable_bytes)} GB are usable ({setup.margin:.0%} kept free); use " + " or ".join(hints)
     )

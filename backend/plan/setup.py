@@ -49,6 +49,7 @@ class Setup:
     link: Link = PCIE4
     tflops: float = 100.0  # sustained dense bf16 throughput of one device
     margin: float = MARGIN
+    device_word: str = "GPU"  # how explanations name one device ("CPU worker" for CPU groups)
 
     def __post_init__(self) -> None:
         if self.dtype not in COMPUTE_DTYPE_BYTES:

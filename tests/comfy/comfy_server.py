@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import torch
 from safetensors.torch import save_file
 from test_sampling import flux_model
 
@@ -185,23 +187,18 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def sampling_prompt(steps: int = 4, prefix: str = "rp") -> dict[str, Any]:
-    """Reference case dev_4steps through both samplers, each saved with SaveLatent."""
-    shared = {"seed": 42, "steps": steps, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0}
+def sampling_prompt(
+    steps: int = 4, prefix: str = "rp", seed: int = 42, samplers: tuple[str, ...] = ("tp", "ring")
+) -> dict[str, Any]:
+    """Reference case dev_4steps (seed 42) through the samplers named ('tp', 'ring'), each saved with
+    SaveLatent. Another seed makes ComfyUI run the samplers again instead of using its cache."""
+    shared = {"seed": seed, "steps": steps, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0}
     links = {"parallel_flux": ["4", 0], "positive": ["2", 0], "latent_image": ["3", 0]}
-    return {
+    prompt = {
         "1": {"class_type": "RPTestReferenceConditioning", "inputs": {"case": "dev_4steps"}},
         "2": {"class_type": "FluxGuidance", "inputs": {"conditioning": ["1", 0], "guidance": 3.5}},
         "3": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
-        "4": {
-            "class_type": "RocmParallelLoader",
-            "inputs": {
-                "checkpoint": "tiny-flux-dev.safetensors",
-                "devices": "cpu x2",
-                "dtype": "float32",
-                "preload": "tp",
-            },
-        },
+        "4": loader_node(),
         "5": {"class_type": "RocmParallelTPSampler", "inputs": {**links, **shared}},
         "6": {"class_type": "SaveLatent", "inputs": {"samples": ["5", 0], "filename_prefix": f"{prefix}/tp"}},
         "7": {
@@ -213,3 +210,44 @@ def sampling_prompt(steps: int = 4, prefix: str = "rp") -> dict[str, Any]:
             "inputs": {"samples": ["7", 0], "filename_prefix": f"{prefix}/ring"},
         },
     }
+    for name, ids in (("tp", ("5", "6")), ("ring", ("7", "8"))):
+        if name not in samplers:
+            for node_id in ids:
+                del prompt[node_id]
+    return prompt
+
+
+def loader_node(checkpoint: str = "tiny-flux-dev.safetensors", devices: str = "cpu x2") -> dict[str, Any]:
+    inputs = {"checkpoint": checkpoint, "devices": devices, "dtype": "float32", "preload": "tp"}
+    return {"class_type": "RocmParallelLoader", "inputs": inputs}
+
+
+def status_prompt(action: str = "report", loader: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The Status node alone, or run after a loader (node '1'); the Status node is '2'."""
+    status = {"class_type": "RocmParallelStatus", "inputs": {"action": action}}
+    if loader is None:
+        return {"2": status}
+    status["inputs"]["parallel_flux"] = ["1", 0]
+    return {"1": loader, "2": status}
+
+
+REJECTED = "not-a-flux.safetensors"
+
+
+@contextmanager
+def rejected_checkpoint(comfy: Comfy) -> Iterator[str]:
+    """A safetensors file in models/diffusion_models that is no FLUX checkpoint (removed afterwards)."""
+    path = comfy.base / "models" / "diffusion_models" / REJECTED
+    save_file({"weight": torch.ones(4, 4)}, str(path))
+    try:
+        yield REJECTED
+    finally:
+        path.unlink()
+
+
+_ABSOLUTE = re.compile(r"(?<![\w.])/(?:[\w.+-]+/)+")
+
+
+def absolute_paths(text: str | None) -> list[str]:
+    """Absolute folder paths in a message (the status route must never show one)."""
+    return _ABSOLUTE.findall(text or "")

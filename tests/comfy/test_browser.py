@@ -1,5 +1,7 @@
-"""The web panel in a real browser: headless Chromium opens the real ComfyUI, loads a workflow with the
-loader node, and the panel shows the worker group that just ran a prompt. A screenshot is kept.
+"""The web extension in a real browser: headless Chromium opens the real ComfyUI and reads what a user
+sees: the loader's panel after a prompt, while a checkpoint loads, after a Cancel and after a rejected
+checkpoint; the Status node's report drawn on the node after it runs; the shipped workflows in the
+editor. Screenshots are kept in the ComfyUI base directory (printed by the fixture).
 
 Chromium is driven through the DevTools protocol over a websocket (aiohttp's client, which ComfyUI
 needs anyway). Skipped without COMFYUI_PATH or a `chromium` binary (Debian: apt-get install chromium).
@@ -15,11 +17,20 @@ import subprocess
 import tempfile
 import time
 import urllib.request
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from comfy_server import PACK_ROOT, Comfy, sampling_prompt
+from comfy_server import (
+    PACK_ROOT,
+    Comfy,
+    absolute_paths,
+    loader_node,
+    rejected_checkpoint,
+    sampling_prompt,
+    status_prompt,
+)
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = [
@@ -87,50 +98,31 @@ def _devtools_url(profile: Path, proc: subprocess.Popen[bytes]) -> str:
     return pages[0]["webSocketDebuggerUrl"]
 
 
-def loader_workflow() -> dict[str, Any]:
-    """The shared TP workflow with its loader pointed at the test model and CPU workers."""
-    workflow = json.loads((PACK_ROOT / "workflows" / "flux1_dev_tp4.json").read_text())
-    loader = next(n for n in workflow["nodes"] if n["type"] == "RocmParallelLoader")
+LOADER, STATUS = "RocmParallelLoader", "RocmParallelStatus"
+READY = "!!(!window.__rpOldPage && window.app && window.app.graph && window.__rocmParallel)"
+
+
+def node_js(node_type: str) -> str:
+    return f"app.graph._nodes.find(n => n.type === {json.dumps(node_type)})"
+
+
+def lines_when(node_type: str, condition: str) -> str:
+    """JS: the node's drawn lines (`l`) once `condition` holds for them, else null."""
+    return f"(() => {{ const n = {node_js(node_type)}; const l = n && n.rocmParallelLines; return l && ({condition}) ? l : null; }})()"
+
+
+def loader_workflow(name: str = "flux1_dev_tp4.json") -> dict[str, Any]:
+    """A shared workflow with its loader pointed at the test model and CPU workers."""
+    workflow = json.loads((PACK_ROOT / "workflows" / name).read_text())
+    loader = next(n for n in workflow["nodes"] if n["type"] == LOADER)
     loader["widgets_values"][:2] = ["tiny-flux-dev.safetensors", "cpu x2"]
     return workflow
 
 
-async def _panel(url: str, server: str, screenshot: Path) -> list[str]:
-    import aiohttp
-
-    async with aiohttp.ClientSession() as session, session.ws_connect(url, max_msg_size=0) as ws:
-        tools = DevTools(ws)
-        await tools.send("Page.enable")
-        await tools.send("Page.navigate", url=f"http://{server}/")
-        await tools.wait_for("!!(window.app && window.app.graph && window.__rocmParallel)", timeout=240)
-        await tools.evaluate(f"app.loadGraphData({json.dumps(loader_workflow())})")
-        # Close whatever dialog the frontend opened (e.g. missing text encoders), then show the loader.
-        await tools.evaluate(
-            "document.querySelectorAll('.p-dialog-close-button').forEach(b => b.click());"
-            "(() => { const n = app.graph._nodes.find(n => n.type === 'RocmParallelLoader');"
-            " app.canvas.ds.scale = 1.3; app.canvas.ds.offset = [40 - n.pos[0], 60 - n.pos[1]];"
-            " app.graph.setDirtyCanvas(true, true); })()"
-        )
-        lines = await tools.wait_for(
-            "(() => { const n = app.graph._nodes.find(n => n.type === 'RocmParallelLoader');"
-            " const l = n && n.rocmParallelLines;"
-            " return l && l[0].startsWith('2 workers') ? l : null; })()",
-            timeout=60,
-        )
-        await asyncio.sleep(1.0)
-        shot = await tools.send("Page.captureScreenshot", format="png")
-        screenshot.write_bytes(base64.b64decode(shot["data"]))
-        return lines
-
-
-def test_panel_shows_the_worker_group(comfy: Comfy) -> None:
-    reply = comfy.post("/prompt", {"prompt": sampling_prompt(prefix="browser"), "client_id": "rp-test"})
-    assert comfy.wait_done(reply["prompt_id"])["status"]["status_str"] == "success"
-
-    # A fresh user: skip the first-run template browser that would cover the canvas.
-    comfy.post("/settings/Comfy.TutorialCompleted", True)
-    shots = comfy.base / "screenshots"
-    shots.mkdir(exist_ok=True)
+@pytest.fixture(scope="module")
+def browser(comfy: Comfy) -> Iterator[str]:
+    """One headless Chromium for the module; yields its page's DevTools websocket URL."""
+    comfy.post("/settings/Comfy.TutorialCompleted", True)  # no first-run template browser over the canvas
     profile = Path(tempfile.mkdtemp(prefix="rp-chromium-"))
     proc = subprocess.Popen(
         [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
@@ -138,7 +130,7 @@ def test_panel_shows_the_worker_group(comfy: Comfy) -> None:
         stderr=subprocess.DEVNULL,
     )
     try:
-        lines = asyncio.run(_panel(_devtools_url(profile, proc), comfy.server, shots / "loader_panel.png"))
+        yield _devtools_url(profile, proc)
     finally:
         proc.terminate()
         try:
@@ -147,12 +139,209 @@ def test_panel_shows_the_worker_group(comfy: Comfy) -> None:
             proc.kill()
             proc.wait()
         shutil.rmtree(profile, ignore_errors=True)
-    print(f"\nscreenshot: {shots / 'loader_panel.png'}")
+
+
+def in_page(url: str, comfy: Comfy, scenario: Callable[[DevTools], Awaitable[Any]]) -> Any:
+    """Open ComfyUI afresh in the page and run `scenario` there."""
+    import aiohttp
+
+    async def run() -> Any:
+        async with aiohttp.ClientSession() as session, session.ws_connect(url, max_msg_size=0) as ws:
+            tools = DevTools(ws)
+            await tools.send("Page.enable")
+            await tools.evaluate("window.__rpOldPage = true")
+            await tools.send("Page.navigate", url=f"http://{comfy.server}/")
+            await tools.wait_for(READY, timeout=240)
+            return await scenario(tools)
+
+    return asyncio.run(run())
+
+
+async def close_dialogs(tools: DevTools) -> None:
+    """Close whatever dialog the frontend opened (e.g. missing text encoders)."""
+    await asyncio.sleep(1.0)
+    await tools.evaluate("document.querySelectorAll('.p-dialog-close-button').forEach(b => b.click())")
+
+
+async def show(tools: DevTools, node_type: str, scale: float = 1.3) -> None:
+    await tools.evaluate(
+        f"(() => {{ const n = {node_js(node_type)}; app.canvas.ds.scale = {scale};"
+        f" app.canvas.ds.offset = [40 / {scale} - n.pos[0], 80 / {scale} - n.pos[1]];"
+        " app.graph.setDirtyCanvas(true, true); })()"
+    )
+
+
+async def screenshot(tools: DevTools, comfy: Comfy, name: str) -> Path:
+    await asyncio.sleep(1.0)  # a frame or two
+    shots = comfy.base / "screenshots"
+    shots.mkdir(exist_ok=True)
+    shot = await tools.send("Page.captureScreenshot", format="png")
+    path = shots / name
+    path.write_bytes(base64.b64decode(shot["data"]))
+    print(f"\nscreenshot: {path}")
+    assert path.stat().st_size > 10_000
+    return path
+
+
+def test_panel_shows_the_worker_group(comfy: Comfy, browser: str) -> None:
+    # The Ring Attention Sampler with degrees 0/0 runs last: the planner chose, and the panel says why.
+    prompt = sampling_prompt(prefix="browser", seed=4242, samplers=("ring",))
+    assert comfy.wait_done(comfy.post("/prompt", {"prompt": prompt})["prompt_id"])["status"][
+        "status_str"
+    ] == ("success")
+
+    async def scenario(tools: DevTools) -> list[str]:
+        await tools.evaluate(f"app.loadGraphData({json.dumps(loader_workflow())})")
+        await close_dialogs(tools)
+        await show(tools, LOADER)
+        lines = await tools.wait_for(lines_when(LOADER, "l[0].startsWith('2 workers')"), timeout=60)
+        await screenshot(tools, comfy, "loader_panel.png")
+        return lines
+
+    lines = in_page(browser, comfy, scenario)
     assert lines[0] == "2 workers: cpu, cpu (idle)"
     assert lines[1] == "model: tiny-flux-dev.safetensors"
-    assert lines[2] in ("layout: tensor parallel tp=2", "layout: context parallel ring=2 x ulysses=1")
-    # the prompt's Ring Attention Sampler has degrees 0/0: the planner chose, and the panel says why
+    assert lines[2].startswith("layout: context parallel ")
     assert lines[3].startswith("auto: ") and " — fits " in lines[3]
     assert lines[4].startswith("predicted ") and "measured" in lines[4]
-    assert [line.split(":")[0] for line in lines[5:7]] == ["rank 0 cpu", "rank 1 cpu"]
-    assert (shots / "loader_panel.png").stat().st_size > 10_000
+    assert [line.split(":")[0] for line in lines[5:]] == ["rank 0 cpu", "rank 1 cpu"]
+
+
+def test_loading_line_then_the_status_node_draws_its_report(comfy: Comfy, browser: str) -> None:
+    """Run from the editor (Queue): a loader on fresh workers, then the Status node after it."""
+    close = comfy.post("/prompt", {"prompt": status_prompt("close")})["prompt_id"]
+    assert comfy.wait_done(close)["status"]["status_str"] == "success"
+    assert comfy.get("/rocm_parallel/status")["phase"] == "stopped"
+    before = set(comfy.get("/history"))
+
+    async def scenario(tools: DevTools) -> tuple[list[str], list[str], list[str], int]:
+        await close_dialogs(tools)
+        stopped = await tools.evaluate(
+            "(async () => { app.graph.clear();"
+            f" const l = LiteGraph.createNode('{LOADER}'); l.pos = [60, 80]; app.graph.add(l);"
+            f" const s = LiteGraph.createNode('{STATUS}'); s.pos = [520, 80]; app.graph.add(s);"
+            " l.connect(0, s, 0);"
+            " const set = (k, v) => { l.widgets.find(w => w.name === k).value = v; };"
+            # another spelling of 'cpu x2': ComfyUI runs the loader again instead of using its cache
+            " set('checkpoint', 'tiny-flux-dev.safetensors'); set('devices', 'cpu, cpu'); set('preload', 'tp');"
+            " app.graph.setDirtyCanvas(true, true); await new Promise(r => setTimeout(r, 1500));"
+            " const lines = l.rocmParallelLines; await app.queuePrompt(0, 1); return lines; })()"
+        )
+        await show(tools, LOADER, scale=1.2)
+        loading = await tools.wait_for(lines_when(LOADER, "l.some(x => x.startsWith('loading: '))"), 300)
+        await screenshot(tools, comfy, "loader_loading.png")
+        status = await tools.wait_for(lines_when(STATUS, "true"), timeout=600)
+        await screenshot(tools, comfy, "status_node.png")
+        rows = await tools.evaluate(f"{node_js(STATUS)}.rocmParallelRows")
+        return stopped, loading, status, rows
+
+    stopped, loading, status, rows = in_page(browser, comfy, scenario)
+    assert stopped == ["ROCm Parallel: workers not started"]
+    # While the workers start and load, the file being loaded is named as such, never as the model.
+    assert loading[0].startswith("2 workers: cpu, cpu (")
+    assert loading[1] == "model: none loaded"
+    assert "loading: tiny-flux-dev.safetensors" in loading
+    # The Status node draws exactly its ui text, the text /history holds for that run.
+    (prompt_id,) = set(comfy.get("/history")) - before
+    entry = comfy.get(f"/history/{prompt_id}")[prompt_id]
+    assert entry["status"]["status_str"] == "success"
+    text = entry["outputs"]["2"]["text"][0]
+    assert status == text.split("\n")
+    assert status[0] == "ROCm Parallel: 2 workers on cpu, cpu (idle)"
+    assert status[1] == "model: tiny-flux-dev.safetensors, tensor parallel tp=2"
+    assert [line.split(":")[0] for line in status[2:]] == ["  rank 0 cpu", "  rank 1 cpu"]
+    assert rows > len(status)  # the long model line wraps at the node's width
+
+
+def test_panel_after_a_cancel_and_a_rejected_checkpoint(comfy: Comfy, browser: str) -> None:
+    async def scenario(tools: DevTools) -> tuple[list[str], list[str], dict[str, Any]]:
+        await tools.evaluate(f"app.loadGraphData({json.dumps(loader_workflow())})")
+        await close_dialogs(tools)
+        await show(tools, LOADER)
+        # Cancel a long run the way ComfyUI's Cancel button does (/interrupt) after a few steps.
+        prompt = sampling_prompt(steps=5000, prefix="browser_cancelled", seed=77, samplers=("ring",))
+        prompt_id = comfy.post("/prompt", {"prompt": prompt})["prompt_id"]
+        await tools.wait_for(lines_when(LOADER, r"/\(sampling ([3-9]|\d\d+)\/5000\)/.test(l[0])"), 300)
+        comfy.post("/interrupt", {"prompt_id": prompt_id})
+        assert comfy.wait_done(prompt_id, timeout=120)["status"]["status_str"] == "error"
+        cancelled = await tools.wait_for(lines_when(LOADER, "l.some(x => x.startsWith('last job: '))"), 60)
+        await screenshot(tools, comfy, "loader_cancelled.png")
+        # A file that is no FLUX checkpoint: rejected before any worker sees it.
+        with rejected_checkpoint(comfy) as name:
+            rejected = comfy.post("/prompt", {"prompt": status_prompt("report", loader_node(name))})
+            assert comfy.wait_done(rejected["prompt_id"])["status"]["status_str"] == "error"
+            state = comfy.get("/rocm_parallel/status")
+            failed = await tools.wait_for(lines_when(LOADER, "l.some(x => x.startsWith('last error: '))"), 60)
+            await screenshot(tools, comfy, "loader_rejected.png")
+        return cancelled, failed, state
+
+    cancelled, failed, state = in_page(browser, comfy, scenario)
+    assert cancelled[0] == "2 workers: cpu, cpu (idle)"
+    assert cancelled[-1] == "last job: sampling cancelled by the user"
+    assert not [line for line in cancelled if line.startswith("last error")]
+    assert failed[0] == "2 workers: cpu, cpu (idle)"
+    assert failed[1] == "model: tiny-flux-dev.safetensors"  # what the workers hold, not the rejected file
+    assert not [line for line in failed if "not-a-flux" in line and not line.startswith("last error: ")]
+    assert failed[-1].startswith("last error: ") and "not-a-flux.safetensors" in failed[-1]
+    assert state["checkpoint"] == "tiny-flux-dev.safetensors" and state["last"] is None
+    assert absolute_paths(state["error"]) == [] and str(comfy.base) not in state["error"]
+
+
+def _overlaps(a: list[float], b: list[float]) -> bool:
+    return a[0] < b[0] + b[2] and b[0] < a[0] + a[2] and a[1] < b[1] + b[3] and b[1] < a[1] + a[3]
+
+
+def test_shipped_workflows_load_without_overlapping_nodes(comfy: Comfy, browser: str) -> None:
+    names = sorted(p.name for p in (PACK_ROOT / "workflows").glob("*.json"))
+
+    async def scenario(tools: DevTools) -> dict[str, Any]:
+        seen = {}
+        for name in names:
+            await tools.evaluate(f"app.loadGraphData({json.dumps(loader_workflow(name))})")
+            await close_dialogs(tools)
+            await asyncio.sleep(1.0)  # drawn at least once: the loader's panel has its rows
+            seen[name] = await tools.evaluate(
+                "app.graph._nodes.map(n => ({id: n.id, type: n.type, box: Array.from(n.getBounding()),"
+                " pos: Array.from(n.pos), size: Array.from(n.size), rows: n.rocmParallelRows || 0}))"
+            )
+            if name == "flux1_dev_tp4.json":  # the whole graph on a wide screen, titles readable
+                await tools.send(
+                    "Emulation.setDeviceMetricsOverride",
+                    width=2200,
+                    height=1000,
+                    deviceScaleFactor=1,
+                    mobile=False,
+                )
+                await asyncio.sleep(1.0)
+                await tools.evaluate(
+                    "(() => { const b = app.graph._nodes.map(n => n.getBounding());"
+                    " const x0 = Math.min(...b.map(r => r[0])), y0 = Math.min(...b.map(r => r[1]));"
+                    " const x1 = Math.max(...b.map(r => r[0] + r[2])), y1 = Math.max(...b.map(r => r[1] + r[3]));"
+                    " const s = Math.min(2100 / (x1 - x0 + 80), 800 / (y1 - y0 + 200));"
+                    " app.canvas.ds.scale = s; app.canvas.ds.offset = [60 / s - x0, 100 / s - y0];"
+                    " app.graph.setDirtyCanvas(true, true); })()"
+                )
+                await screenshot(tools, comfy, "workflow_flux1_dev_tp4.png")
+                await tools.send("Emulation.clearDeviceMetricsOverride")
+        return seen
+
+    seen = in_page(browser, comfy, scenario)
+    for name, nodes in seen.items():
+        saved = json.loads((PACK_ROOT / "workflows" / name).read_text())["nodes"]
+        assert sorted((n["id"], n["type"]) for n in nodes) == sorted((n["id"], n["type"]) for n in saved), (
+            name
+        )
+        for i, a in enumerate(nodes):
+            for b in nodes[i + 1 :]:
+                assert not _overlaps(a["box"], b["box"]), (name, a["type"], b["type"])
+        # The loader's panel, drawn under it, covers no other node either.
+        loader = next(n for n in nodes if n["type"] == LOADER)
+        assert loader["rows"] >= 2, name
+        panel = [
+            loader["pos"][0],
+            loader["pos"][1] + loader["size"][1] + 8,
+            loader["size"][0],
+            loader["rows"] * 15 + 8,
+        ]
+        for other in nodes:
+            assert other is loader or not _overlaps(panel, other["box"]), (name, other["type"])

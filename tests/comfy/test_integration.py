@@ -17,7 +17,16 @@ from pathlib import Path
 
 import psutil
 import pytest
-from comfy_server import PACK_DIR_NAME, PACK_ROOT, Comfy, sampling_prompt
+from comfy_server import (
+    PACK_DIR_NAME,
+    PACK_ROOT,
+    Comfy,
+    absolute_paths,
+    loader_node,
+    rejected_checkpoint,
+    sampling_prompt,
+    status_prompt,
+)
 from safetensors.torch import load_file
 from test_sampling import reference
 from workflow_check import check_api, check_ui, core_object_info, input_kind
@@ -122,9 +131,35 @@ def test_interrupt_cancels_the_job_and_the_workers_stay(comfy: Comfy) -> None:
     assert [m[0] for m in entry["status"]["messages"]][-1] == "execution_interrupted"
     state = comfy.get("/rocm_parallel/status")
     assert state["phase"] == "idle" and state["step"] < 5000
-    assert "InterruptProcessingException" in state["error"]
+    # A Cancel is the user's choice, not a failure: the panel says so and shows no error.
+    assert state["last"] == "sampling cancelled by the user" and state["error"] is None
     assert not list((comfy.base / "output").glob("cancelled*"))
     # The same workers run the next job.
     reply = comfy.post("/prompt", {"prompt": sampling_prompt(prefix="after_cancel"), "client_id": "rp-test"})
     assert comfy.wait_done(reply["prompt_id"])["status"]["status_str"] == "success"
     assert sorted(c.pid for c in psutil.Process(comfy.proc.pid).children(recursive=True)) == pids_before
+
+
+def test_a_rejected_checkpoint_is_never_named_as_the_model_nor_its_path_shown(comfy: Comfy) -> None:
+    """The status route is readable by anyone who reaches ComfyUI's port: no absolute paths in `error`."""
+    first = comfy.post("/prompt", {"prompt": status_prompt("report", loader_node(devices="cpu*2"))})
+    assert comfy.wait_done(first["prompt_id"])["status"]["status_str"] == "success"
+    resident = comfy.get("/rocm_parallel/status")
+    assert resident["checkpoint"] == "tiny-flux-dev.safetensors" and resident["error"] is None
+    with rejected_checkpoint(comfy) as name:
+        reply = comfy.post("/prompt", {"prompt": status_prompt("report", loader_node(name, devices="cpu*2"))})
+        entry = comfy.wait_done(reply["prompt_id"])
+    assert entry["status"]["status_str"] == "error"
+    failed = next(m for m in entry["status"]["messages"] if m[0] == "execution_error")[1]
+    assert failed["node_type"] == "RocmParallelLoader"
+    state = comfy.get("/rocm_parallel/status")
+    assert state["phase"] == "idle" and state["loading"] is None
+    # The workers still hold the earlier checkpoint, and the panel names that one.
+    assert (state["checkpoint"], state["layout"]) == (resident["checkpoint"], resident["layout"])
+    assert name in state["error"], state["error"]
+    assert absolute_paths(state["error"]) == [] and str(comfy.base) not in state["error"], state["error"]
+    # The Status node's text says the same.
+    after = comfy.post("/prompt", {"prompt": status_prompt("report")})
+    text = comfy.wait_done(after["prompt_id"])["outputs"]["2"]["text"][0]
+    assert text.split("\n")[1].startswith("model: tiny-flux-dev.safetensors, ")
+    assert f"last error: {state['error']}" in text.split("\n")
