@@ -25,12 +25,13 @@ from .config import ConfigError, FluxDims, ParallelLayout
 from .flux.load import CheckpointInfo, inspect_checkpoint, resolve_dtype
 from .flux.sampling import SamplingPlan, plan_sampling
 from .plan import Choice, Link, Setup, choose
+from .platforms import parse_devices
 
 
 def default_devices() -> list[str]:
-    """All visible GPUs (ROCm GPUs are 'cuda' devices in torch), else two CPU workers."""
-    gpus = torch.cuda.device_count()
-    return [f"cuda:{i}" for i in range(gpus)] if gpus else ["cpu", "cpu"]
+    """All visible GPUs (ROCm GPUs are 'cuda' devices in torch); an error naming the torch build when
+    there is none (CPU workers are for testing: ask for them, e.g. ParallelFlux(["cpu", "cpu"]))."""
+    return list(parse_devices("all"))
 
 
 def make_layout(
@@ -86,11 +87,14 @@ class ParallelFlux:
         threads: int | None = None,
         start_timeout: float = 300.0,
         group: WorkerGroup | None = None,
+        backend: str | None = None,
     ) -> None:
-        """`group` adopts a running WorkerGroup (tests share one); otherwise one starts on first use."""
+        """`group` adopts a running WorkerGroup (tests share one); otherwise one starts on first use.
+        `backend='gloo'` runs GPU collectives through gloo (no NCCL/RCCL; several workers on one GPU)."""
         if group is not None:
-            devices = group.devices
-        self.devices = validate_devices(devices if devices is not None else default_devices())
+            devices, backend = group.devices, group.backend
+        self.backend = backend
+        self.devices = validate_devices(devices if devices is not None else default_devices(), backend)
         self.threads, self.start_timeout = threads, start_timeout
         self._group: WorkerGroup | None = group
         self.resident: Resident | None = None
@@ -110,13 +114,18 @@ class ParallelFlux:
                 if self._group is not None:
                     self._group.close(timeout=2.0)
                 self._group = WorkerGroup(
-                    self.devices, threads=self.threads, start_timeout=self.start_timeout
+                    self.devices, threads=self.threads, start_timeout=self.start_timeout, backend=self.backend
                 )
             return self._group
 
     def start(self) -> WorkerGroup:
         """Start the workers now (otherwise the first load does)."""
         return self.group
+
+    @property
+    def warnings(self) -> list[str]:
+        """What the running group's start-up changed on its own (e.g. NCCL_P2P_DISABLE=1 after a hang)."""
+        return list(self._group.warnings) if self._group is not None else []
 
     @property
     def started(self) -> bool:

@@ -1,4 +1,4 @@
-"""Command line: `python -m rocm_parallel demo | plan | bench <name>` (bench: from a checkout only)."""
+"""Command line: `python -m rocm_parallel demo | plan | doctor | bench <name>` (bench: from a checkout only)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,11 @@ def _parser() -> argparse.ArgumentParser:
 
     demo_module.add_arguments(demo)
     _add_plan_arguments(sub.add_parser("plan", help="per-GPU memory, bytes moved and step time per layout"))
+    from . import doctor
+
+    doctor.add_arguments(
+        sub.add_parser("doctor", help="check torch, GPUs, flags and a real worker group; advise")
+    )
     bench = sub.add_parser("bench", help="run a benchmark and print its table (from a checkout)")
     benchmarks = _benchmark_names()
     if benchmarks is None:
@@ -102,6 +107,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "plan":
         return _run_plan(args)
+    if args.command == "doctor":
+        from . import doctor
+
+        return doctor.run(args)
     if args.command == "demo":
         from . import demo
 

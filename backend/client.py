@@ -30,6 +30,7 @@ from typing import Any, NoReturn, TypeVar
 import psutil
 
 from .config import ConfigError
+from .platforms import AOTRITON_FLAG, check_platform, default_cpu_threads, gpu_arch, needs_aotriton_flag
 from .transport import (
     Hello,
     Progress,
@@ -75,8 +76,11 @@ class JobTimeout(WorkerError):
 ProgressCallback = Callable[[int, int], None]
 
 
-def validate_devices(devices: Sequence[str]) -> tuple[str, ...]:
-    """Normalize and check a device list before any process starts."""
+def validate_devices(devices: Sequence[str], backend: str | None = None) -> tuple[str, ...]:
+    """Normalize and check a device list before any process starts.
+
+    A GPU may be named twice only with `backend='gloo'` (several workers on one GPU: NCCL/RCCL refuse
+    two ranks on one device; gloo does not care, which lets one GPU test the multi-rank paths)."""
     if not devices:
         raise ConfigError(
             "devices=[] is empty; give at least one device, e.g. ['cuda:0', 'cuda:1'] or ['cpu', 'cpu']"
@@ -104,8 +108,11 @@ def validate_devices(devices: Sequence[str]) -> tuple[str, ...]:
                 f"devices={list(devices)}: a GPU is named 'cuda:N' with N = 0, 1, ... (an index, not "
                 f"{next(d for d in normalized if not d.removeprefix('cuda:').isdigit())!r})"
             )
-        if len(set(indices)) != len(indices):
-            raise ConfigError(f"devices={list(devices)} names a GPU twice; each worker needs its own GPU")
+        if len(set(indices)) != len(indices) and backend != "gloo":
+            raise ConfigError(
+                f"devices={list(devices)} names a GPU twice; each worker needs its own GPU "
+                "(backend='gloo' allows several workers on one GPU, for testing)"
+            )
         missing = [i for i in indices if i >= available]
         if missing:
             raise ConfigError(
@@ -113,6 +120,7 @@ def validate_devices(devices: Sequence[str]) -> tuple[str, ...]:
                 f"use indices 0..{available - 1}"
             )
         normalized = tuple(f"cuda:{i}" for i in indices)
+    check_platform(normalized, backend)
     return normalized
 
 
@@ -160,6 +168,10 @@ DEFAULT_WATCHDOG = Watchdog()
 # the failed one cannot be freed, so the group is torn down and rebuilt on the next call.
 FAILURE_GRACE = 2.0
 WORKER_HOST_BYTES = 0.5e9  # host memory one worker process needs at least (python, torch, diffusers)
+# The start-up health check: a few bytes all-reduced and all-gathered. NCCL/RCCL set up their
+# communicators on the first collective (seconds); a broken peer-to-peer path hangs there forever.
+HEALTH_TIMEOUT = 60.0
+P2P_FLAG = "NCCL_P2P_DISABLE"
 
 
 class WorkerGroup:
@@ -181,27 +193,49 @@ class WorkerGroup:
         extra_sys_path: Sequence[str] = (),
         methods: Sequence[str] = (),
         env: dict[str, str] | None = None,
+        backend: str | None = None,
+        health_timeout: float | None = HEALTH_TIMEOUT,
+        retry_without_p2p: bool | None = None,
     ) -> None:
         """`methods` names extra modules each worker imports at start (found on `extra_sys_path` or in
-        the pack); their `@worker.handler` functions become callable methods of this group."""
-        self.devices = validate_devices(devices)
+        the pack); their `@worker.handler` functions become callable methods of this group.
+
+        `threads`: torch threads per worker; CPU workers default to the cores shared out
+        (`platforms.default_cpu_threads`). `backend`: None picks NCCL/RCCL for GPUs and gloo for CPU;
+        'gloo' runs GPU collectives through gloo and allows several workers on one GPU (tests).
+        `health_timeout`: after the workers joined, one small all-reduce and all-gather must finish in
+        this many seconds (None skips it). `retry_without_p2p`: when that check hangs or gives a wrong
+        result, start the group once more with NCCL_P2P_DISABLE=1 (None: on GPUs only) and say so in
+        `warnings`."""
+        self.devices = validate_devices(devices, backend)
+        if threads is None and self.devices[0] == "cpu":
+            threads = default_cpu_threads(len(self.devices))
         self.threads, self.start_timeout = threads, start_timeout
+        self.backend = backend
+        self.health_timeout = health_timeout
+        on_gpu = self.devices[0].startswith("cuda")
+        self.retry_without_p2p = on_gpu if retry_without_p2p is None else retry_without_p2p
         self._extra_sys_path, self._env = tuple(extra_sys_path), dict(env or {})
         self._methods = tuple(methods)
+        self._lock = threading.RLock()
+        self._job = 0
+        self.last_replies: dict[int, Reply] = {}
+        self.warnings: list[str] = []  # what start-up changed on its own (shown by the API, nodes, doctor)
+        self.health: list[dict[str, Any]] = []  # each rank's health-check figures
+        remove_stale_dirs()
+        self._start()
+
+    def _reset(self) -> None:
+        """Fresh per-launch state: processes, connections, private directories and their finalizer."""
         self._procs: list[subprocess.Popen[bytes]] = []
         self._conns: list[Connection] = []
-        self._lock = threading.RLock()
         self._closed = False
-        self._job = 0
         self.pids: list[int] = []
         self.exit_codes: list[int | None] = []
-        self.last_replies: dict[int, Reply] = {}
-        remove_stale_dirs()
         self._tmp = private_dir("ctl")  # mode 0700: only this user reaches the socket
         self._shm = private_dir("shm", tmpfs=True)
         # Runs at interpreter exit too: closing the death pipes first makes the workers leave at once.
         self._finalizer = weakref.finalize(self, _terminate, self._procs, (self._tmp, self._shm), 0.0)
-        self._start()
 
     # ---------------------------------------------------------------- start
 
@@ -221,19 +255,71 @@ class WorkerGroup:
             RP_METHODS=",".join(self._methods),
             PYTHONUNBUFFERED="1",
         )
+        if self.backend:
+            env.update(RP_BACKEND=self.backend)
         if self.threads:
             env.update(RP_THREADS=str(self.threads), OMP_NUM_THREADS=str(self.threads))
         # Every socket on loopback: gloo (CPU) and the NCCL/RCCL bootstrap otherwise listen on the
         # interface the hostname resolves to. All workers of a group run on this machine anyway.
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         env.setdefault("NCCL_SOCKET_IFNAME", "lo")
-        if self.devices[0].startswith("cuda"):
-            # RDNA3 (RX 7000) gets flash SDPA from AOTriton only with this set before torch starts; on
-            # officially supported GPUs (MI300X) and on NVIDIA it changes nothing. A user's value wins.
-            env.setdefault("TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL", "1")
+        if self.devices[rank].startswith("cuda") and needs_aotriton_flag(gpu_arch(self.devices[rank])):
+            # The one place this flag is set. RDNA3/4 (gfx11xx/gfx12xx) get flash SDPA from AOTriton only
+            # with it set before torch starts; other known archs (MI300X, NVIDIA) do not get it; an arch
+            # that cannot be read gets it (harmless where not needed). A user's value wins.
+            env.setdefault(AOTRITON_FLAG, "1")
         return env
 
     def _start(self) -> None:
+        """Launch the workers and check their collectives; on a hang, once more without P2P."""
+        self._launch()
+        if self.health_timeout is None:
+            return
+        try:
+            self._check_health()
+        except WorkerError as first:
+            if not self.retry_without_p2p or self._env.get(P2P_FLAG, os.environ.get(P2P_FLAG)) == "1":
+                raise
+            self._shutdown_now()
+            self._env[P2P_FLAG] = "1"
+            self._launch()
+            try:
+                self._check_health()
+            except WorkerError as second:
+                second.add_note(f"before that, with peer-to-peer enabled: {first}")
+                raise
+            self.warnings.append(
+                f"the first collective over {', '.join(self.devices)} failed with peer-to-peer transfers "
+                f"enabled ({first}); the worker group was started again with {P2P_FLAG}=1 and now works "
+                f"(collectives go through host memory: slower). To make it permanent, start ComfyUI with "
+                f"{P2P_FLAG}=1 in its environment (e.g. `{P2P_FLAG}=1 python main.py`); to get fast P2P "
+                "back, try the kernel parameter iommu=pt (AMD: amd_iommu=on iommu=pt) and "
+                "HSA_FORCE_FINE_GRAIN_PCIE=1, then run `python -m rocm_parallel doctor`"
+            )
+            print(f"[ROCm Parallel] warning: {self.warnings[-1]}", file=sys.stderr, flush=True)
+
+    def _check_health(self) -> None:
+        """One small all-reduce and all-gather on every rank within `health_timeout` seconds, with the
+        right results; otherwise the group is closed and a WorkerError raised."""
+        limit = float(self.health_timeout or HEALTH_TIMEOUT)
+        watchdog = Watchdog(first=limit, floor=limit, factor=1.0)
+        try:
+            self.health = self.call_all("health_check", watchdog=watchdog)
+        except WorkerError as exc:
+            if not self._closed:
+                self.close(timeout=1.0)
+            raise WorkerError(f"health check failed: {exc}", exc.rank) from exc
+        wrong = [h for h in self.health if not h.get("correct")]
+        if wrong:
+            self.close(timeout=1.0)
+            raise WorkerError(
+                f"health check failed: rank {wrong[0]['rank']} ({self.devices[wrong[0]['rank']]}) got wrong "
+                f"collective results ({wrong[0].get('detail')}); peer-to-peer transfers may corrupt data",
+                wrong[0]["rank"],
+            )
+
+    def _launch(self) -> None:
+        self._reset()
         address = os.path.join(self._tmp, "control.sock")
         key = secrets.token_bytes(32)
         listener = Listener(address, family="AF_UNIX", authkey=key)

@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 
 from .api import ParallelFlux
-from .api import default_devices as api_default_devices
 from .config import FluxDims
 from .flux.convert import save_bfl_checkpoint
 from .flux.model import build_flux, tiny_flux_config
@@ -33,9 +32,10 @@ TEXT_TOKENS = 64
 
 
 def default_devices() -> list[str]:
-    """All GPUs when there are two or more (one GPU would show no parallelism), else two CPU workers."""
-    devices = api_default_devices()
-    return devices if len(devices) >= 2 else ["cpu", "cpu"]
+    """All GPUs when there are two or more (one GPU would show no parallelism), else two CPU workers:
+    the demo runs anywhere (the API's and the nodes' 'all' refuse a machine without GPUs instead)."""
+    gpus = torch.cuda.device_count()
+    return [f"cuda:{i}" for i in range(gpus)] if gpus >= 2 else ["cpu", "cpu"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

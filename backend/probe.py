@@ -7,6 +7,7 @@ bandwidth: an all-reduce of P bytes on N ranks moves 2(N-1)/N x P per rank.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -57,3 +58,89 @@ def measure_link(ctx: WorkerContext, megabytes: float = 8.0, repeats: int = 5) -
     result["tflops"] = 2 * side**3 / seconds / 1e12
     result["memory_bytes"] = _device_memory(ctx)
     return result
+
+
+@handler("health_check")
+def health_check(ctx: WorkerContext, elements: int = 1024) -> dict[str, Any]:
+    """A small all-reduce and all-gather on every rank, checked and timed (seconds, first call included).
+
+    Run by `WorkerGroup` right after start-up under a short watchdog (a broken peer-to-peer path hangs
+    here, in the first collective) and by `doctor`. `correct` is False when a result is wrong.
+    """
+    device, n = ctx.device, ctx.world_size
+    started = time.perf_counter()
+    ones = torch.full((elements,), float(ctx.rank + 1), dtype=torch.float32, device=device)
+    dist.all_reduce(ones)
+    synchronize(device)
+    all_reduce_s = time.perf_counter() - started
+    expected_sum = n * (n + 1) / 2
+    reduce_ok = bool((ones == expected_sum).all().item())
+    started = time.perf_counter()
+    mine = torch.full((elements,), float(ctx.rank), dtype=torch.float32, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(gathered, mine)
+    synchronize(device)
+    all_gather_s = time.perf_counter() - started
+    gather_ok = all(bool((g == r).all().item()) for r, g in enumerate(gathered))
+    detail = (
+        ""
+        if reduce_ok and gather_ok
+        else (
+            f"all-reduce gave {ones[0].item():g} (expected {expected_sum:g}); "
+            f"all-gather gave {[g[0].item() for g in gathered]} (expected {list(range(n))})"
+        )
+    )
+    return {
+        "rank": ctx.rank,
+        "device": str(device),
+        "world_size": n,
+        "backend": dist.get_backend(),
+        "threads": torch.get_num_threads(),
+        "correct": reduce_ok and gather_ok,
+        "detail": detail,
+        "all_reduce_s": all_reduce_s,
+        "all_gather_s": all_gather_s,
+        "env": {
+            k: os.environ.get(k) for k in ("NCCL_P2P_DISABLE", "TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL")
+        },
+    }
+
+
+def _sdpa_backends() -> dict[str, Any]:
+    from torch.nn.attention import SDPBackend
+
+    names = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
+    found = {name: getattr(SDPBackend, attr) for name, attr in names.items() if hasattr(SDPBackend, attr)}
+    return {**found, "math": SDPBackend.MATH}
+
+
+@handler("attention_kernels")
+def attention_kernels(ctx: WorkerContext) -> dict[str, Any]:
+    """Which SDPA kernels run on this rank's device (FLUX's head size, bf16 on GPUs), and which one
+    PyTorch picks when left alone: on a GPU, only `math` working means the ~10x slower fallback."""
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    device = ctx.device
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    q = torch.randn(1, 4, 256, 128, dtype=dtype, device=device)
+    works: dict[str, str] = {}
+    for name, backend in _sdpa_backends().items():
+        try:
+            with sdpa_kernel([backend]):
+                F.scaled_dot_product_attention(q, q, q)
+            synchronize(device)
+            works[name] = "ok"
+        except Exception as exc:  # "No available kernel", a missing arch in the build, ...
+            works[name] = (
+                f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ''}"
+            )
+    enabled = {}
+    if device.type == "cuda":
+        enabled = {
+            "flash": torch.backends.cuda.flash_sdp_enabled(),
+            "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
+            "math": torch.backends.cuda.math_sdp_enabled(),
+        }
+    fast = [name for name in ("flash", "efficient", "cudnn") if works.get(name) == "ok"]
+    return {"rank": ctx.rank, "device": str(device), "kernels": works, "enabled": enabled, "fast": fast}

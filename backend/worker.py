@@ -193,7 +193,8 @@ def _join_group(conn: Connection, rank: int, world_size: int, device: torch.devi
         assert isinstance(reply, StorePort), reply
         port = reply.port
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
-    backend = "gloo" if device.type == "cpu" else "nccl"
+    # gloo for CPU workers; NCCL/RCCL for GPUs unless the group chose gloo (WorkerGroup(backend=...)).
+    backend = os.environ.get("RP_BACKEND") or ("gloo" if device.type == "cpu" else "nccl")
     if device.type != "cpu":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)

@@ -289,7 +289,8 @@ class RocmParallelRingSampler(_ParallelSampler):
 class RocmParallelStatus:
     DESCRIPTION = (
         "Reports the worker group (devices, layout, per-device memory); 'unload' frees the model on the "
-        "devices but keeps the workers, 'close' stops the workers."
+        "devices but keeps the workers, 'close' stops the workers, 'doctor' checks torch, the GPUs, the "
+        "flags and the group's collectives and says what to fix (python -m rocm_parallel doctor)."
     )
     CATEGORY = CATEGORY
     RETURN_TYPES = ("STRING",)
@@ -306,7 +307,8 @@ class RocmParallelStatus:
                     list(logic.STATUS_ACTIONS),
                     {
                         "default": "report",
-                        "tooltip": "report; unload the model (workers stay); close the workers.",
+                        "tooltip": "report; unload the model (workers stay); close the workers; doctor: check the "
+                        "machine and the group's collectives, with advice.",
                     },
                 )
             },
@@ -323,5 +325,6 @@ class RocmParallelStatus:
         return float("nan")  # never cached: the group's state changes between runs
 
     def status(self, action: str, parallel_flux: logic.ParallelHandle | None = None) -> dict[str, Any]:
-        text = logic.status_text(REGISTRY, action)
+        devices = parallel_flux.devices if parallel_flux is not None else None
+        text = logic.status_text(REGISTRY, action, devices)
         return {"ui": {"text": [text]}, "result": (text,)}

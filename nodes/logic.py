@@ -31,12 +31,10 @@ PRELOAD_LAYOUTS = ("none", "tp", "context", "auto")
 # Only ComfyUI's euler / simple are implemented by the backend; offering more would be a lie.
 SAMPLERS = ("euler",)
 SCHEDULERS = ("simple",)
-STATUS_ACTIONS = ("report", "unload", "close")
+STATUS_ACTIONS = ("report", "unload", "close", "doctor")
 # Worker threads per process (torch.set_num_threads); unset leaves torch's default. Tests and shared
 # CPU machines set it to 1 so that several CPU workers do not fight over the same cores.
 THREADS_ENV = "ROCM_PARALLEL_THREADS"
-
-_CPU_TIMES = re.compile(r"^cpu\s*[x*]\s*(\d+)$")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -44,41 +42,14 @@ _CPU_TIMES = re.compile(r"^cpu\s*[x*]\s*(\d+)$")
 
 
 def parse_devices(text: str, visible_gpus: Callable[[], int] | None = None) -> tuple[str, ...]:
-    """The loader's `devices` text -> device names for the worker group.
+    """The loader's `devices` text -> device names for the worker group (`backend.platforms.parse_devices`).
 
-    "all" (or empty): every visible GPU, two CPU workers when there is none. "0,1,2,3" or
-    "cuda:0, cuda:1": those GPUs. "cpu x2" (or "cpu*2", "cpu, cpu"): CPU workers, for testing.
+    "all" (or empty): every visible GPU, an error naming the torch build when there is none. "0,1,2,3"
+    or "cuda:0, cuda:1": those GPUs. "cpu x2" (or "cpu*2", "cpu, cpu"): CPU workers, for testing.
     """
-    spec = text.strip().lower()
-    if spec in ("", DEVICES_ALL):
-        count = (visible_gpus or _visible_gpus)()
-        return tuple(f"cuda:{i}" for i in range(count)) if count else ("cpu", "cpu")
-    match = _CPU_TIMES.match(spec)
-    if match:
-        workers = int(match.group(1))
-        if workers < 1:
-            raise ConfigError(
-                f"devices={text!r} asks for {workers} CPU workers; use at least 1, e.g. 'cpu x2'"
-            )
-        return ("cpu",) * workers
-    devices = []
-    for item in (part.strip() for part in spec.split(",")):
-        if item.isdigit():
-            devices.append(f"cuda:{int(item)}")
-        elif item == "cpu" or re.fullmatch(r"cuda:\d+", item):
-            devices.append(item)
-        else:
-            raise ConfigError(
-                f"devices={text!r}: {item!r} is not a device; use 'all', GPU indices like '0,1,2,3', "
-                "'cuda:0,cuda:1' or CPU workers like 'cpu x2'"
-            )
-    return tuple(devices)
+    from ..backend.platforms import parse_devices as parse
 
-
-def _visible_gpus() -> int:
-    import torch  # only when 'all' is resolved: keeps the pack's import cheap
-
-    return torch.cuda.device_count()
+    return parse(text, visible_gpus)
 
 
 def compute_dtype(choice: str) -> str | None:
@@ -383,10 +354,13 @@ def sample(
     return out
 
 
-def status_text(registry: Registry, action: str) -> str:
-    """The status node: report, or unload the model (workers stay), or close the worker group."""
+def status_text(registry: Registry, action: str, devices: Sequence[str] | None = None) -> str:
+    """The status node: report, or unload the model (workers stay), or close the worker group, or run
+    `doctor` (over the resident group, else over `devices` or every GPU)."""
     if action not in STATUS_ACTIONS:
         raise ConfigError(f"action={action!r} is not offered; use one of {', '.join(STATUS_ACTIONS)}")
+    if action == "doctor":
+        return doctor_text(registry, devices)
     flux = registry.current
     if action == "unload" and flux is not None:
         flux.unload()
@@ -397,7 +371,20 @@ def status_text(registry: Registry, action: str) -> str:
         registry.close()
     elif flux is not None and flux.started:
         registry.record_ranks(flux.status())
-    return format_state(registry.snapshot())
+    flux = registry.current
+    return format_state(registry.snapshot()) + "".join(
+        f"\nwarning: {w}" for w in (flux.warnings if flux is not None else ())
+    )
+
+
+def doctor_text(registry: Registry, devices: Sequence[str] | None = None) -> str:
+    """`python -m rocm_parallel doctor`'s report; uses the resident group when one runs (its GPUs are
+    busy with it), otherwise starts a short-lived one on `devices` (default: every GPU, else 'cpu x2')."""
+    from ..backend import doctor
+
+    flux = registry.current
+    group = flux.group if flux is not None and flux.started else None
+    return doctor.format_report(doctor.collect(devices, group=group))
 
 
 def format_state(state: dict[str, Any]) -> str:

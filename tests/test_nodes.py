@@ -96,8 +96,21 @@ def test_parse_devices(text: str, devices: tuple[str, ...]) -> None:
     assert logic.parse_devices(text, visible_gpus=lambda: 3) == devices
 
 
-def test_all_devices_without_gpus_is_two_cpu_workers() -> None:
-    assert logic.parse_devices("all", visible_gpus=lambda: 0) == ("cpu", "cpu")
+def test_all_devices_without_gpus_is_an_error_naming_the_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU-only torch used to run a GPU workflow on two CPU workers without a word. (CI's newest torch
+    is a CUDA build without a GPU: the CPU-only reading is forced; test_platforms covers the other.)"""
+    import torch
+
+    from rocm_parallel.backend import platforms
+
+    monkeypatch.setattr(platforms, "build_kind", lambda: "cpu")
+
+    with pytest.raises(ConfigError) as err:
+        logic.parse_devices("all", visible_gpus=lambda: 0)
+    assert str(err.value) == (
+        f"devices='all' but no GPU is visible: torch {torch.__version__} is a CPU-only build. Install the "
+        "ROCm or CUDA build of torch (README, section 'Platforms'); or use 'cpu x2' to test on CPU workers"
+    )
 
 
 @pytest.mark.parametrize(
@@ -185,9 +198,18 @@ class RecordingFlux:
 
     def __init__(self, devices: tuple[str, ...]) -> None:
         self.devices, self.closed = devices, False
+        self.warnings: list[str] = []
+        self.started = False
 
     def close(self) -> None:
         self.closed = True
+
+
+def test_status_shows_what_start_up_changed() -> None:
+    registry = Registry(factory=RecordingFlux)
+    registry.flux_for(("cpu", "cpu")).warnings.append("started again with NCCL_P2P_DISABLE=1")
+    text = logic.status_text(registry, "report")
+    assert text.splitlines()[-1] == "warning: started again with NCCL_P2P_DISABLE=1"
 
 
 def test_registry_keeps_one_group_per_device_set() -> None:

@@ -155,9 +155,10 @@ def choose_attention_kernel(
         raise ConfigError(
             f"attention={name!r} is not available in the installed diffusers; use cpu_flash or math"
         )
-    # RDNA3 (gfx11) needs TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL=1 for flash SDPA. torch reads it once, at
-    # the first attention call, so it is set in one place only: the workers' environment (client.py, before
-    # the process starts). A script that runs this outside a worker group exports it itself.
+    # RDNA3/4 (gfx11xx/gfx12xx) need TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL=1 for flash SDPA. torch reads it
+    # once, at the first attention call, so it is set in one place only: the workers' environment
+    # (client.WorkerGroup._worker_env, per GPU arch, before the process starts). A script that runs this
+    # outside a worker group exports it itself.
     return AttentionKernel(name, forward, backward)
 
 

@@ -1,0 +1,178 @@
+"""What this machine's torch can do, and the decisions that follow: which devices 'all' means, whether
+the worker group can run here at all, which GPU architectures need which environment flags, how many
+threads a CPU worker gets. Shared by the nodes, the public API, the worker group and `doctor`.
+
+Cheap to import (torch only inside the functions): the nodes call `parse_devices` at ComfyUI start-up.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+
+from .config import ConfigError
+
+DEVICES_ALL = "all"
+_CPU_TIMES = re.compile(r"^cpu\s*[x*]\s*(\d+)$")
+# RDNA3 (gfx11xx, RX 7000) and RDNA4 (gfx12xx, RX 9000) get flash/efficient SDPA from AOTriton only
+# with this flag set before torch starts; without it SDPA falls back to the math kernel (~10x slower).
+AOTRITON_FLAG = "TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL"
+_AOTRITON_ARCHS = re.compile(r"^gfx1[12]\d\d")
+
+
+def torch_build() -> str:
+    """'torch 2.13.0+cpu (CPU-only build)', 'torch 2.6.0+rocm6.2 (ROCm/HIP 6.2...)', 'torch 2.5.1+cu124 (CUDA 12.4)'."""
+    import torch
+
+    hip, cuda = getattr(torch.version, "hip", None), torch.version.cuda
+    kind = f"ROCm build, HIP {hip}" if hip else f"CUDA build, CUDA {cuda}" if cuda else "CPU-only build"
+    return f"torch {torch.__version__} ({kind})"
+
+
+def build_kind() -> str:
+    """'rocm', 'cuda' or 'cpu': what this torch was built for."""
+    import torch
+
+    return "rocm" if getattr(torch.version, "hip", None) else "cuda" if torch.version.cuda else "cpu"
+
+
+def no_gpu_error(devices: str) -> ConfigError:
+    """The error for `devices` ('all', or the default) on a machine where torch sees no GPU."""
+    import torch
+
+    if build_kind() == "cpu":
+        why = (
+            f"torch {torch.__version__} is a CPU-only build. Install the ROCm or CUDA build of torch "
+            "(README, section 'Platforms')"
+        )
+    else:
+        kind = "ROCm" if build_kind() == "rocm" else "CUDA"
+        why = (
+            f"{torch_build()} sees no GPU. Check the driver ({'rocm-smi' if kind == 'ROCm' else 'nvidia-smi'}), "
+            "that this user may open the device (ROCm: groups 'video' and 'render'), and "
+            "HIP_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES"
+        )
+    return ConfigError(
+        f"devices={devices!r} but no GPU is visible: {why}; or use 'cpu x2' to test on CPU workers"
+    )
+
+
+def visible_gpus() -> int:
+    import torch  # only when 'all' is resolved: keeps the pack's import cheap
+
+    return torch.cuda.device_count()
+
+
+def parse_devices(text: str, visible: Callable[[], int] | None = None) -> tuple[str, ...]:
+    """A device spec -> device names for the worker group.
+
+    "all" (or empty): every visible GPU, an error when there is none (a CPU-only torch would otherwise
+    run a GPU workflow on two CPU workers without saying so). "0,1,2,3" or "cuda:0, cuda:1": those GPUs.
+    "cpu x2" (or "cpu*2", "cpu, cpu"): CPU workers, for testing.
+    """
+    spec = text.strip().lower()
+    if spec in ("", DEVICES_ALL):
+        count = (visible or visible_gpus)()
+        if not count:
+            raise no_gpu_error(text)
+        return tuple(f"cuda:{i}" for i in range(count))
+    match = _CPU_TIMES.match(spec)
+    if match:
+        workers = int(match.group(1))
+        if workers < 1:
+            raise ConfigError(
+                f"devices={text!r} asks for {workers} CPU workers; use at least 1, e.g. 'cpu x2'"
+            )
+        return ("cpu",) * workers
+    devices = []
+    for item in (part.strip() for part in spec.split(",")):
+        if item.isdigit():
+            devices.append(f"cuda:{int(item)}")
+        elif item == "cpu" or re.fullmatch(r"cuda:\d+", item):
+            devices.append(item)
+        else:
+            raise ConfigError(
+                f"devices={text!r}: {item!r} is not a device; use 'all', GPU indices like '0,1,2,3', "
+                "'cuda:0,cuda:1' or CPU workers like 'cpu x2'"
+            )
+    return tuple(devices)
+
+
+def check_platform(
+    devices: Sequence[str],
+    backend: str | None,
+    *,
+    system: str | None = None,
+    nccl_available: bool | None = None,
+) -> None:
+    """Refuse, before any process starts, a group this platform cannot run.
+
+    Windows: the control channel is a Unix socket and the workers share /dev/shm, and AMD's Windows
+    torch wheels ship without RCCL, so there is no GPU collective either: use Linux or WSL2.
+    Elsewhere, GPU workers need NCCL/RCCL unless the caller explicitly chose `backend='gloo'`
+    (collectives through gloo, which handles GPU tensors too; slower, meant for tests on one GPU).
+    """
+    system = sys.platform if system is None else system
+    if system.startswith("win"):
+        raise ConfigError(
+            f"devices={list(devices)}: the worker group does not run on Windows ({system}): it needs Unix "
+            "sockets and /dev/shm, and AMD's Windows torch wheels have no RCCL for GPU collectives. Run "
+            "ComfyUI with this pack on Linux or in WSL2 with the ROCm/CUDA build of torch (README, 'Platforms')"
+        )
+    if backend not in (None, "nccl", "gloo"):
+        raise ConfigError(
+            f"backend={backend!r} is not supported; use 'nccl' (GPUs), 'gloo' or None (automatic)"
+        )
+    gpus = any(d.startswith("cuda") for d in devices)
+    if not gpus:
+        if backend == "nccl":
+            raise ConfigError(f"backend='nccl' needs GPU devices, not {list(devices)}; use 'gloo' or None")
+        return
+    if backend == "gloo":
+        return
+    if nccl_available is None:
+        import torch.distributed as dist
+
+        nccl_available = dist.is_available() and dist.is_nccl_available()
+    if not nccl_available:
+        raise ConfigError(
+            f"devices={list(devices)} are GPUs, but {torch_build()} has no NCCL/RCCL for collectives between "
+            "them (AMD's Windows wheels and some custom builds lack it). Install the Linux ROCm or CUDA "
+            "build of torch (README, 'Platforms'), or pass backend='gloo' to run collectives through gloo "
+            "(slower; meant for testing)"
+        )
+
+
+def gpu_arch(device: str) -> str | None:
+    """'gfx1100' (ROCm), 'sm_89' (CUDA) or None when it cannot be read (no GPU, a CPU device)."""
+    if not device.startswith("cuda"):
+        return None
+    try:
+        import torch
+
+        props = torch.cuda.get_device_properties(int(device.partition(":")[2] or 0))
+    except Exception:  # no driver, no such device: decide without it
+        return None
+    name = getattr(props, "gcnArchName", "") or ""
+    if getattr(torch.version, "hip", None) and name:
+        return name.split(":")[0]
+    return f"sm_{props.major}{props.minor}"
+
+
+def needs_aotriton_flag(arch: str | None) -> bool:
+    """RDNA3/4 (gfx11xx, gfx12xx) need the AOTriton flag; other known archs do not; unknown: set it,
+    since it changes nothing on GPUs that do not need it."""
+    return arch is None or bool(_AOTRITON_ARCHS.match(arch))
+
+
+def default_cpu_threads(workers: int, cores: int | None = None) -> int:
+    """Threads per CPU worker when the caller gives none: the cores shared out, at least one.
+
+    Several workers each using every core run far slower than one core each (measured: `cpu x2` on two
+    cores, 2.6x slower with torch's default).
+    """
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, workers))

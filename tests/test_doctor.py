@@ -1,0 +1,104 @@
+"""`python -m rocm_parallel doctor` on CPU workers (as CI runs it), and the Status node's `doctor`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rocm_parallel.backend import doctor
+from rocm_parallel.backend.api import ParallelFlux
+from rocm_parallel.backend.client import WorkerGroup
+from rocm_parallel.nodes import logic
+from rocm_parallel.nodes.logic import Registry
+
+
+def _doctor(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "rocm_parallel", "doctor", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NCCL_SOCKET_IFNAME": "lo"},
+    )
+
+
+def test_doctor_checks_a_real_cpu_group() -> None:
+    done = _doctor("--devices", "cpu x2", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    machine, group = report["machine"], report["group"]
+    assert machine["torch"] == torch.__version__
+    assert machine["build"] == (
+        "cpu" if torch.version.cuda is None and torch.version.hip is None else machine["build"]
+    )
+    assert machine["env"]["NCCL_SOCKET_IFNAME"] == "lo"  # the environment as the doctor found it
+    assert machine["gpus"] == [] if not torch.cuda.is_available() else len(machine["gpus"]) > 0
+    assert group["devices"] == ["cpu", "cpu"]
+    assert group["world_size"] == 2 and group["backend"] == "gloo" and group["correct"] is True
+    assert group["gbps"] > 0 and group["latency_us"] > 0 and group["all_reduce_ms"] > 0
+    cores = len(os.sched_getaffinity(0))
+    assert group["threads"] == [max(1, cores // 2)] * 2
+    assert group["attention"][0]["kernels"]["math"] == "ok"
+    assert "error" not in group
+    levels = {f["level"] for f in report["findings"]}
+    assert "error" not in levels
+    texts = [f["text"] for f in report["findings"]]
+    assert f"all-reduce bus bandwidth {group['gbps']:.2f} GB/s" in texts[-2]
+    assert texts[-1] == f"2 CPU workers with {max(1, cores // 2)} torch thread(s) each"
+
+    text = doctor.format_report(report)
+    assert text.splitlines()[0] == "ROCm Parallel doctor"
+    assert f"build:   torch {torch.__version__} (" in text
+    assert "group:   2 workers on cpu, cpu, gloo, world size 2, started in " in text
+    assert f"bus bandwidth {group['gbps']:.2f} GB/s" in text
+    assert "NCCL_SOCKET_IFNAME=lo" in text
+
+
+def test_doctor_refuses_bad_devices_before_starting_anything() -> None:
+    done = _doctor("--devices", "gpu0")
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "error: devices='gpu0': 'gpu0' is not a device; use 'all', GPU indices like '0,1,2,3', "
+        "'cuda:0,cuda:1' or CPU workers like 'cpu x2'"
+    )
+    assert done.stdout == ""
+
+
+def test_doctor_reports_a_failed_group_with_advice() -> None:
+    """A group that cannot start is a finding with its message, not a traceback."""
+    facts = doctor.machine_facts()
+    check = {
+        "devices": ["cuda:0", "cuda:1"],
+        "error": "health check failed: no progress or reply from rank(s) [1]",
+    }
+    findings = doctor.advise(
+        {**facts, "gpus": [{"index": 0, "arch": "gfx1100"}], "peer_access": {"0->1": False}}, check
+    )
+    levels = [level for level, _ in findings]
+    assert levels[-1] == "error"
+    assert findings[-1][1].startswith(
+        "the worker group on cuda:0, cuda:1 failed: health check failed: no progress"
+    )
+    assert "try NCCL_P2P_DISABLE=1" in findings[-1][1]
+    assert any(
+        text.startswith("no peer access between GPU pair(s) 0->1") and "iommu=pt" in text
+        for _, text in findings
+    )
+    assert any("gfx1100 (RDNA3/4)" in text for _, text in findings)
+
+
+def test_status_node_doctor_runs_over_the_resident_group(
+    group2: WorkerGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    registry = Registry(factory=lambda devices: ParallelFlux(group=group2))
+    registry.flux_for(("cpu", "cpu"))
+    text = logic.status_text(registry, "doctor")
+    assert text.splitlines()[0] == "ROCm Parallel doctor"
+    assert "group:   2 workers on cpu, cpu, gloo, world size 2" in text
+    assert group2.alive  # the resident group was used, not closed
+    assert "doctor" in logic.STATUS_ACTIONS

@@ -1,0 +1,111 @@
+"""The pack installs into a ComfyUI without touching its torch: the dependency metadata, checked on the
+built wheel in a real pip install, and the files ComfyUI-Manager and the Comfy Registry read."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+tomllib = pytest.importorskip("tomllib")  # Python >= 3.11 (CI's)
+
+
+def _pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[<>=!~ \[;]", requirement, maxsplit=1)[0].lower()
+
+
+def test_torch_has_a_lower_bound_only() -> None:
+    deps = _pyproject()["project"]["dependencies"]
+    (torch_req,) = [d for d in deps if _name(d) == "torch"]
+    assert torch_req == "torch>=2.13"  # the lowest version CI runs the suite on (.ci/run)
+
+
+def test_requirements_txt_is_pyproject_without_torch() -> None:
+    lines = [ln.strip() for ln in (ROOT / "requirements.txt").read_text().splitlines()]
+    requirements = [ln for ln in lines if ln and not ln.startswith("#")]
+    expected = [d for d in _pyproject()["project"]["dependencies"] if _name(d) != "torch"]
+    assert requirements == expected
+
+
+def test_registry_metadata_is_complete() -> None:
+    comfy = _pyproject()["tool"]["comfy"]
+    assert comfy["PublisherId"] and comfy["DisplayName"] == "ROCm Parallel"
+    assert comfy["Icon"].startswith("https://") and comfy["Icon"].endswith("/docs/icon.svg")
+    assert (ROOT / "docs" / "icon.svg").read_text().startswith("<svg")
+    assert all((ROOT / folder).is_dir() for folder in comfy["includes"])
+
+
+def _run(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, f"{args} failed:\n{done.stdout}\n{done.stderr}"
+    return done
+
+
+def test_wheel_install_keeps_a_newer_torch(tmp_path: Path) -> None:
+    """A ComfyUI whose torch is newer than anything the pack was tested with (2.99.0): installing the
+    built wheel must leave it alone. The venv sees the system's diffusers etc. (--system-site-packages)
+    and a torch 2.99.0 of its own (its dist-info shadows the system's torch for pip). pip keeps the
+    machine's find-links (this machine has a torch 2.13.0 wheel there), so a capped requirement makes it
+    replace torch or fail. Mutation tried: with `torch>=2.6,<2.14` in pyproject.toml (and the METADATA
+    assertion removed) pip printed 'Installing collected packages: torch' and this test failed."""
+    import os
+
+    source = tmp_path / "src"
+    shutil.copytree(
+        ROOT,
+        source,
+        ignore=shutil.ignore_patterns(".git", "__pycache__", "*.egg-info", "build", "tests", ".venv*"),
+    )
+    wheels = tmp_path / "wheels"
+    env = {**os.environ, "PIP_CONSTRAINT": "/dev/null", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    env.pop("PYTHONPATH", None)
+    _run(
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "-q",
+        "--no-deps",
+        "--no-build-isolation",
+        "-w",
+        wheels,
+        source,
+        env=env,
+    )
+    (wheel,) = wheels.glob("rocm_parallel-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        metadata = zf.read(next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    assert "Requires-Dist: torch>=2.13\n" in metadata
+
+    venv = tmp_path / "comfy-venv"
+    _run(sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv)
+    python = venv / "bin" / "python"
+    site = Path(
+        _run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout.strip()
+    )
+    fake = site / "torch-2.99.0.dist-info"
+    fake.mkdir(parents=True)
+    (fake / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.99.0\n")
+    (fake / "INSTALLER").write_text("pip\n")
+    (fake / "RECORD").write_text("")
+    pip = (python, "-m", "pip")  # the system's pip (it is on the venv's path), acting on the venv
+    assert "Version: 2.99.0" in _run(*pip, "show", "torch", env=env).stdout
+
+    done = _run(*pip, "install", "--no-index", wheel, env=env)
+    assert "Successfully installed rocm-parallel-0.1.0" in done.stdout
+    assert not re.search(
+        r"(?im)^(Installing collected packages|  Attempting uninstall):.*\btorch\b", done.stdout
+    )
+    shown = _run(*pip, "show", "torch", env=env).stdout
+    assert "Version: 2.99.0" in shown and f"Location: {site}" in shown
+    assert fake.is_dir() and (fake / "METADATA").read_text().endswith("Version: 2.99.0\n")

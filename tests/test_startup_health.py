@@ -1,0 +1,88 @@
+"""Group start-up: the health check, its retry without peer-to-peer, CPU threads shared out."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from rocm_parallel.backend.client import WorkerError, WorkerGroup
+from rocm_parallel.backend.platforms import default_cpu_threads
+
+TESTS_DIR = str(Path(__file__).resolve().parent)
+
+
+def _alive(pids: list[int]) -> list[int]:
+    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_start_checks_collectives_and_shares_cpu_cores_out() -> None:
+    """No `threads` given: each CPU worker runs cores // workers torch threads (at least one)."""
+    cores = len(os.sched_getaffinity(0))
+    with WorkerGroup(["cpu", "cpu"]) as group:
+        assert [h["threads"] for h in group.health] == [max(1, cores // 2)] * 2
+        assert [h["correct"] for h in group.health] == [True, True]
+        assert [h["world_size"] for h in group.health] == [2, 2]
+        assert group.warnings == []
+        assert group.threads == max(1, cores // 2)
+
+
+@pytest.mark.parametrize(("workers", "cores", "threads"), [(2, 2, 1), (2, 16, 8), (4, 2, 1), (3, 16, 5)])
+def test_default_cpu_threads(workers: int, cores: int, threads: int) -> None:
+    assert default_cpu_threads(workers, cores) == threads
+
+
+def test_a_hung_first_collective_is_retried_without_p2p_and_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first health check hangs (tests/hang_checks.py: rank 0 stays out of the all-reduce while P2P
+    is on); after `health_timeout` the group is torn down, started again with NCCL_P2P_DISABLE=1, works,
+    and says what it changed and how to make it permanent.
+
+    Mutation tried: with the retry removed from `WorkerGroup._start` (re-raising the first failure), this
+    test fails with "WorkerError: health check failed: no progress or reply from rank(s) [0, 1] ...".
+    """
+    monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+    started = time.monotonic()
+    group = WorkerGroup(
+        ["cpu", "cpu"],
+        threads=1,
+        extra_sys_path=[TESTS_DIR],
+        methods=["hang_checks"],
+        health_timeout=4.0,
+        retry_without_p2p=True,  # on by default for GPUs only; CPU workers stand in for them here
+    )
+    try:
+        assert time.monotonic() - started >= 4.0  # it did wait for the first check
+        assert [h["env"]["NCCL_P2P_DISABLE"] for h in group.health] == ["1", "1"]
+        assert [h["correct"] for h in group.health] == [True, True]
+        (warning,) = group.warnings
+        assert warning.startswith(
+            "the first collective over cpu, cpu failed with peer-to-peer transfers enabled"
+        )
+        assert "no progress or reply from rank(s) [0, 1]" in warning
+        assert "started again with NCCL_P2P_DISABLE=1 and now works" in warning
+        assert "start ComfyUI with NCCL_P2P_DISABLE=1 in its environment" in warning
+        assert group.call("ping")["backend"] == "gloo"
+    finally:
+        group.close()
+    assert not _alive(group.pids)
+
+
+def test_without_the_retry_a_hung_start_fails_with_the_hang() -> None:
+    """retry_without_p2p=False (the default for CPU workers): the start fails, naming the silent ranks,
+    and leaves no worker behind."""
+    with pytest.raises(WorkerError) as err:
+        WorkerGroup(
+            ["cpu", "cpu"],
+            threads=1,
+            extra_sys_path=[TESTS_DIR],
+            methods=["hang_checks"],
+            env={"NCCL_P2P_DISABLE": "0"},
+            health_timeout=3.0,
+            retry_without_p2p=False,
+        )
+    assert str(err.value).startswith(
+        "health check failed: no progress or reply from rank(s) [0, 1] (cpu, cpu)"
+    )
