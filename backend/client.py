@@ -163,10 +163,12 @@ class Watchdog:
 
 
 DEFAULT_WATCHDOG = Watchdog()
-# After one rank reported an error, how long the others get to finish too. A failure before the first
-# collective (bad input: every rank raises) keeps the group; a rank left waiting in a collective for
-# the failed one cannot be freed, so the group is torn down and rebuilt on the next call.
+# After one rank reported an error, how long the others may stay silent before they count as stuck. A
+# failure before the first collective (bad input: every rank raises) keeps the group, and so does one
+# whose peers keep reporting until they stop at the cancel it triggers (a load); a rank left waiting in
+# a collective for the failed one cannot be freed, so the group is torn down and rebuilt on the next call.
 FAILURE_GRACE = 2.0
+CANCELLED = "JobCancelled"  # the workers' error type for a job stopped by a cancel: not a failure
 WORKER_HOST_BYTES = 0.5e9  # host memory one worker process needs at least (python, torch, diffusers)
 # The start-up health check: a few bytes all-reduced and all-gathered. NCCL/RCCL set up their
 # communicators on the first collective (seconds); a broken peer-to-peer path hangs there forever.
@@ -499,6 +501,8 @@ class WorkerGroup:
             results = [unpack(job.replies[r].result) for r in range(self.world_size)]
             if job.interrupt is not None:
                 raise job.interrupt
+            if job.first_error is not None:  # the failure itself, not the peers' cancels it caused
+                raise self._failure(job.first_error)
             failed = [rep for _, rep in sorted(job.replies.items()) if not rep.ok]
             if failed:
                 raise self._failure(failed[0])
@@ -543,9 +547,11 @@ class WorkerGroup:
                     self._relay(job, record)  # every rank reports (liveness); rank 0 speaks for the job
                 elif isinstance(record, Reply):
                     job.replies[rank] = record
-                    if not record.ok and job.first_error is None:
+                    if not record.ok and record.error_type != CANCELLED and job.first_error is None:
+                        # A real failure: stop the peers that can still stop (a load, a step boundary);
+                        # those stuck in a collective for the failed rank fall silent (see _check_time).
                         job.first_error = record
-                        job.error_deadline = time.monotonic() + FAILURE_GRACE
+                        self._cancel_job(job)
             if len(job.replies) < self.world_size:
                 self._raise_if_exited(f"running {job.method!r}")
                 self._check_time(job)
@@ -563,7 +569,8 @@ class WorkerGroup:
     def _check_time(self, job: Job) -> None:
         now = time.monotonic()
         pending = [r for r in range(self.world_size) if r not in job.replies]
-        if job.first_error is not None and now > job.error_deadline:
+        quiet_since = max([job.last_heard.get(r, job.started) for r in pending], default=now)
+        if job.first_error is not None and now - quiet_since > FAILURE_GRACE:
             self.close(timeout=1.0)
             raise self._failure(
                 job.first_error,
@@ -714,7 +721,6 @@ class Job:
     replies: dict[int, Reply] = field(default_factory=dict)
     interrupt: BaseException | None = None
     first_error: Reply | None = None
-    error_deadline: float = 0.0
     cancel_deadline: float | None = None
     last_progress: tuple[int, int, str] | None = None
     stopped_since: dict[int, float] = field(default_factory=dict)

@@ -508,3 +508,13 @@ def test_private_dirs_carry_their_owner() -> None:
         assert (os.stat(d).st_mode & 0o777) == 0o700
     finally:
         os.rmdir(d)
+
+
+def test_a_failing_rank_stops_its_peers_load_and_keeps_the_group(group2: WorkerGroup) -> None:
+    """Rank 0 fails at once; rank 1 is still loading (no collectives), reporting every tensor. It is
+    cancelled, not torn down with the group, and the error is rank 0's. Mutation tried: without the
+    cancel on the first error, rank 1 loaded all 40 tensors (its reply was ok)."""
+    with pytest.raises(WorkerError, match=r"^rank 0 \(cpu\): out of memory on cpu \(rank 0 of 2\)"):
+        group2.call_all("load_then_fail", {"failing": 0, "tensors": 40, "seconds": 0.1})
+    assert group2.last_replies[1].error_type == "JobCancelled"
+    assert group2.alive

@@ -143,3 +143,14 @@ def uneven_load(ctx, tensors: int, seconds: float) -> dict:
             time.sleep(seconds)
         ctx.load_progress(done, tensors)
     return {"rank": ctx.rank}
+
+
+@handler("load_then_fail")
+def load_then_fail(ctx, failing: int, tensors: int, seconds: float) -> dict:
+    """`failing` runs out of memory at once; the others load `tensors` tensors, `seconds` each."""
+    if ctx.rank == failing:
+        raise torch.OutOfMemoryError("HIP out of memory. Tried to allocate 2.00 GiB")
+    for done in range(1, tensors + 1):
+        time.sleep(seconds)
+        ctx.load_progress(done, tensors)
+    return {"rank": ctx.rank}
