@@ -32,21 +32,24 @@ def test_flux_dev_one_rank_of_tp4_in_bf16() -> None:
     assert torch.isfinite(out).all()
 
 
+def _one_gpu_reference():
+    """A small FLUX, its inputs and its bf16 output in one process on cuda:0 (seed 3, as the workers')."""
+    config = tiny_flux_config(
+        heads=8, head_dim=64, double_blocks=2, single_blocks=2, text_dim=64, pooled_dim=32
+    )
+    inputs = random_inputs(FluxDims.from_diffusers_config(config), height=256, width=256, text_tokens=32)
+    reference = build_flux(config, seed=3, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        output = reference(**inputs.to("cuda", torch.bfloat16).as_kwargs(), return_dict=False)[0]
+    return config, inputs, output.float().cpu()
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("layout", [{"tp": 2}, {"ring": 2}, {"ulysses": 2}])
 def test_parallel_forward_matches_one_gpu(layout: dict) -> None:
     from rocm_parallel.backend.client import WorkerGroup
 
-    config = tiny_flux_config(
-        heads=8, head_dim=64, double_blocks=2, single_blocks=2, text_dim=64, pooled_dim=32
-    )
-    dims = FluxDims.from_diffusers_config(config)
-    inputs = random_inputs(dims, height=256, width=256, text_tokens=32)
-    reference = build_flux(config, seed=3, device="cuda", dtype=torch.bfloat16)
-    with torch.inference_mode():
-        expected = (
-            reference(**inputs.to("cuda", torch.bfloat16).as_kwargs(), return_dict=False)[0].float().cpu()
-        )
+    config, inputs, expected = _one_gpu_reference()
     with WorkerGroup(["cuda:0", "cuda:1"], extra_sys_path=[TESTS_DIR], methods=["model_methods"]) as group:
         group.call_all("build_random", {"config": config, "seed": 3, "dtype": "bfloat16", **layout})
         out = group.call("forward", {"inputs": inputs.as_kwargs()})["output"]
@@ -105,16 +108,7 @@ def one_gpu_group(workers: int):
 def test_two_workers_on_one_gpu_match_one_process(layout: dict) -> None:
     """The multi-rank paths (sharded weights, ring merge with the GPU kernel's LSE, Ulysses all-to-all)
     on a machine with one GPU: two workers share cuda:0 and talk through gloo over GPU tensors."""
-    config = tiny_flux_config(
-        heads=8, head_dim=64, double_blocks=2, single_blocks=2, text_dim=64, pooled_dim=32
-    )
-    dims = FluxDims.from_diffusers_config(config)
-    inputs = random_inputs(dims, height=256, width=256, text_tokens=32)
-    reference = build_flux(config, seed=3, device="cuda", dtype=torch.bfloat16)
-    with torch.inference_mode():
-        expected = (
-            reference(**inputs.to("cuda", torch.bfloat16).as_kwargs(), return_dict=False)[0].float().cpu()
-        )
+    config, inputs, expected = _one_gpu_reference()
     with one_gpu_group(2) as group:
         assert [h["backend"] for h in group.health] == ["gloo", "gloo"]
         group.call_all("build_random", {"config": config, "seed": 3, "dtype": "bfloat16", **layout})
