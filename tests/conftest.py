@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,6 +47,40 @@ def group4() -> Iterator[WorkerGroup]:
     yield group
     group.close()
     _assert_gone(group.pids)
+
+
+@pytest.fixture(scope="session")
+def built_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The pack's wheel, built once per session from a copy of this checkout (pip writes build/ and
+    *.egg-info next to the sources), with the machine's pip configuration but no PYTHONPATH."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    source = tmp / "src"
+    shutil.copytree(
+        Path(TESTS_DIR).parent,
+        source,
+        ignore=shutil.ignore_patterns(
+            ".git", "build", "dist", "*.egg-info", "__pycache__", ".*cache", ".venv*"
+        ),
+    )
+    env = {**os.environ, "PIP_CONSTRAINT": "/dev/null", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    env.pop("PYTHONPATH", None)
+    pip_wheel = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "-q",
+        "-w",
+        str(tmp),
+    ]
+    built = subprocess.run([*pip_wheel, str(source)], capture_output=True, text=True, check=False, env=env)
+    if built.returncode and "No module named pip" in built.stderr:
+        pytest.skip("pip is not available")
+    assert built.returncode == 0, built.stderr[-3000:]
+    (path,) = tmp.glob("rocm_parallel-*.whl")
+    return path
 
 
 @pytest.fixture

@@ -1,12 +1,11 @@
 """The installed package is the product only: no benchmark, test helper or test-only worker method.
 
-Builds the wheel from a copy of this checkout (pip writes build/ and *.egg-info next to the sources),
-lists it, and runs the CLI from the unpacked wheel: `bench` there says how to get the benchmarks.
+Lists the wheel built from a copy of this checkout (conftest's `built_wheel`, shared with
+test_packaging) and runs the CLI from the unpacked wheel: `bench` there says how to get the benchmarks.
 """
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -27,37 +26,9 @@ NO_BENCHMARKS = (
 )
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tmp = tmp_path_factory.mktemp("wheel")
-    source = tmp / "src"
-    shutil.copytree(
-        ROOT,
-        source,
-        ignore=shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", ".*cache"),
-    )
-    built = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "-q",
-            "-w",
-            str(tmp),
-            str(source),
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if built.returncode and "No module named pip" in built.stderr:
-        pytest.skip("pip is not available")
-    assert built.returncode == 0, built.stderr[-3000:]
-    (path,) = tmp.glob("rocm_parallel-*.whl")
-    return path
+@pytest.fixture
+def wheel(built_wheel: Path) -> Path:
+    return built_wheel
 
 
 def test_wheel_holds_the_product_and_nothing_else(wheel: Path) -> None:
