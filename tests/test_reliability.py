@@ -142,12 +142,28 @@ def test_silence_past_the_watchdog_fails_the_job() -> None:
 
 def test_a_slower_rank_that_keeps_reporting_is_not_taken_for_a_hung_one(group2: WorkerGroup) -> None:
     """Rank 0 finishes a load at once, rank 1 needs 0.4 s per tensor for 8 tensors. Mutation tried:
-    with only rank 0 reporting (the watchdog's old view) the job failed as 'no progress from rank(s)
-    [1]' after the 1 s limit."""
+    the old rules together (only rank 0 reports, and its fast pace limits every rank) failed this
+    healthy job as 'no progress or reply from rank(s) [1] (cpu) for 1 s'. Either fix alone passes it;
+    the next test pins per-rank reporting."""
     watch = Watchdog(first=30.0, floor=1.0, factor=1.0)
     results = group2.call_all("uneven_load", {"tensors": 8, "seconds": 0.4}, watchdog=watch)
     assert [r["rank"] for r in results] == [0, 1]
     assert group2.alive
+
+
+def test_a_rank_that_hangs_after_its_peer_finished_is_caught_at_its_own_pace() -> None:
+    """Rank 0 finished its load; rank 1 reported 3 tensors, then hangs. Its own reports set its limit
+    (1 s floor), so the job fails in seconds naming rank 1. Mutation tried: only rank 0 reporting
+    progress (as before) left rank 1 unheard, judged by `first` (30 s): the call took 30 s."""
+    group = _group()
+    watch = Watchdog(first=30.0, floor=1.0, factor=1.0)
+    started = time.monotonic()
+    with pytest.raises(WorkerError) as err:
+        group.call_all("uneven_load", {"tensors": 8, "seconds": 0.1, "hang_after": 3}, watchdog=watch)
+    assert str(err.value).startswith("no progress or reply from rank(s) [1] (cpu) for ")
+    assert "last progress: tensor 8 of 8" in str(err.value)  # rank 0's: it had finished
+    assert time.monotonic() - started < 10
+    assert not group.alive and _gone(group.pids)
 
 
 # ------------------------------------------------------------------------------------------ cancel

@@ -136,11 +136,12 @@ def arm_load_failure(ctx, rank: int, at_tensor: int) -> bool:
 
 
 @handler("uneven_load")
-def uneven_load(ctx, tensors: int, seconds: float) -> dict:
-    """A load (no collectives) where rank 0 is fast and every other rank takes `seconds` per tensor."""
+def uneven_load(ctx, tensors: int, seconds: float, hang_after: int = 0) -> dict:
+    """A load (no collectives) where rank 0 is fast and every other rank takes `seconds` per tensor;
+    with `hang_after`, the other ranks stop answering after that many tensors (a stuck disk read)."""
     for done in range(1, tensors + 1):
         if ctx.rank:
-            time.sleep(seconds)
+            time.sleep(3600 if hang_after and done > hang_after else seconds)
         ctx.load_progress(done, tensors)
     return {"rank": ctx.rank}
 
