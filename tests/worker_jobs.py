@@ -80,28 +80,33 @@ def send_stale_reply(ctx, value: int) -> dict:
     return {"value": value}
 
 
-@handler("arm_failure")
-def arm_failure(ctx, rank: int, at_step: int, kind: str = "oom") -> bool:
-    """Make `rank` fail at step `at_step` of the NEXT sampling job (out of memory, or SIGSTOP itself),
-    the way a real GPU fails in the middle of a denoising loop."""
+def _fail_once(method: str, at: int, stop: bool = False) -> None:
+    """Patch WorkerContext.<method> (step_done or load_progress) in this worker so that its call for
+    step/tensor `at` runs out of memory once (after SIGSTOPping this process when `stop`)."""
     import signal
 
     from rocm_parallel.backend.worker import WorkerContext
 
-    if ctx.rank != rank:
-        return False
-    original = WorkerContext.step_done
+    original = getattr(WorkerContext, method)
 
-    def failing(self, step: int, total: int) -> None:
-        if step == at_step:
-            WorkerContext.step_done = original
-            if kind == "stop":
+    def failing(self, done: int, total: int) -> None:
+        if done == at:
+            setattr(WorkerContext, method, original)
+            if stop:
                 os.kill(os.getpid(), signal.SIGSTOP)
             raise torch.OutOfMemoryError("HIP out of memory. Tried to allocate 2.00 GiB")
-        original(self, step, total)
+        original(self, done, total)
 
-    WorkerContext.step_done = failing
-    return True
+    setattr(WorkerContext, method, failing)
+
+
+@handler("arm_failure")
+def arm_failure(ctx, rank: int, at_step: int, kind: str = "oom") -> bool:
+    """Make `rank` fail at step `at_step` of the NEXT sampling job (out of memory, or SIGSTOP itself),
+    the way a real GPU fails in the middle of a denoising loop."""
+    if ctx.rank == rank:
+        _fail_once("step_done", at_step, stop=kind == "stop")
+    return ctx.rank == rank
 
 
 @handler("hang_at")
@@ -119,20 +124,9 @@ def hang_at(ctx, rank: int, at_step: int, n: int = 100) -> dict:
 @handler("arm_load_failure")
 def arm_load_failure(ctx, rank: int, at_tensor: int) -> bool:
     """Make `rank` run out of memory at tensor `at_tensor` of the NEXT load (its peers load in full)."""
-    from rocm_parallel.backend.worker import WorkerContext
-
-    if ctx.rank != rank:
-        return False
-    original = WorkerContext.load_progress
-
-    def failing(self, done: int, total: int) -> None:
-        if done == at_tensor:
-            WorkerContext.load_progress = original
-            raise torch.OutOfMemoryError("HIP out of memory. Tried to allocate 2.00 GiB")
-        original(self, done, total)
-
-    WorkerContext.load_progress = failing
-    return True
+    if ctx.rank == rank:
+        _fail_once("load_progress", at_tensor)
+    return ctx.rank == rank
 
 
 @handler("uneven_load")
