@@ -73,6 +73,31 @@ def test_padding_is_comfyuis_circular_wrap() -> None:
     assert pad_to_patch(even) is even
 
 
+def comfy_calls() -> list[dict[str, torch.Tensor]]:
+    """The diffusion-model calls a real ComfyUI made (inputs and its own Flux.forward outputs)."""
+    ref = reference("model_calls")
+    count = len({k.split(".")[0] for k in ref})
+    return [{k.split(".", 1)[1]: v for k, v in ref.items() if k.startswith(f"{i}.")} for i in range(count)]
+
+
+@pytest.mark.parametrize(
+    ("groups", "layout"),
+    [(2, ParallelLayout(tp=2)), (2, ParallelLayout(ring=2)), (4, ParallelLayout(ring=2, ulysses=2))],
+    indirect=["groups"],
+    ids=str,
+)
+def test_forward_equals_comfyuis_own_flux_forward(
+    groups: WorkerGroup, layout: ParallelLayout, checkpoints: dict[str, str]
+) -> None:
+    calls = comfy_calls()
+    assert len(calls) >= 2 and any(c["x"].shape[-1] % 2 for c in calls)  # odd sizes are in the record
+    flux = ParallelFlux(group=groups)
+    flux.load(checkpoints["dev"], layout=layout, dtype="float32")
+    for call in calls:
+        got = flux.forward(call["x"], call["timestep"], call["context"], call["y"], call["guidance"])
+        assert (got - call["output"]).abs().max().item() <= 1e-4
+
+
 def test_conditioning_is_sent_once_and_found_by_content(
     group2: WorkerGroup, checkpoints: dict[str, str]
 ) -> None:
