@@ -107,6 +107,7 @@ class ParallelFlux:
         self._last_status: list[dict[str, Any]] = []
         self._conditioning = ConditioningSender()  # what the ranks hold for `forward`
         self._pace = ForwardPace()
+        self.last_forward_seconds = 0.0  # the ranks' own time for the latest `forward` (rank 0)
 
     # ------------------------------------------------------------------ group
 
@@ -371,6 +372,11 @@ class ParallelFlux:
     # ------------------------------------------------------------------ the forward service
 
     @property
+    def conditioning_bytes_sent(self) -> int:
+        """Conditioning bytes `forward` sent to the ranks since the model was loaded (each prompt once)."""
+        return self._conditioning.sent_bytes
+
+    @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype the workers compute in (the resident load's, else the default for the devices)."""
         return resolve_dtype(self.resident.dtype if self.resident else None, self.devices[0])
@@ -412,7 +418,9 @@ class ParallelFlux:
                 if not held:
                     request["cond"] = {"context": context, "y": y}
                 try:
-                    result = group.call("flux_forward", request, timeout=timeout, watchdog=self._pace.watchdog())
+                    result = group.call(
+                        "flux_forward", request, timeout=timeout, watchdog=self._pace.watchdog()
+                    )
                     break
                 except WorkerError as exc:
                     # A rank without the key (a restarted worker, an eviction out of step) gets the
@@ -422,6 +430,7 @@ class ParallelFlux:
                         raise
                     held = False
             self._pace.record(result["seconds"])
+            self.last_forward_seconds = result["seconds"]
             return result["out"]
 
 

@@ -88,7 +88,16 @@ class ConditioningSender:
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b.detach().cpu())
+    """Bit-for-bit equality: compared as 8-byte words, several times faster than a float comparison
+    (and NaN equals itself, which a cache wants)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(_words(a), _words(b.detach().cpu().contiguous()))
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    flat = t.reshape(-1).view(torch.uint8)
+    return flat.view(torch.int64) if flat.numel() % 8 == 0 else flat
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -110,11 +110,11 @@ def test_conditioning_is_sent_once_and_found_by_content(
     for _ in range(3):
         fresh = {k: v.clone() for k, v in inputs.items()}
         out = flux.forward(**fresh)
-    assert flux._conditioning.sent_bytes == cond_bytes
+    assert flux.conditioning_bytes_sent == cond_bytes
     assert (out - one_process(inputs)).abs().max().item() <= TOL
     other = {**inputs, "context": inputs["context"] + 0.5}
     got = flux.forward(**other)
-    assert flux._conditioning.sent_bytes == 2 * cond_bytes
+    assert flux.conditioning_bytes_sent == 2 * cond_bytes
     assert (got - one_process(other)).abs().max().item() <= TOL
     assert (got - out).abs().max().item() > 1e-3
 
