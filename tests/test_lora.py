@@ -171,8 +171,10 @@ def load_rank(checkpoint: str, degree: int, rank: int, dtype: str) -> nn.Module:
 def test_each_tp_rank_matches_the_merged_model_and_restores_exactly(
     files: dict[str, str], stored: str, dtype: str, tol: float
 ) -> None:
-    """Mutation tried: `apply_loras` adding deltas to the current weight instead of a re-read; the
-    bit-for-bit restore and the s1 -> s2 == fresh s2 checks below then fail on every rank."""
+    """Mutations tried: (1) `apply_loras` adding the deltas to the current weight instead of a re-read
+    from the checkpoint: the s1 -> s2 == fresh s2 check fails (56 tensors differ on rank 0), and so
+    would the restore; (2) `delta_slice` taking one contiguous column range for the single blocks'
+    packed `proj_out` (attention | mlp) shard: the merged-model check fails on rank 0 (diff 0.04)."""
     info = inspect_checkpoint(files[stored])
     first, second = inspect_lora(files["kohya"], info), inspect_lora(files["second"], info)
     torch_dtype = getattr(torch, dtype)
