@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from rocm_parallel.backend.api import ParallelFlux
-from rocm_parallel.backend.client import WorkerGroup
+from rocm_parallel.backend.client import WorkerError, WorkerGroup
 from rocm_parallel.backend.config import ConfigError, FluxDims
 from rocm_parallel.backend.flux.convert import bfl_to_diffusers, diffusers_to_bfl
 from rocm_parallel.backend.flux.load import inspect_checkpoint, load_flux
@@ -235,6 +235,27 @@ def test_workers_apply_change_and_remove_loras(files: dict[str, str], group2: Wo
             flux.unload()
             flux.load(ck, layout=layout, dtype="float32", loras=[(files["peft"], 0.2)])
             assert_equal_ranks(changed, states(), f"{layout}: 0.7 -> 0.2 vs fresh 0.2")
+    finally:
+        flux.unload()
+
+
+def test_failed_lora_apply_leaves_no_rank_half_patched(files: dict[str, str], group2: WorkerGroup) -> None:
+    """Rank 1 runs out of memory at its 3rd patched tensor while rank 0 applies all of them: the load
+    fails with rank 1's message and no rank keeps a model (each rank drops its half-patched one, the
+    API unloads the rest); the next load with the LoRA works. Mutation tried: without the unload in
+    `ParallelFlux._load_resident`'s except clause, rank 0 kept the patched model ([key, None]). The
+    worker's own drop of a half-patched model is belt and braces behind it: removing it alone passes."""
+    flux = ParallelFlux(group=group2)
+    ck = files["checkpoint"]
+    try:
+        flux.load(ck, layout="tp", dtype="float32")
+        group2.call("arm_load_failure", {"rank": 1, "at_tensor": 3})
+        with pytest.raises(WorkerError, match=r"^rank 1 \(cpu\): out of memory"):
+            flux.load(ck, layout="tp", dtype="float32", loras=[(files["bfl"], 1.0)])
+        assert group2.alive and flux.resident is None
+        assert [r["loaded"] for r in flux.status()] == [None, None]
+        reports = flux.load(ck, layout="tp", dtype="float32", loras=[(files["bfl"], 1.0)])
+        assert [r["lora_tensors"] for r in reports] == [56, 56]
     finally:
         flux.unload()
 
