@@ -24,6 +24,7 @@ from .client import ProgressCallback, WorkerError, WorkerGroup, validate_devices
 from .config import ConfigError, FluxDims, ParallelLayout
 from .flux.forward import image_tokens
 from .flux.load import CheckpointInfo, inspect_checkpoint, resolve_dtype
+from .flux.lora import check_loras
 from .flux.sampling import LATENT_CHANNELS, SamplingPlan, plan_sampling
 from .plan import Choice, Link, Setup, choose
 from .platforms import parse_devices
@@ -61,13 +62,14 @@ def plan_to_data(plan: SamplingPlan) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class Resident:
-    """What the workers hold: a checkpoint in a layout."""
+    """What the workers hold: a checkpoint in a layout, with LoRAs ((path, strength), applied in order)."""
 
     checkpoint: str
     info: CheckpointInfo
     layout: ParallelLayout
     dtype: str | None
     attention: str | None
+    loras: tuple[tuple[str, float], ...] = ()
 
 
 class ParallelFlux:
@@ -200,18 +202,25 @@ class ParallelFlux:
         ulysses: int | None = None,
         dtype: str | None = None,
         attention: str | None = None,
+        loras: Sequence[tuple[str | os.PathLike[str], float]] = (),
         progress: ProgressCallback | None = None,
         timeout: float | None = None,
     ) -> list[dict[str, Any]]:
         """Make `checkpoint` resident in `layout` ('tp', 'context' or 'auto'); reuses what is already there.
 
         'auto' plans for a 1024x1024 image; `sample(layout='auto')` re-plans for the latent's size.
+        `loras`: (path, strength) pairs applied in order on top (each rank patches its own shard); when
+        only they change, the workers re-read just the affected tensors from the checkpoint and apply
+        the new set, so `loras=()` gives back the checkpoint's weights bit for bit. Reports then carry
+        `lora_tensors` (tensors rewritten) and `lora_seconds`.
         `progress(done, total)` runs as the tensors arrive; raising from it stops the load between
         tensors on every rank (nothing stays resident then). Returns each rank's status (device,
         parameter bytes, memory).
         """
         with self._lock:
-            resident = self.check_load(checkpoint, layout=layout, ring=ring, ulysses=ulysses, dtype=dtype)
+            resident = self.check_load(
+                checkpoint, layout=layout, ring=ring, ulysses=ulysses, dtype=dtype, loras=loras
+            )
             return self._load_resident(dataclasses.replace(resident, attention=attention), progress, timeout)
 
     def check_load(
@@ -222,16 +231,19 @@ class ParallelFlux:
         ring: int | None = None,
         ulysses: int | None = None,
         dtype: str | None = None,
+        loras: Sequence[tuple[str | os.PathLike[str], float]] = (),
     ) -> Resident:
-        """Validate a load from the checkpoint's header alone: no worker starts (except to measure the
-        link for 'auto'), nothing is unloaded. Raises ConfigError naming the input; returns the plan."""
+        """Validate a load from the checkpoint's and LoRAs' headers alone: no worker starts (except to
+        measure the link for 'auto'), nothing is unloaded. Raises ConfigError naming the input; returns
+        the plan."""
         info = inspect_checkpoint(checkpoint)
+        checked = check_loras(loras, info)
         resolve_dtype(dtype, self.devices[0])  # a bad dtype fails here, before anything is unloaded
         if layout == "auto":
             layout = self.auto_layout(info.dims, dtype=dtype).layout
         parallel = make_layout(layout, len(self.devices), ring, ulysses)
         parallel.validate(info.dims, devices=len(self.devices))
-        return Resident(str(checkpoint), info, parallel, dtype, None)
+        return Resident(str(checkpoint), info, parallel, dtype, None, checked)
 
     def _load_resident(
         self, r: Resident, progress: ProgressCallback | None = None, timeout: float | None = None
@@ -246,6 +258,7 @@ class ParallelFlux:
             "ring": r.layout.ring,
             "ulysses": r.layout.ulysses,
             "attention": r.attention,
+            "loras": [list(lora) for lora in r.loras],
         }
         try:
             reports = group.call_all("load", kwargs, timeout=timeout, progress=progress)

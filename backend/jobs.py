@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from .config import ConfigError, ParallelLayout
-from .flux.load import inspect_checkpoint, load_flux
+from .flux.load import CheckpointInfo, inspect_checkpoint, load_flux
+from .flux.lora import apply_loras, inspect_lora
 from .flux.sampling import FluxConditioning, SamplingPlan, diffusers_model_fn, run_euler
 from .parallel.context import apply_context_parallel
 from .parallel.tensor import parameter_bytes
@@ -43,6 +44,30 @@ def unload(ctx: WorkerContext) -> dict[str, Any]:
     return {"rank": ctx.rank, "unloaded": had}
 
 
+def _apply_loras(
+    ctx: WorkerContext, model: torch.nn.Module, info: CheckpointInfo, loras: list[tuple[str, float]], tp: int
+) -> dict[str, Any]:
+    """Set the model's weights to the checkpoint plus `loras`; undo what the previous set patched.
+
+    What is patched now is kept on the model (`LORA_PATCHED`), so the next change restores exactly
+    those parameters, even if a LoRA file changed on disk meanwhile.
+    """
+    started = time.perf_counter()
+    previous = getattr(model, LORA_PATCHED, frozenset())
+    parsed = [(inspect_lora(path, info), strength) for path, strength in loras]
+    rank, degree = (dist.get_rank(), tp) if tp > 1 else (0, 1)
+    patched = apply_loras(
+        model, info, parsed, restore=previous, rank=rank, degree=degree, progress=ctx.load_progress
+    )
+    setattr(model, LORA_PATCHED, patched)
+    ctx.synchronize()
+    return {"lora_tensors": len(patched | previous), "lora_seconds": time.perf_counter() - started}
+
+
+# Attribute of a resident model: the parameters that currently hold LoRA deltas.
+LORA_PATCHED = "_rocm_parallel_lora_patched"
+
+
 @handler("load")
 def load(
     ctx: WorkerContext,
@@ -52,8 +77,15 @@ def load(
     ring: int = 1,
     ulysses: int = 1,
     attention: str | None = None,
+    loras: list[tuple[str, float]] | tuple[tuple[str, float], ...] = (),
 ) -> dict[str, Any]:
-    """Make `checkpoint` resident in the given layout; a no-op when it already is."""
+    """Make `checkpoint` resident in the given layout with `loras` ((path, strength) pairs) applied; a
+    no-op when it already is. When only the LoRAs differ, only the affected tensors are re-read.
+
+    A failure or cancel while LoRAs are applied leaves some tensors patched and others not: the model is
+    dropped then, so no rank keeps weights that no record describes.
+    """
+    loras = [(str(path), float(strength)) for path, strength in loras]
     key = {
         "checkpoint": checkpoint,
         "dtype": dtype,
@@ -62,19 +94,32 @@ def load(
         "ulysses": ulysses,
         "attention": attention,
     }
-    if ctx.resident.key == key:
-        return {**status(ctx), "reused": True}
+    held = ctx.resident.key
+    if held is not None and {k: v for k, v in held.items() if k != "loras"} == key:
+        if held.get("loras", []) == loras:
+            return {**status(ctx), "reused": True}
+        model = ctx.resident.model
+        ctx.resident.clear()  # until the new set is on every tensor, this rank holds no described model
+        try:
+            report = _apply_loras(ctx, model, inspect_checkpoint(checkpoint), loras, tp)
+        except BaseException:
+            del model
+            unload(ctx)
+            raise
+        ctx.resident.set(model, {**key, "loras": loras})
+        return {**status(ctx), "reused": True, **report}
     unload(ctx)
     info = inspect_checkpoint(checkpoint)
     layout = ParallelLayout(tp=tp, ring=ring, ulysses=ulysses)
     layout.validate(info.dims, devices=ctx.world_size)
     started = time.perf_counter()
     model = load_flux(info, device=ctx.device, dtype=dtype, tp=tp, progress=ctx.load_progress)
+    report = _apply_loras(ctx, model, info, loras, tp) if loras else {}
     if layout.ring * layout.ulysses > 1:
         apply_context_parallel(model, ring_degree=ring, ulysses_degree=ulysses, attention=attention)
     ctx.synchronize()
-    ctx.resident.set(model, key)
-    return {**status(ctx), "reused": False, "seconds": time.perf_counter() - started}
+    ctx.resident.set(model, {**key, "loras": loras})
+    return {**status(ctx), "reused": False, "seconds": time.perf_counter() - started, **report}
 
 
 @handler("status")

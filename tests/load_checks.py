@@ -16,3 +16,10 @@ def load_shards(ctx: Any, path: str, dtype: str, tp: int) -> dict[str, Any]:
     model = load_flux(path, device=ctx.device, dtype=dtype, tp=tp)
     ctx.resident.set(model, {"checkpoint": path, "dtype": dtype, "tp": tp})
     return {"rank": ctx.rank, "parameter_bytes": parameter_bytes(model)}
+
+
+@handler("resident_state")
+def resident_state(ctx: Any) -> dict[str, Any]:
+    """This rank's resident weights (its shard), on the CPU: what the LoRA tests compare bit for bit."""
+    model = ctx.resident.require()
+    return {"rank": ctx.rank, "state": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}}
