@@ -19,7 +19,7 @@ from torch import nn
 
 from ..backend.config import FluxDims, ParallelLayout
 from ..backend.demo import DEMO_CONFIG
-from ..backend.flux.convert import save_bfl_checkpoint
+from ..backend.flux.convert import bfl_shapes, bfl_sources, save_bfl_checkpoint
 from ..backend.flux.model import build_flux, random_inputs, tiny_flux_config
 from ..backend.parallel.comm import CountCollectives, synchronize
 from ..backend.parallel.context import apply_context_parallel
@@ -45,12 +45,90 @@ __all__ = [
     "sampling_job",
     "synchronize",
     "write_random_checkpoint",
+    "write_random_lora",
 ]
 
 
 def write_random_checkpoint(path: str | Path, config: dict[str, Any], seed: int = 0) -> str:
     """A FLUX with random weights drawn from `seed`, saved as a BFL/ComfyUI single file; returns the path."""
     return save_bfl_checkpoint(build_flux(config, seed=seed), path)
+
+
+# LoRA key layouts `write_random_lora` writes; the names ComfyUI 0.3.64's `model_lora_keys_unet` maps for
+# FLUX (comfy/lora.py): BFL module names under `diffusion_model.`, the same with "." -> "_" under
+# `lora_unet_` (kohya / sd-scripts), and diffusers module names under `transformer.` (diffusers / PEFT).
+LORA_FORMATS = ("bfl", "kohya", "peft")
+
+
+def lora_targets(config: dict[str, Any]) -> list[str]:
+    """Every BFL module of this FLUX that a LoRA can patch: the linears (norm scales are vectors)."""
+    return sorted(k.removesuffix(".weight") for k, s in bfl_shapes(config).items() if len(s) == 2)
+
+
+def write_random_lora(
+    path: str | Path,
+    config: dict[str, Any],
+    fmt: str,
+    *,
+    rank: int = 4,
+    seed: int = 0,
+    alpha: float | None = 2.0,
+    targets: list[str] | tuple[str, ...] | None = None,
+    relative: float = 0.1,
+) -> str:
+    """A random FLUX LoRA for `build_flux(config)` saved as safetensors in format `fmt`; returns the path.
+
+    The factors are drawn once per BFL module in BFL layout (`targets`: BFL module names such as
+    'double_blocks.0.img_attn.qkv'; default every linear) from `seed`, then written as
+    * "bfl":   `diffusion_model.<module>.lora_down.weight` / `.lora_up.weight` / `.alpha`
+    * "kohya": `lora_unet_<module with . as _>.lora_down.weight` / `.lora_up.weight` / `.alpha`
+    * "peft":  `transformer.<diffusers module>.lora_A.weight` / `.lora_B.weight`, split per diffusers
+      module (qkv -> to_q/to_k/to_v, linear1 -> to_q/to_k/to_v/proj_mlp, the final AdaLN's (shift, scale)
+      rows swapped into diffusers' (scale, shift)), with no alpha: ComfyUI then scales by 1, so
+      alpha / rank is folded into lora_B.
+    so one seed gives the same effective delta `alpha / rank * up @ down` in every format (bit for bit
+    when alpha / rank is a power of two, as the default 2 / 4 is). alpha=None writes no alpha (scale 1).
+    `relative` sizes the delta's spread against build_flux's weights (std 0.05): 0.1 changes outputs
+    visibly without swamping them.
+    """
+    from safetensors.torch import save_file
+
+    if fmt not in LORA_FORMATS:
+        raise ValueError(f"fmt='{fmt}' is not one of {LORA_FORMATS}")
+    shapes = bfl_shapes(config)
+    names = sorted(targets) if targets is not None else lora_targets(config)
+    scale = 1.0 if alpha is None else alpha / rank
+    # each factor entry ~ N(0, sigma^2): delta entries have std scale * sqrt(rank) * sigma^2
+    sigma = (relative * 0.05 / (scale * rank**0.5)) ** 0.5
+    g = torch.Generator().manual_seed(seed)
+    factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name in names:
+        out_features, in_features = shapes[f"{name}.weight"]
+        up = torch.randn(out_features, rank, generator=g) * sigma
+        down = torch.randn(rank, in_features, generator=g) * sigma
+        factors[name] = (up, down)
+    tensors: dict[str, torch.Tensor] = {}
+    if fmt in ("bfl", "kohya"):
+        for name, (up, down) in factors.items():
+            key = f"diffusion_model.{name}" if fmt == "bfl" else "lora_unet_" + name.replace(".", "_")
+            tensors[f"{key}.lora_up.weight"] = up
+            tensors[f"{key}.lora_down.weight"] = down
+            if alpha is not None:
+                tensors[f"{key}.alpha"] = torch.tensor(float(alpha))
+    else:
+        dims = FluxDims.from_diffusers_config(config)
+        for param, source in bfl_sources(dims).items():
+            module = source.key.removesuffix(".weight")
+            if not param.endswith(".weight") or module not in factors:
+                continue
+            up, down = factors[module]
+            rows = source.rows or ((0, up.shape[0]),)
+            b = torch.cat([up[r0:r1] for r0, r1 in rows]) * scale
+            key = "transformer." + param.removesuffix(".weight")
+            tensors[f"{key}.lora_B.weight"] = b.contiguous()
+            tensors[f"{key}.lora_A.weight"] = down.clone()
+    save_file(tensors, str(path))
+    return str(path)
 
 
 def sampling_job(config: dict[str, Any], size: int, steps: int, seed: int) -> dict[str, Any]:
