@@ -22,10 +22,12 @@ import torch
 
 from .client import ProgressCallback, WorkerError, WorkerGroup, validate_devices
 from .config import ConfigError, FluxDims, ParallelLayout
+from .flux.forward import image_tokens
 from .flux.load import CheckpointInfo, inspect_checkpoint, resolve_dtype
-from .flux.sampling import SamplingPlan, plan_sampling
+from .flux.sampling import LATENT_CHANNELS, SamplingPlan, plan_sampling
 from .plan import Choice, Link, Setup, choose
 from .platforms import parse_devices
+from .service import ConditioningSender, ForwardPace
 
 
 def default_devices() -> list[str]:
@@ -103,6 +105,8 @@ class ParallelFlux:
         self._machine: tuple[WorkerGroup, dict[str, Any]] | None = None
         self._lock = threading.RLock()
         self._last_status: list[dict[str, Any]] = []
+        self._conditioning = ConditioningSender()  # what the ranks hold for `forward`
+        self._pace = ForwardPace()
 
     # ------------------------------------------------------------------ group
 
@@ -253,6 +257,7 @@ class ParallelFlux:
             raise
         self.resident, self._loaded_in = r, group
         self._last_status = reports
+        self._conditioning, self._pace = ConditioningSender(), ForwardPace()
         return reports
 
     def unload(self) -> None:
@@ -354,8 +359,7 @@ class ParallelFlux:
             if plan.steps == 0:
                 out["samples"] = plan.original
                 return out
-            h, w = plan.noise.shape[-2:]
-            resident.layout.validate_sequence((h // 2) * (w // 2))
+            resident.layout.validate_sequence(image_tokens(*plan.noise.shape[-2:]))
             if resident != self.resident or self._loaded_in is not self._group or not self.started:
                 self._load_resident(resident)
             result = self.group.call(
@@ -363,3 +367,97 @@ class ParallelFlux:
             )
             out["samples"] = result["samples"]
             return out
+
+    # ------------------------------------------------------------------ the forward service
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the workers compute in (the resident load's, else the default for the devices)."""
+        return resolve_dtype(self.resident.dtype if self.resident else None, self.devices[0])
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        timestep: torch.Tensor,
+        context: torch.Tensor,
+        y: torch.Tensor,
+        guidance: torch.Tensor | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> torch.Tensor:
+        """One model call on the resident model, as ComfyUI's FLUX `diffusion_model(x, timestep, context,
+        y, guidance)` makes it: x [B, 16, H, W] of any size in sampler space, timestep [B] (sigma),
+        context [B, T, text_dim] (T5), y [B, pooled_dim] (CLIP pooled), guidance [B] (None for
+        schnell). Returns the output [B, 16, H, W] on the CPU in the workers' compute dtype.
+
+        Every rank runs it in the resident layout; the conditioning is sent once and kept on the ranks
+        (found again by content), so a sampler's step moves only x. After a failure closed the group,
+        the next call starts it again and re-loads the resident model first.
+        """
+        with self._lock:
+            resident = self.resident
+            if resident is None:
+                raise ConfigError("no checkpoint is loaded; call load(checkpoint) first")
+            _check_forward(x, timestep, context, y, guidance, resident)
+            if resident.info.variant != "dev":
+                guidance = (
+                    None  # ComfyUI's Flux without a guidance embedder ignores it (FluxGuidance on schnell)
+                )
+            if self._loaded_in is not self._group or not self.started:
+                self._load_resident(resident)
+            group, sender = self.group, self._conditioning
+            key, held = sender.key_for(context, y)
+            request: dict[str, Any] = {"x": x, "timestep": timestep, "guidance": guidance, "cond_key": key}
+            for attempt in range(2):
+                if not held:
+                    request["cond"] = {"context": context, "y": y}
+                try:
+                    result = group.call("flux_forward", request, timeout=timeout, watchdog=self._pace.watchdog())
+                    break
+                except WorkerError as exc:
+                    # A rank without the key (a restarted worker, an eviction out of step) gets the
+                    # tensors once more; anything else ends the call, and no rank is assumed to hold it.
+                    if exc.remote_type != "ConditioningMissing" or attempt or not group.alive:
+                        sender.forget(key)
+                        raise
+                    held = False
+            self._pace.record(result["seconds"])
+            return result["out"]
+
+
+def _check_forward(
+    x: torch.Tensor,
+    timestep: torch.Tensor,
+    context: torch.Tensor,
+    y: torch.Tensor,
+    guidance: torch.Tensor | None,
+    resident: Resident,
+) -> None:
+    """The shapes a FLUX call needs, named by ComfyUI's argument names; cheap enough for every step."""
+    dims, info = resident.info.dims, resident.info
+    if not torch.is_tensor(x) or x.ndim != 4 or x.shape[1] != LATENT_CHANNELS or 0 in x.shape:
+        shape = tuple(x.shape) if torch.is_tensor(x) else type(x).__name__
+        raise ConfigError(f"x has shape {shape}; a FLUX.1 model takes [batch, 16, height, width] latents")
+    batch = x.shape[0]
+    if (
+        not torch.is_tensor(context)
+        or context.ndim != 3
+        or context.shape[0] != batch
+        or (context.shape[-1] != dims.text_dim)
+    ):
+        shape = tuple(context.shape) if torch.is_tensor(context) else type(context).__name__
+        raise ConfigError(
+            f"context has shape {shape}; this model expects [{batch}, tokens, {dims.text_dim}] (T5 features "
+            "for each latent): encode the prompt with a FLUX DualCLIPLoader (clip_l + t5xxl)"
+        )
+    if not torch.is_tensor(y) or tuple(y.shape) != (batch, dims.pooled_dim):
+        shape = tuple(y.shape) if torch.is_tensor(y) else type(y).__name__
+        raise ConfigError(
+            f"y (pooled_output) has shape {shape}; this model expects [{batch}, {dims.pooled_dim}] (CLIP-L "
+            "pooled): encode the prompt with a FLUX DualCLIPLoader (clip_l + t5xxl)"
+        )
+    if not torch.is_tensor(timestep) or timestep.numel() != batch:
+        raise ConfigError(f"timestep must hold one value per latent ({batch}); got {timestep!r}")
+    if info.variant == "dev" and guidance is None:
+        raise ConfigError("guidance is None; FLUX.1-dev needs one per latent (FluxGuidance, e.g. 3.5)")
+    resident.layout.validate_sequence(image_tokens(*x.shape[-2:]))

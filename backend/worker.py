@@ -59,13 +59,18 @@ class Resident:
 
     model: torch.nn.Module | None = None
     key: dict[str, Any] | None = None
+    # What jobs keep on the device for this model between calls (the forward service's conditioning);
+    # emptied with the model, so nothing computed for one model is used with another.
+    caches: dict[str, Any] = field(default_factory=dict)
 
     def set(self, model: torch.nn.Module, key: dict[str, Any]) -> None:
         self.model, self.key = model, dict(key)
+        self.caches.clear()
 
     def clear(self) -> bool:
         had = self.model is not None
         self.model, self.key = None, None
+        self.caches.clear()
         return had
 
     def require(self) -> torch.nn.Module:
@@ -143,7 +148,7 @@ def _load_methods() -> None:
     The built-in ones first, then the modules the group was started with (`WorkerGroup(methods=...)`,
     e.g. tests' and benchmarks' own methods): product code carries no method that only they use.
     """
-    for module in ("jobs", "probe"):
+    for module in ("jobs", "service", "probe"):
         importlib.import_module(f"{__package__}.{module}")
     for module in filter(None, os.environ.get("RP_METHODS", "").split(",")):
         importlib.import_module(module)

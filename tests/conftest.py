@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from rocm_parallel.backend.client import WorkerGroup
+from rocm_parallel.backend.flux.convert import save_bfl_checkpoint
 
 TESTS_DIR = str(Path(__file__).resolve().parent)
 # Test-only worker methods, imported by the workers from tests/ (see WorkerGroup(methods=...)).
@@ -47,6 +48,20 @@ def group4() -> Iterator[WorkerGroup]:
     yield group
     group.close()
     _assert_gone(group.pids)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    from test_sampling import flux_model  # the models the ComfyUI references were made with
+
+    """The reference models as BFL single files, the way users keep FLUX in models/diffusion_models/."""
+    folder = tmp_path_factory.mktemp("diffusion_models")
+    paths = {}
+    for variant in ("dev", "schnell"):
+        path = folder / f"tiny-flux-{variant}.safetensors"
+        save_bfl_checkpoint(flux_model(variant), path)
+        paths[variant] = str(path)
+    return paths
 
 
 @pytest.fixture(scope="session")

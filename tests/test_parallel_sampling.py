@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_sampling import CASES, flux_model, positive, reference
+from test_sampling import CASES, positive, reference
 
 from rocm_parallel.backend.api import ParallelFlux
 from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError, ParallelLayout
-from rocm_parallel.backend.flux.convert import save_bfl_checkpoint
 from rocm_parallel.backend.flux.sampling import resolution_mu
 
 LAYOUTS = {
@@ -25,18 +24,6 @@ LAYOUTS = {
         ParallelLayout(ring=2, ulysses=2),
     ],
 }
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """The reference models as BFL single files, the way users keep FLUX in models/diffusion_models/."""
-    folder = tmp_path_factory.mktemp("diffusion_models")
-    paths = {}
-    for variant in ("dev", "schnell"):
-        path = folder / f"tiny-flux-{variant}.safetensors"
-        save_bfl_checkpoint(flux_model(variant), path)
-        paths[variant] = str(path)
-    return paths
 
 
 def run_case(flux: ParallelFlux, name: str, progress=None) -> torch.Tensor:
@@ -103,7 +90,7 @@ def test_progress_after_every_step(group2: WorkerGroup, checkpoints: dict[str, s
     ("latent", "message"),
     [
         (torch.ones(1, 8, 8, 8), "latent has 8 channels; FLUX latents have 16"),
-        (torch.ones(1, 16, 8, 9), "image size 72x64 pixels (latent 9x8) is not a multiple of 16 pixels"),
+        (torch.ones(1, 16, 8, 9, 1), "latent samples have shape (1, 16, 8, 9, 1); expected [batch, 16"),
     ],
 )
 def test_bad_latent_fails_before_any_step(

@@ -149,3 +149,9 @@ def load_then_fail(ctx, failing: int, tensors: int, seconds: float) -> dict:
         time.sleep(seconds)
         ctx.load_progress(done, tensors)
     return {"rank": ctx.rank}
+
+
+@handler("forget_caches")
+def forget_caches(ctx) -> None:
+    """Drop what jobs keep for the resident model (as a restarted worker would have nothing)."""
+    ctx.resident.caches.clear()

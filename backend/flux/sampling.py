@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ConfigError
-from .model import image_ids
+from .forward import ModelFn, flux_call
 
 # comfy/latent_formats.py `Flux`.
 LATENT_CHANNELS = 16
@@ -40,11 +40,6 @@ VARIANTS = ("dev", "schnell")
 SUPPORTED_COND_KEYS = ("pooled_output", "guidance")
 DEFAULT_GUIDANCE = 3.5  # comfy/model_base.py Flux.extra_conds: kwargs.get("guidance", 3.5)
 
-# model_fn(hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids, guidance)
-# -> velocity tokens: exactly diffusers' FluxTransformer2DModel forward (timestep = sigma in [0, 1]).
-ModelFn = Callable[..., torch.Tensor]
-
-
 # --- latent format and tokens ---------------------------------------------------------------------
 
 
@@ -56,26 +51,6 @@ def process_in(latent: torch.Tensor) -> torch.Tensor:
 def process_out(latent: torch.Tensor) -> torch.Tensor:
     """Sampler space -> VAE latent."""
     return (latent / SCALE_FACTOR) + SHIFT_FACTOR
-
-
-def patchify(latent: torch.Tensor) -> torch.Tensor:
-    """[B, C, H, W] -> [B, (H/2)(W/2), 4C] with channel order (c, ph, pw), rows before columns."""
-    b, c, h, w = latent.shape
-    x = latent.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpatchify(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """Inverse of `patchify` for a latent of height x width."""
-    b, _, d = tokens.shape
-    c = d // 4
-    x = tokens.reshape(b, height // 2, width // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return x.reshape(b, c, height, width)
-
-
-def text_ids(tokens: int) -> torch.Tensor:
-    """Position ids of the text tokens: all zero."""
-    return torch.zeros(tokens, 3)
 
 
 # --- sigma tables and schedules --------------------------------------------------------------------
@@ -282,7 +257,7 @@ def _checked_latent(latent: torch.Tensor) -> torch.Tensor:
         )
     _real_tensor("latent samples", latent)
     _finite("latent samples", latent, "encode the image again or start from EmptySD3LatentImage")
-    _, c, h, w = latent.shape
+    c = latent.shape[1]
     if c != LATENT_CHANNELS:
         if torch.count_nonzero(latent) > 0:
             raise ConfigError(
@@ -291,11 +266,6 @@ def _checked_latent(latent: torch.Tensor) -> torch.Tensor:
             )
         # comfy/sample.py fix_empty_latent_channels: an empty SD latent becomes a 16-channel one.
         latent = repeat_to_batch_size(latent, LATENT_CHANNELS, dim=1)
-    if h % 2 or w % 2:
-        raise ConfigError(
-            f"image size {w * 8}x{h * 8} pixels (latent {w}x{h}) is not a multiple of 16 pixels; "
-            "use a width and height divisible by 16"
-        )
     return latent
 
 
@@ -410,12 +380,11 @@ def run_euler(
     if len(sigmas) == 0:
         return plan.original  # denoise 0: ComfyUI hands the input back untouched
     noise, image, mask = plan.noise, plan.latent_image, plan.mask
-    b, _, h, w = noise.shape
+    b = noise.shape[0]
     cast = (lambda t: t.to(model_dtype)) if model_dtype is not None else (lambda t: t)
     cond = plan.cond
     ehs, pooled = cast(cond.encoder_hidden_states), cast(cond.pooled_projections)
     guidance = cast(cond.guidance) if cond.guidance is not None else None
-    img_ids, txt_ids = image_ids(h, w).to(noise.device), text_ids(ehs.shape[1]).to(noise.device)
     keep = 1.0 - mask if mask is not None else None
 
     x = _noise_scaling(sigmas[0], noise, image)
@@ -427,8 +396,7 @@ def run_euler(
         x_in = x
         if mask is not None:
             x_in = x * mask + _noise_scaling(sigma_b.view(b, 1, 1, 1), noise, image) * keep
-        v = model_fn(cast(patchify(x_in)), ehs, pooled, sigma_b, img_ids, txt_ids, guidance)
-        v = unpatchify(v.float(), h, w)
+        v = flux_call(model_fn, cast(x_in), sigma_b, ehs, pooled, guidance).float()
         denoised = x_in - v * _batch_sigma(sigma_b, v.ndim)
         if mask is not None:
             denoised = denoised * mask + image * keep

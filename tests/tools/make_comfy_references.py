@@ -25,6 +25,8 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -158,11 +160,52 @@ CASES: dict[str, dict[str, Any]] = {
         "variant": "dev", "width": 64, "height": 64, "seed": 17, "guidance": 3.5, "latent": "random",
         "sigmas": [0.9, 0.7, 0.45, 0.2, 0.05],  # ends above 0: exercises inverse_noise_scaling
     },
+    # ComfyUI's own samplers, schedulers, CFG and guiders (issue 12): the pack drives the sharded model
+    # through the same code, one model call at a time.
+    "dpmpp_2m_beta": {
+        "variant": "dev", "width": 64, "height": 64, "steps": 5, "seed": 31, "guidance": 3.5,
+        "sampler": "dpmpp_2m", "scheduler": "beta",
+    },
+    "euler_ancestral_normal": {
+        "variant": "dev", "width": 64, "height": 48, "steps": 4, "seed": 32, "guidance": 3.5,
+        "sampler": "euler_ancestral", "scheduler": "normal",
+    },
+    "heun_sgm_uniform": {
+        "variant": "schnell", "width": 48, "height": 48, "steps": 3, "seed": 33,
+        "sampler": "heun", "scheduler": "sgm_uniform",
+    },
+    "cfg_negative": {
+        "variant": "dev", "width": 64, "height": 64, "steps": 4, "seed": 34, "guidance": 3.5,
+        "sampler": "euler", "scheduler": "simple", "cfg": 2.5, "negative": True,
+    },
+    "custom_advanced_cfg_guider": {
+        "variant": "dev", "width": 48, "height": 64, "steps": 4, "seed": 35, "guidance": 3.5,
+        "sampler": "dpmpp_2m", "scheduler": "simple", "cfg": 2.0, "negative": True, "guider": "cfg",
+    },
+    "odd_size": {  # an odd-sized photo, img2img: latent 25x17, padded inside the model
+        "variant": "dev", "width": 200, "height": 136, "steps": 4, "seed": 36, "guidance": 3.5,
+        "denoise": 0.75, "latent": "random",
+    },
+    "lora_bfl": {
+        "variant": "dev", "width": 64, "height": 64, "steps": 4, "seed": 37, "guidance": 3.5,
+        "lora": {"format": "bfl", "strength": 0.8, "rank": 4, "seed": 77},
+    },
+    "lora_kohya": {
+        "variant": "dev", "width": 64, "height": 64, "steps": 4, "seed": 37, "guidance": 3.5,
+        "sampler": "dpmpp_2m", "scheduler": "beta",
+        "lora": {"format": "kohya", "strength": 0.8, "rank": 4, "seed": 77},
+    },
+    # Not a sampling result: the first diffusion-model calls of a CFG run on an odd-sized latent, with
+    # ComfyUI's own Flux.forward output for each (the CI tier checks the pack's forward against them).
+    "model_calls": {
+        "variant": "dev", "width": 72, "height": 56, "steps": 2, "seed": 38, "guidance": 3.5,
+        "cfg": 2.0, "negative": True, "record_calls": 3,
+    },
 }  # fmt: skip
 
 
 def case_inputs(name: str, case: dict[str, Any]) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + sorted(CASES).index(name))
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))  # stable when cases are added
     batch, h, w = case.get("batch", 1), case["height"] // 8, case["width"] // 8
     kind = case.get("latent", "zeros")
     if kind == "random":
@@ -177,12 +220,46 @@ def case_inputs(name: str, case: dict[str, Any]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def run_case(comfy, models, name: str, case: dict[str, Any]) -> dict[str, torch.Tensor]:
+def with_lora(comfy, model, spec: dict[str, Any], folder: Path):
+    """ComfyUI's own LoraLoaderModelOnly with a random LoRA file (testing.helpers.write_random_lora)."""
+    from rocm_parallel.backend.flux.model import tiny_flux_config
+    from rocm_parallel.testing.helpers import write_random_lora
+
+    name = f"lora-{spec['format']}-{spec['seed']}.safetensors"
+    config = tiny_flux_config(**MODELS["dev"]["config"])
+    write_random_lora(folder / name, config, spec["format"], rank=spec["rank"], seed=spec["seed"])
+    return comfy["nodes"].LoraLoaderModelOnly().load_lora_model_only(model, name, spec["strength"])[0]
+
+
+def record_calls(model, limit: int, store: dict[str, torch.Tensor]) -> None:
+    """Keep the first `limit` calls of ComfyUI's Flux.forward on this model: inputs and output."""
+    flux = model.model.diffusion_model
+    original = flux.forward
+    count = [0]
+
+    def recorded(x, timestep, context, y=None, guidance=None, **kwargs):
+        out = original(x, timestep, context, y=y, guidance=guidance, **kwargs)
+        i = count[0]
+        if i < limit:
+            for key, value in {"x": x, "timestep": timestep, "context": context, "y": y,
+                               "guidance": guidance, "output": out}.items():  # fmt: skip
+                store[f"{i}.{key}"] = value.detach().to(torch.float32).clone()
+        count[0] += 1
+        return out
+
+    flux.forward = recorded
+
+
+def run_case(comfy, models, name: str, case: dict[str, Any], folder: Path) -> dict[str, torch.Tensor]:
     variant = case["variant"]
     model = models[variant]
     tensors = case_inputs(name, case)
     positive, cond_tensors = cond_for(variant, 1, 500 + len(name), case.get("guidance"))
     tensors.update(cond_tensors)
+    negative = positive  # cfg 1: ComfyUI never runs the negative
+    if case.get("negative"):
+        negative, neg = cond_for(variant, 1, 900 + len(name), case.get("guidance"))
+        tensors.update(neg_cond=neg["cond"], neg_pooled=neg["pooled"])
     latent = {"samples": tensors["latent"].clone()}
     if "mask" in tensors:
         latent["noise_mask"] = tensors["mask"].clone()
@@ -195,21 +272,37 @@ def run_case(comfy, models, name: str, case: dict[str, Any]) -> dict[str, torch.
             .ModelSamplingFlux()
             .patch(model, s["max_shift"], s["base_shift"], case["width"], case["height"])[0]
         )
+    if "lora" in case:
+        model = with_lora(comfy, model, case["lora"], folder)
+    calls: dict[str, torch.Tensor] = {}
+    if "record_calls" in case:
+        model = model.clone()
+        record_calls(model, case["record_calls"], calls)
+    cfg, sampler_name = case.get("cfg", 1.0), case.get("sampler", "euler")
+    custom = comfy["custom"]
     if "sigmas" in case:
-        sampler = comfy["samplers"].sampler_object("euler")
+        sampler = comfy["samplers"].sampler_object(sampler_name)
         sigmas = torch.tensor(case["sigmas"], dtype=torch.float32)
-        out = (
-            comfy["custom"]
-            .SamplerCustom()
-            .sample(model, True, case["seed"], 1.0, positive, positive, sampler, sigmas, latent)[0]
-        )
+        out = custom.SamplerCustom().sample(
+            model, True, case["seed"], cfg, positive, negative, sampler, sigmas, latent
+        )[0]
+    elif case.get("guider") == "cfg":
+        noise = custom.RandomNoise().get_noise(case["seed"])[0]
+        guider = custom.CFGGuider().get_guider(model, positive, negative, cfg)[0]
+        sampler = custom.KSamplerSelect().get_sampler(sampler_name)[0]
+        sigmas = custom.BasicScheduler().get_sigmas(
+            model, case["scheduler"], case["steps"], case.get("denoise", 1.0)
+        )[0]
+        out = custom.SamplerCustomAdvanced().sample(noise, guider, sampler, sigmas, latent)[0]
     else:
         out = comfy["nodes"].common_ksampler(
-            model, case["seed"], case["steps"], 1.0, "euler", "simple", positive, positive, latent,
-            denoise=case.get("denoise", 1.0),
+            model, case["seed"], case["steps"], cfg, sampler_name, case.get("scheduler", "simple"), positive,
+            negative, latent, denoise=case.get("denoise", 1.0),
         )[0]  # fmt: skip
     tensors["output"] = out["samples"].to(torch.float32).contiguous()
-    return tensors
+    if "record_calls" in case:
+        return {f"{name}.{k}": v for k, v in calls.items()}
+    return {f"{name}.{k}": v for k, v in tensors.items()}
 
 
 def main() -> None:
@@ -231,12 +324,16 @@ def main() -> None:
         flux = build_flux(config, seed=spec["seed"])
         models[variant] = load_in_comfy(comfy, config, diffusers_to_bfl(flux.state_dict()))
 
+    import folder_paths
+
+    loras = Path(tempfile.mkdtemp(prefix="rp-loras-"))
+    folder_paths.add_model_folder_path("loras", str(loras))
     tensors: dict[str, torch.Tensor] = {}
     for name, case in CASES.items():
         with torch.no_grad():
-            for key, value in run_case(comfy, models, name, case).items():
-                tensors[f"{name}.{key}"] = value.contiguous()
-        print(f"{name}: output {tuple(tensors[name + '.output'].shape)}")
+            got = run_case(comfy, models, name, case, loras)
+        tensors.update({k: v.contiguous() for k, v in got.items()})
+        print(f"{name}: {len(got)} tensors")
 
     commit = comfy_commit(path)
     metadata = {
