@@ -412,9 +412,7 @@ class ParallelFlux:
                 if not held:
                     request["cond"] = {"context": context, "y": y}
                 try:
-                    result = group.call(
-                        "flux_forward", request, timeout=timeout, watchdog=self._pace.watchdog()
-                    )
+                    result = group.call("flux_forward", request, timeout=timeout, watchdog=self._pace.watchdog())
                     break
                 except WorkerError as exc:
                     # A rank without the key (a restarted worker, an eviction out of step) gets the
