@@ -33,26 +33,29 @@ def _interrupted() -> None:
     mm.throw_exception_if_processing_interrupted()
 
 
-def _progress_bar(total: int):
-    """ComfyUI's progress bar; its hook raises on a pending interrupt, which cancels the job on all ranks."""
-    import comfy.utils
+def _sampler_lists() -> tuple[list[str], list[str]]:
+    """ComfyUI's own sampler and scheduler lists, all of them (the sampling is ComfyUI's)."""
+    import comfy.samplers
 
-    bar = comfy.utils.ProgressBar(total)
-    return lambda step, steps: bar.update_absolute(step, steps)
+    return list(comfy.samplers.KSampler.SAMPLERS), list(comfy.samplers.KSampler.SCHEDULERS)
 
 
 def _sampler_inputs() -> dict[str, Any]:
+    samplers, schedulers = _sampler_lists()
     return {
         "parallel_flux": (HANDLE_TYPE, {"tooltip": _HANDLE_TOOLTIP}),
         "positive": (
             "CONDITIONING",
             {
-                "tooltip": "One FLUX prompt: CLIPTextEncode (with a FLUX DualCLIPLoader), then FluxGuidance for dev."
+                "tooltip": "The FLUX prompt: CLIPTextEncode (with a FLUX DualCLIPLoader), then FluxGuidance for dev."
             },
         ),
         "latent_image": (
             "LATENT",
-            {"tooltip": "The latent to denoise: EmptySD3LatentImage for text-to-image, or an encoded image."},
+            {
+                "tooltip": "The latent to denoise, any size ComfyUI accepts: EmptySD3LatentImage for "
+                "text-to-image, or an encoded image."
+            },
         ),
         "seed": (
             "INT",
@@ -68,13 +71,23 @@ def _sampler_inputs() -> dict[str, Any]:
             "INT",
             {"default": 20, "min": 1, "max": 10000, "tooltip": "Denoising steps (ignored with sigmas)."},
         ),
-        "sampler_name": (
-            list(logic.SAMPLERS),
-            {"tooltip": "The sampling algorithm; the parallel samplers implement euler."},
+        "cfg": (
+            "FLOAT",
+            {
+                "default": 1.0,
+                "min": 0.0,
+                "max": 100.0,
+                "step": 0.1,
+                "round": 0.01,
+                "tooltip": "Classifier-free guidance scale, as in KSampler. FLUX dev: keep 1.0 and set "
+                "FluxGuidance instead; above 1.0 a negative prompt is needed (positive and negative then "
+                "run as one batch on the workers).",
+            },
         ),
+        "sampler_name": (samplers, {"tooltip": "ComfyUI's sampling algorithm (every KSampler sampler)."}),
         "scheduler": (
-            list(logic.SCHEDULERS),
-            {"tooltip": "The noise schedule; the parallel samplers implement simple."},
+            schedulers,
+            {"tooltip": "ComfyUI's noise schedule (every KSampler scheduler); ignored with sigmas."},
         ),
         "denoise": (
             "FLOAT",
@@ -83,17 +96,25 @@ def _sampler_inputs() -> dict[str, Any]:
                 "min": 0.0,
                 "max": 1.0,
                 "step": 0.01,
-                "tooltip": "How much of the latent is replaced: 1.0 for text-to-image, less for image-to-image.",
+                "tooltip": "How much of the latent is replaced: 1.0 for text-to-image, less for image-to-image "
+                "(ignored with sigmas).",
             },
         ),
     }
 
 
-_SIGMAS_INPUT = {
+_OPTIONAL_INPUTS = {
+    "negative": (
+        "CONDITIONING",
+        {"tooltip": "Optional negative prompt; needed when cfg is not 1.0, ignored by ComfyUI at cfg 1.0."},
+    ),
     "sigmas": (
         "SIGMAS",
-        {"tooltip": "Optional custom schedule (e.g. BasicScheduler); replaces steps, scheduler and denoise."},
-    )
+        {
+            "tooltip": "Optional custom schedule (BasicScheduler, BetaSamplingScheduler, ...): sampled like "
+            "SamplerCustom, replacing steps, scheduler and denoise."
+        },
+    ),
 }
 
 
@@ -183,45 +204,49 @@ class _ParallelSampler:
 
     def _run(
         self,
-        layout: Any,
+        request: logic.LayoutRequest,
         parallel_flux: logic.ParallelHandle,
         positive: Any,
         latent_image: dict[str, Any],
         seed: int,
         steps: int,
+        cfg: float,
+        sampler_name: str,
+        scheduler: str,
         denoise: float,
+        negative: Any = None,
         sigmas: Any = None,
     ) -> tuple[dict[str, Any]]:
-        import comfy.model_management as mm
-
-        mm.throw_exception_if_processing_interrupted()
-        total = steps if sigmas is None else max(len(sigmas) - 1, 0)
-        out = logic.sample(
-            REGISTRY,
-            parallel_flux,
-            layout,
-            positive,
-            latent_image,
-            seed=seed,
-            steps=steps,
-            denoise=denoise,
-            sigmas=sigmas,
-            progress=_progress_bar(total),
-            interrupted=_interrupted,
-            make_room=lambda: _free_comfy_models(parallel_flux.devices),
+        # Before any worker starts, any weight loads or ComfyUI's models are moved.
+        logic.check_sampler_inputs(
+            REGISTRY, parallel_flux, request, positive, negative, latent_image, cfg=cfg, sigmas=sigmas
         )
+        from . import comfy_model
+
+        model = comfy_model.parallel_model(parallel_flux, request, REGISTRY)
+        # At cfg 1.0 ComfyUI never evaluates the negative (checked above that cfg is 1.0 when it is absent).
+        negative = negative if negative is not None else []
+        if sigmas is None:
+            out = comfy_model.ksampler(
+                model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise
+            )
+        else:
+            out = comfy_model.sample_custom(
+                model, seed, cfg, sampler_name, sigmas, positive, negative, latent_image
+            )
         return (out,)
 
 
 class RocmParallelTPSampler(_ParallelSampler):
     DESCRIPTION = (
-        "Samples FLUX like KSampler (euler, simple, cfg 1) with the weights split over every device of the "
-        "loader (tensor parallelism): the way to fit a model that is too big for one GPU."
+        "ComfyUI's KSampler (every sampler and scheduler, cfg with an optional negative, denoise, optional "
+        "SIGMAS like SamplerCustom) with the FLUX weights split over every device of the loader (tensor "
+        "parallelism): the way to fit a model that is too big for one GPU."
     )
 
     @classmethod
     def INPUT_TYPES(cls) -> dict[str, Any]:
-        return {"required": _sampler_inputs(), "optional": dict(_SIGMAS_INPUT)}
+        return {"required": _sampler_inputs(), "optional": dict(_OPTIONAL_INPUTS)}
 
     def sample(
         self,
@@ -230,20 +255,25 @@ class RocmParallelTPSampler(_ParallelSampler):
         latent_image: dict[str, Any],
         seed: int,
         steps: int,
+        cfg: float,
         sampler_name: str,
         scheduler: str,
         denoise: float,
+        negative: Any = None,
         sigmas: Any = None,
     ) -> tuple[dict[str, Any]]:
-        layout = logic.tp_layout(len(parallel_flux.devices))
-        return self._run(layout, parallel_flux, positive, latent_image, seed, steps, denoise, sigmas)
+        request = logic.LayoutRequest(logic.tp_layout(len(parallel_flux.devices)))
+        return self._run(
+            request, parallel_flux, positive, latent_image, seed, steps, cfg, sampler_name, scheduler, denoise,
+            negative, sigmas,
+        )  # fmt: skip
 
 
 class RocmParallelRingSampler(_ParallelSampler):
     DESCRIPTION = (
-        "Samples FLUX like KSampler (euler, simple, cfg 1) with the image tokens split over the devices "
-        "(context parallelism: ring attention x Ulysses). Every device holds the whole model; this speeds "
-        "up large images."
+        "ComfyUI's KSampler (every sampler and scheduler, cfg with an optional negative, denoise, optional "
+        "SIGMAS like SamplerCustom) with the image tokens split over the devices (context parallelism: ring "
+        "attention x Ulysses). Every device holds the whole model; this speeds up large images."
     )
 
     @classmethod
@@ -266,7 +296,7 @@ class RocmParallelRingSampler(_ParallelSampler):
                 "ring x ulysses must equal the device count.",
             },
         )
-        return {"required": required, "optional": dict(_SIGMAS_INPUT)}
+        return {"required": required, "optional": dict(_OPTIONAL_INPUTS)}
 
     def sample(
         self,
@@ -275,15 +305,122 @@ class RocmParallelRingSampler(_ParallelSampler):
         latent_image: dict[str, Any],
         seed: int,
         steps: int,
+        cfg: float,
         sampler_name: str,
         scheduler: str,
         denoise: float,
         ring_degree: int,
         ulysses_degree: int,
+        negative: Any = None,
         sigmas: Any = None,
     ) -> tuple[dict[str, Any]]:
         layout = logic.context_layout(ring_degree, ulysses_degree, len(parallel_flux.devices))
-        return self._run(layout, parallel_flux, positive, latent_image, seed, steps, denoise, sigmas)
+        request = logic.LayoutRequest(layout, context_only=True)
+        return self._run(
+            request, parallel_flux, positive, latent_image, seed, steps, cfg, sampler_name, scheduler, denoise,
+            negative, sigmas,
+        )  # fmt: skip
+
+
+class RocmParallelModel:
+    DESCRIPTION = (
+        "A standard ComfyUI MODEL whose FLUX transformer runs on the ROCm Parallel workers: connect it to "
+        "ComfyUI's KSampler, KSamplerAdvanced, SamplerCustom, or CFGGuider/BasicGuider + "
+        "SamplerCustomAdvanced, with ModelSamplingFlux and FluxGuidance as usual. For LoRAs use the ROCm "
+        "Parallel LoRA node before this one."
+    )
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("MODEL",)
+    RETURN_NAMES = ("model",)
+    OUTPUT_TOOLTIPS = ("A MODEL for ComfyUI's samplers; each model call is one forward on every worker.",)
+    FUNCTION = "model"
+
+    @classmethod
+    def INPUT_TYPES(cls) -> dict[str, Any]:
+        degree = {"default": 0, "min": 0, "max": 64}
+        return {
+            "required": {
+                "parallel_flux": (HANDLE_TYPE, {"tooltip": _HANDLE_TOOLTIP}),
+                "layout": (
+                    list(logic.MODEL_LAYOUTS),
+                    {
+                        "default": "tp",
+                        "tooltip": "tp = weights split over the devices (fits big models); context = image "
+                        "tokens split (ring x Ulysses; every device holds the model); auto = the planner's "
+                        "choice for each latent's size.",
+                    },
+                ),
+                "ring_degree": (
+                    "INT",
+                    {
+                        **degree,
+                        "tooltip": "context only: ring degree; 0 = fill the rest, both 0 = auto split.",
+                    },
+                ),
+                "ulysses_degree": (
+                    "INT",
+                    {**degree, "tooltip": "context only: Ulysses degree; ring x ulysses = the device count."},
+                ),
+            }
+        }
+
+    def model(
+        self, parallel_flux: logic.ParallelHandle, layout: str, ring_degree: int, ulysses_degree: int
+    ) -> tuple[Any]:
+        from . import comfy_model
+
+        request = logic.model_layout(layout, ring_degree, ulysses_degree, len(parallel_flux.devices))
+        if request.layout is not None:  # a layout the checkpoint cannot take fails here, not mid-sampling
+            REGISTRY.flux_for(parallel_flux.devices).check_load(
+                parallel_flux.checkpoint, layout=request.layout, dtype=parallel_flux.dtype
+            )
+        return (comfy_model.parallel_model(parallel_flux, request, REGISTRY),)
+
+
+class RocmParallelLoRA:
+    DESCRIPTION = (
+        "Adds a FLUX LoRA from models/loras to the ROCm Parallel model (applied on the workers; chain several). "
+        "ComfyUI's LoraLoaderModelOnly cannot patch the parallel MODEL: use this node instead."
+    )
+    CATEGORY = CATEGORY
+    RETURN_TYPES = (HANDLE_TYPE,)
+    RETURN_NAMES = ("parallel_flux",)
+    OUTPUT_TOOLTIPS = (
+        "The same model with this LoRA, for a sampler, the ROCm Parallel Model or another LoRA.",
+    )
+    FUNCTION = "add_lora"
+
+    @classmethod
+    def INPUT_TYPES(cls) -> dict[str, Any]:
+        import folder_paths
+
+        return {
+            "required": {
+                "parallel_flux": (HANDLE_TYPE, {"tooltip": _HANDLE_TOOLTIP}),
+                "lora_name": (
+                    folder_paths.get_filename_list("loras"),
+                    {"tooltip": "A FLUX LoRA from models/loras (BFL, kohya or diffusers/PEFT keys)."},
+                ),
+                "strength_model": (
+                    "FLOAT",
+                    {
+                        "default": 1.0,
+                        "min": -100.0,
+                        "max": 100.0,
+                        "step": 0.01,
+                        "tooltip": "How strongly the LoRA changes the model, as in LoraLoaderModelOnly; 0 = off.",
+                    },
+                ),
+            }
+        }
+
+    def add_lora(
+        self, parallel_flux: logic.ParallelHandle, lora_name: str, strength_model: float
+    ) -> tuple[logic.ParallelHandle]:
+        import folder_paths
+
+        path = folder_paths.get_full_path_or_raise("loras", lora_name)
+        return (logic.add_lora(parallel_flux, path, strength_model),)
 
 
 class RocmParallelStatus:

@@ -7,6 +7,8 @@ functions; the backend is imported lazily, when a node first runs.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import re
 import threading
@@ -28,9 +30,7 @@ CATEGORY = "ROCm Parallel"
 DEVICES_ALL = "all"
 DTYPES = ("default", "bfloat16", "float16", "float32")
 PRELOAD_LAYOUTS = ("none", "tp", "context", "auto")
-# Only ComfyUI's euler / simple are implemented by the backend; offering more would be a lie.
-SAMPLERS = ("euler",)
-SCHEDULERS = ("simple",)
+MODEL_LAYOUTS = ("tp", "context", "auto")  # the ROCm Parallel Model node's choices
 STATUS_ACTIONS = ("report", "unload", "close", "doctor")
 # Worker threads per process (torch.set_num_threads); unset leaves torch's default. Tests and shared
 # CPU machines set it to 1 so that several CPU workers do not fight over the same cores.
@@ -116,9 +116,18 @@ class ParallelHandle:
     name: str  # as listed in ComfyUI's diffusion_models
     devices: tuple[str, ...]
     dtype: str | None
+    loras: tuple[tuple[str, float], ...] = ()  # (absolute path, strength), applied in this order
 
     def __repr__(self) -> str:
-        return f"<{HANDLE_TYPE} {self.name} on {', '.join(self.devices)}>"
+        with_loras = "".join(f" + {os.path.basename(p)} x{s:g}" for p, s in self.loras)
+        return f"<{HANDLE_TYPE} {self.name}{with_loras} on {', '.join(self.devices)}>"
+
+    def with_lora(self, path: str, strength: float) -> ParallelHandle:
+        """This handle plus one LoRA (the ROCm Parallel LoRA node; chainable). Strength 0 changes nothing,
+        as with ComfyUI's LoraLoaderModelOnly."""
+        if strength == 0:
+            return self
+        return dataclasses.replace(self, loras=(*self.loras, (path, float(strength))))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -293,65 +302,328 @@ def ensure_loaded(
 
     with registry.phase("loading", loading=handle.name, step=0, total=0):
         try:
-            flux.check_load(handle.checkpoint, layout=layout, dtype=handle.dtype)  # before any worker starts
-            if not flux.started:
+            flux.check_load(handle.checkpoint, layout=layout, dtype=handle.dtype, **_lora_kwargs(handle))
+            if not flux.started:  # started only once the load is known to be valid
                 registry.update(phase="starting workers")
                 flux.start()
                 registry.update(phase="loading")
-            reports = flux.load(handle.checkpoint, layout=layout, dtype=handle.dtype, progress=check)
+            reports = flux.load(
+                handle.checkpoint, layout=layout, dtype=handle.dtype, progress=check, **_lora_kwargs(handle)
+            )
         finally:
             registry.update(loading=None)
             registry.record_resident(flux)
     registry.record_ranks(reports)
 
 
-def sample(
+_LORA_KEY = re.compile(r"lora[._](?:up|down|A|B)\b|\.lora_[AB]\.|lora_(?:up|down)")
+
+
+def add_lora(handle: ParallelHandle, path: str, strength: float) -> ParallelHandle:
+    """The ROCm Parallel LoRA node: `handle` plus this LoRA, after checking from the file's header (no
+    worker starts) that it is a LoRA at all. The backend checks its keys against the model at load time."""
+    import json
+    import struct
+
+    name = os.path.basename(path)
+    try:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            keys = [k for k in json.loads(f.read(size)) if k != "__metadata__"]
+    except (OSError, ValueError, struct.error) as exc:
+        raise ConfigError(
+            f"lora_name={name!r} cannot be read as a safetensors file ({exc}); pick a .safetensors LoRA "
+            "from models/loras"
+        ) from exc
+    if not any(_LORA_KEY.search(k) for k in keys):
+        raise ConfigError(
+            f"lora_name={name!r} is not a LoRA: none of its {len(keys)} tensors has a LoRA key (lora_up/"
+            "lora_down, lora_A/lora_B); pick a LoRA file from models/loras (a full model belongs in "
+            "models/diffusion_models)"
+        )
+    return handle.with_lora(path, strength)
+
+
+def _lora_kwargs(handle: ParallelHandle) -> dict[str, Any]:
+    """`loras=` for ParallelFlux.load / check_load, passed only when there are any."""
+    return {"loras": list(handle.loras)} if handle.loras else {}
+
+
+# --------------------------------------------------------------------------------------------------
+# The parallel MODEL: ComfyUI samples, the workers run each transformer forward
+
+
+@dataclass(frozen=True)
+class LayoutRequest:
+    """The layout a node asks for: a fixed one, or `None` for the planner's choice for the latent being
+    sampled (`context_only`: among ring x Ulysses splits, the Ring Attention Sampler's auto)."""
+
+    layout: ParallelLayout | None
+    context_only: bool = False
+
+    def describe(self) -> str:
+        if self.layout is not None:
+            return self.layout.describe()
+        return "auto (context parallel)" if self.context_only else "auto"
+
+
+def model_layout(kind: str, ring: int, ulysses: int, devices: int) -> LayoutRequest:
+    """The ROCm Parallel Model node's layout: 'tp', 'context' (degrees, 0 = fill / both 0 = auto) or 'auto'."""
+    if kind not in MODEL_LAYOUTS:
+        raise ConfigError(f"layout={kind!r} is not offered; use one of {', '.join(MODEL_LAYOUTS)}")
+    if kind == "tp":
+        return LayoutRequest(tp_layout(devices))
+    if kind == "auto":
+        return LayoutRequest(None)
+    return LayoutRequest(context_layout(ring, ulysses, devices), context_only=True)
+
+
+# What the proxy refuses: ComfyUI would pass these to its own Flux model, and ignoring them would change
+# the image without a word. Each message names the node to remove.
+CONTROLNET_MESSAGE = (
+    "ControlNet is not supported by the ROCm Parallel Model yet: remove the ControlNet apply node "
+    "(ControlNetApply / ControlNetApplyAdvanced) from the conditioning, or sample with ComfyUI's own "
+    "Load Diffusion Model"
+)
+KONTEXT_MESSAGE = (
+    "FLUX Kontext is not supported yet (issue 13): the conditioning carries reference latents; remove the "
+    "ReferenceLatent / FluxKontextImageScale nodes from the conditioning"
+)
+ATTENTION_MASK_MESSAGE = (
+    "attention masks in the conditioning (e.g. StyleModelApply with strength_type 'attn_bias') are not "
+    "supported by the ROCm Parallel Model: use strength_type 'multiply' or remove the node that adds the mask"
+)
+LORA_ON_MODEL_MESSAGE = (
+    "LoraLoaderModelOnly (or any node that patches weights, e.g. model merging) cannot patch the ROCm "
+    "Parallel Model: its weights live in the worker processes. Remove that node and put a 'ROCm Parallel "
+    "LoRA' node between the ROCm Parallel Loader and the ROCm Parallel Model (or the TP / Ring Attention "
+    "Sampler)"
+)
+
+
+def patches_message(kind: str, names: Sequence[str]) -> str:
+    return (
+        f"a model patch ({kind}: {', '.join(sorted(names))}) would change the FLUX transformer's blocks or "
+        "attention, which run in the ROCm Parallel workers and cannot be patched from ComfyUI; remove the node "
+        "that adds it (e.g. a PAG, attention-couple or block-patch node) from the ROCm Parallel Model's path"
+    )
+
+
+def unknown_input_message(name: str) -> str:
+    return (
+        f"ComfyUI passed '{name}' to the FLUX model; the ROCm Parallel Model does not implement it and "
+        "ignoring it would change the image. Remove the node that adds it to the conditioning or the model"
+    )
+
+
+# Keyword inputs of ComfyUI's Flux.forward the proxy receives and understands, or that carry nothing.
+_HARMLESS = {"ref_latents_method"}  # meaningless without ref_latents (refused on its own)
+
+
+def unsupported_forward_inputs(
+    control: Any, ref_latents: Any, transformer_options: dict[str, Any], extra: dict[str, Any]
+) -> str | None:
+    """Why the proxy cannot run this forward as ComfyUI's Flux would, or None when it can."""
+    if control is not None:
+        return CONTROLNET_MESSAGE
+    if ref_latents is not None:
+        return KONTEXT_MESSAGE
+    if extra.get("attention_mask") is not None:
+        return ATTENTION_MASK_MESSAGE
+    for name, value in extra.items():
+        if name not in _HARMLESS and value is not None:
+            return unknown_input_message(name)
+    for key in ("patches", "patches_replace"):
+        patches = {k: v for k, v in (transformer_options.get(key) or {}).items() if v}
+        if patches:
+            return patches_message(key, list(patches))
+    wrappers = (transformer_options.get("wrappers") or {}).get("diffusion_model") or {}
+    if any(wrappers.values()):
+        return patches_message("diffusion_model wrappers", [str(k) for k, v in wrappers.items() if v])
+    return None
+
+
+def _conditioning_entries(name: str, conditioning: Any) -> list[tuple[Any, dict[str, Any]]]:
+    if not isinstance(conditioning, list) or not conditioning:
+        raise ConfigError(
+            f"{name} must be a CONDITIONING (a list of [tensor, dict]); got {type(conditioning).__name__}"
+        )
+    entries = []
+    for i, entry in enumerate(conditioning):
+        if not isinstance(entry, (list, tuple)) or len(entry) != 2 or not isinstance(entry[1], dict):
+            raise ConfigError(f"{name}[{i}] is not a [tensor, dict] CONDITIONING entry")
+        entries.append((entry[0], entry[1]))
+    return entries
+
+
+def check_conditioning(name: str, conditioning: Any, text_dim: int, pooled_dim: int) -> None:
+    """Widths against the checkpoint (a SD or SDXL text encoder is the usual mistake), and the extras the
+    proxy refuses at run time, refused here before anything starts."""
+    for i, (cond, extras) in enumerate(_conditioning_entries(name, conditioning)):
+        where = f"{name}[{i}]" if len(conditioning) > 1 else name
+        if getattr(cond, "ndim", 0) != 3 or cond.shape[-1] != text_dim:
+            raise ConfigError(
+                f"{where}: the text embedding is {list(getattr(cond, 'shape', []))} but this checkpoint takes "
+                f"[batch, tokens, {text_dim}] (T5-XXL); encode the prompt with a FLUX DualCLIPLoader "
+                "(clip_l + t5xxl, type flux) and CLIPTextEncode"
+            )
+        pooled = extras.get("pooled_output")
+        if pooled is not None and pooled.shape[-1] != pooled_dim:
+            raise ConfigError(
+                f"{where}: pooled_output is {list(pooled.shape)} but this checkpoint takes [batch, {pooled_dim}] "
+                "(CLIP-L); encode the prompt with a FLUX DualCLIPLoader (clip_l + t5xxl, type flux)"
+            )
+        if extras.get("control") is not None:
+            raise ConfigError(CONTROLNET_MESSAGE)
+        if extras.get("reference_latents") is not None:
+            raise ConfigError(KONTEXT_MESSAGE)
+        if extras.get("attention_mask") is not None:
+            raise ConfigError(ATTENTION_MASK_MESSAGE)
+
+
+def check_latent(latent: Any, channels: int = 16) -> None:
+    """A LATENT ComfyUI's sampling accepts for FLUX: any height and width (the model pads to the patch
+    size); 16 channels, or an all-zero latent of another width that ComfyUI widens itself."""
+    samples = latent.get("samples") if isinstance(latent, dict) else None
+    if samples is None or getattr(samples, "ndim", 0) != 4:
+        raise ConfigError(
+            "latent_image must be a LATENT with 'samples' [batch, 16, height/8, width/8]; got "
+            f"{list(getattr(samples, 'shape', [])) if samples is not None else type(latent).__name__}"
+        )
+    if samples.shape[1] != channels and bool(samples.any()):
+        raise ConfigError(
+            f"latent_image has {samples.shape[1]} channels but FLUX latents have {channels}: encode the image "
+            "with the FLUX VAE (ae.safetensors), or use EmptySD3LatentImage for text-to-image"
+        )
+    if min(samples.shape[-2:]) < 1:
+        raise ConfigError(f"latent_image is empty: samples {list(samples.shape)}")
+
+
+def check_sampler_inputs(
     registry: Registry,
     handle: ParallelHandle,
-    layout: ParallelLayout | None,
+    request: LayoutRequest,
     positive: Any,
-    latent: dict[str, Any],
+    negative: Any,
+    latent: Any,
     *,
-    seed: int,
-    steps: int,
-    denoise: float,
+    cfg: float,
     sigmas: Any = None,
-    progress: Callable[[int, int], None] | None = None,
-    interrupted: Callable[[], None] | None = None,
-    make_room: Callable[[], None] | None = None,
-) -> dict[str, Any]:
-    """Validate, load in `layout` if needed, then run the whole denoising loop on the workers.
+) -> None:
+    """Everything the TP / Ring Attention Sampler can check before a worker starts or a weight loads:
+    the checkpoint's header, the layout against it, the conditioning widths, the latent, cfg vs negative."""
+    from ..backend.flux.load import inspect_checkpoint
 
-    The job is checked against the checkpoint's header before any worker starts, any weight loads or
-    `make_room()` (ComfyUI freeing its own models for the workers) runs. `layout=None` lets the planner
-    choose a ring x Ulysses split for this latent's size.
-    """
-    from ..backend.api import ParallelFlux
-
-    ParallelFlux.check_sample(
-        positive, latent, checkpoint=handle.checkpoint, seed=seed, steps=steps, denoise=denoise, sigmas=sigmas
-    )
-    if make_room is not None:
-        make_room()
-    flux = registry.flux_for(handle.devices)
-    if layout is None:
-        b, _, h, w = latent["samples"].shape
-        layout = auto_layout(registry, flux, handle, w * 8, h * 8, b, context_only=True)
-    else:
-        registry.update(auto=None)
-    ensure_loaded(registry, flux, handle, layout, interrupted)
-
-    def report(step: int, total: int) -> None:
-        registry.update(step=step, total=total)
-        if progress is not None:
-            progress(step, total)  # ComfyUI's progress bar raises here on Cancel: every rank stops
-
-    with registry.phase("sampling", step=0, total=steps):
-        out = flux.sample(
-            positive, latent, seed=seed, steps=steps, denoise=denoise, sigmas=sigmas, progress=report
+    info = inspect_checkpoint(handle.checkpoint)
+    check_latent(latent)
+    check_conditioning("positive", positive, info.dims.text_dim, info.dims.pooled_dim)
+    if negative is not None:
+        check_conditioning("negative", negative, info.dims.text_dim, info.dims.pooled_dim)
+    elif not math.isclose(cfg, 1.0):
+        raise ConfigError(
+            f"cfg={cfg:g} needs a negative prompt: connect a CONDITIONING to 'negative' (e.g. CLIPTextEncode "
+            "with an empty text, or ConditioningZeroOut), or set cfg to 1.0 (FLUX dev is usually run at cfg "
+            "1.0 with FluxGuidance instead)"
         )
-    registry.record_ranks(flux.status())
-    return out
+    if sigmas is not None and (getattr(sigmas, "ndim", 0) != 1 or len(sigmas) < 1):
+        raise ConfigError(
+            f"sigmas must be a 1-D SIGMAS schedule; got shape {list(getattr(sigmas, 'shape', []))}"
+        )
+    if request.layout is not None:
+        flux = registry.flux_for(handle.devices)  # does not start workers
+        flux.check_load(handle.checkpoint, layout=request.layout, dtype=handle.dtype, **_lora_kwargs(handle))
+
+
+class ModelRunner:
+    """The plain-Python side of the parallel MODEL: which checkpoint (and LoRAs) in which layout, made
+    resident before ComfyUI's sampling starts, then one `ParallelFlux.forward` per model call.
+
+    `comfy_model` wraps it into ComfyUI's MODEL; nothing here imports ComfyUI. `interrupted()` raises on
+    a pending Cancel (checked during loads); `make_room()` frees ComfyUI's own models from the GPUs.
+    """
+
+    def __init__(
+        self,
+        registry: Registry,
+        handle: ParallelHandle,
+        request: LayoutRequest,
+        *,
+        interrupted: Callable[[], None] | None = None,
+        make_room: Callable[[], None] | None = None,
+    ) -> None:
+        self.registry, self.handle, self.request = registry, handle, request
+        self.interrupted, self.make_room = interrupted, make_room
+        self.layout: ParallelLayout | None = request.layout
+        self._resident: Any = None  # what `prepare` made resident (the backend's record, by identity)
+        self.calls = 0
+
+    def variant(self) -> str:
+        from ..backend.flux.load import inspect_checkpoint
+
+        return inspect_checkpoint(self.handle.checkpoint).variant
+
+    def compute_dtype(self) -> Any:
+        """The workers' compute dtype (ComfyUI casts the model inputs to it, as for its own model)."""
+        from ..backend.flux.load import resolve_dtype
+
+        return resolve_dtype(self.handle.dtype, self.handle.devices[0])
+
+    def prepare(self, shape: Sequence[int]) -> ParallelFlux:
+        """Make the model resident for a latent of `shape` [B, C, H, W] (auto layouts are planned for it)."""
+        if self.make_room is not None:
+            self.make_room()
+        flux = self.registry.flux_for(self.handle.devices)
+        if self.request.layout is None:
+            b, _, h, w = shape
+            self.layout = auto_layout(
+                self.registry, flux, self.handle, w * 8, h * 8, b, context_only=self.request.context_only
+            )
+        else:
+            self.registry.update(auto=None)
+        ensure_loaded(self.registry, flux, self.handle, self.layout, self.interrupted)
+        self._resident = flux.resident
+        return flux
+
+    @contextmanager
+    def sampling(self, shape: Sequence[int], total: int) -> Iterator[None]:
+        """Around one ComfyUI sampling run: load first, then show 'sampling' (and how it ended)."""
+        self.prepare(shape)
+        with self.registry.phase("sampling", step=0, total=total):
+            yield
+
+    def forward(
+        self,
+        x: Any,
+        timestep: Any,
+        context: Any,
+        y: Any,
+        guidance: Any,
+        step: tuple[int, int] | None = None,
+    ) -> Any:
+        """One transformer forward on every rank (ComfyUI's `Flux.forward(x, timestep, context, y,
+        guidance)`); `step` (done, total) is shown on the panel."""
+        flux = self.registry.flux_for(self.handle.devices)
+        if self._resident is None or flux.resident is not self._resident:
+            # Called outside ComfyUI's sampling, or another node loaded something else meanwhile.
+            self.prepare(x.shape)
+        if step is not None:
+            self.registry.update(step=step[0], total=step[1])
+        self.calls += 1
+        return flux.forward(x, timestep, context, y, guidance)
+
+
+def step_of(transformer_options: dict[str, Any]) -> tuple[int, int] | None:
+    """(step, total) of the current model call from ComfyUI's transformer_options (sigmas of this call
+    and of the whole run), for the panel; None when ComfyUI did not say."""
+    run, now = transformer_options.get("sample_sigmas"), transformer_options.get("sigmas")
+    if run is None or now is None or len(run) < 2 or len(now) < 1:
+        return None
+    total = len(run) - 1
+    sigma = float(now[0])
+    for i in range(total):
+        if float(run[i]) >= sigma > float(run[i + 1]) or float(run[i]) == sigma:
+            return (i + 1, total)
+    return (total, total)
 
 
 def status_text(registry: Registry, action: str, devices: Sequence[str] | None = None) -> str:

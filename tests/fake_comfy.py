@@ -1,5 +1,6 @@
 """Stand-ins for the few ComfyUI modules the nodes import lazily (folder_paths, comfy.utils,
-comfy.model_management), so the node classes run in CI without ComfyUI. They record what the nodes did.
+comfy.model_management, comfy.samplers' lists), so the node classes run in CI without ComfyUI. They record
+what the nodes did. The parallel MODEL itself (nodes/comfy_model.py) needs a real ComfyUI: tests/comfy.
 """
 
 from __future__ import annotations
@@ -15,9 +16,15 @@ class InterruptProcessingException(Exception):
     """Same name and role as comfy.model_management's: raised by the progress hook on Cancel."""
 
 
+# Stand-in lists (a real ComfyUI has more): the nodes must offer exactly what comfy.samplers lists.
+SAMPLERS = ["euler", "euler_ancestral", "heun", "dpmpp_2m", "fake_sampler"]
+SCHEDULERS = ["simple", "normal", "sgm_uniform", "beta", "fake_scheduler"]
+
+
 class FakeComfy:
-    def __init__(self, models: Path) -> None:
+    def __init__(self, models: Path, loras: Path | None = None) -> None:
         self.models = models
+        self.loras = loras if loras is not None else models.parent / "loras"
         self.calls: list[str] = []  # model_management calls, in order
         self.progress: list[tuple[int, int]] = []  # every update_absolute(value, total)
         self.interrupt_at: int | None = None  # raise from the progress bar once this step is reported
@@ -27,13 +34,15 @@ class FakeComfy:
         fake = self
         folder_paths = types.ModuleType("folder_paths")
 
+        folders = {"diffusion_models": fake.models, "loras": fake.loras}
+
         def get_filename_list(kind: str) -> list[str]:
-            assert kind == "diffusion_models"
-            return sorted(p.name for p in fake.models.iterdir())
+            folder = folders[kind]
+            return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
 
         def get_full_path_or_raise(kind: str, name: str) -> str:
-            path = fake.models / name
-            if kind != "diffusion_models" or not path.is_file():
+            path = folders[kind] / name
+            if not path.is_file():
                 raise FileNotFoundError(f"Model in folder '{kind}' with filename '{name}' not found.")
             return str(path)
 
@@ -67,13 +76,16 @@ class FakeComfy:
 
         utils = types.ModuleType("comfy.utils")
         utils.ProgressBar = ProgressBar
+        samplers = types.ModuleType("comfy.samplers")
+        samplers.KSampler = type("KSampler", (), {"SAMPLERS": SAMPLERS, "SCHEDULERS": SCHEDULERS})
         comfy = types.ModuleType("comfy")
         comfy.__path__ = []
-        comfy.utils, comfy.model_management = utils, mm
+        comfy.utils, comfy.model_management, comfy.samplers = utils, mm, samplers
         for name, module in {
             "folder_paths": folder_paths,
             "comfy": comfy,
             "comfy.utils": utils,
             "comfy.model_management": mm,
+            "comfy.samplers": samplers,
         }.items():
             monkeypatch.setitem(sys.modules, name, module)

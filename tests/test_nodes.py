@@ -1,8 +1,9 @@
-"""The ComfyUI nodes without ComfyUI: schema, input parsing, the registry, and real sampling through them.
+"""The ComfyUI nodes without ComfyUI: schema, input parsing, the registry, loading on real workers, and
+everything the samplers and the parallel MODEL decide before ComfyUI's sampling runs.
 
-The node classes run against stand-ins for folder_paths / comfy.utils / comfy.model_management
-(tests/fake_comfy.py) and a real 2-worker CPU group; their latents must equal a real ComfyUI's
-KSampler output for the same weights (tests/data/comfy_references.safetensors).
+The node classes run against stand-ins for folder_paths / comfy.utils / comfy.model_management /
+comfy.samplers (tests/fake_comfy.py) and a real 2-worker CPU group. Sampling itself is ComfyUI's, around
+the parallel MODEL (nodes/comfy_model.py): its parity with a real ComfyUI is tested in tests/comfy.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
-from fake_comfy import FakeComfy, InterruptProcessingException
+from fake_comfy import SAMPLERS, SCHEDULERS, FakeComfy, InterruptProcessingException
 from test_sampling import flux_model, positive, reference
 
 import rocm_parallel
@@ -47,7 +49,8 @@ def test_pack_import_is_cheap_and_registers_nodes() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == (
-        "False ['RocmParallelLoader', 'RocmParallelRingSampler', 'RocmParallelStatus', 'RocmParallelTPSampler']"
+        "False ['RocmParallelLoRA', 'RocmParallelLoader', 'RocmParallelModel', 'RocmParallelRingSampler', "
+        "'RocmParallelStatus', 'RocmParallelTPSampler']"
     )
     assert rocm_parallel.WEB_DIRECTORY == "./js"
     assert list((PACK_ROOT / "js").glob("*.js")), "WEB_DIRECTORY has no extension script"
@@ -69,12 +72,19 @@ def test_every_node_is_documented(comfy: FakeComfy) -> None:
         assert set(inputs) <= set(params), f"{node_id}: {set(inputs) - set(params)} not accepted"
 
 
-def test_sampler_options_are_what_the_backend_implements(comfy: FakeComfy) -> None:
+def test_samplers_offer_all_of_comfyuis_samplers_and_schedulers(comfy: FakeComfy) -> None:
     for node_id in ("RocmParallelTPSampler", "RocmParallelRingSampler"):
-        required = NODE_CLASS_MAPPINGS[node_id].INPUT_TYPES()["required"]
-        assert required["sampler_name"][0] == ["euler"]
-        assert required["scheduler"][0] == ["simple"]
+        spec = NODE_CLASS_MAPPINGS[node_id].INPUT_TYPES()
+        required = spec["required"]
+        assert required["sampler_name"][0] == SAMPLERS  # whatever comfy.samplers.KSampler lists
+        assert required["scheduler"][0] == SCHEDULERS
         assert required["seed"][1]["control_after_generate"] is True
+        assert required["cfg"][1]["default"] == 1.0
+        assert list(spec["optional"]) == ["negative", "sigmas"]
+        assert [spec["optional"][n][0] for n in ("negative", "sigmas")] == ["CONDITIONING", "SIGMAS"]
+    model = NODE_CLASS_MAPPINGS["RocmParallelModel"]
+    assert model.RETURN_TYPES == ("MODEL",)
+    assert model.INPUT_TYPES()["required"]["layout"][0] == ["tp", "context", "auto"]
 
 
 # --- input parsing ---------------------------------------------------------------------------------
@@ -251,23 +261,9 @@ def dev_checkpoint(comfy: FakeComfy) -> str:
     return "tiny-dev.safetensors"
 
 
-def _sample(node_id: str, handle: ParallelHandle, name: str = "dev_4steps", **extra) -> torch.Tensor:
-    ref = reference(name)
-    (out,) = NODE_CLASS_MAPPINGS[node_id]().sample(
-        parallel_flux=handle,
-        positive=positive(ref["cond"], ref["pooled"], 3.5),
-        latent_image={"samples": ref["latent"]},
-        seed=42,
-        steps=4,
-        sampler_name="euler",
-        scheduler="simple",
-        denoise=1.0,
-        **extra,
-    )
-    return out["samples"]
-
-
-def test_nodes_sample_like_comfyui(comfy: FakeComfy, shared_registry: Registry, dev_checkpoint: str) -> None:
+def test_loader_loads_on_real_workers(
+    comfy: FakeComfy, shared_registry: Registry, dev_checkpoint: str
+) -> None:
     loader = NODE_CLASS_MAPPINGS["RocmParallelLoader"]
     assert loader.INPUT_TYPES()["required"]["checkpoint"][0] == [dev_checkpoint]
     (handle,) = loader().load(checkpoint=dev_checkpoint, devices="cpu x2", dtype="float32", preload="tp")
@@ -279,75 +275,43 @@ def test_nodes_sample_like_comfyui(comfy: FakeComfy, shared_registry: Registry, 
         "idle",
     )
     assert [r["parameter_bytes"] > 0 for r in state["ranks"]] == [True, True]
-
-    expected = reference("dev_4steps")["output"]
-    tp = _sample("RocmParallelTPSampler", handle)
-    assert (tp - expected).abs().max().item() <= 1e-4
-    assert comfy.progress == [(1, 4), (2, 4), (3, 4), (4, 4)]
     # CPU workers need no GPU memory: ComfyUI's own models stay where they are.
     assert "unload_all_models" not in comfy.calls and "check_interrupt" in comfy.calls
-
-    auto = _sample("RocmParallelRingSampler", handle, ring_degree=0, ulysses_degree=0)
-    assert (auto - expected).abs().max().item() <= 1e-4
-    state = shared_registry.snapshot()
-    chosen = {
-        "context parallel ring=2 x ulysses=1": "ring=2",
-        "context parallel ring=1 x ulysses=2": "ulysses=2",
-    }
-    assert state["layout"] in chosen  # the planner picked a context layout, never TP, for this sampler
-    assert state["auto"].startswith(f"auto: {chosen[state['layout']]} — fits ")
-    assert "predicted" in state["auto"] and "measured" in state["auto"]
-
-    ring = _sample("RocmParallelRingSampler", handle, ring_degree=2, ulysses_degree=1)
-    assert (ring - expected).abs().max().item() <= 1e-4
-    assert shared_registry.snapshot()["layout"] == "context parallel ring=2 x ulysses=1"
-
     status = NODE_CLASS_MAPPINGS["RocmParallelStatus"]().status(action="report", parallel_flux=handle)
     text = status["result"][0]
-    assert text.startswith(
-        "ROCm Parallel: 2 workers on cpu, cpu (idle)\nmodel: tiny-dev.safetensors, context"
-    )
+    assert text.startswith("ROCm Parallel: 2 workers on cpu, cpu (idle)\nmodel: tiny-dev.safetensors, tensor")
     assert status["ui"]["text"] == [text]
 
 
-def test_cancel_stops_every_rank_and_the_group_survives(
-    comfy: FakeComfy, shared_registry: Registry, dev_checkpoint: str
-) -> None:
-    (handle,) = NODE_CLASS_MAPPINGS["RocmParallelLoader"]().load(
-        checkpoint=dev_checkpoint, devices="cpu x2", dtype="float32", preload="none"
-    )
-    comfy.interrupt_at = 2
-    with pytest.raises(InterruptProcessingException):
-        _sample("RocmParallelTPSampler", handle)
-    assert comfy.progress == [(1, 4), (2, 4)]
-    # every rank stopped (mutation tried: `step_done` never raising JobCancelled → replies were ok)
-    replies = shared_registry.current.group.last_replies
-    errors = [r.error for r in replies.values()]
-    assert errors[0] == errors[1] and errors[0] in (
-        f"JobCancelled: cancelled after step {s} of 4" for s in (2, 3)
-    )
-    state = shared_registry.snapshot()  # a Cancel is not an error
-    assert (state["last"], state["error"], state["phase"]) == ("sampling cancelled by the user", None, "idle")
-    comfy.interrupt_at = None
-    out = _sample("RocmParallelTPSampler", handle)  # same workers, next job runs in full
-    assert (out - reference("dev_4steps")["output"]).abs().max().item() <= 1e-4
+def _ref_inputs(name: str = "dev_4steps") -> dict:
+    ref = reference(name)
+    return {
+        "positive": positive(ref["cond"], ref["pooled"], 3.5),
+        "latent_image": {"samples": ref["latent"]},
+        "seed": 42,
+        "steps": 4,
+        "sampler_name": "euler",
+        "scheduler": "simple",
+        "denoise": 1.0,
+    }
 
 
-def test_backend_errors_reach_the_node_before_any_step(
-    comfy: FakeComfy, shared_registry: Registry, dev_checkpoint: str
+def test_ring_degrees_are_checked_before_anything_starts(
+    comfy: FakeComfy, dev_checkpoint: str, recording_registry: tuple[Registry, list]
 ) -> None:
-    (handle,) = NODE_CLASS_MAPPINGS["RocmParallelLoader"]().load(
-        checkpoint=dev_checkpoint, devices="cpu x2", dtype="float32", preload="none"
-    )
+    _, started = recording_registry
+    handle = ParallelHandle(str(comfy.models / dev_checkpoint), dev_checkpoint, ("cpu", "cpu"), None)
     with pytest.raises(
         ConfigError, match=r"ring_degree=2 x ulysses_degree=2 = 4 but the loader has 2 devices"
     ):
-        _sample("RocmParallelRingSampler", handle, ring_degree=2, ulysses_degree=2)
+        NODE_CLASS_MAPPINGS["RocmParallelRingSampler"]().sample(
+            parallel_flux=handle, cfg=1.0, ring_degree=2, ulysses_degree=2, **_ref_inputs()
+        )
     three = Registry(factory=lambda devices: ParallelFlux(list(devices), threads=1))
     with pytest.raises(ConfigError, match="tp_degree=3 does not divide 4 attention heads"):
         logic.load(three, ParallelHandle(handle.checkpoint, "x", ("cpu",) * 3, None), "tp")
     assert not three.current.started  # refused before any worker process started
-    assert comfy.progress == []
+    assert started == [] and comfy.progress == []
 
 
 def test_unload_frees_the_devices(comfy: FakeComfy, shared_registry: Registry, dev_checkpoint: str) -> None:
@@ -416,25 +380,28 @@ def test_the_auto_line_is_cleared_when_a_fixed_layout_runs(
     loader = NODE_CLASS_MAPPINGS["RocmParallelLoader"]()
     (handle,) = loader.load(checkpoint=dev_checkpoint, devices="cpu x2", dtype="float32", preload="auto")
     assert shared_registry.snapshot()["auto"].startswith("auto: ")
-    _sample("RocmParallelTPSampler", handle)
+    logic.ModelRunner(shared_registry, handle, logic.LayoutRequest(ParallelLayout(tp=2))).prepare(
+        (1, 16, 8, 8)
+    )
     state = shared_registry.snapshot()
     assert state["auto"] is None and state["layout"] == "tensor parallel tp=2"
     assert "auto:" not in logic.format_state(state)
 
 
-def test_samplers_validate_before_starting_or_loading(comfy: FakeComfy, dev_checkpoint: str) -> None:
-    """A bad latent fails before any worker process starts and before ComfyUI's models are evicted."""
-    started: list[tuple[str, ...]] = []
-    registry = Registry(factory=lambda devices: started.append(devices) or ParallelFlux(list(devices)))
-    handle = ParallelHandle(str(comfy.models / dev_checkpoint), dev_checkpoint, ("cuda:0", "cuda:1"), None)
-    ref = reference("dev_4steps")
-    with pytest.raises(ConfigError, match=r"^image size 64x56 pixels \(latent 8x7\) is not a multiple of 16"):
-        logic.sample(
-            registry, handle, ParallelLayout(tp=2), positive(ref["cond"], ref["pooled"]),
-            {"samples": torch.zeros(1, 16, 7, 8)}, seed=0, steps=2, denoise=1.0,
-            make_room=lambda: comfy.calls.append("make_room"),
-        )  # fmt: skip
-    assert started == [] and "make_room" not in comfy.calls
+def test_ring_sampler_auto_plans_a_context_layout_for_the_latent(
+    comfy: FakeComfy, shared_registry: Registry, dev_checkpoint: str
+) -> None:
+    handle = ParallelHandle(str(comfy.models / dev_checkpoint), dev_checkpoint, ("cpu", "cpu"), "float32")
+    runner = logic.ModelRunner(shared_registry, handle, logic.LayoutRequest(None, context_only=True))
+    runner.prepare((1, 16, 8, 8))
+    state = shared_registry.snapshot()
+    chosen = {
+        "context parallel ring=2 x ulysses=1": "ring=2",
+        "context parallel ring=1 x ulysses=2": "ulysses=2",
+    }
+    assert state["layout"] in chosen  # the planner picked a context layout, never TP, for this sampler
+    assert state["auto"].startswith(f"auto: {chosen[state['layout']]} — fits ")
+    assert runner.layout.tp == 1 and runner.layout.describe() == state["layout"]
 
 
 def test_cancel_during_a_load_stops_it(
@@ -495,3 +462,302 @@ def test_public_error_names_files_not_paths(message: str, shown: str) -> None:
     from rocm_parallel.backend.flux.load import CheckpointError
 
     assert logic.public_error(CheckpointError(message)) == shown
+
+
+# --- the samplers and the parallel MODEL: what is decided before ComfyUI's sampling runs -------------
+
+
+@pytest.fixture
+def recording_registry(monkeypatch: pytest.MonkeyPatch) -> tuple[Registry, list]:
+    """The nodes' registry; records every worker group it would start (none must start here)."""
+    started: list[tuple[str, ...]] = []
+    registry = Registry(factory=lambda devices: started.append(devices) or ParallelFlux(list(devices)))
+    monkeypatch.setattr(logic, "REGISTRY", registry)
+    monkeypatch.setattr("rocm_parallel.nodes.classes.REGISTRY", registry)
+    return registry, started
+
+
+def _bad_inputs(name: str) -> dict:
+    ref = reference("dev_4steps")
+    inputs = {**_ref_inputs(), "cfg": 1.0}
+    if name == "cfg_without_negative":
+        inputs["cfg"] = 2.5
+    elif name == "sd_latent":
+        inputs["latent_image"] = {"samples": torch.ones(1, 4, 8, 8)}
+    elif name == "sdxl_text":
+        inputs["positive"] = positive(torch.zeros(1, 77, 2048), ref["pooled"], 3.5)
+    elif name == "negative_width":
+        inputs["negative"] = positive(ref["cond"], torch.zeros(1, 1280))
+        inputs["cfg"] = 2.0
+    elif name == "controlnet":
+        inputs["positive"][0][1]["control"] = object()
+    elif name == "kontext":
+        inputs["positive"][0][1]["reference_latents"] = [torch.zeros(1, 16, 8, 8)]
+    elif name == "attention_mask":
+        inputs["positive"][0][1]["attention_mask"] = torch.zeros(1, 8, 8)
+    return inputs
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        (
+            "cfg_without_negative",
+            "cfg=2.5 needs a negative prompt: connect a CONDITIONING to 'negative' (e.g. CLIPTextEncode with "
+            "an empty text, or ConditioningZeroOut), or set cfg to 1.0 (FLUX dev is usually run at cfg 1.0 "
+            "with FluxGuidance instead)",
+        ),
+        (
+            "sd_latent",
+            "latent_image has 4 channels but FLUX latents have 16: encode the image with the FLUX VAE "
+            "(ae.safetensors), or use EmptySD3LatentImage for text-to-image",
+        ),
+        (
+            "sdxl_text",
+            "positive: the text embedding is [1, 77, 2048] but this checkpoint takes [batch, tokens, 32] "
+            "(T5-XXL); encode the prompt with a FLUX DualCLIPLoader (clip_l + t5xxl, type flux) and "
+            "CLIPTextEncode",
+        ),
+        (
+            "negative_width",
+            "negative: pooled_output is [1, 1280] but this checkpoint takes [batch, 24] (CLIP-L); encode the "
+            "prompt with a FLUX DualCLIPLoader (clip_l + t5xxl, type flux)",
+        ),
+        ("controlnet", logic.CONTROLNET_MESSAGE),
+        ("kontext", logic.KONTEXT_MESSAGE),
+        ("attention_mask", logic.ATTENTION_MASK_MESSAGE),
+    ],
+)
+def test_samplers_validate_before_starting_or_loading(
+    comfy: FakeComfy, dev_checkpoint: str, recording_registry: tuple[Registry, list], case: str, message: str
+) -> None:
+    """Refused before any worker process starts and before ComfyUI's models are evicted (GPU devices)."""
+    _, started = recording_registry
+    handle = ParallelHandle(str(comfy.models / dev_checkpoint), dev_checkpoint, ("cuda:0", "cuda:1"), None)
+    for node_id, extra in (
+        ("RocmParallelTPSampler", {}),
+        ("RocmParallelRingSampler", {"ring_degree": 2, "ulysses_degree": 1}),
+    ):
+        with pytest.raises(ConfigError) as err:
+            NODE_CLASS_MAPPINGS[node_id]().sample(parallel_flux=handle, **_bad_inputs(case), **extra)
+        assert str(err.value) == message
+    assert started == [] and "unload_all_models" not in comfy.calls
+
+
+def test_kontext_message_names_the_issue() -> None:
+    assert logic.KONTEXT_MESSAGE.startswith("FLUX Kontext is not supported yet (issue 13)")
+
+
+@pytest.mark.parametrize(("height", "width"), [(25, 25), (7, 8), (1, 3), (64, 9)])
+def test_any_latent_size_comfyui_accepts_passes_the_checks(
+    comfy: FakeComfy, dev_checkpoint: str, recording_registry: tuple[Registry, list], height: int, width: int
+) -> None:
+    """The old 'multiple of 16 pixels' refusal is gone: ComfyUI's Flux pads inside the model (e.g. 200x200
+    px -> latent 25x25). A 4-channel all-zero latent (EmptyLatentImage) is widened by ComfyUI itself."""
+    registry, started = recording_registry
+    handle = ParallelHandle(str(comfy.models / dev_checkpoint), dev_checkpoint, ("cpu", "cpu"), None)
+    ref = reference("dev_4steps")
+    for samples in (torch.randn(2, 16, height, width), torch.zeros(1, 4, height, width)):
+        logic.check_sampler_inputs(
+            registry, handle, logic.LayoutRequest(ParallelLayout(tp=2)), positive(ref["cond"], ref["pooled"]),
+            None, {"samples": samples}, cfg=1.0,
+        )  # fmt: skip
+    assert started == [("cpu", "cpu")] and not registry.current.started  # made, never started
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"control": {"output": []}}, logic.CONTROLNET_MESSAGE),
+        ({"ref_latents": [torch.zeros(1, 16, 4, 4)]}, logic.KONTEXT_MESSAGE),
+        ({"extra": {"attention_mask": torch.zeros(1)}}, logic.ATTENTION_MASK_MESSAGE),
+        (
+            {"extra": {"pulid": torch.zeros(1)}},
+            "ComfyUI passed 'pulid' to the FLUX model; the ROCm Parallel Model does not implement it and "
+            "ignoring it would change the image. Remove the node that adds it to the conditioning or the model",
+        ),
+        (
+            {"options": {"patches_replace": {"dit": {("double_block", 0): print}}}},
+            "a model patch (patches_replace: dit) would change the FLUX transformer's blocks or attention, which "
+            "run in the ROCm Parallel workers and cannot be patched from ComfyUI; remove the node that adds it "
+            "(e.g. a PAG, attention-couple or block-patch node) from the ROCm Parallel Model's path",
+        ),
+        ({"options": {"patches": {"post_input": [print]}}}, logic.patches_message("patches", ["post_input"])),
+        (
+            {"options": {"wrappers": {"diffusion_model": {"cache": [print]}}}},
+            logic.patches_message("diffusion_model wrappers", ["cache"]),
+        ),
+    ],
+)
+def test_the_proxy_refuses_what_it_would_otherwise_ignore(kwargs: dict, message: str) -> None:
+    args = {"control": None, "ref_latents": None, "options": {}, "extra": {}} | kwargs
+    got = logic.unsupported_forward_inputs(
+        args["control"], args["ref_latents"], args["options"], args["extra"]
+    )
+    assert got == message
+
+
+def test_the_proxy_runs_what_comfyui_always_passes() -> None:
+    options = {
+        "patches": {},
+        "patches_replace": {},
+        "wrappers": {"outer_sample": {"rocm_parallel": [print]}, "diffusion_model": {}},
+        "sigmas": torch.tensor([0.5]),
+        "sample_sigmas": torch.tensor([1.0, 0.5, 0.0]),
+        "cond_or_uncond": [0, 1],
+    }
+    extra = {"ref_latents_method": None, "attention_mask": None}
+    assert logic.unsupported_forward_inputs(None, None, options, extra) is None
+
+
+@pytest.mark.parametrize(
+    ("now", "run", "step"),
+    [
+        ([1.0], [1.0, 0.5, 0.2, 0.0], (1, 3)),
+        ([0.2], [1.0, 0.5, 0.2, 0.0], (3, 3)),
+        ([0.35], [1.0, 0.5, 0.2, 0.0], (2, 3)),  # heun's second evaluation inside step 2
+        (None, [1.0, 0.0], None),
+    ],
+)
+def test_the_panel_step_comes_from_comfyuis_sigmas(now, run, step) -> None:
+    options = {"sample_sigmas": torch.tensor(run)} | ({} if now is None else {"sigmas": torch.tensor(now)})
+    assert logic.step_of(options) == step
+
+
+class ForwardFlux:
+    """A ParallelFlux stand-in for the runner's bookkeeping: records loads and forwards."""
+
+    def __init__(self, devices: tuple[str, ...]) -> None:
+        self.devices, self.started, self.resident, self.warnings = devices, True, None, []
+        self.loads: list[dict] = []
+        self.checks: list[dict] = []
+        self.forwards: list[tuple] = []
+
+    def check_load(self, checkpoint: str, **kwargs) -> None:
+        self.checks.append(kwargs)
+
+    def load(self, checkpoint: str, **kwargs) -> list:
+        self.loads.append(kwargs)
+        self.resident = SimpleNamespace(checkpoint=checkpoint, layout=kwargs["layout"])
+        return [{"rank": 0, "device": "cpu", "parameter_bytes": 1}]
+
+    def forward(self, x, timestep, context, y, guidance):
+        self.forwards.append((x.shape, timestep, guidance))
+        return x * 2
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_runner_loads_once_then_forwards_and_shows_the_step() -> None:
+    registry = Registry(factory=ForwardFlux)
+    handle = ParallelHandle("/m/dev.safetensors", "dev.safetensors", ("cpu", "cpu"), "float32")
+    runner = logic.ModelRunner(registry, handle, logic.LayoutRequest(ParallelLayout(tp=2)))
+    x = torch.ones(2, 16, 25, 25)
+    with runner.sampling(x.shape, total=3):
+        assert registry.snapshot()["phase"] == "sampling"
+        out = runner.forward(x, torch.tensor([1.0, 1.0]), None, None, torch.tensor([3.5, 3.5]), (2, 3))
+        assert registry.snapshot()["step"] == 2 and registry.snapshot()["total"] == 3
+        runner.forward(x, torch.tensor([0.5, 0.5]), None, None, None)
+    flux = registry.current
+    assert torch.equal(out, x * 2) and len(flux.loads) == 1 and len(flux.forwards) == 2
+    assert flux.loads[0]["layout"] == ParallelLayout(tp=2) and "loras" not in flux.loads[0]
+    assert registry.snapshot()["phase"] == "idle"
+    flux.resident = None  # e.g. the Status node unloaded it between two runs: loaded again, not failed
+    runner.forward(x, torch.tensor([1.0, 1.0]), None, None, None)
+    assert len(flux.loads) == 2
+
+
+def test_a_cancel_during_comfyuis_sampling_is_shown_as_such() -> None:
+    registry = Registry(factory=ForwardFlux)
+    handle = ParallelHandle("/m/dev.safetensors", "dev.safetensors", ("cpu", "cpu"), None)
+    runner = logic.ModelRunner(registry, handle, logic.LayoutRequest(ParallelLayout(tp=2)))
+    with pytest.raises(InterruptProcessingException), runner.sampling((1, 16, 8, 8), total=4):
+        raise InterruptProcessingException()
+    state = registry.snapshot()
+    assert (state["phase"], state["last"], state["error"]) == ("idle", "sampling cancelled by the user", None)
+    with pytest.raises(RuntimeError), runner.sampling((1, 16, 8, 8), total=4):
+        raise RuntimeError("rank 1 (cuda:1): out of memory")
+    assert registry.snapshot()["error"] == "RuntimeError: rank 1 (cuda:1): out of memory"
+
+
+# --- LoRA ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def lora_files(comfy: FakeComfy) -> list[str]:
+    from test_sampling import MODELS
+
+    from rocm_parallel.backend.flux.model import tiny_flux_config
+    from rocm_parallel.testing.helpers import write_random_lora
+
+    config = tiny_flux_config(**MODELS["dev"]["config"])
+    comfy.loras.mkdir(exist_ok=True)
+    write_random_lora(comfy.loras / "style.safetensors", config, "bfl", rank=4, seed=1)
+    write_random_lora(comfy.loras / "kohya.safetensors", config, "kohya", rank=2, seed=2)
+    save_bfl_checkpoint(flux_model("dev"), comfy.loras / "not-a-lora.safetensors")
+    return ["kohya.safetensors", "not-a-lora.safetensors", "style.safetensors"]
+
+
+def test_lora_node_chains_loras_onto_the_handle(comfy: FakeComfy, lora_files: list[str]) -> None:
+    node = NODE_CLASS_MAPPINGS["RocmParallelLoRA"]
+    assert node.INPUT_TYPES()["required"]["lora_name"][0] == lora_files
+    base = ParallelHandle("/m/dev.safetensors", "dev.safetensors", ("cpu", "cpu"), None)
+    (one,) = node().add_lora(parallel_flux=base, lora_name="style.safetensors", strength_model=0.8)
+    (two,) = node().add_lora(parallel_flux=one, lora_name="kohya.safetensors", strength_model=-0.5)
+    (same,) = node().add_lora(parallel_flux=two, lora_name="style.safetensors", strength_model=0.0)
+    assert two.loras == (
+        (str(comfy.loras / "style.safetensors"), 0.8),
+        (str(comfy.loras / "kohya.safetensors"), -0.5),
+    )
+    assert same is two and base.loras == ()  # strength 0 is off, as in LoraLoaderModelOnly
+    assert hash(two) != hash(one) != hash(base)
+    assert (
+        repr(two)
+        == "<PARALLEL_FLUX dev.safetensors + style.safetensors x0.8 + kohya.safetensors x-0.5 on cpu, cpu>"
+    )
+
+
+def test_lora_node_refuses_a_file_that_is_no_lora(comfy: FakeComfy, lora_files: list[str]) -> None:
+    base = ParallelHandle("/m/dev.safetensors", "dev.safetensors", ("cpu", "cpu"), None)
+    with pytest.raises(ConfigError) as err:
+        NODE_CLASS_MAPPINGS["RocmParallelLoRA"]().add_lora(
+            parallel_flux=base, lora_name="not-a-lora.safetensors", strength_model=1.0
+        )
+    assert str(err.value).startswith(
+        "lora_name='not-a-lora.safetensors' is not a LoRA: none of its "
+    ) and str(err.value).endswith(
+        " tensors has a LoRA key (lora_up/lora_down, lora_A/lora_B); pick a LoRA file from models/loras (a "
+        "full model belongs in models/diffusion_models)"
+    )
+    with pytest.raises(FileNotFoundError, match=r"'missing\.safetensors' not found"):
+        NODE_CLASS_MAPPINGS["RocmParallelLoRA"]().add_lora(
+            parallel_flux=base, lora_name="missing.safetensors", strength_model=1.0
+        )
+
+
+def test_loras_reach_the_backends_check_and_load() -> None:
+    registry = Registry(factory=ForwardFlux)
+    handle = ParallelHandle(
+        "/m/dev.safetensors", "dev.safetensors", ("cpu", "cpu"), None, (("/l/a.safetensors", 0.5),)
+    )
+    logic.ModelRunner(registry, handle, logic.LayoutRequest(ParallelLayout(tp=2))).prepare((1, 16, 8, 8))
+    flux = registry.current
+    assert flux.checks[0]["loras"] == [("/l/a.safetensors", 0.5)] == flux.loads[0]["loras"]
+
+
+def test_missing_comfyui_internals_name_the_version(
+    monkeypatch: pytest.MonkeyPatch, comfy: FakeComfy
+) -> None:
+    from rocm_parallel.nodes import comfy_model
+
+    monkeypatch.setitem(sys.modules, "comfyui_version", SimpleNamespace(__version__="0.9.99"))
+    with pytest.raises(RuntimeError) as err:
+        comfy_model.require_internals()
+    text = str(err.value)
+    assert text.startswith("ROCm Parallel Model: ComfyUI 0.9.99 lacks comfy.model_base.Flux, ")
+    assert "comfy.samplers.sampler_object" in text  # the fake comfy.samplers has only the lists
+    assert text.endswith(
+        "which the parallel MODEL needs (built against ComfyUI 0.3.64). Update ComfyUI, or use "
+        "the TP / Ring Attention Sampler's pack version made for this ComfyUI"
+    )

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from fake_comfy import FakeComfy
+from fake_comfy import SAMPLERS, FakeComfy
 from workflow_check import (
     check_api,
     check_ui,
@@ -32,6 +32,8 @@ EXPECTED = {
     "flux1_dev_ring2": ("RocmParallelRingSampler", "0,1", "flux1-dev.safetensors", (2, 1)),
     "flux1_dev_ring2_ulysses2": ("RocmParallelRingSampler", "0,1,2,3", "flux1-dev.safetensors", (2, 2)),
     "flux1_schnell_tp2": ("RocmParallelTPSampler", "0,1", "flux1-schnell.safetensors", None),
+    "flux1_dev_lora_dpmpp2m_beta": ("RocmParallelTPSampler", "0,1,2,3", "flux1-dev.safetensors", None),
+    "flux1_dev_ksampler_parallel_model": ("KSampler", "0,1,2,3", "flux1-dev.safetensors", None),
 }
 
 
@@ -109,6 +111,23 @@ def test_workflow_does_what_its_name_says(name: str) -> None:
     assert standard <= set(by_class)
 
 
+def test_lora_workflow_chains_loader_lora_sampler_with_dpmpp_2m_beta() -> None:
+    api = load("flux1_dev_lora_dpmpp2m_beta", api=True)
+    ids = {node["class_type"]: node_id for node_id, node in api.items()}
+    sampler = api[ids["RocmParallelTPSampler"]]["inputs"]
+    assert (sampler["sampler_name"], sampler["scheduler"]) == ("dpmpp_2m", "beta")
+    assert sampler["parallel_flux"] == [ids["RocmParallelLoRA"], 0]
+    assert api[ids["RocmParallelLoRA"]]["inputs"]["parallel_flux"] == [ids["RocmParallelLoader"], 0]
+
+
+def test_ksampler_workflow_runs_comfyuis_own_ksampler_on_the_parallel_model() -> None:
+    api = load("flux1_dev_ksampler_parallel_model", api=True)
+    ids = {node["class_type"]: node_id for node_id, node in api.items()}
+    assert api[ids["KSampler"]]["inputs"]["model"] == [ids["RocmParallelModel"], 0]
+    assert api[ids["RocmParallelModel"]]["inputs"]["parallel_flux"] == [ids["RocmParallelLoader"], 0]
+    assert api[ids["KSampler"]]["inputs"]["cfg"] == 1.0  # FLUX dev: FluxGuidance, not cfg
+
+
 def test_checker_finds_broken_workflows(info: dict) -> None:
     """The checks above can fail: each kind of damage is reported."""
     ui = load("flux1_dev_tp4")
@@ -116,14 +135,14 @@ def test_checker_finds_broken_workflows(info: dict) -> None:
     broken = copy.deepcopy(ui)
     node = next(n for n in broken["nodes"] if n["id"] == sampler["id"])
     node["inputs"][1]["type"] = "LATENT"  # positive typed wrong
-    node["widgets_values"][3] = "dpmpp_2m"  # a sampler the pack does not offer
+    node["widgets_values"][4] = "dpmpp_3m_turbo"  # a sampler ComfyUI does not offer
     broken["links"] = [link for link in broken["links"] if link[3] != sampler["id"] or link[4] != 2]
     assert check_ui(broken, info) == [
         f"node {sampler['id']} RocmParallelTPSampler.positive is typed LATENT, the node takes CONDITIONING",
         f"node {sampler['id']} RocmParallelTPSampler.latent_image: link "
         f"{node['inputs'][2]['link']} is not in the links table",
         f"node {sampler['id']} RocmParallelTPSampler: required input 'latent_image' is not connected",
-        f"node {sampler['id']} RocmParallelTPSampler.sampler_name='dpmpp_2m': not one of ['euler']",
+        f"node {sampler['id']} RocmParallelTPSampler.sampler_name='dpmpp_3m_turbo': not one of {SAMPLERS}",
     ]
     api = load("flux1_dev_ring2", api=True)
     ring_id = next(k for k, v in api.items() if v["class_type"] == "RocmParallelRingSampler")

@@ -19,6 +19,7 @@ MODEL_FILE_INPUTS = {
     ("DualCLIPLoader", "clip_name2"),
     ("VAELoader", "vae_name"),
     ("RocmParallelLoader", "checkpoint"),
+    ("RocmParallelLoRA", "lora_name"),
 }
 
 

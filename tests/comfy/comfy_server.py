@@ -55,7 +55,8 @@ class RPTestReferenceConditioning:
 
     def load(self, case):
         ref = load_file(REFERENCES)
-        return ([[ref[case + ".cond"], {{"pooled_output": ref[case + ".pooled"]}}]],)
+        prefix = case[: -len(":neg")] + ".neg_" if case.endswith(":neg") else case + "."
+        return ([[ref[prefix + "cond"], {{"pooled_output": ref[prefix + "pooled"]}}]],)
 
 
 NODE_CLASS_MAPPINGS = {{"RPTestReferenceConditioning": RPTestReferenceConditioning}}
@@ -192,7 +193,9 @@ def sampling_prompt(
 ) -> dict[str, Any]:
     """Reference case dev_4steps (seed 42) through the samplers named ('tp', 'ring'), each saved with
     SaveLatent. Another seed makes ComfyUI run the samplers again instead of using its cache."""
-    shared = {"seed": seed, "steps": steps, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0}
+    shared = {
+        "seed": seed, "steps": steps, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0
+    }  # fmt: skip
     links = {"parallel_flux": ["4", 0], "positive": ["2", 0], "latent_image": ["3", 0]}
     prompt = {
         "1": {"class_type": "RPTestReferenceConditioning", "inputs": {"case": "dev_4steps"}},
@@ -214,6 +217,39 @@ def sampling_prompt(
         if name not in samplers:
             for node_id in ids:
                 del prompt[node_id]
+    return prompt
+
+
+def model_prompt(case: str, seed_offset: int = 0) -> dict[str, Any]:
+    """Reference `case` (zeros latent) with ComfyUI's own KSampler on the ROCm Parallel Model (node '6'),
+    saved with SaveLatent under 'model/<case>'."""
+    from test_sampling import ALL_CASES
+
+    c = ALL_CASES[case]
+    guidance = c.get("guidance", 3.5)
+    prompt: dict[str, Any] = {
+        "1": {"class_type": "RPTestReferenceConditioning", "inputs": {"case": case}},
+        "2": {"class_type": "FluxGuidance", "inputs": {"conditioning": ["1", 0], "guidance": guidance}},
+        "3": {"class_type": "EmptySD3LatentImage", "inputs": {"width": c["width"], "height": c["height"], "batch_size": 1}},
+        "4": {**loader_node(), "inputs": {**loader_node()["inputs"], "preload": "none"}},
+        "5": {"class_type": "RocmParallelModel", "inputs": {"parallel_flux": ["4", 0], "layout": "tp", "ring_degree": 0, "ulysses_degree": 0}},
+        "6": {
+            "class_type": "KSampler",
+            "inputs": {
+                "model": ["5", 0], "positive": ["2", 0], "negative": ["2", 0], "latent_image": ["3", 0],
+                "seed": c["seed"] + seed_offset, "steps": c["steps"], "cfg": c.get("cfg", 1.0),
+                "sampler_name": c.get("sampler", "euler"), "scheduler": c.get("scheduler", "simple"), "denoise": 1.0,
+            },
+        },
+        "7": {"class_type": "SaveLatent", "inputs": {"samples": ["6", 0], "filename_prefix": f"model/{case}"}},
+    }  # fmt: skip
+    if c.get("negative"):
+        prompt["8"] = {"class_type": "RPTestReferenceConditioning", "inputs": {"case": f"{case}:neg"}}
+        prompt["9"] = {
+            "class_type": "FluxGuidance",
+            "inputs": {"conditioning": ["8", 0], "guidance": guidance},
+        }
+        prompt["6"]["inputs"]["negative"] = ["9", 0]
     return prompt
 
 

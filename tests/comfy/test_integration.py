@@ -17,12 +17,14 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 from comfy_server import (
     PACK_DIR_NAME,
     PACK_ROOT,
     Comfy,
     absolute_paths,
     loader_node,
+    model_prompt,
     rejected_checkpoint,
     sampling_prompt,
     status_prompt,
@@ -38,6 +40,8 @@ def test_pack_loads_with_nodes_route_js_and_templates(comfy: Comfy) -> None:
     info = comfy.get("/object_info")
     for node_id in (
         "RocmParallelLoader",
+        "RocmParallelLoRA",
+        "RocmParallelModel",
         "RocmParallelTPSampler",
         "RocmParallelRingSampler",
         "RocmParallelStatus",
@@ -52,12 +56,20 @@ def test_pack_loads_with_nodes_route_js_and_templates(comfy: Comfy) -> None:
     assert b"registerExtension" in comfy.get(f"/extensions/{PACK_DIR_NAME}/rocm_parallel.js")
     templates = comfy.get("/api/workflow_templates")
     assert sorted(templates[PACK_DIR_NAME]) == [
+        "flux1_dev_ksampler_parallel_model",
+        "flux1_dev_lora_dpmpp2m_beta",
         "flux1_dev_ring2",
         "flux1_dev_ring2_ulysses2",
         "flux1_dev_tp4",
         "flux1_schnell_tp2",
     ]
     assert comfy.get(f"/api/workflow_templates/{PACK_DIR_NAME}/flux1_dev_tp4.json")["nodes"]
+    # The samplers offer all of ComfyUI's own samplers and schedulers.
+    ksampler = info["KSampler"]["input"]["required"]
+    for node_id in ("RocmParallelTPSampler", "RocmParallelRingSampler"):
+        required = info[node_id]["input"]["required"]
+        assert required["sampler_name"][0] == ksampler["sampler_name"][0]
+        assert required["scheduler"][0] == ksampler["scheduler"][0]
 
 
 def test_workflows_against_the_live_object_info(comfy: Comfy) -> None:
@@ -163,3 +175,60 @@ def test_a_rejected_checkpoint_is_never_named_as_the_model_nor_its_path_shown(co
     text = comfy.wait_done(after["prompt_id"])["outputs"]["2"]["text"][0]
     assert text.split("\n")[1].startswith("model: tiny-flux-dev.safetensors, ")
     assert f"last error: {state['error']}" in text.split("\n")
+
+
+def _saved(comfy: Comfy, prefix: str) -> torch.Tensor:
+    files = sorted((comfy.base / "output").glob(f"{prefix}_*.latent"))
+    assert len(files) == 1, files
+    return load_file(str(files[0]))["latent_tensor"]
+
+
+@pytest.mark.parametrize("case", ["dpmpp_2m_beta", "cfg_negative"])
+def test_comfyuis_ksampler_on_the_parallel_model_through_the_prompt_api(comfy: Comfy, case: str) -> None:
+    reply = comfy.post("/prompt", {"prompt": model_prompt(case), "client_id": "rp-test"})
+    entry = comfy.wait_done(reply["prompt_id"])
+    assert entry["status"]["status_str"] == "success", entry["status"]
+    assert (_saved(comfy, f"model/{case}") - reference(case)["output"]).abs().max().item() <= 1e-4
+
+
+def test_tp_sampler_with_cfg_and_negative_through_the_prompt_api(comfy: Comfy) -> None:
+    prompt = model_prompt("cfg_negative")
+    ks = prompt["6"]["inputs"]
+    prompt["6"] = {
+        "class_type": "RocmParallelTPSampler",
+        "inputs": {
+            "parallel_flux": ["4", 0], "positive": ks["positive"], "negative": ks["negative"],
+            "latent_image": ks["latent_image"], "seed": ks["seed"], "steps": ks["steps"], "cfg": ks["cfg"],
+            "sampler_name": ks["sampler_name"], "scheduler": ks["scheduler"], "denoise": 1.0,
+        },
+    }  # fmt: skip
+    del prompt["5"]
+    prompt["7"]["inputs"]["filename_prefix"] = "tp_node/cfg_negative"
+    entry = comfy.wait_done(comfy.post("/prompt", {"prompt": prompt, "client_id": "rp-test"})["prompt_id"])
+    assert entry["status"]["status_str"] == "success", entry["status"]
+    assert (
+        _saved(comfy, "tp_node/cfg_negative") - reference("cfg_negative")["output"]
+    ).abs().max().item() <= 1e-4
+
+
+def test_lora_loader_model_only_on_the_parallel_model_names_the_pack_node(comfy: Comfy) -> None:
+    from test_sampling import MODELS
+
+    from rocm_parallel.backend.flux.model import tiny_flux_config
+    from rocm_parallel.nodes.logic import LORA_ON_MODEL_MESSAGE
+    from rocm_parallel.testing.helpers import write_random_lora
+
+    loras = comfy.base / "models" / "loras"
+    loras.mkdir(parents=True, exist_ok=True)
+    write_random_lora(loras / "rp-test-lora.safetensors", tiny_flux_config(**MODELS["dev"]["config"]), "bfl")
+    prompt = model_prompt("dpmpp_2m_beta", seed_offset=1)
+    prompt["10"] = {
+        "class_type": "LoraLoaderModelOnly",
+        "inputs": {"model": ["5", 0], "lora_name": "rp-test-lora.safetensors", "strength_model": 0.8},
+    }
+    prompt["6"]["inputs"]["model"] = ["10", 0]
+    entry = comfy.wait_done(comfy.post("/prompt", {"prompt": prompt, "client_id": "rp-test"})["prompt_id"])
+    assert entry["status"]["status_str"] == "error"
+    failed = next(m for m in entry["status"]["messages"] if m[0] == "execution_error")[1]
+    assert failed["node_type"] == "LoraLoaderModelOnly"
+    assert failed["exception_message"].strip() == LORA_ON_MODEL_MESSAGE

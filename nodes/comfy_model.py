@@ -1,0 +1,230 @@
+"""The one module that touches ComfyUI's model internals: the ROCm Parallel Model as a ComfyUI MODEL.
+
+A real `comfy.model_patcher.ModelPatcher` around a real `comfy.model_base.Flux`, built from ComfyUI's own
+`supported_models.Flux` / `FluxSchnell` config (so model_sampling, the latent format, FluxGuidance and
+ModelSamplingFlux behave exactly as with ComfyUI's loader), with `disable_unet_model_creation` so no
+weights exist here. Its `diffusion_model` is `ParallelDiffusionModel`, a small proxy whose forward is one
+`ParallelFlux.forward` on the workers. ComfyUI's samplers, schedulers, CFG, guiders and sigma nodes run
+unchanged around it.
+
+Imported lazily, only inside ComfyUI. Every ComfyUI internal it needs is named in `_REQUIRED`; a missing
+one fails with a RuntimeError naming the ComfyUI version and what is missing.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+
+from . import logic
+
+# (module, attribute path) this module relies on; checked once, before the first MODEL is built.
+_REQUIRED = (
+    ("comfy.model_base", "Flux"),
+    ("comfy.model_base", "ModelType.FLOW"),
+    ("comfy.model_patcher", "ModelPatcher.add_patches"),
+    ("comfy.model_patcher", "ModelPatcher.add_wrapper_with_key"),
+    ("comfy.supported_models", "Flux"),
+    ("comfy.supported_models", "FluxSchnell"),
+    ("comfy.patcher_extension", "WrappersMP.OUTER_SAMPLE"),
+    ("comfy.model_management", "throw_exception_if_processing_interrupted"),
+    ("comfy.sample", "fix_empty_latent_channels"),
+    ("comfy.samplers", "sampler_object"),
+    ("nodes", "common_ksampler"),
+    ("comfy_extras.nodes_custom_sampler", "SamplerCustom"),
+)
+WRAPPER_KEY = "rocm_parallel"
+
+
+def comfyui_version() -> str:
+    try:
+        return importlib.import_module("comfyui_version").__version__
+    except Exception:  # any failure means "unknown"
+        return "unknown"
+
+
+def missing_internals(required: tuple[tuple[str, str], ...] = _REQUIRED) -> list[str]:
+    """The `module.attribute` names of `required` this ComfyUI lacks."""
+    missing = []
+    for module_name, path in required:
+        try:
+            obj: Any = importlib.import_module(module_name)
+            for part in path.split("."):
+                obj = getattr(obj, part)
+        except (ImportError, AttributeError):
+            missing.append(f"{module_name}.{path}")
+    return missing
+
+
+def require_internals() -> None:
+    missing = missing_internals()
+    if missing:
+        raise RuntimeError(
+            f"ROCm Parallel Model: ComfyUI {comfyui_version()} lacks {', '.join(missing)}, which the parallel "
+            "MODEL needs (built against ComfyUI 0.3.64). Update ComfyUI, or use the TP / Ring Attention "
+            "Sampler's pack version made for this ComfyUI"
+        )
+
+
+class ParallelDiffusionModel(torch.nn.Module):
+    """ComfyUI's `Flux` diffusion model, as far as ComfyUI sees it; each call runs on the workers.
+
+    No parameters: ComfyUI's memory management finds nothing to move. `dtype` is the workers' compute
+    dtype, so ComfyUI casts the inputs as it would for its own model of that dtype.
+    """
+
+    patch_size = 2  # read by ComfyUI's Flux.extra_conds
+
+    def __init__(self, runner: logic.ModelRunner, dtype: torch.dtype, guidance_embed: bool) -> None:
+        super().__init__()
+        self.runner, self.dtype, self.guidance_embed = runner, dtype, guidance_embed
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        timestep: torch.Tensor,
+        context: torch.Tensor,
+        y: torch.Tensor | None = None,
+        guidance: torch.Tensor | None = None,
+        ref_latents: Any = None,
+        control: Any = None,
+        transformer_options: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        options = transformer_options or {}
+        refused = logic.unsupported_forward_inputs(control, ref_latents, options, kwargs)
+        if refused is not None:
+            raise RuntimeError(refused)
+        if y is None:  # ComfyUI's Flux uses zeros when no pooled output came with the prompt
+            raise RuntimeError(
+                "the conditioning has no pooled_output (CLIP-L); encode the prompt with a FLUX DualCLIPLoader "
+                "(clip_l + t5xxl, type flux) and CLIPTextEncode"
+            )
+        # schnell has no guidance embedding: ComfyUI's Flux ignores the guidance it is handed.
+        out = self.runner.forward(
+            x, timestep, context, y, guidance if self.guidance_embed else None, logic.step_of(options)
+        )
+        return out.to(x.device)
+
+
+def _parallel_patcher_class() -> type:
+    import comfy.model_patcher
+
+    class ParallelModelPatcher(comfy.model_patcher.ModelPatcher):
+        """A ModelPatcher whose weights live in the workers: weight patches are refused, never ignored.
+        (`clone()` builds `self.__class__`, so every clone keeps this.)"""
+
+        def add_patches(self, patches: Any, strength_patch: float = 1.0, strength_model: float = 1.0) -> Any:
+            raise RuntimeError(logic.LORA_ON_MODEL_MESSAGE)
+
+    return ParallelModelPatcher
+
+
+_PATCHER_CLASS: type | None = None
+
+
+def _outer_sample(runner: logic.ModelRunner):
+    """The OUTER_SAMPLE wrapper: the model is made resident (planned for this latent) before ComfyUI's
+    sampling starts, and the panel shows the run and how it ended (a Cancel as such)."""
+
+    def wrapper(
+        executor: Any, noise: torch.Tensor, latent_image: Any, sampler: Any, sigmas: Any, *args, **kw
+    ):
+        with runner.sampling(tuple(noise.shape), max(int(sigmas.shape[-1]) - 1, 0)):
+            return executor(noise, latent_image, sampler, sigmas, *args, **kw)
+
+    return wrapper
+
+
+def parallel_model(
+    handle: logic.ParallelHandle,
+    request: logic.LayoutRequest,
+    registry: logic.Registry | None = None,
+) -> Any:
+    """The ComfyUI MODEL for `handle` in `request`'s layout (nothing loads until ComfyUI samples)."""
+    global _PATCHER_CLASS
+    require_internals()
+    import comfy.model_base
+    import comfy.model_management as mm
+    import comfy.patcher_extension
+    import comfy.supported_models
+
+    runner = logic.ModelRunner(
+        registry if registry is not None else logic.REGISTRY,
+        handle,
+        request,
+        interrupted=mm.throw_exception_if_processing_interrupted,
+        make_room=lambda: free_comfy_models(handle.devices),
+    )
+    schnell = runner.variant() == "schnell"
+    config_class = comfy.supported_models.FluxSchnell if schnell else comfy.supported_models.Flux
+    unet_config = {
+        "image_model": "flux",
+        "guidance_embed": not schnell,
+        "in_channels": 16,
+        "out_channels": 16,
+        "patch_size": 2,
+        "disable_unet_model_creation": True,
+    }
+    dtype = runner.compute_dtype()
+    model_config = config_class(unet_config)
+    model_config.set_inference_dtype(dtype, None)
+    cpu = torch.device("cpu")  # the weights live in the workers: nothing for ComfyUI to move
+    model = model_config.get_model({}, device=cpu)
+    model.diffusion_model = ParallelDiffusionModel(runner, dtype, guidance_embed=not schnell)
+    if _PATCHER_CLASS is None:
+        _PATCHER_CLASS = _parallel_patcher_class()
+    patcher = _PATCHER_CLASS(model, load_device=cpu, offload_device=cpu)
+    patcher.add_wrapper_with_key(
+        comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, _outer_sample(runner)
+    )
+    return patcher
+
+
+def free_comfy_models(devices: tuple[str, ...]) -> None:
+    """Give the GPUs to the workers: ComfyUI's own resident models would otherwise hold their memory."""
+    import comfy.model_management as mm
+
+    if logic.needs_gpu_memory(devices):
+        mm.unload_all_models()
+        mm.soft_empty_cache()
+
+
+def ksampler(
+    model: Any,
+    seed: int,
+    steps: int,
+    cfg: float,
+    sampler_name: str,
+    scheduler: str,
+    positive: Any,
+    negative: Any,
+    latent: dict[str, Any],
+    denoise: float,
+) -> dict[str, Any]:
+    """ComfyUI's KSampler itself (`nodes.common_ksampler`) on the parallel MODEL."""
+    import nodes as comfy_nodes  # ComfyUI's top-level nodes module (the pack's own is imported relatively)
+
+    return comfy_nodes.common_ksampler(
+        model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent, denoise=denoise
+    )[0]
+
+
+def sample_custom(
+    model: Any,
+    seed: int,
+    cfg: float,
+    sampler_name: str,
+    sigmas: torch.Tensor,
+    positive: Any,
+    negative: Any,
+    latent: dict[str, Any],
+) -> dict[str, Any]:
+    """ComfyUI's SamplerCustom itself (add_noise on, KSamplerSelect's sampler) on the parallel MODEL."""
+    import comfy.samplers
+    from comfy_extras.nodes_custom_sampler import SamplerCustom
+
+    sampler = comfy.samplers.sampler_object(sampler_name)
+    return SamplerCustom().sample(model, True, seed, cfg, positive, negative, sampler, sigmas, latent)[0]

@@ -1,0 +1,203 @@
+"""ComfyUI's own sampling on the ROCm Parallel Model, in a real ComfyUI imported in this process.
+
+For speed the layout sweep drives ComfyUI's `common_ksampler`, `SamplerCustom` and
+`SamplerCustomAdvanced` + `CFGGuider` directly (as tests/tools/make_comfy_references.py does) with the
+pack's MODEL (nodes/comfy_model.py) over real CPU workers; the results must equal what ComfyUI sampled
+with its own model (tests/data/comfy_references.safetensors) within 1e-4, in TP 2, ring 2, Ulysses 2 and
+ring 2 x Ulysses 2. The /prompt path with the nodes is in test_integration.py.
+
+    COMFYUI_PATH=/work/comfyui PYTHONPATH=<pack parent>:<comfy shims>:<comfy deps> \\
+        python -m pytest -q -m comfy tests/comfy/test_parallel_model.py
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from comfy_server import COMFYUI_PATH, TESTS_DIR
+from test_sampling import ALL_CASES as CASES
+from test_sampling import MODELS, flux_model, reference
+
+from rocm_parallel.backend.api import ParallelFlux
+from rocm_parallel.backend.config import ParallelLayout
+from rocm_parallel.backend.flux.convert import save_bfl_checkpoint
+from rocm_parallel.nodes import logic
+
+pytestmark = [pytest.mark.comfy, pytest.mark.timeout(3000)]
+
+LAYOUTS = {
+    "tp2": (2, ParallelLayout(tp=2)),
+    "ring2": (2, ParallelLayout(ring=2)),
+    "ulysses2": (2, ParallelLayout(ulysses=2)),
+    "ring2_ulysses2": (4, ParallelLayout(ring=2, ulysses=2)),
+}
+SAMPLING_CASES = [
+    "dpmpp_2m_beta",
+    "euler_ancestral_normal",
+    "heun_sgm_uniform",
+    "cfg_negative",
+    "custom_advanced_cfg_guider",
+    "odd_size",
+    "model_sampling_flux",
+    "custom_sigmas",
+]
+LORA_CASES = ["lora_bfl", "lora_kohya"]
+
+
+@pytest.fixture(scope="module")
+def comfy() -> dict[str, Any]:
+    if not COMFYUI_PATH:
+        pytest.skip("set COMFYUI_PATH to a ComfyUI checkout to run the comfy tier")
+    sys.path.insert(0, str(TESTS_DIR / "tools"))
+    from make_comfy_references import import_comfy
+
+    return import_comfy(COMFYUI_PATH)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    folder = tmp_path_factory.mktemp("models")
+    out = {}
+    for variant in MODELS:
+        out[variant] = str(folder / f"tiny-{variant}.safetensors")
+        save_bfl_checkpoint(flux_model(variant), out[variant])
+    return out
+
+
+@pytest.fixture(scope="module")
+def registries() -> Iterator[dict[int, logic.Registry]]:
+    """One registry (one worker group) per device count, one thread per worker."""
+    made = {n: logic.Registry(factory=lambda devices: ParallelFlux(list(devices), threads=1)) for n in (2, 4)}
+    yield made
+    for registry in made.values():
+        registry.close()
+
+
+def parallel_model(comfy, checkpoints, registries, variant: str, layout: str, loras=()) -> Any:
+    from rocm_parallel.nodes import comfy_model
+
+    devices, parallel = LAYOUTS[layout]
+    handle = logic.ParallelHandle(
+        checkpoints[variant], Path(checkpoints[variant]).name, ("cpu",) * devices, "float32", tuple(loras)
+    )
+    return comfy_model.parallel_model(handle, logic.LayoutRequest(parallel), registries[devices])
+
+
+def conditioning(ref: dict[str, torch.Tensor], prefix: str, guidance: float | None) -> list:
+    extras: dict[str, Any] = {"pooled_output": ref[f"{prefix}pooled"]}
+    if guidance is not None:
+        extras["guidance"] = guidance
+    return [[ref[f"{prefix}cond"], extras]]
+
+
+def run_case(comfy: dict[str, Any], model: Any, name: str) -> torch.Tensor:
+    """The case exactly as make_comfy_references.run_case ran it with ComfyUI's own model."""
+    case, ref = CASES[name], reference(name)
+    positive = conditioning(ref, "", case.get("guidance"))
+    negative = conditioning(ref, "neg_", case.get("guidance")) if case.get("negative") else positive
+    latent = {"samples": ref["latent"].clone()}
+    if "shift" in case:
+        s = case["shift"]
+        model = (
+            comfy["advanced"]
+            .ModelSamplingFlux()
+            .patch(model, s["max_shift"], s["base_shift"], case["width"], case["height"])[0]
+        )
+    cfg, sampler_name = case.get("cfg", 1.0), case.get("sampler", "euler")
+    custom = comfy["custom"]
+    if "sigmas" in case:
+        sampler = comfy["samplers"].sampler_object(sampler_name)
+        sigmas = torch.tensor(case["sigmas"], dtype=torch.float32)
+        out = custom.SamplerCustom().sample(
+            model, True, case["seed"], cfg, positive, negative, sampler, sigmas, latent
+        )
+    elif case.get("guider") == "cfg":
+        noise = custom.RandomNoise().get_noise(case["seed"])[0]
+        guider = custom.CFGGuider().get_guider(model, positive, negative, cfg)[0]
+        sampler = custom.KSamplerSelect().get_sampler(sampler_name)[0]
+        sigmas = custom.BasicScheduler().get_sigmas(
+            model, case["scheduler"], case["steps"], case.get("denoise", 1.0)
+        )[0]
+        out = custom.SamplerCustomAdvanced().sample(noise, guider, sampler, sigmas, latent)
+    else:
+        out = comfy["nodes"].common_ksampler(
+            model, case["seed"], case["steps"], cfg, sampler_name, case.get("scheduler", "simple"), positive,
+            negative, latent, denoise=case.get("denoise", 1.0),
+        )  # fmt: skip
+    return out[0]["samples"]
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("name", SAMPLING_CASES)
+def test_comfyuis_samplers_on_the_parallel_model_match_comfyui(comfy, checkpoints, registries, layout, name):
+    model = parallel_model(comfy, checkpoints, registries, CASES[name]["variant"], layout)
+    out = run_case(comfy, model, name)
+    diff = (out - reference(name)["output"]).abs().max().item()
+    print(f"{name} {layout}: max |diff| {diff:.2e}")
+    assert diff <= 1e-4
+
+
+def _lora_file(folder: Path, name: str) -> str:
+    from rocm_parallel.backend.flux.model import tiny_flux_config
+    from rocm_parallel.testing.helpers import write_random_lora
+
+    spec = CASES[name]["lora"]
+    config = tiny_flux_config(**MODELS[CASES[name]["variant"]]["config"])
+    path = folder / f"{name}.safetensors"
+    return write_random_lora(path, config, spec["format"], rank=spec["rank"], seed=spec["seed"])
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("name", LORA_CASES)
+def test_the_parallel_lora_matches_comfyuis_lora_loader(
+    comfy, checkpoints, registries, layout, name, tmp_path
+):
+    if "loras" not in inspect.signature(ParallelFlux.load).parameters:
+        pytest.skip("ParallelFlux.load(loras=...) has not landed on this branch yet")
+    path = _lora_file(tmp_path, name)
+    model = parallel_model(
+        comfy, checkpoints, registries, "dev", layout, loras=[(path, CASES[name]["lora"]["strength"])]
+    )
+    diff = (run_case(comfy, model, name) - reference(name)["output"]).abs().max().item()
+    print(f"{name} {layout}: max |diff| {diff:.2e}")
+    assert diff <= 1e-4
+
+
+def test_comfyuis_lora_loader_on_the_parallel_model_fails_pointing_to_the_pack_node(
+    comfy, checkpoints, registries, tmp_path
+):
+    """Mutation tried: without ParallelModelPatcher.add_patches, the LoRA was silently dropped (the
+    MODEL has no weights to patch: ComfyUI only logs 'NOT LOADED')."""
+    import comfy.sd
+    import comfy.utils
+
+    model = parallel_model(comfy, checkpoints, registries, "dev", "tp2")
+    lora = comfy.utils.load_torch_file(_lora_file(tmp_path, "lora_bfl"), safe_load=True)
+    with pytest.raises(RuntimeError) as err:
+        comfy.sd.load_lora_for_models(model, None, lora, 0.8, 0)  # what LoraLoaderModelOnly does
+    assert str(err.value) == logic.LORA_ON_MODEL_MESSAGE
+    assert "'ROCm Parallel LoRA'" in str(err.value)
+    # Clones (every ComfyUI model node clones) keep the refusal.
+    with pytest.raises(RuntimeError, match="ROCm Parallel LoRA"):
+        model.clone().clone().add_patches({"x": ()}, 1.0)
+
+
+def test_the_parallel_model_is_comfyuis_flux(comfy, checkpoints, registries):
+    """The dev/schnell choice and the inputs' dtype come from ComfyUI's own config classes."""
+    import comfy.model_base
+
+    dev = parallel_model(comfy, checkpoints, registries, "dev", "tp2")
+    schnell = parallel_model(comfy, checkpoints, registries, "schnell", "tp2")
+    assert isinstance(dev.model, comfy.model_base.Flux) and isinstance(schnell.model, comfy.model_base.Flux)
+    assert dev.model.model_type == comfy.model_base.ModelType.FLUX
+    assert schnell.model.model_type == comfy.model_base.ModelType.FLOW
+    assert dev.model.model_sampling.shift == pytest.approx(1.15)
+    assert dev.model_dtype() == torch.float32
+    assert dev.model_size() == 40000  # only model_sampling's sigma table (10000 x float32): no weights
+    assert dev.load_device == torch.device("cpu")
