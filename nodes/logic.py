@@ -316,31 +316,13 @@ def ensure_loaded(
     registry.record_ranks(reports)
 
 
-_LORA_KEY = re.compile(r"lora[._](?:up|down|A|B)\b|\.lora_[AB]\.|lora_(?:up|down)")
-
-
 def add_lora(handle: ParallelHandle, path: str, strength: float) -> ParallelHandle:
-    """The ROCm Parallel LoRA node: `handle` plus this LoRA, after checking from the file's header (no
-    worker starts) that it is a LoRA at all. The backend checks its keys against the model at load time."""
-    import json
-    import struct
+    """The ROCm Parallel LoRA node: `handle` plus this LoRA, after the backend checked from the file's
+    header against the handle's checkpoint (no worker starts) that every key fits this model."""
+    from ..backend.flux.load import inspect_checkpoint
+    from ..backend.flux.lora import check_loras
 
-    name = os.path.basename(path)
-    try:
-        with open(path, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            keys = [k for k in json.loads(f.read(size)) if k != "__metadata__"]
-    except (OSError, ValueError, struct.error) as exc:
-        raise ConfigError(
-            f"lora_name={name!r} cannot be read as a safetensors file ({exc}); pick a .safetensors LoRA "
-            "from models/loras"
-        ) from exc
-    if not any(_LORA_KEY.search(k) for k in keys):
-        raise ConfigError(
-            f"lora_name={name!r} is not a LoRA: none of its {len(keys)} tensors has a LoRA key (lora_up/"
-            "lora_down, lora_A/lora_B); pick a LoRA file from models/loras (a full model belongs in "
-            "models/diffusion_models)"
-        )
+    check_loras([(path, strength)], inspect_checkpoint(handle.checkpoint))
     return handle.with_lora(path, strength)
 
 

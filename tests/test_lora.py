@@ -353,3 +353,40 @@ def test_strength_must_be_finite(files: dict[str, str]) -> None:
         )
     info = inspect_checkpoint(files["checkpoint"])
     assert check_loras([(Path(files["bfl"]), 1)], info) == ((files["bfl"], 1.0),)
+
+
+@pytest.mark.parametrize("layout", ["tp", "context"])
+def test_matches_comfyuis_own_lora_loader(
+    group2: WorkerGroup, checkpoints: dict[str, str], tmp_path: Path, layout: str
+) -> None:
+    """The `lora_bfl` reference: ComfyUI 0.3.64's LoraLoaderModelOnly applied this same random LoRA file
+    (rebuilt here from the recorded seed) and sampled with euler / simple; the pack applies it on its
+    shards and samples with its own loop, in TP and ring."""
+    from test_sampling import ALL_CASES, MODELS, positive, reference
+
+    from rocm_parallel.backend.flux.model import tiny_flux_config
+
+    case, ref = ALL_CASES["lora_bfl"], reference("lora_bfl")
+    spec = case["lora"]
+    config = tiny_flux_config(**MODELS["dev"]["config"])
+    lora = write_random_lora(
+        tmp_path / "lora.safetensors", config, spec["format"], rank=spec["rank"], seed=spec["seed"]
+    )
+    flux = ParallelFlux(group=group2)
+    flux.load(checkpoints["dev"], layout=layout, dtype="float32", loras=[(lora, spec["strength"])])
+    out = flux.sample(
+        positive(ref["cond"], ref["pooled"], case["guidance"]), {"samples": ref["latent"]},
+        seed=case["seed"], steps=case["steps"],
+    )["samples"]  # fmt: skip
+    assert (out - ref["output"]).abs().max().item() <= 1e-4
+    plain = flux.sample(
+        positive(ref["cond"], ref["pooled"], case["guidance"]), {"samples": ref["latent"]},
+        seed=case["seed"], steps=case["steps"],
+    )["samples"]  # fmt: skip
+    assert torch.equal(plain, out)  # the LoRA stays applied between jobs
+    flux.load(checkpoints["dev"], layout=layout, dtype="float32")  # removed: the LoRA made a difference
+    without = flux.sample(
+        positive(ref["cond"], ref["pooled"], case["guidance"]), {"samples": ref["latent"]},
+        seed=case["seed"], steps=case["steps"],
+    )["samples"]  # fmt: skip
+    assert (without - ref["output"]).abs().max().item() > 1e-2

@@ -699,10 +699,12 @@ def lora_files(comfy: FakeComfy) -> list[str]:
     return ["kohya.safetensors", "not-a-lora.safetensors", "style.safetensors"]
 
 
-def test_lora_node_chains_loras_onto_the_handle(comfy: FakeComfy, lora_files: list[str]) -> None:
+def test_lora_node_chains_loras_onto_the_handle(
+    comfy: FakeComfy, lora_files: list[str], dev_checkpoint: str
+) -> None:
     node = NODE_CLASS_MAPPINGS["RocmParallelLoRA"]
     assert node.INPUT_TYPES()["required"]["lora_name"][0] == lora_files
-    base = ParallelHandle("/m/dev.safetensors", "dev.safetensors", ("cpu", "cpu"), None)
+    base = ParallelHandle(str(comfy.models / dev_checkpoint), "dev.safetensors", ("cpu", "cpu"), None)
     (one,) = node().add_lora(parallel_flux=base, lora_name="style.safetensors", strength_model=0.8)
     (two,) = node().add_lora(parallel_flux=one, lora_name="kohya.safetensors", strength_model=-0.5)
     (same,) = node().add_lora(parallel_flux=two, lora_name="style.safetensors", strength_model=0.0)
@@ -718,18 +720,26 @@ def test_lora_node_chains_loras_onto_the_handle(comfy: FakeComfy, lora_files: li
     )
 
 
-def test_lora_node_refuses_a_file_that_is_no_lora(comfy: FakeComfy, lora_files: list[str]) -> None:
-    base = ParallelHandle("/m/dev.safetensors", "dev.safetensors", ("cpu", "cpu"), None)
+def test_lora_node_refuses_a_file_that_is_no_lora_for_this_model(
+    comfy: FakeComfy, lora_files: list[str], dev_checkpoint: str
+) -> None:
+    """The backend's full check, before any worker starts: a model file, and a LoRA for a wider model."""
+    base = ParallelHandle(str(comfy.models / dev_checkpoint), "dev.safetensors", ("cpu", "cpu"), None)
     with pytest.raises(ConfigError) as err:
         NODE_CLASS_MAPPINGS["RocmParallelLoRA"]().add_lora(
             parallel_flux=base, lora_name="not-a-lora.safetensors", strength_model=1.0
         )
-    assert str(err.value).startswith(
-        "lora_name='not-a-lora.safetensors' is not a LoRA: none of its "
-    ) and str(err.value).endswith(
-        " tensors has a LoRA key (lora_up/lora_down, lora_A/lora_B); pick a LoRA file from models/loras (a "
-        "full model belongs in models/diffusion_models)"
-    )
+    assert str(err.value).startswith(f"'{comfy.loras / 'not-a-lora.safetensors'}' has no FLUX LoRA keys")
+    from rocm_parallel.backend.flux.model import tiny_flux_config
+    from rocm_parallel.testing.helpers import write_random_lora
+
+    write_random_lora(comfy.loras / "wide.safetensors", tiny_flux_config(heads=8, head_dim=16), "bfl")
+    with pytest.raises(
+        ConfigError, match=r"has shape \[4, 128\] but this checkpoint's '[^']+' needs \[4, 64\]"
+    ):
+        NODE_CLASS_MAPPINGS["RocmParallelLoRA"]().add_lora(
+            parallel_flux=base, lora_name="wide.safetensors", strength_model=1.0
+        )
     with pytest.raises(FileNotFoundError, match=r"'missing\.safetensors' not found"):
         NODE_CLASS_MAPPINGS["RocmParallelLoRA"]().add_lora(
             parallel_flux=base, lora_name="missing.safetensors", strength_model=1.0

@@ -12,7 +12,6 @@ ring 2 x Ulysses 2. The /prompt path with the nodes is in test_integration.py.
 
 from __future__ import annotations
 
-import inspect
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -137,10 +136,13 @@ def run_case(comfy: dict[str, Any], model: Any, name: str) -> torch.Tensor:
 @pytest.mark.parametrize("name", SAMPLING_CASES)
 def test_comfyuis_samplers_on_the_parallel_model_match_comfyui(comfy, checkpoints, registries, layout, name):
     model = parallel_model(comfy, checkpoints, registries, CASES[name]["variant"], layout)
+    runner = model.model.diffusion_model.runner
     out = run_case(comfy, model, name)
     diff = (out - reference(name)["output"]).abs().max().item()
     print(f"{name} {layout}: max |diff| {diff:.2e}")
     assert diff <= 1e-4
+    if name == "cfg_negative":  # euler: one model call per step, positive and negative as one batch
+        assert runner.calls == CASES[name]["steps"]
 
 
 def _lora_file(folder: Path, name: str) -> str:
@@ -158,8 +160,6 @@ def _lora_file(folder: Path, name: str) -> str:
 def test_the_parallel_lora_matches_comfyuis_lora_loader(
     comfy, checkpoints, registries, layout, name, tmp_path
 ):
-    if "loras" not in inspect.signature(ParallelFlux.load).parameters:
-        pytest.skip("ParallelFlux.load(loras=...) has not landed on this branch yet")
     path = _lora_file(tmp_path, name)
     model = parallel_model(
         comfy, checkpoints, registries, "dev", layout, loras=[(path, CASES[name]["lora"]["strength"])]
@@ -201,3 +201,31 @@ def test_the_parallel_model_is_comfyuis_flux(comfy, checkpoints, registries):
     assert dev.model_dtype() == torch.float32
     assert dev.model_size() == 40000  # only model_sampling's sigma table (10000 x float32): no weights
     assert dev.load_device == torch.device("cpu")
+
+
+@pytest.mark.parametrize("layout", ["tp2", "ring2_ulysses2"])
+def test_ksampler_advanced_and_basic_guider_on_the_parallel_model(comfy, checkpoints, registries, layout):
+    """ComfyUI's KSamplerAdvanced (all steps, noise added) and SamplerCustomAdvanced with BasicGuider are
+    KSampler by other roads: on the parallel MODEL both give ComfyUI's own dpmpp_2m/beta and
+    euler/simple results."""
+    import nodes as comfy_nodes
+
+    custom = comfy["custom"]
+    model = parallel_model(comfy, checkpoints, registries, "dev", layout)
+    case, ref = CASES["dpmpp_2m_beta"], reference("dpmpp_2m_beta")
+    positive = conditioning(ref, "", case["guidance"])
+    out = comfy_nodes.KSamplerAdvanced().sample(
+        model, "enable", case["seed"], case["steps"], 1.0, "dpmpp_2m", "beta", positive, positive,
+        {"samples": ref["latent"].clone()}, 0, 10000, "disable",
+    )[0]["samples"]  # fmt: skip
+    assert (out - ref["output"]).abs().max().item() <= 1e-4
+    case, ref = CASES["dev_4steps"], reference("dev_4steps")
+    positive = conditioning(ref, "", case["guidance"])
+    out = custom.SamplerCustomAdvanced().sample(
+        custom.RandomNoise().get_noise(case["seed"])[0],
+        custom.BasicGuider().get_guider(model, positive)[0],
+        custom.KSamplerSelect().get_sampler("euler")[0],
+        custom.BasicScheduler().get_sigmas(model, "simple", case["steps"], 1.0)[0],
+        {"samples": ref["latent"].clone()},
+    )[0]["samples"]
+    assert (out - ref["output"]).abs().max().item() <= 1e-4
