@@ -327,3 +327,17 @@ def test_plan_cli_counts_fp8_weights(capsys: pytest.CaptureFixture[str]) -> None
     assert bf16["auto"] is None and fp8["auto"]["layout"] == "tp=2"
     cli.main(["plan", "--devices", "2", "--weight-dtype", "fp8_e5m2"])
     assert "bfloat16 (fp8_e5m2 weights), 1024x1024" in capsys.readouterr().out
+
+
+def test_planner_weight_dtype_follows_the_file(files: dict[str, str]) -> None:
+    """What `auto` plans with: 'default' is the file's own fp8 (or the compute dtype), names pass through."""
+    from rocm_parallel.backend.flux.load import planned_weight_dtype
+
+    e4m3fn, e5m2, bf16 = (inspect_checkpoint(files[k]) for k in ("e4m3fn", "e5m2", "bf16"))
+    assert [planned_weight_dtype(None, i) for i in (e4m3fn, e5m2, bf16)] == [
+        "fp8_e4m3fn",
+        "fp8_e5m2",
+        "compute",
+    ]
+    assert planned_weight_dtype("compute", e4m3fn) == "compute"
+    assert planned_weight_dtype("float8_e5m2", bf16) == "fp8_e5m2"
