@@ -21,9 +21,15 @@ from typing import Any
 import torch
 
 from .client import ProgressCallback, WorkerError, WorkerGroup, validate_devices
-from .config import ConfigError, FluxDims, ParallelLayout
+from .config import ConfigError, FluxDims, ParallelLayout, weight_dtype_name
 from .flux.forward import image_tokens
-from .flux.load import CheckpointInfo, inspect_checkpoint, resolve_dtype
+from .flux.load import (
+    CheckpointInfo,
+    check_weight_dtype,
+    inspect_checkpoint,
+    planned_weight_dtype,
+    resolve_dtype,
+)
 from .flux.lora import check_loras
 from .flux.sampling import LATENT_CHANNELS, SamplingPlan, plan_sampling
 from .plan import Choice, Link, Setup, choose
@@ -62,7 +68,11 @@ def plan_to_data(plan: SamplingPlan) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class Resident:
-    """What the workers hold: a checkpoint in a layout, with LoRAs ((path, strength), applied in order)."""
+    """What the workers hold: a checkpoint in a layout, with LoRAs ((path, strength), applied in order).
+
+    `dtype` is the compute dtype (None: the devices' default), `weight_dtype` how the linear weights are
+    held (config.WEIGHT_DTYPE_BYTES: 'default', 'fp8_e4m3fn', 'fp8_e5m2', 'compute').
+    """
 
     checkpoint: str
     info: CheckpointInfo
@@ -70,6 +80,7 @@ class Resident:
     dtype: str | None
     attention: str | None
     loras: tuple[tuple[str, float], ...] = ()
+    weight_dtype: str = "default"
 
 
 class ParallelFlux:
@@ -169,10 +180,13 @@ class ParallelFlux:
         batch: int = 1,
         dtype: str | None = None,
         context_only: bool = False,
+        weight_dtype: str = "compute",
     ) -> Choice:
         """The planner's layout for this image on these devices; `.explanation` is one line for the node.
 
         `context_only` chooses among ring x Ulysses splits only (the Ring Attention Sampler's auto).
+        `weight_dtype`: the planner's name ('compute', 'fp8_e4m3fn', 'fp8_e5m2'; see
+        `load.planned_weight_dtype` for a checkpoint's 'default').
         """
         m = self.machine()
         cpu = self.devices[0].startswith("cpu")
@@ -186,7 +200,7 @@ class ParallelFlux:
         setup = Setup(
             dims, width, height, batch, dtype=compute, devices=len(self.devices),
             memory_gb=m["memory_bytes"] / 1e9, link=link, tflops=m["tflops"],
-            device_word="CPU worker" if cpu else "GPU",
+            device_word="CPU worker" if cpu else "GPU", weight_dtype=weight_dtype,
         )  # fmt: skip
         self.auto_choice = choose(setup, allow=(lambda lay: lay.tp == 1) if context_only else None)
         return self.auto_choice
@@ -201,6 +215,7 @@ class ParallelFlux:
         ring: int | None = None,
         ulysses: int | None = None,
         dtype: str | None = None,
+        weight_dtype: str | None = None,
         attention: str | None = None,
         loras: Sequence[tuple[str | os.PathLike[str], float]] = (),
         progress: ProgressCallback | None = None,
@@ -213,14 +228,19 @@ class ParallelFlux:
         only they change, the workers re-read just the affected tensors from the checkpoint and apply
         the new set, so `loras=()` gives back the checkpoint's weights bit for bit. Reports then carry
         `lora_tensors` (tensors rewritten) and `lora_seconds`.
+        `dtype` is the compute dtype; `weight_dtype` how linear weights stay resident: 'default' (None:
+        an fp8 file's weights stay fp8), 'fp8_e4m3fn' / 'fp8_e5m2' (converted at load), 'compute' (upcast
+        at load). fp8 weights are upcast per layer: same outputs, half the bytes of bf16. A LoRA-patched
+        weight is held in the compute dtype (flux/lora.py says why).
         `progress(done, total)` runs as the tensors arrive; raising from it stops the load between
         tensors on every rank (nothing stays resident then). Returns each rank's status (device,
         parameter bytes, memory).
         """
         with self._lock:
             resident = self.check_load(
-                checkpoint, layout=layout, ring=ring, ulysses=ulysses, dtype=dtype, loras=loras
-            )
+                checkpoint, layout=layout, ring=ring, ulysses=ulysses, dtype=dtype, weight_dtype=weight_dtype,
+                loras=loras,
+            )  # fmt: skip
             return self._load_resident(dataclasses.replace(resident, attention=attention), progress, timeout)
 
     def check_load(
@@ -231,19 +251,23 @@ class ParallelFlux:
         ring: int | None = None,
         ulysses: int | None = None,
         dtype: str | None = None,
+        weight_dtype: str | None = None,
         loras: Sequence[tuple[str | os.PathLike[str], float]] = (),
     ) -> Resident:
         """Validate a load from the checkpoint's and LoRAs' headers alone: no worker starts (except to
         measure the link for 'auto'), nothing is unloaded. Raises ConfigError naming the input; returns
         the plan."""
+        weight_dtype_name(weight_dtype)  # a bad name fails before the checkpoint is read
         info = inspect_checkpoint(checkpoint)
         checked = check_loras(loras, info)
         resolve_dtype(dtype, self.devices[0])  # a bad dtype fails here, before anything is unloaded
+        weights = check_weight_dtype(weight_dtype, info)
         if layout == "auto":
-            layout = self.auto_layout(info.dims, dtype=dtype).layout
+            planned = planned_weight_dtype(weights, info)
+            layout = self.auto_layout(info.dims, dtype=dtype, weight_dtype=planned).layout
         parallel = make_layout(layout, len(self.devices), ring, ulysses)
         parallel.validate(info.dims, devices=len(self.devices))
-        return Resident(str(checkpoint), info, parallel, dtype, None, checked)
+        return Resident(str(checkpoint), info, parallel, dtype, None, checked, weights)
 
     def _load_resident(
         self, r: Resident, progress: ProgressCallback | None = None, timeout: float | None = None
@@ -254,6 +278,7 @@ class ParallelFlux:
         kwargs = {
             "checkpoint": r.checkpoint,
             "dtype": r.dtype,
+            "weight_dtype": r.weight_dtype,
             "tp": r.layout.tp,
             "ring": r.layout.ring,
             "ulysses": r.layout.ulysses,
@@ -363,7 +388,10 @@ class ParallelFlux:
             )  # fmt: skip
             if layout == "auto":
                 b, _, h, w = plan.original.shape
-                layout = self.auto_layout(resident.info.dims, w * 8, h * 8, b, resident.dtype).layout
+                planned = planned_weight_dtype(resident.weight_dtype, resident.info)
+                layout = self.auto_layout(
+                    resident.info.dims, w * 8, h * 8, b, resident.dtype, weight_dtype=planned
+                ).layout
             if layout is not None:
                 wanted = make_layout(layout, len(self.devices), ring, ulysses)
                 if wanted != resident.layout:

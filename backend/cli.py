@@ -64,7 +64,15 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--latency-us", type=float, default=30.0, help="latency of one collective in µs")
     parser.add_argument("--tflops", type=float, default=100.0, help="sustained TFLOPS of one GPU")
-    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    parser.add_argument(
+        "--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16", help="compute dtype"
+    )
+    parser.add_argument(
+        "--weight-dtype",
+        choices=("compute", "fp8_e4m3fn", "fp8_e5m2"),
+        default="compute",
+        help="how linear weights stay resident: in the compute dtype, or fp8 (1 byte, upcast per layer)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
 
@@ -78,7 +86,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         setup = Setup(
             FluxDims.from_diffusers_config(FLUX_DEV if args.model == "dev" else FLUX_SCHNELL),
             width=int(width), height=int(height or width), batch=args.batch, text_tokens=args.text_tokens,
-            dtype=args.dtype, devices=args.devices, memory_gb=args.memory_gb,
+            dtype=args.dtype, weight_dtype=args.weight_dtype, devices=args.devices, memory_gb=args.memory_gb,
             link=Link(args.link_gbps, args.latency_us, name="link"), tflops=args.tflops,
         )  # fmt: skip
         estimates = plan(setup)

@@ -19,6 +19,7 @@ from .flux.lora import apply_loras, inspect_lora
 from .flux.sampling import FluxConditioning, SamplingPlan, diffusers_model_fn, run_euler
 from .parallel.context import apply_context_parallel
 from .parallel.tensor import parameter_bytes
+from .parallel.weights import compute_dtype, resident_bytes_by_dtype
 from .worker import WorkerContext, handler
 
 
@@ -73,6 +74,7 @@ def load(
     ctx: WorkerContext,
     checkpoint: str,
     dtype: str | None = None,
+    weight_dtype: str | None = None,
     tp: int = 1,
     ring: int = 1,
     ulysses: int = 1,
@@ -89,6 +91,7 @@ def load(
     key = {
         "checkpoint": checkpoint,
         "dtype": dtype,
+        "weight_dtype": weight_dtype,
         "tp": tp,
         "ring": ring,
         "ulysses": ulysses,
@@ -113,7 +116,9 @@ def load(
     layout = ParallelLayout(tp=tp, ring=ring, ulysses=ulysses)
     layout.validate(info.dims, devices=ctx.world_size)
     started = time.perf_counter()
-    model = load_flux(info, device=ctx.device, dtype=dtype, tp=tp, progress=ctx.load_progress)
+    model = load_flux(
+        info, device=ctx.device, dtype=dtype, weight_dtype=weight_dtype, tp=tp, progress=ctx.load_progress
+    )
     report = _apply_loras(ctx, model, info, loras, tp) if loras else {}
     if layout.ring * layout.ulysses > 1:
         apply_context_parallel(model, ring_degree=ring, ulysses_degree=ulysses, attention=attention)
@@ -129,7 +134,9 @@ def status(ctx: WorkerContext) -> dict[str, Any]:
         "rank": ctx.rank,
         "device": str(ctx.device),
         "loaded": ctx.resident.key,
+        # resident parameter bytes (fp8 weights count 1 byte each), also split by dtype
         "parameter_bytes": parameter_bytes(model) if model is not None else 0,
+        "parameter_bytes_by_dtype": resident_bytes_by_dtype(model) if model is not None else {},
         **_memory(ctx.device),
     }
 
@@ -177,7 +184,7 @@ def sample(ctx: WorkerContext, plan: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError("no model is loaded on the workers; load a checkpoint first")
     sampling = plan_from_data(plan, ctx.device)
     _agree(ctx, sampling)
-    dtype = next(model.parameters()).dtype
+    dtype = compute_dtype(model)
     started = time.perf_counter()
     with torch.inference_mode():
         samples = run_euler(diffusers_model_fn(model), sampling, callback=ctx.step_done, model_dtype=dtype)

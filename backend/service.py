@@ -25,6 +25,7 @@ import torch
 from .client import DEFAULT_WATCHDOG, Watchdog
 from .flux.forward import flux_call
 from .flux.sampling import diffusers_model_fn
+from .parallel.weights import compute_dtype
 from .worker import WorkerContext, handler
 
 CONDITIONING_SLOTS = 4  # prompts kept per rank: a CFG batch, a second sampler, a refiner pass
@@ -174,7 +175,7 @@ def forward(
     Rank 0 returns the output [B, C, H, W] in the model's dtype; the others return None.
     """
     model = ctx.resident.require()
-    dtype = next(model.parameters()).dtype
+    dtype = compute_dtype(model)
     slots = _slots(ctx)
     if cond is not None:
         slots.put(cond_key, (cond["context"].to(ctx.device, dtype), cond["y"].to(ctx.device, dtype)))

@@ -151,8 +151,8 @@ class RocmParallelLoader:
                     list(logic.DTYPES),
                     {
                         "default": "default",
-                        "tooltip": "Weight and compute dtype on the workers; default is bfloat16 on GPUs, "
-                        "float32 on CPU. fp8 checkpoints are upcast to it.",
+                        "tooltip": "Compute dtype on the workers; default is bfloat16 on GPUs, float32 on "
+                        "CPU. Weights in another dtype are upcast to it layer by layer (see weight_dtype).",
                     },
                 ),
                 "preload": (
@@ -162,6 +162,16 @@ class RocmParallelLoader:
                         "tooltip": "Load the weights now in this layout (tp = tensor parallel, context = ring "
                         "attention, auto = the planner's choice for these GPUs and a 1024x1024 image, "
                         "explained on the node), or 'none' to load them when a sampler first runs.",
+                    },
+                ),
+                "weight_dtype": (
+                    list(logic.WEIGHT_DTYPES),
+                    {
+                        "default": "default",
+                        "tooltip": "How the weights stay on the GPUs, as in ComfyUI's Load Diffusion Model: "
+                        "default keeps an fp8 checkpoint in fp8 (half the memory of bf16, same image) and "
+                        "other files in the compute dtype; fp8_e4m3fn / fp8_e5m2 convert the weights to "
+                        "that fp8 format while loading. fp8 weights are upcast layer by layer.",
                     },
                 ),
             }
@@ -179,7 +189,9 @@ class RocmParallelLoader:
             return str(exc)
         return True
 
-    def load(self, checkpoint: str, devices: str, dtype: str, preload: str) -> tuple[logic.ParallelHandle]:
+    def load(
+        self, checkpoint: str, devices: str, dtype: str, preload: str, weight_dtype: str = "default"
+    ) -> tuple[logic.ParallelHandle]:
         import folder_paths
 
         from ..backend.client import validate_devices
@@ -189,6 +201,7 @@ class RocmParallelLoader:
             name=checkpoint,
             devices=validate_devices(logic.parse_devices(devices)),
             dtype=logic.compute_dtype(dtype),
+            weight_dtype=logic.weight_dtype(weight_dtype),
         )
         if preload != "none":
             _free_comfy_models(handle.devices)
@@ -372,8 +385,9 @@ class RocmParallelModel:
         request = logic.model_layout(layout, ring_degree, ulysses_degree, len(parallel_flux.devices))
         if request.layout is not None:  # a layout the checkpoint cannot take fails here, not mid-sampling
             REGISTRY.flux_for(parallel_flux.devices).check_load(
-                parallel_flux.checkpoint, layout=request.layout, dtype=parallel_flux.dtype
-            )
+                parallel_flux.checkpoint, layout=request.layout, dtype=parallel_flux.dtype,
+                **logic.load_kwargs(parallel_flux),
+            )  # fmt: skip
         return (comfy_model.parallel_model(parallel_flux, request, REGISTRY),)
 
 

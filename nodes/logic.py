@@ -29,6 +29,8 @@ CATEGORY = "ROCm Parallel"
 
 DEVICES_ALL = "all"
 DTYPES = ("default", "bfloat16", "float16", "float32")
+# The loader's weight_dtype choices, ComfyUI UNETLoader's names (config.WEIGHT_DTYPE_BYTES says what each does).
+WEIGHT_DTYPES = ("default", "fp8_e4m3fn", "fp8_e5m2")
 PRELOAD_LAYOUTS = ("none", "tp", "context", "auto")
 MODEL_LAYOUTS = ("tp", "context", "auto")  # the ROCm Parallel Model node's choices
 STATUS_ACTIONS = ("report", "unload", "close", "doctor")
@@ -56,6 +58,14 @@ def compute_dtype(choice: str) -> str | None:
     """'default' -> None (bfloat16 on GPUs that support it, float32 on CPU); otherwise the name."""
     if choice not in DTYPES:
         raise ConfigError(f"dtype={choice!r} is not offered; use one of {', '.join(DTYPES)}")
+    return None if choice == "default" else choice
+
+
+def weight_dtype(choice: str) -> str | None:
+    """The loader's weight_dtype widget -> ParallelFlux.load's weight_dtype ('default' -> None: an fp8
+    checkpoint's weights stay fp8)."""
+    if choice not in WEIGHT_DTYPES:
+        raise ConfigError(f"weight_dtype={choice!r} is not offered; use one of {', '.join(WEIGHT_DTYPES)}")
     return None if choice == "default" else choice
 
 
@@ -106,7 +116,8 @@ def needs_gpu_memory(devices: Sequence[str]) -> bool:
 
 @dataclass(frozen=True)
 class ParallelHandle:
-    """What flows over a PARALLEL_FLUX link: which checkpoint, on which devices, in which dtype.
+    """What flows over a PARALLEL_FLUX link: which checkpoint, on which devices, in which compute dtype
+    (`dtype`) and weight dtype (`weight_dtype`, None: the checkpoint's own fp8 stays fp8).
 
     Plain, hashable data: the resident worker group itself stays in the registry, so a handle from a
     cached node output still finds (or restarts) the group that serves its devices.
@@ -117,6 +128,7 @@ class ParallelHandle:
     devices: tuple[str, ...]
     dtype: str | None
     loras: tuple[tuple[str, float], ...] = ()  # (absolute path, strength), applied in this order
+    weight_dtype: str | None = None
 
     def __repr__(self) -> str:
         with_loras = "".join(f" + {os.path.basename(p)} x{s:g}" for p, s in self.loras)
@@ -272,12 +284,15 @@ def auto_layout(
     context_only: bool,
 ) -> ParallelLayout:
     """The planner's layout for this image (link and memory measured once per group); its reason is shown."""
-    from ..backend.flux.load import inspect_checkpoint
+    from ..backend.flux.load import inspect_checkpoint, planned_weight_dtype
 
     resident = flux.resident
-    dims = resident.info.dims if resident is not None and resident.checkpoint == handle.checkpoint else None
-    dims = dims or inspect_checkpoint(handle.checkpoint).dims
-    choice = flux.auto_layout(dims, width, height, batch, handle.dtype, context_only=context_only)
+    info = resident.info if resident is not None and resident.checkpoint == handle.checkpoint else None
+    info = info or inspect_checkpoint(handle.checkpoint)
+    choice = flux.auto_layout(
+        info.dims, width, height, batch, handle.dtype, context_only=context_only,
+        weight_dtype=planned_weight_dtype(handle.weight_dtype, info),
+    )  # fmt: skip
     registry.update(auto=choice.explanation)
     return choice.layout
 
@@ -302,13 +317,13 @@ def ensure_loaded(
 
     with registry.phase("loading", loading=handle.name, step=0, total=0):
         try:
-            flux.check_load(handle.checkpoint, layout=layout, dtype=handle.dtype, **_lora_kwargs(handle))
+            flux.check_load(handle.checkpoint, layout=layout, dtype=handle.dtype, **load_kwargs(handle))
             if not flux.started:  # started only once the load is known to be valid
                 registry.update(phase="starting workers")
                 flux.start()
                 registry.update(phase="loading")
             reports = flux.load(
-                handle.checkpoint, layout=layout, dtype=handle.dtype, progress=check, **_lora_kwargs(handle)
+                handle.checkpoint, layout=layout, dtype=handle.dtype, progress=check, **load_kwargs(handle)
             )
         finally:
             registry.update(loading=None)
@@ -326,9 +341,12 @@ def add_lora(handle: ParallelHandle, path: str, strength: float) -> ParallelHand
     return handle.with_lora(path, strength)
 
 
-def _lora_kwargs(handle: ParallelHandle) -> dict[str, Any]:
-    """`loras=` for ParallelFlux.load / check_load, passed only when there are any."""
-    return {"loras": list(handle.loras)} if handle.loras else {}
+def load_kwargs(handle: ParallelHandle) -> dict[str, Any]:
+    """`loras=` and `weight_dtype=` for ParallelFlux.load / check_load, passed only when set."""
+    kwargs: dict[str, Any] = {"loras": list(handle.loras)} if handle.loras else {}
+    if handle.weight_dtype is not None:
+        kwargs["weight_dtype"] = handle.weight_dtype
+    return kwargs
 
 
 # --------------------------------------------------------------------------------------------------
@@ -513,7 +531,7 @@ def check_sampler_inputs(
         )
     if request.layout is not None:
         flux = registry.flux_for(handle.devices)  # does not start workers
-        flux.check_load(handle.checkpoint, layout=request.layout, dtype=handle.dtype, **_lora_kwargs(handle))
+        flux.check_load(handle.checkpoint, layout=request.layout, dtype=handle.dtype, **load_kwargs(handle))
 
 
 class ModelRunner:

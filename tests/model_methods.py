@@ -16,6 +16,7 @@ from rocm_parallel.backend.config import COMPUTE_DTYPE_BYTES, ConfigError, FluxD
 from rocm_parallel.backend.flux.model import FluxInputs, build_flux
 from rocm_parallel.backend.parallel.context import apply_context_parallel
 from rocm_parallel.backend.parallel.tensor import apply_tensor_parallel, parameter_bytes
+from rocm_parallel.backend.parallel.weights import compute_dtype
 from rocm_parallel.backend.worker import WorkerContext, handler
 
 
@@ -62,7 +63,7 @@ def build_random(
 def forward(ctx: WorkerContext, inputs: dict[str, Any]) -> dict[str, Any]:
     """One timed transformer forward on every rank; rank 0 returns the (full) output."""
     model = ctx.resident.require()
-    dtype = next(model.parameters()).dtype
+    dtype = compute_dtype(model)
     args = FluxInputs(**inputs).to(ctx.device, dtype).as_kwargs()
     with torch.inference_mode():
         ctx.synchronize()

@@ -79,10 +79,12 @@ def expected_shard(
 
 
 def _load(path: Path, degree: int, rank: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    # upcast at load ('compute'): the slicing under test is the same for fp8-resident weights, whose
+    # dtypes and bytes tests/test_weights.py checks
     if degree == 1:
-        return load_flux(path, dtype=dtype).state_dict()
+        return load_flux(path, dtype=dtype, weight_dtype="compute").state_dict()
     with fake_process_group(degree, rank):
-        return load_flux(path, dtype=dtype, tp=degree).state_dict()
+        return load_flux(path, dtype=dtype, weight_dtype="compute", tp=degree).state_dict()
 
 
 def _assert_same(got: dict, want: dict) -> None:
@@ -132,7 +134,7 @@ def test_fp8_upcast_is_exact(tmp_path: Path, fp8: torch.dtype, compute: torch.dt
     bfl = {k: v.to(fp8) for k, v in diffusers_to_bfl(build_flux(CONFIG, seed=SEED).state_dict()).items()}
     path = tmp_path / "flux-fp8.safetensors"
     save_file(_contiguous(bfl), str(path))
-    loaded = load_flux(path, dtype=compute).state_dict()
+    loaded = load_flux(path, dtype=compute, weight_dtype="compute").state_dict()
     stored = bfl_to_diffusers(bfl)
     assert loaded.keys() == stored.keys()
     for name, tensor in loaded.items():
@@ -281,14 +283,15 @@ def test_unsupported_stored_dtype(tmp_path: Path) -> None:
     )
 
 
-def test_scaled_fp8_is_refused(tmp_path: Path) -> None:
+def test_scale_on_a_weight_that_is_not_fp8_is_refused(tmp_path: Path) -> None:
+    # Scaled fp8 files load (tests/test_weights.py); a scale beside a float32 weight is a damaged file.
     bfl = diffusers_to_bfl(build_flux(CONFIG, seed=SEED).state_dict())
     bfl["img_in.scale_weight"] = torch.ones(1)
     bfl["scaled_fp8"] = torch.zeros(0, dtype=torch.float8_e4m3fn)
     save_file(_contiguous(bfl), str(tmp_path / "s.safetensors"))
     assert _error(tmp_path / "s.safetensors") == (
-        f"'{tmp_path}/s.safetensors' is a ComfyUI 'scaled fp8' checkpoint (2 scale tensors such as "
-        "'img_in.scale_weight'); those are not supported yet. Use a plain fp8_e4m3fn, fp16 or bf16 FLUX file"
+        f"'{tmp_path}/s.safetensors': 'img_in.weight' is stored as F32 but has a scale 'img_in.scale_weight'; "
+        "only fp8 weights are scaled. The file is damaged; use a plain fp8, bf16 or fp16 FLUX file"
     )
 
 
@@ -352,8 +355,8 @@ def test_compute_dtype_errors_and_defaults(monkeypatch: pytest.MonkeyPatch) -> N
     with pytest.raises(CheckpointError) as err:
         resolve_dtype("float8_e4m3fn", "cpu")
     assert str(err.value) == (
-        "dtype='float8_e4m3fn' is not a compute dtype; use bfloat16, float16 or float32 "
-        "(fp8 checkpoints are upcast to one of those)"
+        "dtype='float8_e4m3fn' is not a compute dtype; use bfloat16, float16 or float32 (fp8 is a weight "
+        "dtype: pass weight_dtype='fp8_e4m3fn' or 'fp8_e5m2' to keep weights in fp8)"
     )
     with pytest.raises(CheckpointError) as err:
         resolve_dtype(torch.float8_e5m2, "cpu")

@@ -195,6 +195,16 @@ def test_dtype_choices() -> None:
         logic.compute_dtype("fp8")
 
 
+def test_weight_dtype_choices() -> None:
+    assert logic.WEIGHT_DTYPES == ("default", "fp8_e4m3fn", "fp8_e5m2")  # ComfyUI UNETLoader's names
+    assert logic.weight_dtype("default") is None and logic.weight_dtype("fp8_e5m2") == "fp8_e5m2"
+    with pytest.raises(ConfigError) as err:
+        logic.weight_dtype("bfloat16")
+    assert (
+        str(err.value) == "weight_dtype='bfloat16' is not offered; use one of default, fp8_e4m3fn, fp8_e5m2"
+    )
+
+
 def test_only_gpu_workers_evict_comfyui_models() -> None:
     assert logic.needs_gpu_memory(("cuda:0", "cuda:1"))
     assert not logic.needs_gpu_memory(("cpu", "cpu"))
@@ -281,6 +291,30 @@ def test_loader_loads_on_real_workers(
     text = status["result"][0]
     assert text.startswith("ROCm Parallel: 2 workers on cpu, cpu (idle)\nmodel: tiny-dev.safetensors, tensor")
     assert status["ui"]["text"] == [text]
+
+
+def test_loader_weight_dtype_keeps_fp8_on_the_workers(
+    comfy: FakeComfy, shared_registry: Registry, dev_checkpoint: str
+) -> None:
+    """The loader's weight_dtype widget reaches the workers: fp8_e4m3fn holds the linear weights in one
+    byte each (the planner's count), the compute dtype stays float32 for the rest."""
+    from rocm_parallel.backend.config import FluxDims
+    from rocm_parallel.backend.plan import weight_bytes
+
+    loader = NODE_CLASS_MAPPINGS["RocmParallelLoader"]
+    spec = loader.INPUT_TYPES()["required"]
+    assert list(spec)[-1] == "weight_dtype" and spec["weight_dtype"][0] == list(logic.WEIGHT_DTYPES)
+    (handle,) = loader().load(
+        checkpoint=dev_checkpoint, devices="cpu x2", dtype="float32", preload="tp", weight_dtype="fp8_e4m3fn"
+    )
+    assert (
+        handle.weight_dtype == "fp8_e4m3fn" and shared_registry.current.resident.weight_dtype == "fp8_e4m3fn"
+    )
+    dims = FluxDims.from_diffusers_config(flux_model("dev").config)
+    state = shared_registry.snapshot()
+    assert [r["parameter_bytes"] for r in state["ranks"]] == [
+        weight_bytes(dims, ParallelLayout(tp=2), 4, rank=rank, linear_bytes=1) for rank in range(2)
+    ]
 
 
 def _ref_inputs(name: str = "dev_4steps") -> dict:

@@ -20,8 +20,15 @@ A rank then needs only its shard of each delta: `up[its rows] @ down[:, its colu
 
 Why the weights are re-read from the checkpoint on every change instead of adding or subtracting deltas
 on the resident weights: adding then subtracting a delta in bf16 does not give the original back, and
-each change would drift further. Re-reading the affected slices (the loader's own `_read`) and applying
-the whole new set makes "no LoRA" bit-identical to a fresh load, whatever was applied before.
+each change would drift further. Re-reading the affected slices (the loader's own `read_parameter`) and
+applying the whole new set makes "no LoRA" bit-identical to a fresh load, whatever was applied before.
+
+fp8-resident weights (load_flux(weight_dtype=...)): a patched weight is held in the compute dtype, not
+cast back to fp8. fp8 keeps 3 (e4m3fn) or 2 (e5m2) mantissa bits, far coarser than a LoRA delta (ComfyUI
+keeps fp8 and rounds stochastically, which is right only on average). So a patched tensor equals the
+same LoRA on an upcast-at-load model bit for bit, and costs the compute dtype's bytes: a LoRA touching
+every linear gives up the fp8 saving for the tensors it touches (the status' parameter_bytes shows it).
+Removing the LoRA re-reads those tensors in fp8 again.
 
 `inspect_lora` reads headers (and the scalar alphas) only: the caller runs it before any worker starts.
 `apply_loras` is what a worker calls.
@@ -43,15 +50,17 @@ from torch import nn
 
 from ..config import ConfigError
 from ..parallel.tensor import FLUX_TP_PLAN, Pieces, parameter_pieces, resolve_plan
+from ..parallel.weights import compute_dtype, is_fp8
 from .convert import bfl_sources
 from .load import (
     CheckpointInfo,
     _compose,
     _full_shape,
     _listing,
-    _read,
     _starts_like_safetensors,
     _truncation_detail,
+    parameter_dtype,
+    read_parameter,
 )
 
 
@@ -372,7 +381,8 @@ def apply_loras(
     `model` holds this rank's shard (`degree` > 1: tensor-parallel rank `rank`) of checkpoint `info`.
     Each affected parameter is re-read from the checkpoint (never taken from the model, which may hold
     earlier deltas), the LoRAs' deltas for this rank's slice are added in order in float32, and the sum
-    is cast to the parameter's dtype and copied into it. `restore` names parameters patched before
+    is cast to the parameter's dtype and copied into it (an fp8-resident weight is replaced by one in the
+    compute dtype, see the module docstring). `restore` names parameters patched before
     that must go back to the checkpoint's values (pass the previous return value). `progress(done,
     total)` runs after each tensor. Returns the parameters that now hold deltas.
     """
@@ -400,6 +410,7 @@ def _apply(
     resolved = resolve_plan(model, FLUX_TP_PLAN)
     params = dict(model.named_parameters())
     dims = info.dims
+    compute = compute_dtype(model)
     by_param: dict[str, list[tuple[Any, LoraModule, LoraTarget, float]]] = {}
     for lora, strength in active:
         for module in lora.modules:
@@ -410,17 +421,23 @@ def _apply(
         stored, rows = info.sources[name]
         pieces = parameter_pieces(resolved, name, _full_shape(stored, rows), rank, degree, dims)
         patches = by_param.get(name, [])
+        resident = parameter_dtype(model, stored, name, compute)
         if not patches:  # back to exactly what the loader read
-            fresh = _read(stored, rows, pieces, param.dtype, param.device)
+            fresh = read_parameter(info, name, pieces, resident, param.device)
         else:
-            fresh = _read(stored, rows, pieces, torch.float32, param.device)
+            fresh = read_parameter(info, name, pieces, torch.float32, param.device)
             for f, module, target, strength in patches:
                 fresh += delta_slice(f, module, target, pieces, strength, param.device)
+            fresh = fresh.to(compute if is_fp8(resident) else resident)
         if fresh.shape != param.shape:  # the plan and the model disagree: a bug, not bad input
             raise RuntimeError(
                 f"{name}: re-read {tuple(fresh.shape)} but the model holds {tuple(param.shape)}"
             )
-        param.copy_(fresh)
+        if fresh.dtype == param.dtype:
+            param.copy_(fresh)
+        else:  # fp8 <-> compute dtype: a new parameter (its module upcasts whichever it holds)
+            module_name, _, pname = name.rpartition(".")
+            setattr(model.get_submodule(module_name), pname, nn.Parameter(fresh, requires_grad=False))
         if progress is not None:
             progress(done, len(todo))
 

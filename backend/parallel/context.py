@@ -47,6 +47,7 @@ from torch import nn
 from ..config import ConfigError, FluxDims, ParallelLayout
 from .comm import WaitCollectives
 from .lse import ANY, guard_forward_op, probe_merge_shape, probe_query_shape
+from .weights import compute_dtype
 
 ATTENTION_KERNELS = ("cpu_flash", "math", "native_flash", "cudnn", "flash")
 
@@ -398,7 +399,7 @@ def _accelerator_count_at_least_one() -> Iterator[None]:
 
 def _model_device(model: nn.Module) -> tuple[torch.device, torch.dtype]:
     p = next(model.parameters())
-    return p.device, p.dtype
+    return p.device, compute_dtype(model)  # not p.dtype: fp8-resident weights compute in another dtype
 
 
 def _build_mesh(device: torch.device, ring: int, ulysses: int) -> Any:

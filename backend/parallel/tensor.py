@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ConfigError, FluxDims, validate_tp_degree
+from .weights import layer_dtype, linear_weight
 
 # --------------------------------------------------------------------------------------------------
 # Split kinds (the vocabulary of a plan)
@@ -207,7 +208,7 @@ class RowParallelLinear(nn.Linear):
         self.group, self.reduce = group, reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = F.linear(x, linear_weight(self, x.dtype))
         if not self.reduce:
             return y  # partial sum without bias: the owning block reduces it (see reduce_streams)
         dist.all_reduce(y, group=self.group)
@@ -238,7 +239,9 @@ def gather_modulation(
     layers: list[GatheredLinear], x: torch.Tensor, group: Any, degree: int
 ) -> list[torch.Tensor]:
     """Evaluate the shards of `layers` on x and rebuild each full output with one all-gather."""
-    local = torch.cat([F.linear(x.to(m.weight.dtype), m.weight, m.bias) for m in layers], dim=-1)
+    local = torch.cat(
+        [F.linear(x.to(layer_dtype(m)), linear_weight(m, layer_dtype(m)), m.bias) for m in layers], dim=-1
+    )
     flat = local.new_empty((degree * local.shape[0], *local.shape[1:]))  # backends want rank-major rows
     dist.all_gather_single(flat, local.contiguous(), group=group)
     gathered = flat.view(degree, *local.shape)

@@ -327,7 +327,7 @@ def estimate(setup: Setup, layout: ParallelLayout) -> Estimate:
     )
     return Estimate(
         layout=layout,
-        weights=weight_bytes(setup.dims, layout, setup.bytes),
+        weights=weight_bytes(setup.dims, layout, setup.bytes, linear_bytes=setup.linear_bytes),
         activations=activation_bytes(setup, layout),
         buffers=buffer_bytes(setup, layout),
         collectives=comms,

@@ -25,10 +25,15 @@ def _row(e: Estimate) -> list[str]:
             f"{e.sent_per_gpu / GB:.2f}", f"{e.compute_s:.2f}", f"{e.comm_s:.3f}", f"{e.step_s:.2f}"]  # fmt: skip
 
 
+def _weights(setup: Setup) -> str:
+    return "" if setup.weight_dtype == "compute" else f" ({setup.weight_dtype} weights)"
+
+
 def format_table(setup: Setup, estimates: list[Estimate]) -> str:
     head = (
         f"FLUX ({setup.dims.heads} heads x {setup.dims.head_dim}, {setup.dims.double_blocks}+"
-        f"{setup.dims.single_blocks} blocks), {setup.dtype}, {setup.width}x{setup.height} x{setup.batch} "
+        f"{setup.dims.single_blocks} blocks), {setup.dtype}{_weights(setup)}, "
+        f"{setup.width}x{setup.height} x{setup.batch} "
         f"({setup.tokens} tokens), {setup.devices} device(s) x {capacity(setup.memory_gb)} GB, "
         f"{setup.link.describe()}, {setup.tflops:g} TFLOPS per device"
     )

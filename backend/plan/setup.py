@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import COMPUTE_DTYPE_BYTES, ConfigError, FluxDims
+from ..config import COMPUTE_DTYPE_BYTES, WEIGHT_DTYPE_BYTES, ConfigError, FluxDims
 from ..text import GB
 
+# The weight dtypes the planner prices ("default" depends on the file: resolved before planning).
+PLANNED_WEIGHT_DTYPES = tuple(name for name in WEIGHT_DTYPE_BYTES if name != "default")
 MARGIN = 0.10  # of device memory kept free: allocator fragmentation, RCCL/NCCL buffers, runtime context
 
 
@@ -43,17 +45,25 @@ class Setup:
     height: int = 1024
     batch: int = 1
     text_tokens: int = 256  # ComfyUI pads T5 to 256 tokens; longer prompts use more (diffusers: 512)
-    dtype: str = "bfloat16"
+    dtype: str = "bfloat16"  # the compute dtype (activations, and weights unless weight_dtype is fp8)
     devices: int = 1
     memory_gb: float = 24.0  # per device
     link: Link = PCIE4
     tflops: float = 100.0  # sustained dense bf16 throughput of one device
     margin: float = MARGIN
     device_word: str = "GPU"  # how explanations name one device ("CPU worker" for CPU groups)
+    # how linear weights are held: "compute" (the compute dtype) or "fp8_e4m3fn" / "fp8_e5m2" (1 byte);
+    # a checkpoint's "default" is resolved by the caller (load.planned_weight_dtype)
+    weight_dtype: str = "compute"
 
     def __post_init__(self) -> None:
         if self.dtype not in COMPUTE_DTYPE_BYTES:
             raise ConfigError(f"dtype={self.dtype!r} is not supported; use {', '.join(COMPUTE_DTYPE_BYTES)}")
+        if self.weight_dtype not in PLANNED_WEIGHT_DTYPES:
+            raise ConfigError(
+                f"weight_dtype={self.weight_dtype!r} is not supported by the planner; use "
+                f"{', '.join(PLANNED_WEIGHT_DTYPES)} (resolve 'default' from the checkpoint first)"
+            )
         if self.width % 16 or self.height % 16 or self.width < 16 or self.height < 16:
             raise ConfigError(
                 f"image size {self.width}x{self.height} is not a multiple of 16 pixels; use e.g. 1024x1024"
@@ -71,6 +81,11 @@ class Setup:
     @property
     def bytes(self) -> int:
         return COMPUTE_DTYPE_BYTES[self.dtype]
+
+    @property
+    def linear_bytes(self) -> int:
+        """Bytes per resident linear-weight element: 1 for fp8, else the compute dtype's."""
+        return WEIGHT_DTYPE_BYTES[self.weight_dtype] or self.bytes
 
     @property
     def image_tokens(self) -> int:

@@ -62,18 +62,28 @@ def flux_parameter_shapes(dims: FluxDims) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def weight_bytes(dims: FluxDims, layout: ParallelLayout, dtype_bytes: int, rank: int = 0) -> int:
-    """Parameter bytes one rank holds in `layout`: a TP shard, or the full model under context parallelism."""
+def weight_bytes(
+    dims: FluxDims, layout: ParallelLayout, dtype_bytes: int, rank: int = 0, linear_bytes: int | None = None
+) -> int:
+    """Parameter bytes one rank holds in `layout`: a TP shard, or the full model under context parallelism.
+
+    `linear_bytes`: bytes per element of the linear weights (the 2-D parameters) when they are held in
+    another dtype than the rest (fp8 weights: 1); biases and norm scales always take `dtype_bytes`, as
+    in the loader (load.resident_dtype).
+    """
+    linear = dtype_bytes if linear_bytes is None else linear_bytes
     from ..parallel.tensor import FLUX_TP_PLAN, _pattern, shard_pieces
 
     shapes = flux_parameter_shapes(dims)
     if layout.tp == 1:
-        return dtype_bytes * sum(math.prod(s) for s in shapes.values())
+        return sum((linear if len(s) == 2 else dtype_bytes) * math.prod(s) for s in shapes.values())
     patterns = [(_pattern(k), split) for k, split in FLUX_TP_PLAN.items()]
     total = 0
     for name, shape in shapes.items():
         module, _, param = name.rpartition(".")
         split = next((s for rx, s in patterns if rx.match(module)), None)
         pieces = None if split is None else shard_pieces(split, param, shape, rank, layout.tp, dims)
-        total += math.prod(shape if pieces is None else pieces.shape(shape))
-    return dtype_bytes * total
+        total += (linear if len(shape) == 2 else dtype_bytes) * math.prod(
+            shape if pieces is None else pieces.shape(shape)
+        )
+    return total

@@ -254,7 +254,9 @@ def model_prompt(case: str, seed_offset: int = 0) -> dict[str, Any]:
 
 
 def loader_node(checkpoint: str = "tiny-flux-dev.safetensors", devices: str = "cpu x2") -> dict[str, Any]:
-    inputs = {"checkpoint": checkpoint, "devices": devices, "dtype": "float32", "preload": "tp"}
+    inputs = {
+        "checkpoint": checkpoint, "devices": devices, "dtype": "float32", "preload": "tp", "weight_dtype": "default"
+    }  # fmt: skip
     return {"class_type": "RocmParallelLoader", "inputs": inputs}
 
 

@@ -229,3 +229,78 @@ def test_ksampler_advanced_and_basic_guider_on_the_parallel_model(comfy, checkpo
         {"samples": ref["latent"].clone()},
     )[0]["samples"]
     assert (out - ref["output"]).abs().max().item() <= 1e-4
+
+
+def test_fp8_weights_match_comfyuis_own_fp8_model(comfy, registries, tmp_path_factory, monkeypatch):
+    """An fp8 e4m3fn checkpoint: ComfyUI's own model loaded with weight dtype fp8 (its UNETLoader
+    `weight_dtype`, manual cast to float32 on CPU) and the pack's model keeping the fp8 weights resident
+    ('default' for an fp8 file, TP 2) sample the same latent within the tier's 1e-4; the workers hold
+    the linear weights in one byte each."""
+    from make_comfy_references import load_in_comfy
+    from safetensors.torch import save_file
+
+    from rocm_parallel.backend.flux.convert import diffusers_to_bfl
+    from rocm_parallel.nodes import comfy_model
+
+    reference_model = flux_model("dev")
+    bfl = {
+        k: v.to(torch.float8_e4m3fn).contiguous()
+        for k, v in diffusers_to_bfl(reference_model.state_dict()).items()
+    }
+    path = tmp_path_factory.mktemp("fp8") / "tiny-dev-fp8.safetensors"
+    save_file(bfl, str(path))
+    load = comfy["sd"].load_diffusion_model_state_dict
+    monkeypatch.setattr(
+        comfy["sd"],
+        "load_diffusion_model_state_dict",
+        lambda sd, model_options: load(sd, model_options={"dtype": torch.float8_e4m3fn}),
+    )
+    own = load_in_comfy(comfy, dict(reference_model.config), bfl)
+    monkeypatch.undo()
+    assert own.model.diffusion_model.img_in.weight.dtype == torch.float8_e4m3fn
+    handle = logic.ParallelHandle(str(path), path.name, ("cpu", "cpu"), "float32", (), None)
+    ours = comfy_model.parallel_model(handle, logic.LayoutRequest(ParallelLayout(tp=2)), registries[2])
+    want, got = run_case(comfy, own, "dev_4steps"), run_case(comfy, ours, "dev_4steps")
+    flux = registries[2].flux_for(handle.devices)
+    assert flux.resident.weight_dtype == "default"
+    assert "float8_e4m3fn" in flux.status()[0]["parameter_bytes_by_dtype"]
+    assert (got - want).abs().max().item() <= 1e-4  # measured 1.4e-6
+    # not vacuous: fp8 rounding moves ComfyUI's own result by 0.17 from its float32 model's
+    assert (want - reference("dev_4steps")["output"]).abs().max().item() > 0.1
+
+
+def test_scaled_fp8_matches_comfyuis_own_scaled_fp8_model(comfy, registries, tmp_path_factory):
+    """A ComfyUI "scaled fp8" checkpoint (fp8 weights with a `scale_weight` each, the `scaled_fp8` marker):
+    ComfyUI's own loader (scaled_fp8_ops) and the pack (scales applied per layer, TP 2) sample the same
+    latent within 1e-4.
+
+    The linear biases are stored in fp8 here, as ComfyUI saves them: its scaled Linear creates the bias
+    in fp8 too, so a file with wider biases is rounded by ComfyUI and not by the pack (which keeps
+    biases in the compute dtype); with float32 biases the two differed by 0.022."""
+    from make_comfy_references import load_in_comfy
+    from safetensors.torch import save_file
+
+    from rocm_parallel.backend.flux.convert import diffusers_to_bfl
+    from rocm_parallel.nodes import comfy_model
+
+    reference_model = flux_model("dev")
+    bfl: dict[str, torch.Tensor] = {"scaled_fp8": torch.zeros(0, dtype=torch.float8_e4m3fn)}
+    state = diffusers_to_bfl(reference_model.state_dict())
+    for k, v in state.items():
+        if v.ndim == 2:
+            scale = v.abs().max() / 448.0
+            bfl[k] = (v / scale).to(torch.float8_e4m3fn).contiguous()
+            bfl[k.removesuffix(".weight") + ".scale_weight"] = scale.reshape(()).float()
+        elif k.endswith(".bias") and state[k.removesuffix(".bias") + ".weight"].ndim == 2:
+            bfl[k] = v.to(torch.float8_e4m3fn)  # ComfyUI's scaled Linear holds its bias in fp8, unscaled
+        else:
+            bfl[k] = v.contiguous()
+    path = tmp_path_factory.mktemp("scaled") / "tiny-dev-scaled-fp8.safetensors"
+    save_file(bfl, str(path))
+    own = load_in_comfy(comfy, dict(reference_model.config), bfl)
+    assert own.model.diffusion_model.img_in.weight.dtype == torch.float8_e4m3fn
+    assert own.model.diffusion_model.img_in.scale_weight.item() == bfl["img_in.scale_weight"].item()
+    handle = logic.ParallelHandle(str(path), path.name, ("cpu", "cpu"), "float32", (), None)
+    ours = comfy_model.parallel_model(handle, logic.LayoutRequest(ParallelLayout(tp=2)), registries[2])
+    want, got = run_case(comfy, own, "dev_4steps"), run_case(comfy, ours, "dev_4steps")
+    assert (got - want).abs().max().item() <= 1e-4  # measured 9.5e-7
