@@ -192,6 +192,22 @@ def test_comfyuis_ksampler_on_the_parallel_model_through_the_prompt_api(comfy: C
     assert (_saved(comfy, f"model/{case}") - reference(case)["output"]).abs().max().item() <= 1e-4
 
 
+def test_kontext_through_the_prompt_api_matches_comfyui(comfy: Comfy) -> None:
+    """ComfyUI's ReferenceLatent on the prompt, ComfyUI's KSampler on the ROCm Parallel Model (TP 2): the
+    saved latent equals what ComfyUI sampled with its own model and the same reference latent."""
+    case = "kontext_2steps"
+    prompt = model_prompt(case)
+    prompt["10"] = {"class_type": "RPTestReferenceLatent", "inputs": {"case": case, "index": 0}}
+    prompt["11"] = {
+        "class_type": "ReferenceLatent",
+        "inputs": {"conditioning": ["1", 0], "latent": ["10", 0]},
+    }
+    prompt["2"]["inputs"]["conditioning"] = ["11", 0]
+    entry = comfy.wait_done(comfy.post("/prompt", {"prompt": prompt, "client_id": "rp-test"})["prompt_id"])
+    assert entry["status"]["status_str"] == "success", entry["status"]
+    assert (_saved(comfy, f"model/{case}") - reference(case)["output"]).abs().max().item() <= 1e-5
+
+
 def test_tp_sampler_with_cfg_and_negative_through_the_prompt_api(comfy: Comfy) -> None:
     prompt = model_prompt("cfg_negative")
     ks = prompt["6"]["inputs"]

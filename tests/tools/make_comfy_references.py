@@ -229,6 +229,12 @@ CASES: dict[str, dict[str, Any]] = {
         "variant": "dev", "width": 56, "height": 40, "steps": 1, "seed": 41, "guidance": 2.5,
         "record_calls": 1, "refs": [[40, 56], [24, 40]], "ref_method": "uxo/uno",
     },
+    # A whole Kontext run (ComfyUI's KSampler, euler / simple) with one reference latent: the output the
+    # live /prompt test compares the pack's Kontext path against (tests/comfy/test_integration.py).
+    "kontext_2steps": {
+        "variant": "dev", "width": 56, "height": 40, "steps": 2, "seed": 43, "guidance": 2.5,
+        "refs": [[40, 56]],
+    },
     # Fill: InpaintModelConditioning's conditioning values (the encoded image and the pixel mask) set
     # directly, without a VAE; ComfyUI's Flux.concat_cond appends them to x (96 channels).
     "fill_calls": {
