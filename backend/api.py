@@ -433,36 +433,62 @@ class ParallelFlux:
                 raise ConfigError("no checkpoint is loaded; call load(checkpoint) first")
             _check_forward(x, timestep, context, y, guidance, resident, refs, method)
             if resident.info.variant != "dev":
-                guidance = (
-                    None  # ComfyUI's Flux without a guidance embedder ignores it (FluxGuidance on schnell)
-                )
+                guidance = None  # ComfyUI's Flux ignores it without a guidance embedder (schnell)
             if self._loaded_in is not self._group or not self.started:
                 self._load_resident(resident)
-            group, sender = self.group, self._conditioning
-            key, held = sender.key_for(context, y, refs)
-            request: dict[str, Any] = {"x": x, "timestep": timestep, "guidance": guidance, "cond_key": key}
-            if refs:
-                request["ref_method"] = method
-            for attempt in range(2):
-                if not held:
-                    request["cond"] = {"context": context, "y": y}
-                    if refs:
-                        request["cond"]["ref_latents"] = refs
-                try:
-                    result = group.call(
-                        "flux_forward", request, timeout=timeout, watchdog=self._pace.watchdog()
-                    )
-                    break
-                except WorkerError as exc:
-                    # A rank without the key (a restarted worker, an eviction out of step) gets the
-                    # tensors once more; anything else ends the call, and no rank is assumed to hold it.
-                    if exc.remote_type != "ConditioningMissing" or attempt or not group.alive:
-                        sender.forget(key)
-                        raise
-                    held = False
+            result = self._forward_on_ranks(x, timestep, context, y, guidance, timeout, refs, method)
             self._pace.record(result["seconds"])
             self.last_forward_seconds = result["seconds"]
             return result["out"]
+
+    def _forward_on_ranks(
+        self,
+        x: torch.Tensor,
+        timestep: torch.Tensor,
+        context: torch.Tensor,
+        y: torch.Tensor,
+        guidance: torch.Tensor | None,
+        timeout: float | None,
+        refs: Sequence[torch.Tensor] = (),
+        ref_method: str = "offset",
+    ) -> dict[str, Any]:
+        """One `flux_forward` job, with the conditioning (and Kontext's reference latents) under the key
+        the ranks hold (sent along when they do not). The key's full check runs while the ranks compute;
+        a lookalike prompt that fails it has its output discarded and the step sent again with its own
+        conditioning."""
+        group, sender = self.group, self._conditioning
+        match = sender.key_for(context, y, refs)
+        checked: list[bool] = []
+        for attempt in range(3):
+            request: dict[str, Any] = {
+                "x": x,
+                "timestep": timestep,
+                "guidance": guidance,
+                "cond_key": match.key,
+            }
+            if refs:
+                request["ref_method"] = ref_method
+            if not match.held:
+                request["cond"] = {"context": context, "y": y}
+                if refs:
+                    request["cond"]["ref_latents"] = list(refs)
+            try:
+                result = group.call(
+                    "flux_forward", request, timeout=timeout, watchdog=self._pace.watchdog(),
+                    reuse_files=True, while_waiting=lambda m=match: checked.append(m.verify()),
+                )  # fmt: skip
+            except WorkerError as exc:
+                sender.forget(match.key)  # whatever happened, no rank is assumed to hold it
+                # A rank without the key (a restarted worker, an eviction out of step) gets the tensors
+                # once more; anything else ends the call.
+                if exc.remote_type != "ConditioningMissing" or attempt or not group.alive:
+                    raise
+                match = sender.add(context, y, refs)
+                continue
+            if checked.pop():
+                return result
+            match = sender.add(context, y, refs)
+        raise AssertionError("unreachable: a new key always verifies")
 
 
 def _check_forward(

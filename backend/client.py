@@ -468,6 +468,8 @@ class WorkerGroup:
         progress: ProgressCallback | None = None,
         watchdog: Watchdog = DEFAULT_WATCHDOG,
         cancel_grace: float = 10.0,
+        reuse_files: bool = False,
+        while_waiting: Callable[[], None] | None = None,
     ) -> list[Any]:
         """Run `method(**kwargs)` on every rank; the results by rank. Raises WorkerError on any failure.
 
@@ -478,16 +480,26 @@ class WorkerGroup:
         after a cancel is stuck, and the group is closed. A rank that fails, dies or stays silent past
         `watchdog` fails the job with that rank's own message; when its peers cannot finish (they wait
         for it in a collective) the group is closed too, and `alive` turns False.
+
+        `reuse_files`: the request's and the replies' tensor files keep fixed names and are rewritten in
+        place by the next such call (a call made every step, with tensors of the same size).
+        `while_waiting()` runs once the request is sent, before waiting for the replies: work that can
+        overlap with the ranks' (an exception from it stops the job like an interrupt).
         """
         with self._lock:
             if self._closed:
                 raise WorkerError("the worker group is closed; start a new one")
             self._job += 1
             job = Job(self._job, method, self.world_size, timeout, progress, watchdog, cancel_grace)
-            packed = pack(kwargs or {}, self._shm, f"request-{job.id}")
+            if reuse_files:
+                packed = pack(kwargs or {}, self._shm, "request", reuse=True)
+            else:
+                packed = pack(kwargs or {}, self._shm, f"request-{job.id}")
             try:
                 for conn in self._conns:
-                    send(conn, Request(job=job.id, method=method, kwargs=packed))
+                    send(conn, Request(job=job.id, method=method, kwargs=packed, reuse_files=reuse_files))
+                if while_waiting is not None:
+                    while_waiting()
                 self._collect(job)
             except BaseException as exc:
                 if not job.settled and not self._closed:
@@ -495,10 +507,10 @@ class WorkerGroup:
                 raise
             finally:
                 self.last_replies = dict(job.replies)  # what each rank said of the last job (diagnostics)
-                for path in files_in(packed):
+                for path in files_in(packed) if not reuse_files else ():
                     _unlink(path)
                 _unlink(self._cancel_path(job.id))
-            results = [unpack(job.replies[r].result) for r in range(self.world_size)]
+            results = [unpack(job.replies[r].result, remove=not reuse_files) for r in range(self.world_size)]
             if job.interrupt is not None:
                 raise job.interrupt
             if job.first_error is not None:  # the failure itself, not the peers' cancels it caused
@@ -516,9 +528,14 @@ class WorkerGroup:
         timeout: float | None = None,
         progress: ProgressCallback | None = None,
         watchdog: Watchdog = DEFAULT_WATCHDOG,
+        reuse_files: bool = False,
+        while_waiting: Callable[[], None] | None = None,
     ) -> Any:
         """Run `method` on every rank and return rank 0's result."""
-        return self.call_all(method, kwargs, timeout=timeout, progress=progress, watchdog=watchdog)[0]
+        return self.call_all(
+            method, kwargs, timeout=timeout, progress=progress, watchdog=watchdog, reuse_files=reuse_files,
+            while_waiting=while_waiting,
+        )[0]  # fmt: skip
 
     def _failure(self, reply: Reply, note: str = "") -> WorkerError:
         rank = reply.rank

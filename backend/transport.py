@@ -70,11 +70,13 @@ class Ready:
 
 @dataclass(frozen=True)
 class Request:
-    """Run `method(**kwargs)` on a rank. `method == "shutdown"` leaves the group."""
+    """Run `method(**kwargs)` on a rank. `method == "shutdown"` leaves the group. `reuse_files`: tensor
+    files in the request and the reply keep fixed names and are rewritten in place (see `pack`)."""
 
     job: int
     method: str
     kwargs: dict[str, Any] = field(default_factory=dict)
+    reuse_files: bool = False
 
 
 @dataclass(frozen=True)
@@ -177,22 +179,48 @@ def remove_stale_dirs() -> list[str]:
 # Tensors through files
 
 
-def pack(obj: Any, directory: str, tag: str) -> Any:
-    """Replace large CPU-copyable tensors in a nested structure by references to files in `directory`."""
+def pack(obj: Any, directory: str, tag: str, *, reuse: bool = False) -> Any:
+    """Replace large CPU-copyable tensors in a nested structure by references to files in `directory`.
+
+    `reuse`: the files are named `tag` plus the tensor's position in `obj` and rewritten in place on the
+    next call with the same tag (the forward service sends a latent of the same size every step, and
+    rewriting tmpfs pages costs a quarter of creating and removing a file). The reader then must not
+    remove them; they go with the directory.
+    """
+    return _pack(obj, directory, tag, reuse, itertools.count())
+
+
+def _pack(obj: Any, directory: str, tag: str, reuse: bool, position: itertools.count) -> Any:
     if isinstance(obj, torch.Tensor) and obj.numel() * obj.element_size() > INLINE_LIMIT:
         tensor = obj.detach().to("cpu").contiguous()
         name = str(tensor.dtype).removeprefix("torch.")
         if name not in _DTYPES:
             raise TypeError(f"cannot send a {tensor.dtype} tensor to or from a worker")
-        path = os.path.join(directory, f"{tag}-{os.getpid()}-{next(_counter)}.bin")
-        with open(path, "wb") as f:
-            f.write(_bytes(tensor).numpy().data)
+        if reuse:
+            path = os.path.join(directory, f"{tag}-{next(position)}.bin")
+            _rewrite(path, _bytes(tensor).numpy())
+        else:
+            path = os.path.join(directory, f"{tag}-{os.getpid()}-{next(_counter)}.bin")
+            with open(path, "wb") as f:
+                f.write(_bytes(tensor).numpy().data)
         return {_REF: path, "dtype": name, "shape": list(tensor.shape)}
     if isinstance(obj, dict):
-        return {k: pack(v, directory, tag) for k, v in obj.items()}
+        return {k: _pack(v, directory, tag, reuse, position) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
-        return type(obj)(pack(v, directory, tag) for v in obj)
+        return type(obj)(_pack(v, directory, tag, reuse, position) for v in obj)
     return obj
+
+
+def _rewrite(path: str, data: Any) -> None:
+    """Overwrite the file at `path` (created 0600 if new) with `data`, in place."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        view, offset = memoryview(data).cast("B"), 0
+        while offset < len(view):  # one pwrite moves at most ~2 GiB
+            offset += os.pwrite(fd, view[offset:], offset)
+        os.ftruncate(fd, len(view))
+    finally:
+        os.close(fd)
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -253,7 +253,10 @@ def _serve(conn: Connection, ctx: WorkerContext) -> bool:
                 known = ", ".join(sorted(HANDLERS))
                 raise KeyError(f"unknown worker method {request.method!r}; known: {known}")
             result = fn(ctx, **unpack(request.kwargs, remove=False))
-            packed = pack(result, ctx.shm_dir, f"result-{ctx.job}-{ctx.rank}")
+            if request.reuse_files:
+                packed = pack(result, ctx.shm_dir, f"result-{ctx.rank}", reuse=True)
+            else:
+                packed = pack(result, ctx.shm_dir, f"result-{ctx.job}-{ctx.rank}")
             reply = Reply(job=ctx.job, rank=ctx.rank, ok=True, result=packed)
         except BaseException as exc:  # report every failure to the caller at once; the worker stays up
             reply = Reply(

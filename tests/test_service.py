@@ -119,6 +119,31 @@ def test_conditioning_is_sent_once_and_found_by_content(
     assert (got - out).abs().max().item() > 1e-3
 
 
+def test_a_lookalike_prompt_is_caught_by_the_full_check(
+    group2: WorkerGroup, checkpoints: dict[str, str]
+) -> None:
+    """Two prompts equal in every sampled word but one: the step is sent under the held key at once, the
+    full comparison (made while the ranks compute) fails, and the step is redone with the new prompt.
+    Mutation tried: with `Match.verify` always True, the output is the first prompt's."""
+    from rocm_parallel.backend.service import SAMPLED_WORDS
+
+    flux = ParallelFlux(group=group2)
+    flux.load(checkpoints["dev"], layout="tp", dtype="float32")
+    g = torch.Generator().manual_seed(4)
+    tokens = SAMPLED_WORDS * 4 // 32  # float32 words over [1, tokens, 32]: a sampling stride of 2 words
+    inputs = {**call_inputs(batch=1, seed=4), "context": torch.randn(1, tokens, 32, generator=g)}
+    flux.forward(**inputs)
+    lookalike = inputs["context"].clone()
+    floats = torch.arange(lookalike.numel())
+    # Every odd 8-byte word (floats 2, 3 of each 4) but the last: none of the sampled words changes.
+    lookalike.view(-1)[((floats // 2) % 2 == 1) & (floats < lookalike.numel() - 2)] += 1.0
+    sent = flux.conditioning_bytes_sent
+    got = flux.forward(**{**inputs, "context": lookalike})
+    assert flux.conditioning_bytes_sent > sent  # it was sent after all
+    assert (got - one_process({**inputs, "context": lookalike})).abs().max().item() <= TOL
+    assert (got - one_process(inputs)).abs().max().item() > 1e-4
+
+
 def test_a_rank_that_lost_the_conditioning_gets_it_again(
     group2: WorkerGroup, checkpoints: dict[str, str]
 ) -> None:
@@ -168,3 +193,17 @@ def test_bad_calls_fail_before_any_rank_runs(
 def test_forward_needs_a_loaded_model(group2: WorkerGroup) -> None:
     with pytest.raises(ConfigError, match=r"^no checkpoint is loaded; call load\(checkpoint\) first$"):
         ParallelFlux(group=group2).forward(**call_inputs())
+
+
+def test_reused_tensor_files_are_rewritten_in_place(tmp_path) -> None:
+    """The forward service's files keep their names from step to step; a smaller tensor after a larger
+    one must not read the larger one's tail."""
+    from rocm_parallel.backend.transport import files_in, pack, unpack
+
+    big, small = torch.randn(2, 16, 64, 64), torch.randn(1, 16, 48, 40)
+    first = pack({"x": big, "t": torch.ones(2)}, str(tmp_path), "request", reuse=True)
+    second = pack({"x": small, "t": torch.ones(1)}, str(tmp_path), "request", reuse=True)
+    assert files_in(first) == files_in(second) == [str(tmp_path / "request-0.bin")]
+    assert torch.equal(unpack(second, remove=False)["x"], small)
+    assert (tmp_path / "request-0.bin").stat().st_size == small.numel() * 4
+    assert (tmp_path / "request-0.bin").stat().st_mode & 0o777 == 0o600
