@@ -34,7 +34,7 @@ with safe_open(str(REFERENCES), "pt") as _f:
     META = _f.metadata()
 ALL_CASES = json.loads(META["cases"])
 # The cases the built-in Euler loop (`ParallelFlux.sample`, `sample_flux`) reproduces: euler / simple at
-# cfg 1 without a LoRA. The others (ComfyUI's other samplers, CFG, guiders, LoRA) run through ComfyUI's
+# cfg 1 without a LoRA or Kontext's reference latents. The others (ComfyUI's other samplers, CFG, guiders, LoRA) run through ComfyUI's
 # own sampling over the forward service: tests/test_service.py and the real-ComfyUI tier.
 CASES = {
     name: case
@@ -42,7 +42,7 @@ CASES = {
     if case.get("sampler", "euler") == "euler"
     and case.get("scheduler", "simple") == "simple"
     and case.get("cfg", 1.0) == 1.0
-    and not {"lora", "guider", "record_calls", "negative"} & set(case)
+    and not {"lora", "guider", "record_calls", "negative", "refs"} & set(case)
 }
 MODELS = json.loads(META["models"])
 

@@ -59,7 +59,24 @@ class RPTestReferenceConditioning:
         return ([[ref[prefix + "cond"], {{"pooled_output": ref[prefix + "pooled"]}}]],)
 
 
-NODE_CLASS_MAPPINGS = {{"RPTestReferenceConditioning": RPTestReferenceConditioning}}
+class RPTestReferenceLatent:
+    # A reference case's Kontext reference latent (<case>.ref<index>) as a LATENT.
+    CATEGORY = "_for_testing"
+    RETURN_TYPES = ("LATENT",)
+    FUNCTION = "load"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {{"required": {{"case": ("STRING", {{"default": "kontext_2steps"}}), "index": ("INT", {{"default": 0}})}}}}
+
+    def load(self, case, index):
+        return ({{"samples": load_file(REFERENCES)[f"{{case}}.ref{{index}}"]}},)
+
+
+NODE_CLASS_MAPPINGS = {{
+    "RPTestReferenceConditioning": RPTestReferenceConditioning,
+    "RPTestReferenceLatent": RPTestReferenceLatent,
+}}
 """
 
 

@@ -61,6 +61,7 @@ def test_pack_loads_with_nodes_route_js_and_templates(comfy: Comfy) -> None:
         "flux1_dev_ring2",
         "flux1_dev_ring2_ulysses2",
         "flux1_dev_tp4",
+        "flux1_kontext_dev_ksampler_parallel_model",
         "flux1_schnell_tp2",
     ]
     assert comfy.get(f"/api/workflow_templates/{PACK_DIR_NAME}/flux1_dev_tp4.json")["nodes"]
@@ -189,6 +190,22 @@ def test_comfyuis_ksampler_on_the_parallel_model_through_the_prompt_api(comfy: C
     entry = comfy.wait_done(reply["prompt_id"])
     assert entry["status"]["status_str"] == "success", entry["status"]
     assert (_saved(comfy, f"model/{case}") - reference(case)["output"]).abs().max().item() <= 1e-4
+
+
+def test_kontext_through_the_prompt_api_matches_comfyui(comfy: Comfy) -> None:
+    """ComfyUI's ReferenceLatent on the prompt, ComfyUI's KSampler on the ROCm Parallel Model (TP 2): the
+    saved latent equals what ComfyUI sampled with its own model and the same reference latent."""
+    case = "kontext_2steps"
+    prompt = model_prompt(case)
+    prompt["10"] = {"class_type": "RPTestReferenceLatent", "inputs": {"case": case, "index": 0}}
+    prompt["11"] = {
+        "class_type": "ReferenceLatent",
+        "inputs": {"conditioning": ["1", 0], "latent": ["10", 0]},
+    }
+    prompt["2"]["inputs"]["conditioning"] = ["11", 0]
+    entry = comfy.wait_done(comfy.post("/prompt", {"prompt": prompt, "client_id": "rp-test"})["prompt_id"])
+    assert entry["status"]["status_str"] == "success", entry["status"]
+    assert (_saved(comfy, f"model/{case}") - reference(case)["output"]).abs().max().item() <= 1e-5
 
 
 def test_tp_sampler_with_cfg_and_negative_through_the_prompt_api(comfy: Comfy) -> None:
