@@ -12,6 +12,9 @@ from ..text import GB
 
 MARGIN = 0.10  # of device memory kept free: allocator fragmentation, RCCL/NCCL buffers, runtime context
 
+# Model families the planner prices (diffusers FluxTransformer2DModel / Flux2Transformer2DModel).
+FAMILIES = ("flux1", "flux2")
+
 
 @dataclass(frozen=True)
 class Link:
@@ -50,8 +53,13 @@ class Setup:
     tflops: float = 100.0  # sustained dense bf16 throughput of one device
     margin: float = MARGIN
     device_word: str = "GPU"  # how explanations name one device ("CPU worker" for CPU groups)
+    family: str = "flux1"  # one of FAMILIES: which transformer the dims describe
 
     def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ConfigError(
+                f"family={self.family!r} is not a model family the planner knows; use {', '.join(FAMILIES)}"
+            )
         if self.dtype not in COMPUTE_DTYPE_BYTES:
             raise ConfigError(f"dtype={self.dtype!r} is not supported; use {', '.join(COMPUTE_DTYPE_BYTES)}")
         if self.width % 16 or self.height % 16 or self.width < 16 or self.height < 16:
