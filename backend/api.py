@@ -22,7 +22,7 @@ import torch
 
 from .client import ProgressCallback, WorkerError, WorkerGroup, validate_devices
 from .config import ConfigError, FluxDims, ParallelLayout
-from .flux.forward import image_tokens
+from .flux.forward import REF_METHODS, image_tokens
 from .flux.load import CheckpointInfo, inspect_checkpoint, resolve_dtype
 from .flux.lora import check_loras
 from .flux.sampling import LATENT_CHANNELS, SamplingPlan, plan_sampling
@@ -315,6 +315,12 @@ class ParallelFlux:
         info = checkpoint if isinstance(checkpoint, CheckpointInfo) else inspect_checkpoint(checkpoint)
         if not isinstance(latent, dict) or "samples" not in latent:
             raise ConfigError("latent must be a LATENT dict with 'samples' [batch, 16, height/8, width/8]")
+        if info.input_channels != LATENT_CHANNELS:
+            raise ConfigError(
+                f"{info.model_name} takes the masked image and mask in every step ({info.input_channels} input "
+                "channels), which sample() does not supply: drive it step by step with forward() (in ComfyUI: "
+                "the ROCm Parallel Model with InpaintModelConditioning and KSampler)"
+            )
         dims = info.dims
         return plan_sampling(
             latent["samples"],
@@ -401,23 +407,31 @@ class ParallelFlux:
         context: torch.Tensor,
         y: torch.Tensor,
         guidance: torch.Tensor | None = None,
+        ref_latents: Sequence[torch.Tensor] | None = None,
+        ref_method: str | None = None,
         *,
         timeout: float | None = None,
     ) -> torch.Tensor:
         """One model call on the resident model, as ComfyUI's FLUX `diffusion_model(x, timestep, context,
-        y, guidance)` makes it: x [B, 16, H, W] of any size in sampler space, timestep [B] (sigma),
-        context [B, T, text_dim] (T5), y [B, pooled_dim] (CLIP pooled), guidance [B] (None for
-        schnell). Returns the output [B, 16, H, W] on the CPU in the workers' compute dtype.
+        y, guidance, ref_latents, ref_latents_method=)` makes it: x [B, C, H, W] of any size in sampler
+        space (C = 16, or 96 for FLUX.1 Fill: latent, masked image and mask as ComfyUI's `c_concat`
+        appends them), timestep [B] (sigma), context [B, T, text_dim] (T5), y [B, pooled_dim] (CLIP
+        pooled), guidance [B] (None for schnell), ref_latents (Kontext: ReferenceLatent's latents after
+        the latent format's process_in, [B, 16, h, w] each, any size) placed by `ref_method` ('offset',
+        the default, 'index' or 'uxo'). Returns the output [B, 16, H, W] on the CPU in the workers'
+        compute dtype.
 
-        Every rank runs it in the resident layout; the conditioning is sent once and kept on the ranks
-        (found again by content), so a sampler's step moves only x. After a failure closed the group,
-        the next call starts it again and re-loads the resident model first.
+        Every rank runs it in the resident layout; the conditioning (with the reference latents) is sent
+        once and kept on the ranks (found again by content), so a sampler's step moves only x. After a
+        failure closed the group, the next call starts it again and re-loads the resident model first.
         """
+        refs = list(ref_latents or ())
+        method = ref_method or "offset"
         with self._lock:
             resident = self.resident
             if resident is None:
                 raise ConfigError("no checkpoint is loaded; call load(checkpoint) first")
-            _check_forward(x, timestep, context, y, guidance, resident)
+            _check_forward(x, timestep, context, y, guidance, resident, refs, method)
             if resident.info.variant != "dev":
                 guidance = (
                     None  # ComfyUI's Flux without a guidance embedder ignores it (FluxGuidance on schnell)
@@ -425,11 +439,15 @@ class ParallelFlux:
             if self._loaded_in is not self._group or not self.started:
                 self._load_resident(resident)
             group, sender = self.group, self._conditioning
-            key, held = sender.key_for(context, y)
+            key, held = sender.key_for(context, y, refs)
             request: dict[str, Any] = {"x": x, "timestep": timestep, "guidance": guidance, "cond_key": key}
+            if refs:
+                request["ref_method"] = method
             for attempt in range(2):
                 if not held:
                     request["cond"] = {"context": context, "y": y}
+                    if refs:
+                        request["cond"]["ref_latents"] = refs
                 try:
                     result = group.call(
                         "flux_forward", request, timeout=timeout, watchdog=self._pace.watchdog()
@@ -454,12 +472,21 @@ def _check_forward(
     y: torch.Tensor,
     guidance: torch.Tensor | None,
     resident: Resident,
+    refs: Sequence[torch.Tensor] = (),
+    ref_method: str = "offset",
 ) -> None:
     """The shapes a FLUX call needs, named by ComfyUI's argument names; cheap enough for every step."""
     dims, info = resident.info.dims, resident.info
-    if not torch.is_tensor(x) or x.ndim != 4 or x.shape[1] != LATENT_CHANNELS or 0 in x.shape:
+    channels = info.input_channels
+    if not torch.is_tensor(x) or x.ndim != 4 or x.shape[1] != channels or 0 in x.shape:
         shape = tuple(x.shape) if torch.is_tensor(x) else type(x).__name__
-        raise ConfigError(f"x has shape {shape}; a FLUX.1 model takes [batch, 16, height, width] latents")
+        if channels == LATENT_CHANNELS:
+            raise ConfigError(f"x has shape {shape}; a FLUX.1 model takes [batch, 16, height, width] latents")
+        raise ConfigError(
+            f"x has shape {shape}; {info.model_name} takes [batch, {channels}, height, width]: the 16-channel "
+            f"latent with the {channels - LATENT_CHANNELS} channels of the masked image and mask appended "
+            "(ComfyUI's InpaintModelConditioning supplies them)"
+        )
     batch = x.shape[0]
     if (
         not torch.is_tensor(context)
@@ -482,4 +509,31 @@ def _check_forward(
         raise ConfigError(f"timestep must hold one value per latent ({batch}); got {timestep!r}")
     if info.variant == "dev" and guidance is None:
         raise ConfigError("guidance is None; FLUX.1-dev needs one per latent (FluxGuidance, e.g. 3.5)")
-    resident.layout.validate_sequence(image_tokens(*x.shape[-2:]))
+    _check_refs(refs, ref_method, batch, channels)
+    tokens = image_tokens(*x.shape[-2:]) + sum(image_tokens(*r.shape[-2:]) for r in refs)
+    resident.layout.validate_sequence(tokens)
+
+
+def _check_refs(refs: Sequence[torch.Tensor], method: str, batch: int, channels: int) -> None:
+    """Kontext's reference latents: what comfy/ldm/flux/model.py `Flux._forward` can concatenate."""
+    if not refs:
+        return
+    if method not in REF_METHODS:
+        raise ConfigError(
+            f"ref_latents_method={method!r} is not one of {', '.join(REF_METHODS)}; use ComfyUI's "
+            "FluxKontextMultiReferenceLatentMethod node to set it"
+        )
+    if channels != LATENT_CHANNELS:
+        raise ConfigError(
+            f"reference latents (ReferenceLatent) cannot be combined with a {channels}-channel model (FLUX.1 "
+            "Fill): its tokens are wider than a reference latent's; remove the ReferenceLatent node or load a "
+            "FLUX.1 Kontext checkpoint"
+        )
+    for i, ref in enumerate(refs):
+        ok = torch.is_tensor(ref) and ref.ndim == 4 and ref.shape[1] == LATENT_CHANNELS and 0 not in ref.shape
+        if not ok or ref.shape[0] != batch:
+            shape = tuple(ref.shape) if torch.is_tensor(ref) else type(ref).__name__
+            raise ConfigError(
+                f"ref_latents[{i}] has shape {shape}; a reference latent is [{batch}, 16, height, width] (one "
+                "per latent in the batch): connect a VAE Encode of the reference image to ReferenceLatent"
+            )

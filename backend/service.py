@@ -5,9 +5,9 @@ Where a ComfyUI-driven step runs: ComfyUI's sampler calls the proxy MODEL's diff
 request to every rank, each rank runs `flux.forward.flux_call` on its shard in the resident layout (TP,
 ring, Ulysses or both) and rank 0 returns the full output.
 
-Conditioning (T5 tokens and CLIP pooled) is the same for every step of a job, often megabytes: the
-client sends it once under a key and every rank keeps it on its device, so a step moves only the
-latent. The client finds a key by content (tensor equality), because ComfyUI builds new tensors with
+Conditioning (T5 tokens and CLIP pooled, and Kontext's reference latents) is the same for every step
+of a job, often megabytes: the client sends it once under a key and every rank keeps it on its device,
+so a step moves only the latent. The client finds a key by content (tensor equality), because ComfyUI builds new tensors with
 the same values for each step. Both sides keep the same least-recently-used set of keys (they see the
 same sequence of uses), and a rank that lacks a key says so and gets the tensors again.
 """
@@ -17,14 +17,14 @@ from __future__ import annotations
 import itertools
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .client import DEFAULT_WATCHDOG, Watchdog
-from .flux.forward import flux_call
-from .flux.sampling import diffusers_model_fn
+from .family import family_of
 from .worker import WorkerContext, handler
 
 CONDITIONING_SLOTS = 4  # prompts kept per rank: a CFG batch, a second sampler, a refiner pass
@@ -71,16 +71,20 @@ class ConditioningSender:
     slots: ConditioningSlots = field(default_factory=ConditioningSlots)
     sent_bytes: int = 0  # conditioning bytes sent to the ranks so far (the benchmark and tests read it)
 
-    def key_for(self, context: torch.Tensor, pooled: torch.Tensor) -> tuple[int, bool]:
-        """(key, whether the ranks hold it). A new key records a copy of the tensors: equality with it
-        is what makes a later step's freshly built tensors the same conditioning."""
-        for key, (c, p) in list(self.slots.entries.items()):
-            if _same(c, context) and _same(p, pooled):
+    def key_for(
+        self, context: torch.Tensor, pooled: torch.Tensor, refs: Sequence[torch.Tensor] = ()
+    ) -> tuple[int, bool]:
+        """(key, whether the ranks hold it) for a prompt and its reference latents (Kontext). A new key
+        records a copy of the tensors: equality with it is what makes a later step's freshly built
+        tensors the same conditioning."""
+        wanted = (context, pooled, *refs)
+        for key, held in list(self.slots.entries.items()):
+            if len(held) == len(wanted) and all(_same(h, t) for h, t in zip(held, wanted, strict=True)):
                 self.slots.get(key)
                 return key, True
         key = next(_keys)
-        self.slots.put(key, (context.detach().cpu().clone(), pooled.detach().cpu().clone()))
-        self.sent_bytes += _nbytes(context) + _nbytes(pooled)
+        self.slots.put(key, tuple(t.detach().cpu().clone() for t in wanted))
+        self.sent_bytes += sum(_nbytes(t) for t in wanted)
         return key, False
 
     def forget(self, key: int) -> None:
@@ -134,31 +138,38 @@ def forward(
     timestep: torch.Tensor,
     cond_key: int,
     guidance: torch.Tensor | None = None,
-    cond: dict[str, torch.Tensor] | None = None,
+    cond: dict[str, Any] | None = None,
+    ref_method: str = "offset",
 ) -> dict[str, Any]:
-    """One model call on the resident model: ComfyUI's Flux.forward(x, timestep, context, y, guidance).
+    """One model call on the resident model: ComfyUI's Flux.forward(x, timestep, context, y, guidance,
+    ref_latents, ref_latents_method=ref_method), run by the resident model's family (backend/family.py).
 
-    `cond` carries the conditioning the first time `cond_key` is used; later calls name the key only.
-    Rank 0 returns the output [B, C, H, W] in the model's dtype; the others return None.
+    `cond` carries the conditioning ({"context", "y", "ref_latents": [...]}) the first time `cond_key` is
+    used; later calls name the key only. Rank 0 returns the output [B, C, H, W] in the model's dtype; the
+    others return None.
     """
     model = ctx.resident.require()
+    family = family_of(model)
     dtype = next(model.parameters()).dtype
     slots = _slots(ctx)
     if cond is not None:
-        slots.put(cond_key, (cond["context"].to(ctx.device, dtype), cond["y"].to(ctx.device, dtype)))
-    context_pooled = slots.get(cond_key)
-    if context_pooled is None:
+        held = (cond["context"], cond["y"], *cond.get("ref_latents", ()))
+        slots.put(cond_key, tuple(t.to(ctx.device, dtype) for t in held))
+    conditioning = slots.get(cond_key)
+    if conditioning is None:
         raise ConditioningMissing(f"conditioning {cond_key} is not held on rank {ctx.rank}")
-    context, pooled = context_pooled
+    context, pooled, *refs = conditioning
     started = time.perf_counter()
     with torch.inference_mode():
-        out = flux_call(
-            diffusers_model_fn(model),
+        out = family.call(
+            family.model_fn(model),
             x.to(ctx.device, dtype),
             timestep.to(ctx.device),
             context,
             pooled,
             guidance.to(ctx.device, dtype) if guidance is not None else None,
+            ref_latents=refs,
+            ref_method=ref_method,
         )
         out = out.cpu() if ctx.rank == 0 else None
     return {"rank": ctx.rank, "out": out, "seconds": time.perf_counter() - started}

@@ -1,9 +1,11 @@
 """The one module that touches ComfyUI's model internals: the ROCm Parallel Model as a ComfyUI MODEL.
 
-A real `comfy.model_patcher.ModelPatcher` around a real `comfy.model_base.Flux`, built from ComfyUI's own
-`supported_models.Flux` / `FluxSchnell` config (so model_sampling, the latent format, FluxGuidance and
-ModelSamplingFlux behave exactly as with ComfyUI's loader), with `disable_unet_model_creation` so no
-weights exist here. Its `diffusion_model` is `ParallelDiffusionModel`, a small proxy whose forward is one
+A real `comfy.model_patcher.ModelPatcher` around a real `comfy.model_base.Flux`, built from the
+`comfy.supported_models` config ComfyUI's own loader would pick for the checkpoint (`Flux`,
+`FluxSchnell`, `FluxInpaint`: the model family decides it from the header, backend/family.py), so
+model_sampling, the latent format, FluxGuidance, ModelSamplingFlux, ReferenceLatent (Kontext) and
+InpaintModelConditioning's `c_concat` (Fill) behave exactly as with ComfyUI's loader, with
+`disable_unet_model_creation` so no weights exist here. Its `diffusion_model` is `ParallelDiffusionModel`, a small proxy whose forward is one
 `ParallelFlux.forward` on the workers. ComfyUI's samplers, schedulers, CFG, guiders and sigma nodes run
 unchanged around it.
 
@@ -28,6 +30,7 @@ _REQUIRED = (
     ("comfy.model_patcher", "ModelPatcher.add_wrapper_with_key"),
     ("comfy.supported_models", "Flux"),
     ("comfy.supported_models", "FluxSchnell"),
+    ("comfy.supported_models", "FluxInpaint"),
     ("comfy.patcher_extension", "WrappersMP.OUTER_SAMPLE"),
     ("comfy.model_management", "throw_exception_if_processing_interrupted"),
     ("comfy.sample", "fix_empty_latent_channels"),
@@ -94,9 +97,12 @@ class ParallelDiffusionModel(torch.nn.Module):
         **kwargs: Any,
     ) -> torch.Tensor:
         options = transformer_options or {}
-        refused = logic.unsupported_forward_inputs(control, ref_latents, options, kwargs)
+        refused = logic.unsupported_forward_inputs(control, options, kwargs)
         if refused is not None:
             raise RuntimeError(refused)
+        # Kontext: ComfyUI's Flux.extra_conds hands the reference latents (after process_in) and their
+        # placement (FluxKontextMultiReferenceLatentMethod) to every call; the workers append them as
+        # extra tokens exactly as comfy/ldm/flux/model.py Flux._forward does.
         if y is None:  # ComfyUI's Flux uses zeros when no pooled output came with the prompt
             raise RuntimeError(
                 "the conditioning has no pooled_output (CLIP-L); encode the prompt with a FLUX DualCLIPLoader "
@@ -104,7 +110,14 @@ class ParallelDiffusionModel(torch.nn.Module):
             )
         # schnell has no guidance embedding: ComfyUI's Flux ignores the guidance it is handed.
         out = self.runner.forward(
-            x, timestep, context, y, guidance if self.guidance_embed else None, logic.step_of(options)
+            x,
+            timestep,
+            context,
+            y,
+            guidance if self.guidance_embed else None,
+            logic.step_of(options),
+            ref_latents=ref_latents,
+            ref_method=kwargs.get("ref_latents_method"),
         )
         return out.to(x.device)
 
@@ -158,22 +171,16 @@ def parallel_model(
         interrupted=mm.throw_exception_if_processing_interrupted,
         make_room=lambda: free_comfy_models(handle.devices),
     )
-    schnell = runner.variant() == "schnell"
-    config_class = comfy.supported_models.FluxSchnell if schnell else comfy.supported_models.Flux
-    unet_config = {
-        "image_model": "flux",
-        "guidance_embed": not schnell,
-        "in_channels": 16,
-        "out_channels": 16,
-        "patch_size": 2,
-        "disable_unet_model_creation": True,
-    }
+    wanted = runner.comfy_model()  # e.g. Flux, FluxSchnell or FluxInpaint, with the header's unet_config
+    config_class = getattr(comfy.supported_models, wanted.config_class)
+    unet_config = {**wanted.unet_config, "disable_unet_model_creation": True}
+    guidance_embed = bool(unet_config.get("guidance_embed", False))
     dtype = runner.compute_dtype()
     model_config = config_class(unet_config)
     model_config.set_inference_dtype(dtype, None)
     cpu = torch.device("cpu")  # the weights live in the workers: nothing for ComfyUI to move
     model = model_config.get_model({}, device=cpu)
-    model.diffusion_model = ParallelDiffusionModel(runner, dtype, guidance_embed=not schnell)
+    model.diffusion_model = ParallelDiffusionModel(runner, dtype, guidance_embed=guidance_embed)
     if _PATCHER_CLASS is None:
         _PATCHER_CLASS = _parallel_patcher_class()
     patcher = _PATCHER_CLASS(model, load_device=cpu, offload_device=cpu)

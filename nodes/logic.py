@@ -368,8 +368,13 @@ CONTROLNET_MESSAGE = (
     "Load Diffusion Model"
 )
 KONTEXT_MESSAGE = (
-    "FLUX Kontext is not supported yet (issue 13): the conditioning carries reference latents; remove the "
-    "ReferenceLatent / FluxKontextImageScale nodes from the conditioning"
+    "the TP / Ring Attention Sampler do not take FLUX Kontext's reference latents (the conditioning carries "
+    "ReferenceLatent's): sample with the ROCm Parallel Model and ComfyUI's KSampler instead (see the "
+    "flux1_kontext workflow), or remove the ReferenceLatent node"
+)
+FILL_MESSAGE = (
+    "{model} needs the masked image and mask in every step, which the TP / Ring Attention Sampler do not "
+    "supply: sample it with the ROCm Parallel Model, ComfyUI's InpaintModelConditioning and KSampler"
 )
 ATTENTION_MASK_MESSAGE = (
     "attention masks in the conditioning (e.g. StyleModelApply with strength_type 'attn_bias') are not "
@@ -398,22 +403,20 @@ def unknown_input_message(name: str) -> str:
     )
 
 
-# Keyword inputs of ComfyUI's Flux.forward the proxy receives and understands, or that carry nothing.
-_HARMLESS = {"ref_latents_method"}  # meaningless without ref_latents (refused on its own)
+# Keyword inputs of ComfyUI's Flux.forward the proxy receives and understands (ref_latents is an argument).
+_UNDERSTOOD = {"ref_latents_method"}  # Kontext: how reference latents are placed (passed to the workers)
 
 
 def unsupported_forward_inputs(
-    control: Any, ref_latents: Any, transformer_options: dict[str, Any], extra: dict[str, Any]
+    control: Any, transformer_options: dict[str, Any], extra: dict[str, Any]
 ) -> str | None:
     """Why the proxy cannot run this forward as ComfyUI's Flux would, or None when it can."""
     if control is not None:
         return CONTROLNET_MESSAGE
-    if ref_latents is not None:
-        return KONTEXT_MESSAGE
     if extra.get("attention_mask") is not None:
         return ATTENTION_MASK_MESSAGE
     for name, value in extra.items():
-        if name not in _HARMLESS and value is not None:
+        if name not in _UNDERSTOOD and value is not None:
             return unknown_input_message(name)
     for key in ("patches", "patches_replace"):
         patches = {k: v for k, v in (transformer_options.get(key) or {}).items() if v}
@@ -497,6 +500,8 @@ def check_sampler_inputs(
     from ..backend.flux.load import inspect_checkpoint
 
     info = inspect_checkpoint(handle.checkpoint)
+    if info.input_channels != 16:
+        raise ConfigError(FILL_MESSAGE.format(model=info.model_name))
     check_latent(latent)
     check_conditioning("positive", positive, info.dims.text_dim, info.dims.pooled_dim)
     if negative is not None:
@@ -539,10 +544,13 @@ class ModelRunner:
         self._resident: Any = None  # what `prepare` made resident (the backend's record, by identity)
         self.calls = 0
 
-    def variant(self) -> str:
+    def comfy_model(self) -> Any:
+        """The ComfyUI model config (`backend.family.ComfyModel`) ComfyUI's own loader would pick for the
+        checkpoint: the family decides it from the header (e.g. FluxInpaint for FLUX.1 Fill)."""
         from ..backend.flux.load import inspect_checkpoint
 
-        return inspect_checkpoint(self.handle.checkpoint).variant
+        info = inspect_checkpoint(self.handle.checkpoint)
+        return info.model_family.comfy_model(info.config)
 
     def compute_dtype(self) -> Any:
         """The workers' compute dtype (ComfyUI casts the model inputs to it, as for its own model)."""
@@ -581,9 +589,11 @@ class ModelRunner:
         y: Any,
         guidance: Any,
         step: tuple[int, int] | None = None,
+        ref_latents: Any = None,
+        ref_method: str | None = None,
     ) -> Any:
         """One transformer forward on every rank (ComfyUI's `Flux.forward(x, timestep, context, y,
-        guidance)`); `step` (done, total) is shown on the panel."""
+        guidance, ref_latents, ref_latents_method=)`); `step` (done, total) is shown on the panel."""
         flux = self.registry.flux_for(self.handle.devices)
         if self._resident is None or flux.resident is not self._resident:
             # Called outside ComfyUI's sampling, or another node loaded something else meanwhile.
@@ -591,7 +601,7 @@ class ModelRunner:
         if step is not None:
             self.registry.update(step=step[0], total=step[1])
         self.calls += 1
-        return flux.forward(x, timestep, context, y, guidance)
+        return flux.forward(x, timestep, context, y, guidance, ref_latents=ref_latents, ref_method=ref_method)
 
 
 def step_of(transformer_options: dict[str, Any]) -> tuple[int, int] | None:

@@ -544,8 +544,23 @@ def test_samplers_validate_before_starting_or_loading(
     assert started == [] and "unload_all_models" not in comfy.calls
 
 
-def test_kontext_message_names_the_issue() -> None:
-    assert logic.KONTEXT_MESSAGE.startswith("FLUX Kontext is not supported yet (issue 13)")
+def test_samplers_refuse_a_fill_checkpoint_pointing_to_the_parallel_model(
+    comfy: FakeComfy, recording_registry: tuple[Registry, list]
+) -> None:
+    _, started = recording_registry
+    save_bfl_checkpoint(flux_model("fill"), comfy.models / "fill.safetensors")
+    handle = ParallelHandle(str(comfy.models / "fill.safetensors"), "fill.safetensors", ("cpu", "cpu"), None)
+    with pytest.raises(ConfigError) as err:
+        NODE_CLASS_MAPPINGS["RocmParallelTPSampler"]().sample(parallel_flux=handle, **_bad_inputs("none"))
+    assert str(err.value) == (
+        "FLUX.1 Fill needs the masked image and mask in every step, which the TP / Ring Attention Sampler do "
+        "not supply: sample it with the ROCm Parallel Model, ComfyUI's InpaintModelConditioning and KSampler"
+    )
+    assert started == []
+
+
+def test_kontext_message_names_the_way_that_works() -> None:
+    assert "sample with the ROCm Parallel Model and ComfyUI's KSampler" in logic.KONTEXT_MESSAGE
 
 
 @pytest.mark.parametrize(("height", "width"), [(25, 25), (7, 8), (1, 3), (64, 9)])
@@ -569,7 +584,6 @@ def test_any_latent_size_comfyui_accepts_passes_the_checks(
     ("kwargs", "message"),
     [
         ({"control": {"output": []}}, logic.CONTROLNET_MESSAGE),
-        ({"ref_latents": [torch.zeros(1, 16, 4, 4)]}, logic.KONTEXT_MESSAGE),
         ({"extra": {"attention_mask": torch.zeros(1)}}, logic.ATTENTION_MASK_MESSAGE),
         (
             {"extra": {"pulid": torch.zeros(1)}},
@@ -590,10 +604,8 @@ def test_any_latent_size_comfyui_accepts_passes_the_checks(
     ],
 )
 def test_the_proxy_refuses_what_it_would_otherwise_ignore(kwargs: dict, message: str) -> None:
-    args = {"control": None, "ref_latents": None, "options": {}, "extra": {}} | kwargs
-    got = logic.unsupported_forward_inputs(
-        args["control"], args["ref_latents"], args["options"], args["extra"]
-    )
+    args = {"control": None, "options": {}, "extra": {}} | kwargs
+    got = logic.unsupported_forward_inputs(args["control"], args["options"], args["extra"])
     assert got == message
 
 
@@ -607,7 +619,8 @@ def test_the_proxy_runs_what_comfyui_always_passes() -> None:
         "cond_or_uncond": [0, 1],
     }
     extra = {"ref_latents_method": None, "attention_mask": None}
-    assert logic.unsupported_forward_inputs(None, None, options, extra) is None
+    assert logic.unsupported_forward_inputs(None, options, extra) is None
+    assert logic.unsupported_forward_inputs(None, options, {"ref_latents_method": "index"}) is None
 
 
 @pytest.mark.parametrize(
@@ -641,8 +654,9 @@ class ForwardFlux:
         self.resident = SimpleNamespace(checkpoint=checkpoint, layout=kwargs["layout"])
         return [{"rank": 0, "device": "cpu", "parameter_bytes": 1}]
 
-    def forward(self, x, timestep, context, y, guidance):
+    def forward(self, x, timestep, context, y, guidance, ref_latents=None, ref_method=None):
         self.forwards.append((x.shape, timestep, guidance))
+        self.references = (ref_latents, ref_method)
         return x * 2
 
     def close(self) -> None:
@@ -666,6 +680,9 @@ def test_the_runner_loads_once_then_forwards_and_shows_the_step() -> None:
     flux.resident = None  # e.g. the Status node unloaded it between two runs: loaded again, not failed
     runner.forward(x, torch.tensor([1.0, 1.0]), None, None, None)
     assert len(flux.loads) == 2
+    refs = [torch.zeros(2, 16, 4, 4)]  # Kontext: ComfyUI's ref_latents and their placement reach the service
+    runner.forward(x, torch.tensor([1.0, 1.0]), None, None, None, ref_latents=refs, ref_method="index")
+    assert flux.references == (refs, "index")
 
 
 def test_a_cancel_during_comfyuis_sampling_is_shown_as_such() -> None:

@@ -34,6 +34,12 @@ EXPECTED = {
     "flux1_schnell_tp2": ("RocmParallelTPSampler", "0,1", "flux1-schnell.safetensors", None),
     "flux1_dev_lora_dpmpp2m_beta": ("RocmParallelTPSampler", "0,1,2,3", "flux1-dev.safetensors", None),
     "flux1_dev_ksampler_parallel_model": ("KSampler", "0,1,2,3", "flux1-dev.safetensors", None),
+    "flux1_kontext_dev_ksampler_parallel_model": (
+        "KSampler",
+        "0,1,2,3",
+        "flux1-kontext-dev.safetensors",
+        None,
+    ),
 }
 
 
@@ -100,14 +106,9 @@ def test_workflow_does_what_its_name_says(name: str) -> None:
         assert (by_class[sampler]["ring_degree"], by_class[sampler]["ulysses_degree"]) == degrees
     # FLUX.1-dev takes a guidance value; schnell has no guidance input, so no FluxGuidance node.
     assert ("FluxGuidance" in by_class) == ("dev" in name)
-    standard = {
-        "DualCLIPLoader",
-        "CLIPTextEncode",
-        "EmptySD3LatentImage",
-        "VAELoader",
-        "VAEDecode",
-        "SaveImage",
-    }
+    standard = {"DualCLIPLoader", "CLIPTextEncode", "VAELoader", "VAEDecode", "SaveImage"}
+    # text-to-image starts from an empty latent; an edit (Kontext) from the encoded image
+    standard.add("VAEEncode" if "kontext" in name else "EmptySD3LatentImage")
     assert standard <= set(by_class)
 
 
@@ -126,6 +127,22 @@ def test_ksampler_workflow_runs_comfyuis_own_ksampler_on_the_parallel_model() ->
     assert api[ids["KSampler"]]["inputs"]["model"] == [ids["RocmParallelModel"], 0]
     assert api[ids["RocmParallelModel"]]["inputs"]["parallel_flux"] == [ids["RocmParallelLoader"], 0]
     assert api[ids["KSampler"]]["inputs"]["cfg"] == 1.0  # FLUX dev: FluxGuidance, not cfg
+
+
+def test_kontext_workflow_edits_an_image_with_reference_latents_on_the_parallel_model() -> None:
+    """ComfyUI's Kontext graph: LoadImage -> FluxKontextImageScale -> VAEEncode, whose latent is both the
+    ReferenceLatent of the prompt and the start latent of ComfyUI's KSampler on the ROCm Parallel Model."""
+    api = load("flux1_kontext_dev_ksampler_parallel_model", api=True)
+    ids = {node["class_type"]: node_id for node_id, node in api.items()}
+    inputs = {name: api[node_id]["inputs"] for name, node_id in ids.items()}
+    assert inputs["KSampler"]["model"] == [ids["RocmParallelModel"], 0]
+    assert inputs["KSampler"]["positive"] == [ids["FluxGuidance"], 0]
+    assert inputs["FluxGuidance"]["conditioning"] == [ids["ReferenceLatent"], 0]
+    assert inputs["ReferenceLatent"]["latent"] == [ids["VAEEncode"], 0]
+    assert inputs["KSampler"]["latent_image"] == [ids["VAEEncode"], 0]
+    assert inputs["VAEEncode"]["pixels"] == [ids["FluxKontextImageScale"], 0]
+    assert inputs["FluxKontextImageScale"]["image"] == [ids["LoadImage"], 0]
+    assert (inputs["KSampler"]["cfg"], inputs["FluxGuidance"]["guidance"]) == (1.0, 2.5)
 
 
 def test_checker_finds_broken_workflows(info: dict) -> None:

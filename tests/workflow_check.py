@@ -20,6 +20,7 @@ MODEL_FILE_INPUTS = {
     ("VAELoader", "vae_name"),
     ("RocmParallelLoader", "checkpoint"),
     ("RocmParallelLoRA", "lora_name"),
+    ("LoadImage", "image"),  # a file in the user's ComfyUI/input folder
 }
 
 
@@ -120,13 +121,16 @@ def check_api(prompt: dict[str, Any], info: dict[str, Any]) -> list[str]:
 
 
 def widget_names(spec: dict[str, tuple[str, dict[str, Any], bool]], linked: set[str]) -> list[str]:
-    """The order of a UI node's widgets_values; a seed-like INT has a 'control after generate' value next."""
+    """The order of a UI node's widgets_values; a seed-like INT has a 'control after generate' value next,
+    and an image input with `image_upload` (LoadImage) the frontend's upload button ('image')."""
     names = []
     for name, (kind, options, _) in spec.items():
         if is_widget(kind) and name not in linked:
             names.append(name)
             if options.get("control_after_generate"):
                 names.append(f"{name}:control_after_generate")
+            if options.get("image_upload"):
+                names.append(f"{name}:upload")
     return names
 
 
@@ -189,6 +193,10 @@ def check_ui(workflow: dict[str, Any], info: dict[str, Any]) -> list[str]:
         for name, value in zip(names, values, strict=True):
             if name.endswith(":control_after_generate"):
                 if value not in ("fixed", "increment", "decrement", "randomize"):
+                    errors.append(f"node {nid} {class_type}.{name}={value!r}")
+                continue
+            if name.endswith(":upload"):
+                if value != "image":
                     errors.append(f"node {nid} {class_type}.{name}={value!r}")
                 continue
             kind, options, _ = spec[name]

@@ -9,7 +9,7 @@ and ids directly, so this module does ComfyUI's part around it, in ComfyUI's ord
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +56,58 @@ def image_tokens(height: int, width: int) -> int:
     return ((height + 1) // PATCH) * ((width + 1) // PATCH)
 
 
+# ComfyUI's `ref_latents_method` values (comfy_extras/nodes_flux.py FluxKontextMultiReferenceLatentMethod;
+# the node maps "uso" to "uxo"); comfy/ldm/flux/model.py treats anything else as "offset".
+REF_METHODS = ("offset", "index", "uxo")
+
+
+def patch_ids(height: int, width: int, index: int = 0, h_offset: int = 0, w_offset: int = 0) -> torch.Tensor:
+    """comfy/ldm/flux/model.py `Flux.process_img` ids of a latent of height x width (any size, padded to
+    the patch size): (index, row + h_offset, column + w_offset) per patch, offsets given in latent pixels
+    and rounded to patches as ComfyUI does. Float32 like `image_ids` (integers, exact)."""
+    h_len, w_len = (height + PATCH // 2) // PATCH, (width + PATCH // 2) // PATCH
+    h_off, w_off = (h_offset + PATCH // 2) // PATCH, (w_offset + PATCH // 2) // PATCH
+    ids = torch.zeros(h_len, w_len, 3)
+    ids[..., 0] = index
+    ids[..., 1] = torch.arange(h_off, h_off + h_len, dtype=torch.float32)[:, None]
+    ids[..., 2] = torch.arange(w_off, w_off + w_len, dtype=torch.float32)[None, :]
+    return ids.reshape(h_len * w_len, 3)
+
+
+def reference_placements(
+    height: int, width: int, refs: Sequence[tuple[int, int]], method: str = "offset"
+) -> list[tuple[int, int, int]]:
+    """(index, h_offset, w_offset) of each reference latent of size (h, w), for a main latent of height x
+    width: the loop of comfy/ldm/flux/model.py `Flux._forward` over `ref_latents`, verbatim.
+
+    offset (Kontext's default): index 1, each reference placed right of or below the previous ones,
+    whichever keeps the canvas squarer; index: index 1, 2, ... at the origin; uxo: index 0, placed
+    diagonally past the main latent.
+    """
+    h_len, w_len = (height + PATCH // 2) // PATCH, (width + PATCH // 2) // PATCH
+    h = w = index = 0
+    out = []
+    for ref_h, ref_w in refs:
+        if method == "index":
+            index += 1
+            h_offset = w_offset = 0
+        elif method == "uxo":
+            index = 0
+            h_offset, w_offset = h_len * PATCH + h, w_len * PATCH + w
+            h += ref_h
+            w += ref_w
+        else:
+            index, h_offset, w_offset = 1, 0, 0
+            if ref_h + h > ref_w + w:
+                w_offset = w
+            else:
+                h_offset = h
+            h = max(h, ref_h + h_offset)
+            w = max(w, ref_w + w_offset)
+        out.append((index, h_offset, w_offset))
+    return out
+
+
 def flux_call(
     model_fn: ModelFn,
     x: torch.Tensor,
@@ -63,16 +115,31 @@ def flux_call(
     context: torch.Tensor,
     pooled: torch.Tensor,
     guidance: torch.Tensor | None,
+    ref_latents: Sequence[torch.Tensor] = (),
+    ref_method: str = "offset",
 ) -> torch.Tensor:
-    """ComfyUI's `Flux.forward(x, timestep, context, y, guidance)` over a diffusers `model_fn`.
+    """ComfyUI's `Flux.forward(x, timestep, context, y, guidance, ref_latents, ref_latents_method=)` over
+    a diffusers `model_fn`.
 
-    x: [B, C, H, W] in sampler space, any H and W; returns the model output [B, C, H, W] in the
-    model's dtype (callers cast, as ComfyUI does with `.float()`).
+    x: [B, C, H, W] in sampler space, any H and W; C is the latent's 16 plus, for Fill, the masked image
+    and mask ComfyUI concatenates (`c_concat`). ref_latents (Kontext's ReferenceLatent, already through
+    the latent format's process_in as ComfyUI's `Flux.extra_conds` does): [B, 16, h, w] each, any size;
+    they become extra image tokens after x's, with their own ids, and their outputs are dropped.
+    Returns the model output [B, out channels, H, W] in the model's dtype (callers cast, as ComfyUI does
+    with `.float()`).
     """
     _, _, h, w = x.shape
     padded = pad_to_patch(x)
     ph, pw = padded.shape[-2:]
+    img = patchify(padded)
     img_ids = image_ids(ph, pw).to(x.device)
+    tokens = img.shape[1]
+    if ref_latents:
+        sizes = [(r.shape[-2], r.shape[-1]) for r in ref_latents]
+        placed = reference_placements(h, w, sizes, ref_method)
+        img = torch.cat([img, *(patchify(pad_to_patch(r.to(img.dtype))) for r in ref_latents)], dim=1)
+        ids = [patch_ids(rh, rw, *p) for (rh, rw), p in zip(sizes, placed, strict=True)]
+        img_ids = torch.cat([img_ids, *(i.to(x.device) for i in ids)], dim=0)
     txt_ids = text_ids(context.shape[1]).to(x.device)
-    out = model_fn(patchify(padded), context, pooled, timestep, img_ids, txt_ids, guidance)
-    return unpatchify(out, ph, pw)[:, :, :h, :w]
+    out = model_fn(img, context, pooled, timestep, img_ids, txt_ids, guidance)
+    return unpatchify(out[:, :tokens], ph, pw)[:, :, :h, :w]

@@ -30,16 +30,17 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from ..config import COMPUTE_DTYPE_BYTES, DTYPE_ALIASES, FluxDims
-from ..parallel.tensor import FLUX_TP_PLAN, Pieces, apply_tensor_parallel, parameter_pieces, resolve_plan
-from .convert import (
-    COMFY_PREFIX,
-    CheckpointError,
-    bfl_shapes,
-    bfl_sources,
-    diffusers_to_bfl,
-    dims_from_bfl,
-    flux_config_from_bfl,
+from ..family import (
+    FAMILY_ATTRIBUTE,
+    ModelFamily,
+    detect_bfl,
+    detect_diffusers,
+    families,
+    family_for_class,
+    get_family,
 )
+from ..parallel.tensor import Pieces, parameter_pieces, resolve_plan
+from .convert import COMFY_PREFIX, CheckpointError
 
 # safetensors dtype names this loader reads -> torch dtype (fp8 is upcast to the compute dtype).
 STORED_DTYPES: dict[str, torch.dtype] = {
@@ -77,16 +78,31 @@ class CheckpointInfo:
     files: tuple[str, ...]  # the safetensors files holding the transformer
     prefix: str  # key prefix of the transformer inside the files ("" or "model.diffusion_model.")
     stored_dtypes: tuple[str, ...]  # torch names, e.g. ("bfloat16",) or ("float8_e4m3fn", "bfloat16")
-    config: dict[str, Any]  # diffusers FluxTransformer2DModel config
-    variant: str  # "dev" (guidance embedding) or "schnell" (none)
+    config: dict[str, Any]  # diffusers config of the family's class (FluxTransformer2DModel for FLUX.1)
+    variant: str  # "dev" (guidance embedding) or "schnell" (none): the family's `variant(config)`
     parameters: int
     stored_bytes: int
     # diffusers parameter name -> where its values are stored (rows of a fused BFL tensor when set)
     sources: dict[str, tuple[StoredTensor, tuple[tuple[int, int], ...] | None]] = field(repr=False)
+    family: str = "flux1"  # the registered model family (backend/family.py) the header matched
 
     @property
     def dims(self) -> FluxDims:
         return FluxDims.from_diffusers_config(self.config)
+
+    @property
+    def model_family(self) -> ModelFamily:
+        return get_family(self.family)
+
+    @property
+    def model_name(self) -> str:
+        """What the header says the model is, e.g. 'FLUX.1-dev' or 'FLUX.1 Fill'."""
+        return self.model_family.describe(self.config)
+
+    @property
+    def input_channels(self) -> int:
+        """Channels of `x` in a model call: the latent's, plus the extras ComfyUI concatenates (Fill)."""
+        return self.model_family.input_channels(self.config)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -201,14 +217,6 @@ def describe_keys(keys: Iterable[str]) -> str:
     return f"not a FLUX.1 transformer (first keys: {sample})"
 
 
-def _looks_bfl(keys: Iterable[str]) -> bool:
-    return any(k.startswith("double_blocks.") or k.startswith("single_blocks.") for k in keys)
-
-
-def _looks_diffusers(keys: Iterable[str]) -> bool:
-    return any(k.startswith("single_transformer_blocks.") for k in keys)
-
-
 def _check_not_scaled_fp8(path: str, keys: Iterable[str]) -> None:
     scaled = [k for k in keys if k.endswith(".scale_weight") or k == "scaled_fp8"]
     if scaled:
@@ -257,42 +265,44 @@ def _dtype_names(tensors: Iterable[StoredTensor], path: str) -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
-def _bfl_info(path: Path, header: dict[str, StoredTensor]) -> CheckpointInfo:
+def _bfl_info(path: Path, header: dict[str, StoredTensor], family: ModelFamily) -> CheckpointInfo:
     prefix = COMFY_PREFIX if any(k.startswith(COMFY_PREFIX) for k in header) else ""
     tensors = {k[len(prefix) :]: t for k, t in header.items() if k.startswith(prefix)}
     shapes = {k: t.shape for k, t in tensors.items()}
-    config = flux_config_from_bfl(shapes)
+    config = family.config_from_bfl(shapes)
     if config["attention_head_dim"] % 8:
         raise CheckpointError(
             f"'{path}': head width {config['attention_head_dim']} is not a multiple of 8; "
             "not a FLUX.1 transformer"
         )
-    _check_shapes(str(path), shapes, bfl_shapes(config))
-    sources = {name: (tensors[s.key], s.rows) for name, s in bfl_sources(dims_from_bfl(shapes)).items()}
-    return _info(path, "bfl", (str(path),), prefix, config, sources, tensors.values())
+    _check_shapes(str(path), shapes, family.bfl_shapes(config))
+    sources = {name: (tensors[s.key], s.rows) for name, s in family.bfl_sources(config).items()}
+    return _info(path, "bfl", (str(path),), prefix, config, sources, tensors.values(), family)
 
 
-def _diffusers_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    from .model import build_flux
-
-    return {k: tuple(v.shape) for k, v in build_flux(dict(config), device="meta").state_dict().items()}
+def _diffusers_shapes(family: ModelFamily, config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    model = family.build(dict(config), device="meta")
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
 def _diffusers_info(
-    path: Path, files: tuple[str, ...], tensors: dict[str, StoredTensor], config: dict[str, Any] | None
+    path: Path,
+    files: tuple[str, ...],
+    tensors: dict[str, StoredTensor],
+    config: dict[str, Any] | None,
+    family: ModelFamily,
 ) -> CheckpointInfo:
     shapes = {k: t.shape for k, t in tensors.items()}
-    if config is None:  # a diffusers-keyed single file: derive the config from the BFL view of its shapes
-        meta = {k: torch.empty(s, device="meta") for k, s in shapes.items()}
+    if config is None:  # a diffusers-keyed single file: the family derives the config from its shapes
         try:
-            config = flux_config_from_bfl(diffusers_to_bfl(meta))
+            config = family.config_from_diffusers(shapes)
         except ValueError as err:
             raise CheckpointError(
                 f"'{path}' has diffusers keys but is not a FLUX transformer: {err}"
             ) from None
-    _check_shapes(str(path), shapes, _diffusers_shapes(config))
+    _check_shapes(str(path), shapes, _diffusers_shapes(family, config))
     sources = {k: (t, None) for k, t in tensors.items()}
-    return _info(path, "diffusers", files, "", config, sources, tensors.values())
+    return _info(path, "diffusers", files, "", config, sources, tensors.values(), family)
 
 
 def _info(
@@ -303,6 +313,7 @@ def _info(
     config: dict[str, Any],
     sources: dict[str, tuple[StoredTensor, tuple[tuple[int, int], ...] | None]],
     stored: Iterable[StoredTensor],
+    family: ModelFamily,
 ) -> CheckpointInfo:
     tensors = list(stored)
     return CheckpointInfo(
@@ -312,10 +323,11 @@ def _info(
         prefix=prefix,
         stored_dtypes=_dtype_names(tensors, str(path)),
         config=config,
-        variant="dev" if config["guidance_embeds"] else "schnell",
+        variant=family.variant(config),
         parameters=sum(_numel(t.shape) for t in tensors),
         stored_bytes=sum(_numel(t.shape) * STORED_DTYPES[t.dtype].itemsize for t in tensors),
         sources=sources,
+        family=family.name,
     )
 
 
@@ -330,11 +342,14 @@ def _inspect_file(path: Path) -> CheckpointInfo:
     header = _read_header(path)
     keys = list(header)
     _check_not_scaled_fp8(str(path), keys)
-    stripped = [k.removeprefix(COMFY_PREFIX) for k in keys]
-    if _looks_bfl(stripped) and any(k.startswith("img_in.") for k in stripped):
-        return _bfl_info(path, header)
-    if _looks_diffusers(keys) and "x_embedder.weight" in header:
-        return _diffusers_info(path, (str(path),), header, None)
+    prefix = COMFY_PREFIX if any(k.startswith(COMFY_PREFIX) for k in keys) else ""
+    stripped = {k.removeprefix(prefix) for k in keys if k.startswith(prefix)}
+    family = detect_bfl(stripped)
+    if family is not None:
+        return _bfl_info(path, header, family)
+    family = detect_diffusers(set(keys))
+    if family is not None:
+        return _diffusers_info(path, (str(path),), header, None, family)
     raise CheckpointError(
         f"'{path}' is not a FLUX.1 checkpoint: it looks like {describe_keys(keys)}. "
         "Pick a FLUX.1 transformer file (e.g. flux1-dev.safetensors) from models/diffusion_models"
@@ -352,9 +367,11 @@ def _inspect_folder(path: Path) -> CheckpointInfo:
         )
     raw = json.loads(config_file.read_text())
     cls = raw.get("_class_name")
-    if cls != "FluxTransformer2DModel":
+    family = family_for_class(cls)
+    if family is None:
+        known = " or ".join(f.diffusers_class for f in families())
         raise CheckpointError(
-            f"'{config_file}' describes a {cls}, not a FluxTransformer2DModel; pass a FLUX pipeline folder "
+            f"'{config_file}' describes a {cls}, not a {known}; pass a FLUX pipeline folder "
             "or its transformer/ folder"
         )
     config = {k: v for k, v in raw.items() if k not in _CONFIG_META}
@@ -379,7 +396,7 @@ def _inspect_folder(path: Path) -> CheckpointInfo:
                 f"'{folder}' has: {_listing(folder)}. Download the missing shard"
             )
         tensors.update(_read_header(folder / shard))
-    return _diffusers_info(folder, tuple(str(folder / s) for s in shards), tensors, config)
+    return _diffusers_info(folder, tuple(str(folder / s) for s in shards), tensors, config, family)
 
 
 def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointInfo:
@@ -509,16 +526,15 @@ def load_flux(
     info = path if isinstance(path, CheckpointInfo) else inspect_checkpoint(path)
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
-    from .model import build_flux
-
-    model = build_flux(info.config, device="meta", dtype=dtype)
-    resolved = resolve_plan(model, FLUX_TP_PLAN)
+    family = info.model_family
+    model = family.build(info.config, device="meta", dtype=dtype)
+    resolved = resolve_plan(model, family.tp_plan)
     rank, degree = 0, 1
     if tp > 1:
         if not dist.is_initialized() or dist.get_world_size(group) != tp:
             size = dist.get_world_size(group) if dist.is_initialized() else "no process group"
             raise CheckpointError(f"load_flux(tp={tp}) needs a process group of {tp} ranks, got {size}")
-        apply_tensor_parallel(model, group)
+        family.apply_tp(model, group)
         rank, degree = dist.get_rank(group), tp
     dims = info.dims
     parameters = list(model.named_parameters())
@@ -535,6 +551,7 @@ def load_flux(
             setattr(model.get_submodule(module_name), param, nn.Parameter(tensor, requires_grad=False))
             if progress is not None:
                 progress(done, len(parameters))
+    setattr(model, FAMILY_ATTRIBUTE, family.name)
     return model.eval()
 
 

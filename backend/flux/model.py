@@ -24,6 +24,8 @@ FLUX_DEV: dict[str, Any] = {
     "axes_dims_rope": (16, 56, 56),
 }
 FLUX_SCHNELL: dict[str, Any] = {**FLUX_DEV, "guidance_embeds": False}
+# FLUX.1 Fill [dev]: the masked image (16) and the 8x8 mask (64) enter with the latent (16), 2x2 patched.
+FLUX_FILL: dict[str, Any] = {**FLUX_DEV, "in_channels": 384, "out_channels": 64}
 
 
 def tiny_flux_config(
@@ -34,17 +36,23 @@ def tiny_flux_config(
     guidance: bool = True,
     text_dim: int = 32,
     pooled_dim: int = 24,
+    in_channels: int = 64,
+    out_channels: int | None = None,
 ) -> dict[str, Any]:
     """A structurally complete FLUX with small widths: every code path of the real one, in milliseconds.
 
     RoPE axes must sum to head_dim and be even: split head_dim like FLUX's (16, 56, 56) of 128.
+    `in_channels=384, out_channels=64` is FLUX.1 Fill's shape (96 channels per latent pixel in, 16 out).
     """
     if head_dim % 8:
         raise ValueError(f"head_dim={head_dim} must be a multiple of 8 for the 3-axis rotary embedding")
     b = (head_dim - head_dim // 8) // 4 * 2
     axes = (head_dim - 2 * b, b, b)
+    extra = {} if out_channels is None else {"out_channels": out_channels}
     return {
         **FLUX_DEV,
+        **extra,
+        "in_channels": in_channels,
         "num_layers": double_blocks,
         "num_single_layers": single_blocks,
         "attention_head_dim": head_dim,

@@ -229,3 +229,39 @@ def test_ksampler_advanced_and_basic_guider_on_the_parallel_model(comfy, checkpo
         {"samples": ref["latent"].clone()},
     )[0]["samples"]
     assert (out - ref["output"]).abs().max().item() <= 1e-4
+
+
+# Kontext and Fill (issue 13): the recorded cases run exactly as the reference tool ran them, through
+# ComfyUI's ReferenceLatent / FluxKontextMultiReferenceLatentMethod and Fill's c_concat (FluxInpaint's
+# concat_cond), with the parallel MODEL in place of ComfyUI's own; every recorded model call (inputs,
+# reference latents and ComfyUI's own output) must match.
+FAMILY_CASES = ["kontext_calls", "kontext_index_calls", "kontext_uxo_calls", "fill_calls"]
+
+
+@pytest.mark.parametrize("layout", ["tp2", "ring2", "ring2_ulysses2"])
+@pytest.mark.parametrize("name", FAMILY_CASES)
+def test_kontext_and_fill_through_comfyuis_nodes_match_comfyuis_own_calls(
+    comfy, checkpoints, registries, layout, name, tmp_path
+):
+    from make_comfy_references import run_case as reference_run_case
+
+    case = CASES[name]
+    model = parallel_model(comfy, checkpoints, registries, case["variant"], layout)
+    with torch.no_grad():
+        got = reference_run_case(comfy, {case["variant"]: model}, name, case, tmp_path)
+    # img_ids: ComfyUI's own ids inside its Flux (the proxy has none; tests/test_family.py checks the pack's)
+    expected = {f"{name}.{k}": v for k, v in reference(name).items() if not k.endswith(".img_ids")}
+    assert sorted(got) == sorted(expected)
+    diff = max((got[k] - expected[k]).abs().max().item() for k in expected)
+    print(f"{name} {layout}: max |diff| {diff:.2e}")
+    assert diff <= 1e-5  # seen: <= 5e-7
+
+
+def test_a_fill_checkpoint_becomes_comfyuis_flux_inpaint(comfy, checkpoints, registries):
+    """ComfyUI's own loader picks FluxInpaint for Fill (in_channels 96), whose concat_cond appends the
+    masked image and mask; the parallel MODEL must be the same config."""
+    import comfy.supported_models
+
+    fill = parallel_model(comfy, checkpoints, registries, "fill", "tp2")
+    assert type(fill.model.model_config) is comfy.supported_models.FluxInpaint
+    assert fill.model.model_config.unet_config["in_channels"] == 96

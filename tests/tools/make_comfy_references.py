@@ -42,7 +42,14 @@ MODELS: dict[str, dict[str, Any]] = {
         "config": {"heads": 4, "head_dim": 16, "text_dim": 32, "pooled_dim": 24, "guidance": False},
         "seed": 4321,
     },
-}
+    # FLUX.1 Fill's shape: 96 channels per latent pixel in (latent, masked image, mask), 16 out. ComfyUI
+    # detects it from img_in as FluxInpaint (comfy/model_detection.py, comfy/supported_models.py).
+    "fill": {
+        "config": {"heads": 4, "head_dim": 16, "text_dim": 32, "pooled_dim": 24, "in_channels": 384,
+                   "out_channels": 64},
+        "seed": 2468,
+    },
+}  # fmt: skip
 TEXT_TOKENS = 8
 
 
@@ -58,7 +65,10 @@ def import_comfy(path: str) -> dict[str, Any]:
         import comfy.samplers
         import comfy.sd
         import comfy_extras.nodes_custom_sampler as custom
+        import comfy_extras.nodes_edit_model as edit
+        import comfy_extras.nodes_flux as flux_nodes
         import comfy_extras.nodes_model_advanced as advanced
+        import node_helpers
 
         import nodes
     finally:
@@ -70,6 +80,9 @@ def import_comfy(path: str) -> dict[str, Any]:
         "nodes": nodes,
         "custom": custom,
         "advanced": advanced,
+        "edit": edit,
+        "flux_nodes": flux_nodes,
+        "node_helpers": node_helpers,
     }
 
 
@@ -201,6 +214,27 @@ CASES: dict[str, dict[str, Any]] = {
         "variant": "dev", "width": 72, "height": 56, "steps": 2, "seed": 38, "guidance": 3.5,
         "cfg": 2.0, "negative": True, "record_calls": 3,
     },
+    # Kontext (issue 13): ReferenceLatent on both prompts (a CFG batch of reference latents), two odd-sized
+    # references placed by each of ComfyUI's ref_latents_method values; the recorded calls carry
+    # `ref{j}` (after process_in, as the model receives them) and ComfyUI's own Flux.forward output.
+    "kontext_calls": {
+        "variant": "dev", "width": 72, "height": 56, "steps": 2, "seed": 39, "guidance": 2.5,
+        "cfg": 2.0, "negative": True, "record_calls": 2, "refs": [[40, 56], [24, 24]],
+    },
+    "kontext_index_calls": {
+        "variant": "dev", "width": 56, "height": 40, "steps": 1, "seed": 40, "guidance": 2.5,
+        "record_calls": 1, "refs": [[40, 56], [24, 40]], "ref_method": "index",
+    },
+    "kontext_uxo_calls": {
+        "variant": "dev", "width": 56, "height": 40, "steps": 1, "seed": 41, "guidance": 2.5,
+        "record_calls": 1, "refs": [[40, 56], [24, 40]], "ref_method": "uxo/uno",
+    },
+    # Fill: InpaintModelConditioning's conditioning values (the encoded image and the pixel mask) set
+    # directly, without a VAE; ComfyUI's Flux.concat_cond appends them to x (96 channels).
+    "fill_calls": {
+        "variant": "fill", "width": 72, "height": 56, "steps": 2, "seed": 42, "guidance": 30.0,
+        "cfg": 2.0, "negative": True, "record_calls": 2, "fill": True,
+    },
 }  # fmt: skip
 
 
@@ -213,6 +247,13 @@ def case_inputs(name: str, case: dict[str, Any]) -> dict[str, torch.Tensor]:
     else:
         latent = torch.zeros(batch, 4 if kind == "zeros4" else 16, h, w)
     tensors = {"latent": latent}
+    if "refs" in case:
+        for j, (h_px, w_px) in enumerate(case["refs"]):
+            tensors[f"ref{j}"] = torch.randn(1, 16, h_px // 8, w_px // 8, generator=g) * 0.8 + 0.1
+    if case.get("fill"):
+        tensors["concat_latent"] = torch.randn(1, 16, h, w, generator=g) * 0.8 + 0.1
+        # InpaintModelConditioning's mask: [B, 1, H, W] in pixels, 1 where the image is to be filled
+        tensors["concat_mask"] = (torch.rand(1, 1, case["height"], case["width"], generator=g) > 0.5).float()
     if case.get("mask"):
         # A soft pixel-space mask (SetLatentNoiseMask stores [1, H, W]); ComfyUI resizes it to the latent.
         ramp = torch.linspace(0.0, 1.0, case["width"])
@@ -231,18 +272,45 @@ def with_lora(comfy, model, spec: dict[str, Any], folder: Path):
     return comfy["nodes"].LoraLoaderModelOnly().load_lora_model_only(model, name, spec["strength"])[0]
 
 
-def record_calls(model, limit: int, store: dict[str, torch.Tensor]) -> None:
-    """Keep the first `limit` calls of ComfyUI's Flux.forward on this model: inputs and output."""
+def with_extras(comfy, conditioning: list, case: dict[str, Any], tensors: dict[str, torch.Tensor]) -> list:
+    """Kontext: ComfyUI's ReferenceLatent per reference (+ FluxKontextMultiReferenceLatentMethod); Fill:
+    the values InpaintModelConditioning sets (nodes.py), without its VAE."""
+    for j in range(len(case.get("refs", ()))):
+        conditioning = comfy["edit"].ReferenceLatent.execute(conditioning, {"samples": tensors[f"ref{j}"]})[0]
+    if "ref_method" in case:
+        method = comfy["flux_nodes"].FluxKontextMultiReferenceLatentMethod
+        conditioning = method.execute(conditioning, case["ref_method"])[0]
+    if case.get("fill"):
+        values = {"concat_latent_image": tensors["concat_latent"], "concat_mask": tensors["concat_mask"]}
+        conditioning = comfy["node_helpers"].conditioning_set_values(conditioning, values)
+    return conditioning
+
+
+def record_calls(model, limit: int, store: dict[str, torch.Tensor], ids: bool = False) -> None:
+    """Keep the first `limit` calls of ComfyUI's Flux.forward on this model: inputs and output; with `ids`,
+    also the image position ids Flux._forward handed to forward_orig (Kontext's reference placement)."""
     flux = model.model.diffusion_model
     original = flux.forward
     count = [0]
+    seen: list[torch.Tensor] = []
+    if ids and hasattr(flux, "forward_orig"):  # the pack's proxy has none: its ids are made in the workers
+        forward_orig = flux.forward_orig
 
-    def recorded(x, timestep, context, y=None, guidance=None, **kwargs):
-        out = original(x, timestep, context, y=y, guidance=guidance, **kwargs)
+        def recorded_orig(img, img_ids, *args, **kwargs):
+            seen.append(img_ids)
+            return forward_orig(img, img_ids, *args, **kwargs)
+
+        flux.forward_orig = recorded_orig
+
+    def recorded(x, timestep, context, y=None, guidance=None, ref_latents=None, **kwargs):
+        out = original(x, timestep, context, y=y, guidance=guidance, ref_latents=ref_latents, **kwargs)
         i = count[0]
         if i < limit:
+            refs = {f"ref{j}": r for j, r in enumerate(ref_latents or ())}
+            if seen:
+                refs["img_ids"] = seen[-1]
             for key, value in {"x": x, "timestep": timestep, "context": context, "y": y,
-                               "guidance": guidance, "output": out}.items():  # fmt: skip
+                               "guidance": guidance, "output": out, **refs}.items():  # fmt: skip
                 store[f"{i}.{key}"] = value.detach().to(torch.float32).clone()
         count[0] += 1
         return out
@@ -260,6 +328,8 @@ def run_case(comfy, models, name: str, case: dict[str, Any], folder: Path) -> di
     if case.get("negative"):
         negative, neg = cond_for(variant, 1, 900 + len(name), case.get("guidance"))
         tensors.update(neg_cond=neg["cond"], neg_pooled=neg["pooled"])
+    if "refs" in case or case.get("fill"):
+        positive, negative = (with_extras(comfy, c, case, tensors) for c in (positive, negative))
     latent = {"samples": tensors["latent"].clone()}
     if "mask" in tensors:
         latent["noise_mask"] = tensors["mask"].clone()
@@ -277,7 +347,7 @@ def run_case(comfy, models, name: str, case: dict[str, Any], folder: Path) -> di
     calls: dict[str, torch.Tensor] = {}
     if "record_calls" in case:
         model = model.clone()
-        record_calls(model, case["record_calls"], calls)
+        record_calls(model, case["record_calls"], calls, ids="refs" in case)
     cfg, sampler_name = case.get("cfg", 1.0), case.get("sampler", "euler")
     custom = comfy["custom"]
     if "sigmas" in case:
