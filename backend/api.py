@@ -169,10 +169,12 @@ class ParallelFlux:
         batch: int = 1,
         dtype: str | None = None,
         context_only: bool = False,
+        family: str = "flux1",
     ) -> Choice:
         """The planner's layout for this image on these devices; `.explanation` is one line for the node.
 
         `context_only` chooses among ring x Ulysses splits only (the Ring Attention Sampler's auto).
+        `family` is the checkpoint's model family (CheckpointInfo.family): FLUX.2's shapes differ.
         """
         m = self.machine()
         cpu = self.devices[0].startswith("cpu")
@@ -186,7 +188,7 @@ class ParallelFlux:
         setup = Setup(
             dims, width, height, batch, dtype=compute, devices=len(self.devices),
             memory_gb=m["memory_bytes"] / 1e9, link=link, tflops=m["tflops"],
-            device_word="CPU worker" if cpu else "GPU",
+            device_word="CPU worker" if cpu else "GPU", family=family,
         )  # fmt: skip
         self.auto_choice = choose(setup, allow=(lambda lay: lay.tp == 1) if context_only else None)
         return self.auto_choice
@@ -240,7 +242,7 @@ class ParallelFlux:
         checked = check_loras(loras, info)
         resolve_dtype(dtype, self.devices[0])  # a bad dtype fails here, before anything is unloaded
         if layout == "auto":
-            layout = self.auto_layout(info.dims, dtype=dtype).layout
+            layout = self.auto_layout(info.dims, dtype=dtype, family=info.family).layout
         parallel = make_layout(layout, len(self.devices), ring, ulysses)
         parallel.validate(info.dims, devices=len(self.devices))
         return Resident(str(checkpoint), info, parallel, dtype, None, checked)

@@ -94,3 +94,22 @@ def test_comfy_model_is_comfyuis_flux2_detection() -> None:
     )
     assert (unet["depth"], unet["depth_single_blocks"], unet["context_in_dim"]) == (8, 48, 15360)
     assert FluxDims.from_diffusers_config(FLUX2_DEV).mlp == 18432
+
+
+def test_auto_prices_a_flux2_checkpoint_as_flux2(tmp_path: Path, group2) -> None:
+    """check_load(layout='auto') on a FLUX.2 file: the planner's weights are FLUX.2's, per layout."""
+    from rocm_parallel.backend.api import ParallelFlux
+    from rocm_parallel.backend.config import ParallelLayout
+    from rocm_parallel.backend.plan import weight_bytes
+
+    path = save_flux2_checkpoint(build_flux2(CONFIG, seed=5), tmp_path / "flux2.safetensors")
+    flux = ParallelFlux(group=group2)
+    resident = flux.check_load(path, layout="auto", dtype="float32")
+    choice = flux.auto_choice
+    assert resident.layout == choice.layout
+    dims = FluxDims.from_diffusers_config(CONFIG)
+    for estimate in choice.estimates:
+        assert estimate.weights == weight_bytes(dims, estimate.layout, 4, family="flux2")
+    assert weight_bytes(dims, ParallelLayout(tp=2), 4, family="flux2") != weight_bytes(
+        dims, ParallelLayout(tp=2), 4
+    )
