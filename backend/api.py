@@ -181,12 +181,14 @@ class ParallelFlux:
         dtype: str | None = None,
         context_only: bool = False,
         weight_dtype: str = "compute",
+        family: str = "flux1",
     ) -> Choice:
         """The planner's layout for this image on these devices; `.explanation` is one line for the node.
 
         `context_only` chooses among ring x Ulysses splits only (the Ring Attention Sampler's auto).
         `weight_dtype`: the planner's name ('compute', 'fp8_e4m3fn', 'fp8_e5m2'; see
-        `load.planned_weight_dtype` for a checkpoint's 'default').
+        `load.planned_weight_dtype` for a checkpoint's 'default'). `family` is the checkpoint's model
+        family (CheckpointInfo.family): FLUX.2's shapes differ.
         """
         m = self.machine()
         cpu = self.devices[0].startswith("cpu")
@@ -200,7 +202,7 @@ class ParallelFlux:
         setup = Setup(
             dims, width, height, batch, dtype=compute, devices=len(self.devices),
             memory_gb=m["memory_bytes"] / 1e9, link=link, tflops=m["tflops"],
-            device_word="CPU worker" if cpu else "GPU", weight_dtype=weight_dtype,
+            device_word="CPU worker" if cpu else "GPU", weight_dtype=weight_dtype, family=family,
         )  # fmt: skip
         self.auto_choice = choose(setup, allow=(lambda lay: lay.tp == 1) if context_only else None)
         return self.auto_choice
@@ -264,7 +266,7 @@ class ParallelFlux:
         weights = check_weight_dtype(weight_dtype, info)
         if layout == "auto":
             planned = planned_weight_dtype(weights, info)
-            layout = self.auto_layout(info.dims, dtype=dtype, weight_dtype=planned).layout
+            layout = self.auto_layout(info.dims, dtype=dtype, weight_dtype=planned, family=info.family).layout
         parallel = make_layout(layout, len(self.devices), ring, ulysses)
         parallel.validate(info.dims, devices=len(self.devices))
         return Resident(str(checkpoint), info, parallel, dtype, None, checked, weights)

@@ -52,11 +52,32 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+# `plan --model`: name -> (module, config name, planner family, text tokens ComfyUI pads to).
+# FLUX.1: T5 padded to 256 (design notes §3). FLUX.2: ComfyUI's model_base.Flux2.extra_conds pads the
+# text features to 512 tokens.
+PLAN_MODELS: dict[str, tuple[str, str, str, int]] = {
+    "flux1-dev": ("flux.model", "FLUX_DEV", "flux1", 256),
+    "flux1-schnell": ("flux.model", "FLUX_SCHNELL", "flux1", 256),
+    "flux2-dev": ("flux2.model", "FLUX2_DEV", "flux2", 512),
+    "flux2-klein": ("flux2.model", "FLUX2_KLEIN_4B", "flux2", 512),
+    "flux2-klein-9b": ("flux2.model", "FLUX2_KLEIN_9B", "flux2", 512),
+    "dev": ("flux.model", "FLUX_DEV", "flux1", 256),  # the names before FLUX.2
+    "schnell": ("flux.model", "FLUX_SCHNELL", "flux1", 256),
+}
+
+
 def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", choices=("dev", "schnell"), default="dev", help="FLUX.1 variant")
+    parser.add_argument(
+        "--model", choices=tuple(PLAN_MODELS), default="flux1-dev", help="model (dev/schnell: FLUX.1)"
+    )
     parser.add_argument("--size", default="1024", help="image size in pixels: 1024 or WIDTHxHEIGHT")
     parser.add_argument("--batch", type=int, default=1, help="images per step")
-    parser.add_argument("--text-tokens", type=int, default=256, help="T5 tokens (ComfyUI pads to 256)")
+    parser.add_argument(
+        "--text-tokens",
+        type=int,
+        default=None,
+        help="text tokens (default: ComfyUI's, 256 FLUX.1, 512 FLUX.2)",
+    )
     parser.add_argument("--devices", type=int, default=2, help="number of GPUs")
     parser.add_argument("--memory-gb", type=float, default=24.0, help="memory of one GPU in GB")
     parser.add_argument(
@@ -78,16 +99,18 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run_plan(args: argparse.Namespace) -> int:
     from .config import ConfigError, FluxDims
-    from .flux.model import FLUX_DEV, FLUX_SCHNELL
     from .plan import Link, Setup, choose, format_table, plan
 
+    module, config_name, family, text_tokens = PLAN_MODELS[args.model]
+    config = getattr(importlib.import_module(f"{__package__}.{module}"), config_name)
     width, _, height = args.size.partition("x")
     try:
         setup = Setup(
-            FluxDims.from_diffusers_config(FLUX_DEV if args.model == "dev" else FLUX_SCHNELL),
-            width=int(width), height=int(height or width), batch=args.batch, text_tokens=args.text_tokens,
-            dtype=args.dtype, weight_dtype=args.weight_dtype, devices=args.devices, memory_gb=args.memory_gb,
-            link=Link(args.link_gbps, args.latency_us, name="link"), tflops=args.tflops,
+            FluxDims.from_diffusers_config(config),
+            width=int(width), height=int(height or width), batch=args.batch,
+            text_tokens=text_tokens if args.text_tokens is None else args.text_tokens, dtype=args.dtype,
+            weight_dtype=args.weight_dtype, devices=args.devices, memory_gb=args.memory_gb,
+            link=Link(args.link_gbps, args.latency_us, name="link"), tflops=args.tflops, family=family,
         )  # fmt: skip
         estimates = plan(setup)
     except (ConfigError, ValueError) as exc:

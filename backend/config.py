@@ -89,6 +89,8 @@ class FluxDims:
             double_blocks=int(config["num_layers"]),
             single_blocks=int(config["num_single_layers"]),
             guidance=bool(config.get("guidance_embeds", False)),
+            # FLUX.1's config has no mlp_ratio (4.0 is built in); FLUX.2's has 3.0.
+            mlp_ratio=float(config.get("mlp_ratio", 4.0)),
             text_dim=int(config.get("joint_attention_dim", 4096)),
             pooled_dim=int(config.get("pooled_projection_dim", 768)),
             in_channels=int(config.get("in_channels", 64)),

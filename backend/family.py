@@ -33,7 +33,7 @@ from typing import Any
 from .config import ConfigError
 
 # Modules (relative to this package) whose import registers the built-in families, in detection order.
-BUILTIN: tuple[str, ...] = (".flux.family",)
+BUILTIN: tuple[str, ...] = (".flux.family", ".flux2.family")
 
 Shapes = Mapping[str, tuple[int, ...]]
 

@@ -19,6 +19,8 @@ from torch import nn
 
 from ..backend.config import FluxDims, ParallelLayout
 from ..backend.flux.model import FLUX_DEV, build_flux, random_inputs, tiny_flux_config
+from ..backend.flux2.model import FLUX2_DEV, FLUX2_KLEIN_4B, FLUX2_KLEIN_9B, build_flux2, random_flux2_inputs
+from ..backend.parallel.comm import CountCollectives
 from ..backend.parallel.fake import fake_process_group
 from ..backend.parallel.tensor import apply_tensor_parallel
 from ..backend.text import GB, MB
@@ -43,6 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--repeats", type=int, default=5, help="timed forwards per degree after a warm-up; the median is kept"
+    )
+    parser.add_argument(
+        "--model",
+        choices=tuple(META_MODELS),
+        default="flux1-dev",
+        help="flux1-dev: sizes, collectives and compute; FLUX.2 models: sizes (bf16 and fp8-resident) and "
+        "collectives on the meta device",
     )
     parser.add_argument("--json", help="also write the rows to this JSON file")
 
@@ -133,10 +142,115 @@ def compute_time(
             return median_seconds(lambda: model(**kwargs), repeats, device)
 
 
+# ---------------------------------------------------------------------------------------------- FLUX.2
+
+META_MODELS: dict[str, dict[str, Any] | None] = {
+    "flux1-dev": None,  # the FLUX.1 report below
+    "flux2-dev": FLUX2_DEV,
+    "flux2-klein": FLUX2_KLEIN_4B,
+    "flux2-klein-9b": FLUX2_KLEIN_9B,
+}
+
+
+def _bytes_by_weight_dtype(model: nn.Module) -> tuple[int, int]:
+    """(bf16 bytes, fp8-resident bytes) this rank holds: fp8 keeps every 2-D (linear) weight at 1 byte.
+
+    The same rule as the fp8 work's loader and planner: linear weights stay fp8 and are upcast per
+    layer; norm scales (1-D) stay in the compute dtype.
+    """
+    from torch.distributed.tensor import DTensor
+
+    bf16 = fp8 = 0
+    for p in model.parameters():
+        n = (p.to_local() if isinstance(p, DTensor) else p).numel()
+        bf16 += 2 * n
+        fp8 += n if p.dim() == 2 else 2 * n
+    return bf16, fp8
+
+
+def flux2_sizes_and_collectives(config: dict[str, Any], plan: str, degree: int, size: int) -> dict[str, Any]:
+    """One rank of TP=`degree` on the meta device under the fake group: bytes and one forward's collectives."""
+    dims = FluxDims.from_diffusers_config(config)
+    with fake_process_group(degree):
+        model = build_flux2(config, device="meta", dtype=torch.bfloat16)
+        if degree > 1:
+            PLANS[plan](model)
+        bf16, fp8 = _bytes_by_weight_dtype(model)
+        side = size // 16  # FLUX.2: one token per 16 x 16 pixels (128-channel latent at 1/16)
+        inputs = random_flux2_inputs(dims, rows=side, cols=side, text_tokens=512, device="meta")
+        with CountCollectives() as counter, torch.no_grad():
+            model(**inputs.to("meta", torch.bfloat16).as_kwargs(), return_dict=False)
+    log = counter.log
+    return {
+        "plan": plan,
+        "degree": degree,
+        "bf16_gb": bf16 / GB,
+        "fp8_gb": fp8 / GB,
+        "all_reduce": log.counts["all_reduce"],
+        "all_gather": log.counts["all_gather"],
+        "payload_mb": sum(log.payload_bytes.values()) / MB,
+        "wire_mb_per_rank": log.wire_bytes_per_rank(degree) / MB,
+    }
+
+
+def run_flux2(args: argparse.Namespace) -> str:
+    config = META_MODELS[args.model]
+    assert config is not None
+    degrees = [int(d) for d in args.degrees.split(",")]
+    rows = []
+    for degree in degrees:
+        for plan in PLANS if degree > 1 else list(PLANS)[:1]:
+            rows.append(flux2_sizes_and_collectives(config, plan, degree, args.size))
+            print(f"  measured {plan} at TP={degree}", flush=True)
+    dims = FluxDims.from_diffusers_config(config)
+    tokens = (args.size // 16) ** 2
+    out = [
+        f"### Tensor parallelism: {args.model} ({dims.heads} heads x {dims.head_dim}, {dims.double_blocks}+"
+        f"{dims.single_blocks} blocks), {args.size}x{args.size} ({tokens} image + 512 text tokens)",
+        "",
+        "Per rank, one transformer forward, on the meta device under the fake process group. fp8-resident:",
+        "every linear weight at 1 byte, norm scales bf16. Payloads in bf16; wire MB assume ring algorithms.",
+        "",
+        markdown_table(
+            [
+                "TP",
+                "plan",
+                "bf16/rank (GB)",
+                "fp8/rank (GB)",
+                "all-reduces",
+                "all-gathers",
+                "payload (MB)",
+                "sent/rank (MB)",
+            ],
+            [
+                [
+                    r["degree"],
+                    r["plan"] if r["degree"] > 1 else "(one device)",
+                    f"{r['bf16_gb']:.2f}",
+                    f"{r['fp8_gb']:.2f}",
+                    r["all_reduce"],
+                    r["all_gather"],
+                    f"{r['payload_mb']:.0f}",
+                    f"{r['wire_mb_per_rank']:.0f}",
+                ]
+                for r in rows
+            ],
+        ),
+    ]
+    text = "\n".join(out)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "rows": rows}, f, indent=2)
+    return text
+
+
 # ---------------------------------------------------------------------------------------------- report
 
 
 def run(args: argparse.Namespace) -> str:
+    if getattr(args, "model", "flux1-dev") != "flux1-dev":
+        return run_flux2(args)
     degrees = [int(d) for d in args.degrees.split(",")]
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     on_gpu = device.type == "cuda"

@@ -18,7 +18,7 @@ from rocm_parallel.backend.flux.convert import save_bfl_checkpoint
 
 TESTS_DIR = str(Path(__file__).resolve().parent)
 # Test-only worker methods, imported by the workers from tests/ (see WorkerGroup(methods=...)).
-TEST_METHODS = ("worker_jobs", "model_methods", "cp_checks", "load_checks")
+TEST_METHODS = ("worker_jobs", "model_methods", "cp_checks", "load_checks", "flux2_methods")
 
 # The suite runs several worker processes on a 2-core machine: one thread each keeps them from
 # fighting over cores (and keeps float results reproducible).

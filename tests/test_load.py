@@ -329,8 +329,8 @@ def test_diffusers_folder_errors(tmp_path: Path) -> None:
     config = json.loads((transformer / "config.json").read_text())
     (transformer / "config.json").write_text(json.dumps({**config, "_class_name": "AutoencoderKL"}))
     assert _error(transformer) == (
-        f"'{transformer}/config.json' describes a AutoencoderKL, not a FluxTransformer2DModel; pass a FLUX "
-        "pipeline folder or its transformer/ folder"
+        f"'{transformer}/config.json' describes a AutoencoderKL, not a FluxTransformer2DModel or "
+        "Flux2Transformer2DModel; pass a FLUX pipeline folder or its transformer/ folder"
     )
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -1,7 +1,7 @@
-"""Context parallelism for FLUX: ring attention, Ulysses, or both, on diffusers' own machinery.
+"""Context parallelism for FLUX.1 and FLUX.2: ring attention, Ulysses, or both, on diffusers' own machinery.
 
 Every rank holds the whole model and 1/N of the tokens. diffusers does the heavy lifting:
-`FluxTransformer2DModel._cp_plan` says where to split the sequence (text, image and their position ids)
+`FluxTransformer2DModel._cp_plan` / `Flux2Transformer2DModel._cp_plan` say where to split the sequence (text, image and their position ids)
 and where to gather it (`proj_out`), `enable_parallelism(ContextParallelConfig(...))` installs those
 hooks and builds the (ring, ulysses) device mesh, and its templated ring / Ulysses / unified attention
 moves K/V around and merges the partial results.
@@ -327,49 +327,57 @@ def _with_dispatch(fn: Callable[..., Any], dispatch: Callable[..., Any]) -> Call
     return copy
 
 
-def _processor_class() -> type:
-    from diffusers.models.attention_dispatch import AttentionBackendName
-    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+# diffusers processor class name -> the module that defines it. Every one of them calls the module-level
+# `dispatch_attention_fn`, which is what gets redirected; nothing else of the processor changes.
+CONTEXT_PROCESSORS: dict[str, str] = {
+    "FluxAttnProcessor": "diffusers.models.transformers.transformer_flux",
+    # FLUX.2 (diffusers 0.42.1 transformer_flux2.py): double blocks, and single blocks whose packed
+    # QKV+MLP projection feeds the same attention call.
+    "Flux2AttnProcessor": "diffusers.models.transformers.transformer_flux2",
+    "Flux2ParallelSelfAttnProcessor": "diffusers.models.transformers.transformer_flux2",
+}
 
-    class ContextParallelFluxAttnProcessor(FluxAttnProcessor):
+
+def _processor_class(base: type) -> type:
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    class ContextParallelProcessor(base):  # type: ignore[misc, valid-type]
         # Read only by enable_parallelism's check that the backend supports context parallelism; the
         # attention itself goes through ContextAttention.
         _attention_backend = AttentionBackendName.NATIVE
 
         def __init__(self, dispatch: ContextAttention) -> None:
             super().__init__()
-            self._call = _with_dispatch(FluxAttnProcessor.__call__, dispatch)
+            self._call = _with_dispatch(base.__call__, dispatch)
 
-        def __call__(
-            self,
-            attn: Any,
-            hidden_states: torch.Tensor,
-            encoder_hidden_states: torch.Tensor | None = None,
-            attention_mask: torch.Tensor | None = None,
-            image_rotary_emb: Any = None,
-        ) -> Any:
-            return self._call(
-                self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb
-            )
+        def __call__(self, attn: Any, *args: Any, **kwargs: Any) -> Any:
+            return self._call(self, attn, *args, **kwargs)
 
-    return ContextParallelFluxAttnProcessor
+    # Attention.forward filters joint_attention_kwargs by the processor's signature: keep the base's.
+    ContextParallelProcessor.__call__.__signature__ = inspect.signature(base.__call__)  # type: ignore[attr-defined]
+    ContextParallelProcessor.__name__ = f"ContextParallel{base.__name__}"
+    return ContextParallelProcessor
 
 
 def _install_processors(model: nn.Module, dispatch: ContextAttention) -> int:
-    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+    import importlib
 
-    cls = _processor_class()
+    classes: dict[type, type] = {}
     count = 0
     for name, module in model.named_modules():
         processor = getattr(module, "processor", None)
         if processor is None:
             continue
-        if type(processor) is not FluxAttnProcessor:
+        kind = type(processor)
+        source = CONTEXT_PROCESSORS.get(kind.__name__)
+        if source is None or getattr(importlib.import_module(source), kind.__name__, None) is not kind:
             raise ConfigError(
-                f"{name} uses the attention processor {type(processor).__name__}; context parallelism "
-                "supports FluxAttnProcessor only (remove IP-adapters / custom processors first)"
+                f"{name} uses the attention processor {kind.__name__}; context parallelism supports "
+                f"{', '.join(CONTEXT_PROCESSORS)} only (remove IP-adapters / custom processors first)"
             )
-        module.set_processor(cls(dispatch))
+        if kind not in classes:
+            classes[kind] = _processor_class(kind)
+        module.set_processor(classes[kind](dispatch))
         count += 1
     return count
 
@@ -431,19 +439,42 @@ def _bind(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> di
     return arguments
 
 
+def _output_class(model: nn.Module) -> type:
+    """What the model's forward returns with return_dict=True (FLUX.2 has its own output class)."""
+    if type(model).__name__ == "Flux2Transformer2DModel":
+        from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModelOutput
+
+        return Flux2Transformer2DModelOutput
+    from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+    return Transformer2DModelOutput
+
+
 def _install_padding_hooks(model: nn.Module, state: ContextState) -> None:
     """Pad the text and image streams before diffusers splits them; unpad the gathered output."""
     degree = state.layout.ring * state.layout.ulysses
     cp_config = model._parallel_config.context_parallel_config
+    root_plan = type(model)._cp_plan[""]
+    id_layout = {
+        ids: (root_plan[ids].expected_dims or 2, root_plan[ids].split_dim)
+        for ids in ("img_ids", "txt_ids")
+        if ids in root_plan
+    }
 
     def pad_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         kw = _bind(module, args, kwargs)
         image, text = kw["hidden_states"], kw["encoder_hidden_states"]
         state.layout.validate_sequence(image.shape[1])
-        # diffusers accepts (deprecated) batched ids [B, S, 3]; the CP plan splits only 2-D ones.
-        for ids in ("img_ids", "txt_ids"):
-            if kw.get(ids) is not None and kw[ids].ndim == 3:
+        # Bring the ids to the rank the model's _cp_plan splits: FLUX.1 plans 2-D ids [S, 3] (batched
+        # ids are deprecated there), FLUX.2 plans batched ids [B, S, 4] split on dim 1. Ids of the
+        # other rank would be passed whole to every rank: wrong rotary positions, silently.
+        for ids, (ndim, _dim) in id_layout.items():
+            if kw.get(ids) is None:
+                continue
+            while kw[ids].ndim > ndim:
                 kw[ids] = kw[ids][0]
+            while kw[ids].ndim < ndim:
+                kw[ids] = kw[ids].unsqueeze(0)
         # diffusers' split hook on the root rejects a Transformer2DModelOutput: run with return_dict=False
         # and rebuild the output object for the caller afterwards.
         state.return_dict = bool(kw.get("return_dict", True))
@@ -453,19 +484,18 @@ def _install_padding_hooks(model: nn.Module, state: ContextState) -> None:
         if state.padding is not None:
             kw["hidden_states"] = pad_for_ranks(image, 1, degree)
             kw["encoder_hidden_states"] = pad_for_ranks(text, 1, degree)
-            kw["img_ids"] = pad_for_ranks(kw["img_ids"], 0, degree)
-            kw["txt_ids"] = pad_for_ranks(kw["txt_ids"], 0, degree)
+            for ids, (_ndim, dim) in id_layout.items():
+                kw[ids] = pad_for_ranks(kw[ids], dim, degree)
         return (), kw
 
     def unpad_output(module: nn.Module, args: Any, output: tuple[torch.Tensor, ...]) -> Any:
         padding, state.padding = state.padding, None
         sample = output[0] if padding is None else unpad_from_ranks(output[0], 1, list(padding.image_sizes))
         if state.return_dict:
-            from diffusers.models.modeling_outputs import Transformer2DModelOutput
-
-            return Transformer2DModelOutput(sample=sample)
+            return output_class(sample=sample)
         return (sample, *output[1:])
 
+    output_class = _output_class(model)
     model.register_forward_pre_hook(pad_inputs, with_kwargs=True)
     model.register_forward_hook(unpad_output)
 

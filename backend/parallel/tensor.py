@@ -68,7 +68,20 @@ class Gathered:
     """AdaLN modulation: output split, full vector rebuilt by one all-gather shared by all such layers."""
 
 
-Split = Column | Row | PackedRow | Gathered
+@dataclass(frozen=True)
+class PackedColumn:
+    """Column-parallel over an output that concatenates independent parts (FLUX.2's fused projections).
+
+    FLUX.2's single-block `to_qkv_mlp_proj` writes [q | k | v | gate | up] and its SwiGLU feed-forward
+    `linear_in` writes [gate | up]; the processor splits the local output by the same proportions and
+    SwiGLU halves it. Each rank must therefore own its slice of *each* part, in part order: a contiguous
+    split would hand rank 0 all of q and k and rank 1 v and the MLP (silent noise, not an error).
+    """
+
+    parts: tuple[str, ...]
+
+
+Split = Column | Row | PackedRow | PackedColumn | Gathered
 
 # --------------------------------------------------------------------------------------------------
 # The plan: module path (``*`` = one path component) -> split kind
@@ -102,6 +115,41 @@ FLUX_TP_PLAN: dict[str, Split] = {
 
 # Blocks whose forward is replaced so that their Row(reduce=False) outputs are reduced together.
 FLUX_TP_BLOCK_FORWARDS: dict[str, str] = {"transformer_blocks.*": "fused_double_block"}
+
+# FLUX.2 (diffusers' Flux2Transformer2DModel, 0.42.1). Same Megatron layout as diffusers' own `_tp_plan`
+# for the blocks, plus what diffusers leaves replicated: the three *shared* modulation linears
+# (double_stream_modulation_img/_txt: hidden -> 6 x hidden each; single_stream_modulation: hidden -> 3 x
+# hidden) and norm_out. They read silu(temb) like FLUX.1's AdaLN, so they are Gathered: one all-gather
+# for all four per forward. FLUX.2 [dev]: 0.64 B parameters, 1.28 GB of bf16 that diffusers keeps whole
+# on every GPU. Widths: "hidden" = heads x head_dim, "mlp" = int(hidden x mlp_ratio) (FluxDims).
+FLUX2_TP_PLAN: dict[str, Split] = {
+    # shared modulation (computed once per forward, used by every block)
+    "double_stream_modulation_img.linear": Gathered(),
+    "double_stream_modulation_txt.linear": Gathered(),
+    "single_stream_modulation.linear": Gathered(),
+    # double-stream blocks
+    "transformer_blocks.*.attn.to_q": Column(),
+    "transformer_blocks.*.attn.to_k": Column(),
+    "transformer_blocks.*.attn.to_v": Column(),
+    "transformer_blocks.*.attn.add_q_proj": Column(),
+    "transformer_blocks.*.attn.add_k_proj": Column(),
+    "transformer_blocks.*.attn.add_v_proj": Column(),
+    "transformer_blocks.*.attn.to_out.0": Row(reduce=False),
+    "transformer_blocks.*.attn.to_add_out": Row(reduce=False),
+    "transformer_blocks.*.ff.linear_in": PackedColumn(("mlp", "mlp")),  # SwiGLU [gate | up]
+    "transformer_blocks.*.ff.linear_out": Row(reduce=False),
+    "transformer_blocks.*.ff_context.linear_in": PackedColumn(("mlp", "mlp")),
+    "transformer_blocks.*.ff_context.linear_out": Row(reduce=False),
+    # single-stream blocks: one packed projection in, one packed projection out
+    "single_transformer_blocks.*.attn.to_qkv_mlp_proj": PackedColumn(
+        ("hidden", "hidden", "hidden", "mlp", "mlp")
+    ),
+    "single_transformer_blocks.*.attn.to_out": PackedRow(("hidden", "mlp")),
+    # final AdaLN
+    "norm_out.linear": Gathered(),
+}
+
+FLUX2_TP_BLOCK_FORWARDS: dict[str, str] = {"transformer_blocks.*": "fused_flux2_double_block"}
 
 # --------------------------------------------------------------------------------------------------
 # Slicing: which part of a full tensor a rank keeps. Shared with the checkpoint loader, which reads
@@ -139,20 +187,29 @@ def shard_pieces(
     """The slice of parameter `param` ('weight' or 'bias') that `rank` keeps, or None when replicated."""
     if isinstance(split, Column | Gathered):
         return Pieces(0, (_even(full_shape[0], rank, degree),))
+    if isinstance(split, PackedColumn):  # weight rows and bias entries alike
+        return Pieces(0, _packed_ranges(split.parts, full_shape[0], rank, degree, dims, "output"))
     if param != "weight":  # row-parallel bias: whole on every rank, added after the reduction
         return None
     if isinstance(split, Row):
         return Pieces(1, (_even(full_shape[1], rank, degree),))
     if isinstance(split, PackedRow):
-        sizes = [getattr(dims, part) for part in split.parts]
-        if sum(sizes) != full_shape[1]:
-            raise ValueError(f"packed input of {full_shape[1]} features is not {split.parts} = {sizes}")
-        ranges, offset = [], 0
-        for size in sizes:
-            ranges.append(_even(size, rank, degree, offset))
-            offset += size
-        return Pieces(1, tuple(ranges))
+        return Pieces(1, _packed_ranges(split.parts, full_shape[1], rank, degree, dims, "input"))
     raise TypeError(f"unknown split kind {split!r}")
+
+
+def _packed_ranges(
+    parts: tuple[str, ...], total: int, rank: int, degree: int, dims: FluxDims, side: str
+) -> tuple[tuple[int, int], ...]:
+    """This rank's range in each part of a packed dimension, in part order."""
+    sizes = [getattr(dims, part) for part in parts]
+    if sum(sizes) != total:
+        raise ValueError(f"packed {side} of {total} features is not {parts} = {sizes}")
+    ranges, offset = [], 0
+    for size in sizes:
+        ranges.append(_even(size, rank, degree, offset))
+        offset += size
+    return tuple(ranges)
 
 
 def parameter_pieces(
@@ -331,7 +388,101 @@ def fused_double_block_forward(
     return encoder_hidden_states, hidden_states
 
 
-BLOCK_FORWARDS: dict[str, Callable[..., Any]] = {"fused_double_block": fused_double_block_forward}
+def fused_flux2_double_block_forward(
+    block: nn.Module,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb_mod_img: torch.Tensor,
+    temb_mod_txt: torch.Tensor,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    joint_attention_kwargs: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """diffusers' Flux2TransformerBlock.forward (0.42.1) with the two streams reduced together.
+
+    Same arithmetic per stream as diffusers (which runs the image FF before the text residual: the
+    streams are independent there, so the order does not change a value). Two all-reduces per block
+    instead of four.
+    """
+    from diffusers.models.transformers.transformer_flux2 import Flux2Modulation
+
+    (shift_msa, scale_msa, gate_msa), (shift_mlp, scale_mlp, gate_mlp) = Flux2Modulation.split(
+        temb_mod_img, 2
+    )
+    (c_shift_msa, c_scale_msa, c_gate_msa), (c_shift_mlp, c_scale_mlp, c_gate_mlp) = Flux2Modulation.split(
+        temb_mod_txt, 2
+    )
+    norm_h = (1 + scale_msa) * block.norm1(hidden_states) + shift_msa
+    norm_c = (1 + c_scale_msa) * block.norm1_context(encoder_hidden_states) + c_shift_msa
+    outputs = block.attn(
+        hidden_states=norm_h,
+        encoder_hidden_states=norm_c,
+        image_rotary_emb=image_rotary_emb,
+        **(joint_attention_kwargs or {}),
+    )
+    attn, c_attn = reduce_streams(
+        list(outputs), [block.attn.to_out[0], block.attn.to_add_out], block.tp_group
+    )
+    hidden_states = hidden_states + gate_msa * attn
+    encoder_hidden_states = encoder_hidden_states + c_gate_msa * c_attn
+
+    norm_h = block.norm2(hidden_states) * (1 + scale_mlp) + shift_mlp
+    norm_c = block.norm2_context(encoder_hidden_states) * (1 + c_scale_mlp) + c_shift_mlp
+    ff, c_ff = reduce_streams(
+        [block.ff(norm_h), block.ff_context(norm_c)],
+        [block.ff.linear_out, block.ff_context.linear_out],
+        block.tp_group,
+    )
+    hidden_states = hidden_states + gate_mlp * ff
+    encoder_hidden_states = encoder_hidden_states + c_gate_mlp * c_ff
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
+
+
+BLOCK_FORWARDS: dict[str, Callable[..., Any]] = {
+    "fused_double_block": fused_double_block_forward,
+    "fused_flux2_double_block": fused_flux2_double_block_forward,
+}
+
+
+@dataclass(frozen=True)
+class TensorParallelSpec:
+    """Everything model-specific about tensor parallelism, as data.
+
+    `modulation_source` is the module whose output `temb` feeds every Gathered linear (through silu):
+    the ModulationBank evaluates them all right after it.
+    """
+
+    plan: Mapping[str, Split]
+    block_forwards: Mapping[str, str]
+    modulation_source: str
+    attention_processors: tuple[str, ...]
+
+
+# diffusers class name -> its tensor-parallel spec
+TP_SPECS: dict[str, TensorParallelSpec] = {
+    "FluxTransformer2DModel": TensorParallelSpec(
+        FLUX_TP_PLAN, FLUX_TP_BLOCK_FORWARDS, "time_text_embed", ("FluxAttnProcessor",)
+    ),
+    "Flux2Transformer2DModel": TensorParallelSpec(
+        FLUX2_TP_PLAN,
+        FLUX2_TP_BLOCK_FORWARDS,
+        "time_guidance_embed",
+        ("Flux2AttnProcessor", "Flux2ParallelSelfAttnProcessor"),
+    ),
+}
+
+
+def tp_spec_for(model: nn.Module) -> TensorParallelSpec:
+    """The spec for `model`'s class; an error that names the supported classes otherwise."""
+    name = type(model).__name__
+    if name not in TP_SPECS:
+        raise TypeError(
+            f"apply_tensor_parallel supports {', '.join(TP_SPECS)}; got {name}. Load the model with "
+            "diffusers' class for its family."
+        )
+    return TP_SPECS[name]
+
 
 # --------------------------------------------------------------------------------------------------
 # Applying a plan
@@ -360,7 +511,7 @@ def _split_module(
         )
 
     weight, bias = shard("weight"), shard("bias")
-    if isinstance(split, Column):
+    if isinstance(split, Column | PackedColumn):
         module.weight, module.bias, module.out_features = weight, bias, weight.shape[0]
         return module
     if isinstance(split, Gathered):
@@ -371,6 +522,7 @@ def _split_module(
 
 def check_tensor_parallel_ready(model: nn.Module) -> FluxDims:
     """Everything that would make sharding wrong, checked before a single weight is touched."""
+    spec = tp_spec_for(model)
     if getattr(model, "_rp_tensor_parallel", None) is not None:
         raise ValueError(
             "this model is already tensor-parallel; build or load a fresh one to change the layout"
@@ -384,23 +536,27 @@ def check_tensor_parallel_ready(model: nn.Module) -> FluxDims:
         if getattr(module, "fused_projections", False):
             raise ValueError(f"'{name}' has fused QKV projections; call model.unfuse_qkv_projections() first")
         processor = getattr(module, "processor", None)
-        if processor is not None and type(processor).__name__ != "FluxAttnProcessor":
+        if processor is not None and type(processor).__name__ not in spec.attention_processors:
             raise ValueError(
-                f"'{name}' uses {type(processor).__name__}; tensor parallelism needs FluxAttnProcessor "
-                "(IP-Adapter and custom processors are not supported)"
+                f"'{name}' uses {type(processor).__name__}; tensor parallelism needs "
+                f"{' or '.join(spec.attention_processors)} (IP-Adapter, KV-cache and custom processors "
+                "are not supported)"
             )
     return FluxDims.from_diffusers_config(config)
 
 
 def apply_tensor_parallel(
-    model: nn.Module, group: Any = None, plan: Mapping[str, Split] = FLUX_TP_PLAN
+    model: nn.Module, group: Any = None, plan: Mapping[str, Split] | None = None
 ) -> nn.Module:
     """Shard `model` in place across `group` (default: the world) and return it.
 
     Works on materialized weights (each rank keeps its slice) and on the meta device (shapes only).
-    All ranks must call it on identical models. Degree 1 leaves the model untouched.
+    All ranks must call it on identical models. Degree 1 leaves the model untouched. `plan` defaults to
+    the plan of the model's class (TP_SPECS).
     """
     dims = check_tensor_parallel_ready(model)
+    spec = tp_spec_for(model)
+    plan = spec.plan if plan is None else plan
     degree, rank = dist.get_world_size(group), dist.get_rank(group)
     validate_tp_degree(degree, dims)
     if degree == 1:
@@ -416,7 +572,7 @@ def apply_tensor_parallel(
         if isinstance(new, GatheredLinear):
             gathered.append(new)
 
-    for name, kind in resolve_plan(model, FLUX_TP_BLOCK_FORWARDS).items():
+    for name, kind in resolve_plan(model, spec.block_forwards).items():
         block = model.get_submodule(name)
         block.tp_group = group
         block.forward = BLOCK_FORWARDS[kind].__get__(block)
@@ -425,9 +581,13 @@ def apply_tensor_parallel(
         if hasattr(module, "heads") and hasattr(module, "head_dim"):
             module.heads //= degree
             module.inner_dim //= degree
+            if hasattr(module, "mlp_hidden_dim"):
+                # FLUX.2's single-block processor splits its local projection in the proportion
+                # 3 x inner_dim : 2 x mlp_hidden_dim; both must shrink alike.
+                module.mlp_hidden_dim //= degree
 
     bank = ModulationBank(gathered, group, degree)
-    model.time_text_embed.register_forward_hook(lambda _m, _i, temb: bank.fill(temb))
+    model.get_submodule(spec.modulation_source).register_forward_hook(lambda _m, _i, temb: bank.fill(temb))
     model.register_forward_pre_hook(lambda *_: bank.clear())
     model.register_forward_hook(lambda *_: bank.clear())
     model._rp_modulation_bank = bank
@@ -441,16 +601,21 @@ def parameter_bytes(model: nn.Module) -> int:
 
 
 __all__ = [
+    "FLUX2_TP_PLAN",
     "FLUX_TP_PLAN",
+    "TP_SPECS",
     "Column",
     "ConfigError",
     "Gathered",
+    "PackedColumn",
     "PackedRow",
     "Pieces",
     "Row",
+    "TensorParallelSpec",
     "apply_tensor_parallel",
     "parameter_bytes",
     "parameter_pieces",
     "resolve_plan",
     "shard_pieces",
+    "tp_spec_for",
 ]

@@ -53,13 +53,20 @@ from .cost import (
     ring_attention,
 )
 from .report import format_table
-from .setup import MARGIN, PCIE4, XGMI, Link, Setup
-from .shapes import TIMESTEP_CHANNELS, flux_parameter_shapes, weight_bytes
+from .setup import FAMILIES, MARGIN, PCIE4, XGMI, Link, Setup
+from .shapes import (
+    TIMESTEP_CHANNELS,
+    flux2_parameter_shapes,
+    flux_parameter_shapes,
+    parameter_shapes,
+    weight_bytes,
+)
 
 __all__ = [
     "ATTENTION_BLOCK_FULL",
     "ATTENTION_BLOCK_SHARDED",
     "DOUBLE_BLOCK_FULL",
+    "FAMILIES",
     "GB",
     "MARGIN",
     "PCIE4",
@@ -81,10 +88,12 @@ __all__ = [
     "count_by_kind",
     "cp_local_tokens",
     "estimate",
+    "flux2_parameter_shapes",
     "flux_parameter_shapes",
     "format_table",
     "forward_flops",
     "modulation_width",
+    "parameter_shapes",
     "payload_by_kind",
     "plan",
     "ring_attention",

@@ -31,9 +31,9 @@ def _weights(setup: Setup) -> str:
 
 def format_table(setup: Setup, estimates: list[Estimate]) -> str:
     head = (
-        f"FLUX ({setup.dims.heads} heads x {setup.dims.head_dim}, {setup.dims.double_blocks}+"
-        f"{setup.dims.single_blocks} blocks), {setup.dtype}{_weights(setup)}, "
-        f"{setup.width}x{setup.height} x{setup.batch} "
+        f"{'FLUX.2' if setup.family == 'flux2' else 'FLUX'} ({setup.dims.heads} heads x "
+        f"{setup.dims.head_dim}, {setup.dims.double_blocks}+{setup.dims.single_blocks} blocks), "
+        f"{setup.dtype}{_weights(setup)}, {setup.width}x{setup.height} x{setup.batch} "
         f"({setup.tokens} tokens), {setup.devices} device(s) x {capacity(setup.memory_gb)} GB, "
         f"{setup.link.describe()}, {setup.tflops:g} TFLOPS per device"
     )

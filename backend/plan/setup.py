@@ -14,6 +14,9 @@ from ..text import GB
 PLANNED_WEIGHT_DTYPES = tuple(name for name in WEIGHT_DTYPE_BYTES if name != "default")
 MARGIN = 0.10  # of device memory kept free: allocator fragmentation, RCCL/NCCL buffers, runtime context
 
+# Model families the planner prices (diffusers FluxTransformer2DModel / Flux2Transformer2DModel).
+FAMILIES = ("flux1", "flux2")
+
 
 @dataclass(frozen=True)
 class Link:
@@ -55,8 +58,13 @@ class Setup:
     # how linear weights are held: "compute" (the compute dtype) or "fp8_e4m3fn" / "fp8_e5m2" (1 byte);
     # a checkpoint's "default" is resolved by the caller (load.planned_weight_dtype)
     weight_dtype: str = "compute"
+    family: str = "flux1"  # one of FAMILIES: which transformer the dims describe
 
     def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ConfigError(
+                f"family={self.family!r} is not a model family the planner knows; use {', '.join(FAMILIES)}"
+            )
         if self.dtype not in COMPUTE_DTYPE_BYTES:
             raise ConfigError(f"dtype={self.dtype!r} is not supported; use {', '.join(COMPUTE_DTYPE_BYTES)}")
         if self.weight_dtype not in PLANNED_WEIGHT_DTYPES:

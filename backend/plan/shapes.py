@@ -62,22 +62,81 @@ def flux_parameter_shapes(dims: FluxDims) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def flux2_parameter_shapes(dims: FluxDims) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every parameter of diffusers' Flux2Transformer2DModel (0.42.1) with these dims.
+
+    No biases; the modulation linears are shared by all blocks (three at the top level); SwiGLU
+    feed-forwards read d and write [gate | up] = 2 x mlp; single blocks fuse q, k, v and the MLP input
+    into one projection and the attention and MLP outputs into another.
+    """
+    d, m, hd = dims.hidden, dims.mlp, dims.head_dim
+    shapes: dict[str, tuple[int, ...]] = {}
+
+    def linear(name: str, fan_in: int, fan_out: int) -> None:
+        shapes[f"{name}.weight"] = (fan_out, fan_in)
+
+    embedders = ["timestep_embedder"] + (["guidance_embedder"] if dims.guidance else [])
+    for emb in embedders:
+        linear(f"time_guidance_embed.{emb}.linear_1", TIMESTEP_CHANNELS, d)
+        linear(f"time_guidance_embed.{emb}.linear_2", d, d)
+    linear("double_stream_modulation_img.linear", d, 6 * d)
+    linear("double_stream_modulation_txt.linear", d, 6 * d)
+    linear("single_stream_modulation.linear", d, 3 * d)
+    linear("x_embedder", dims.in_channels, d)
+    linear("context_embedder", dims.text_dim, d)
+    for i in range(dims.double_blocks):
+        p = f"transformer_blocks.{i}"
+        for proj in ("to_q", "to_k", "to_v"):
+            linear(f"{p}.attn.{proj}", d, d)
+        for norm in ("norm_q", "norm_k"):
+            shapes[f"{p}.attn.{norm}.weight"] = (hd,)
+        linear(f"{p}.attn.to_out.0", d, d)
+        for norm in ("norm_added_q", "norm_added_k"):
+            shapes[f"{p}.attn.{norm}.weight"] = (hd,)
+        for proj in ("add_q_proj", "add_k_proj", "add_v_proj"):
+            linear(f"{p}.attn.{proj}", d, d)
+        linear(f"{p}.attn.to_add_out", d, d)
+        for stream in ("ff", "ff_context"):
+            linear(f"{p}.{stream}.linear_in", d, 2 * m)
+            linear(f"{p}.{stream}.linear_out", m, d)
+    for i in range(dims.single_blocks):
+        p = f"single_transformer_blocks.{i}"
+        linear(f"{p}.attn.to_qkv_mlp_proj", d, 3 * d + 2 * m)
+        for norm in ("norm_q", "norm_k"):
+            shapes[f"{p}.attn.{norm}.weight"] = (hd,)
+        linear(f"{p}.attn.to_out", d + m, d)
+    linear("norm_out.linear", d, 2 * d)
+    linear("proj_out", d, dims.in_channels)
+    return shapes
+
+
+def parameter_shapes(dims: FluxDims, family: str = "flux1") -> dict[str, tuple[int, ...]]:
+    return flux2_parameter_shapes(dims) if family == "flux2" else flux_parameter_shapes(dims)
+
+
 def weight_bytes(
-    dims: FluxDims, layout: ParallelLayout, dtype_bytes: int, rank: int = 0, linear_bytes: int | None = None
+    dims: FluxDims,
+    layout: ParallelLayout,
+    dtype_bytes: int,
+    rank: int = 0,
+    family: str = "flux1",
+    linear_bytes: int | None = None,
 ) -> int:
     """Parameter bytes one rank holds in `layout`: a TP shard, or the full model under context parallelism.
 
-    `linear_bytes`: bytes per element of the linear weights (the 2-D parameters) when they are held in
-    another dtype than the rest (fp8 weights: 1); biases and norm scales always take `dtype_bytes`, as
-    in the loader (load.resident_dtype).
+    `family`: the model family whose shapes and TP plan count ("flux1", "flux2"). `linear_bytes`: bytes
+    per element of the linear weights (the 2-D parameters) when they are held in another dtype than the
+    rest (fp8 weights: 1); biases and norm scales always take `dtype_bytes`, as in the loader
+    (load.resident_dtype).
     """
     linear = dtype_bytes if linear_bytes is None else linear_bytes
-    from ..parallel.tensor import FLUX_TP_PLAN, _pattern, shard_pieces
+    from ..parallel.tensor import FLUX2_TP_PLAN, FLUX_TP_PLAN, _pattern, shard_pieces
 
-    shapes = flux_parameter_shapes(dims)
+    shapes = parameter_shapes(dims, family)
     if layout.tp == 1:
         return sum((linear if len(s) == 2 else dtype_bytes) * math.prod(s) for s in shapes.values())
-    patterns = [(_pattern(k), split) for k, split in FLUX_TP_PLAN.items()]
+    tp_plan = FLUX2_TP_PLAN if family == "flux2" else FLUX_TP_PLAN
+    patterns = [(_pattern(k), split) for k, split in tp_plan.items()]
     total = 0
     for name, shape in shapes.items():
         module, _, param = name.rpartition(".")
