@@ -79,10 +79,26 @@ def build_flux(
     """
     from diffusers import FluxTransformer2DModel
 
+    return build_random(FluxTransformer2DModel, config, device, dtype, seed, init_scale)
+
+
+def build_random(
+    model_class: type[nn.Module],
+    config: dict[str, Any],
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int | None = 0,
+    init_scale: float = 0.05,
+) -> nn.Module:
+    """`model_class(**config)` (a diffusers transformer) with random weights from `seed`, none on 'meta'.
+
+    Every family's builder: the weights are drawn on the CPU in parameter order, so every process builds
+    the identical model.
+    """
     if str(device) == "meta":
         with torch.device("meta"):
-            return nn.Module.to(FluxTransformer2DModel(**config), dtype=dtype).eval()
-    model = FluxTransformer2DModel(**config).eval()
+            return nn.Module.to(model_class(**config), dtype=dtype).eval()
+    model = model_class(**config).eval()
     if seed is not None:
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..config import FluxDims
+from ..flux.model import build_random
 
 FLUX2_DEV: dict[str, Any] = {
     "patch_size": 1,
@@ -97,16 +98,7 @@ def build_flux2(
     """diffusers' Flux2Transformer2DModel; random weights from `seed` (drawn on CPU), none on 'meta'."""
     from diffusers import Flux2Transformer2DModel
 
-    if str(device) == "meta":
-        with torch.device("meta"):
-            return nn.Module.to(Flux2Transformer2DModel(**config), dtype=dtype).eval()
-    model = Flux2Transformer2DModel(**config).eval()
-    if seed is not None:
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * init_scale)
-    return nn.Module.to(model, device=device, dtype=dtype)
+    return build_random(Flux2Transformer2DModel, config, device, dtype, seed, init_scale)
 
 
 @dataclass(frozen=True)
