@@ -13,6 +13,7 @@ ring 2 x Ulysses 2. The /prompt path with the nodes is in test_integration.py.
 from __future__ import annotations
 
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -96,40 +97,15 @@ def conditioning(ref: dict[str, torch.Tensor], prefix: str, guidance: float | No
 
 
 def run_case(comfy: dict[str, Any], model: Any, name: str) -> torch.Tensor:
-    """The case exactly as make_comfy_references.run_case ran it with ComfyUI's own model."""
-    case, ref = CASES[name], reference(name)
-    positive = conditioning(ref, "", case.get("guidance"))
-    negative = conditioning(ref, "neg_", case.get("guidance")) if case.get("negative") else positive
-    latent = {"samples": ref["latent"].clone()}
-    if "shift" in case:
-        s = case["shift"]
-        model = (
-            comfy["advanced"]
-            .ModelSamplingFlux()
-            .patch(model, s["max_shift"], s["base_shift"], case["width"], case["height"])[0]
-        )
-    cfg, sampler_name = case.get("cfg", 1.0), case.get("sampler", "euler")
-    custom = comfy["custom"]
-    if "sigmas" in case:
-        sampler = comfy["samplers"].sampler_object(sampler_name)
-        sigmas = torch.tensor(case["sigmas"], dtype=torch.float32)
-        out = custom.SamplerCustom().sample(
-            model, True, case["seed"], cfg, positive, negative, sampler, sigmas, latent
-        )
-    elif case.get("guider") == "cfg":
-        noise = custom.RandomNoise().get_noise(case["seed"])[0]
-        guider = custom.CFGGuider().get_guider(model, positive, negative, cfg)[0]
-        sampler = custom.KSamplerSelect().get_sampler(sampler_name)[0]
-        sigmas = custom.BasicScheduler().get_sigmas(
-            model, case["scheduler"], case["steps"], case.get("denoise", 1.0)
-        )[0]
-        out = custom.SamplerCustomAdvanced().sample(noise, guider, sampler, sigmas, latent)
-    else:
-        out = comfy["nodes"].common_ksampler(
-            model, case["seed"], case["steps"], cfg, sampler_name, case.get("scheduler", "simple"), positive,
-            negative, latent, denoise=case.get("denoise", 1.0),
-        )  # fmt: skip
-    return out[0]["samples"]
+    """The case exactly as tests/tools/make_comfy_references.py ran it with ComfyUI's own model (the same
+    code: inputs from the case's seeds, ModelSamplingFlux, KSampler / SamplerCustom / SamplerCustomAdvanced),
+    with `model` in its place. A case's LoRA is left out: on the parallel MODEL the pack's own LoRA node
+    applies it (ComfyUI's LoraLoaderModelOnly is refused there)."""
+    from make_comfy_references import run_case as reference_run_case
+
+    case = {k: v for k, v in CASES[name].items() if k != "lora"}
+    with torch.no_grad(), tempfile.TemporaryDirectory() as folder:
+        return reference_run_case(comfy, {case["variant"]: model}, name, case, Path(folder))[f"{name}.output"]
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
