@@ -75,25 +75,30 @@ def patch_ids(height: int, width: int, index: int = 0, h_offset: int = 0, w_offs
 
 
 def reference_placements(
-    height: int, width: int, refs: Sequence[tuple[int, int]], method: str = "offset"
-) -> list[tuple[int, int, int]]:
+    height: int,
+    width: int,
+    refs: Sequence[tuple[int, int]],
+    method: str = "offset",
+    patch: int = PATCH,
+    index_step: float = 1,
+) -> list[tuple[float, int, int]]:
     """(index, h_offset, w_offset) of each reference latent of size (h, w), for a main latent of height x
     width: the loop of comfy/ldm/flux/model.py `Flux._forward` over `ref_latents`, verbatim.
 
     offset (Kontext's default): index 1, each reference placed right of or below the previous ones,
     whichever keeps the canvas squarer; index: index 1, 2, ... at the origin; uxo: index 0, placed
-    diagonally past the main latent.
+    diagonally past the main latent. FLUX.2 runs the same loop with `patch` 1 and index steps of 10.
     """
-    h_len, w_len = (height + PATCH // 2) // PATCH, (width + PATCH // 2) // PATCH
+    h_len, w_len = (height + patch // 2) // patch, (width + patch // 2) // patch
     h = w = index = 0
     out = []
     for ref_h, ref_w in refs:
         if method == "index":
-            index += 1
+            index += index_step
             h_offset = w_offset = 0
         elif method == "uxo":
             index = 0
-            h_offset, w_offset = h_len * PATCH + h, w_len * PATCH + w
+            h_offset, w_offset = h_len * patch + h, w_len * patch + w
             h += ref_h
             w += ref_w
         else:

@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..flux.forward import reference_placements as flux1_placements
+
 # model_fn(hidden_states, encoder_hidden_states, pooled (unused by FLUX.2), timestep, img_ids, txt_ids,
 # guidance) -> velocity tokens; the contract FLUX.1's flux_call uses, so the service calls both alike.
 ModelFn = Callable[..., torch.Tensor]
@@ -45,29 +47,9 @@ def flux2_text_ids(tokens: int) -> torch.Tensor:
 def reference_placements(
     height: int, width: int, refs: Sequence[tuple[int, int]], method: str = "index"
 ) -> list[tuple[float, int, int]]:
-    """(index, h_offset, w_offset) of each reference: `Flux._forward`'s loop with patch size 1."""
-    h = w = 0
-    index = 0.0
-    out = []
-    for ref_h, ref_w in refs:
-        if method == "index":
-            index += REF_INDEX_SCALE
-            h_offset = w_offset = 0
-        elif method == "uxo":
-            index = 0.0
-            h_offset, w_offset = height + h, width + w
-            h += ref_h
-            w += ref_w
-        else:
-            index, h_offset, w_offset = 1.0, 0, 0
-            if ref_h + h > ref_w + w:
-                w_offset = w
-            else:
-                h_offset = h
-            h = max(h, ref_h + h_offset)
-            w = max(w, ref_w + w_offset)
-        out.append((index, h_offset, w_offset))
-    return out
+    """(index, h_offset, w_offset) of each reference: `Flux._forward`'s loop (FLUX.1's, shared) with
+    patch size 1 and FLUX.2's index steps."""
+    return flux1_placements(height, width, refs, method, patch=1, index_step=REF_INDEX_SCALE)
 
 
 def tokens_of(latent: torch.Tensor) -> torch.Tensor:
