@@ -22,7 +22,8 @@ import torch
 
 from .client import ProgressCallback, WorkerError, WorkerGroup, validate_devices
 from .config import ConfigError, FluxDims, ParallelLayout, weight_dtype_name
-from .flux.forward import REF_METHODS, image_tokens
+from .family import get_family
+from .flux.forward import REF_METHODS
 from .flux.load import (
     CheckpointInfo,
     check_weight_dtype,
@@ -35,6 +36,8 @@ from .flux.sampling import LATENT_CHANNELS, SamplingPlan, plan_sampling
 from .plan import Choice, Link, Setup, choose
 from .platforms import parse_devices
 from .service import ConditioningSender, ForwardPace
+
+SAMPLED_FAMILY = "flux1"  # sample() is FLUX.1's euler/simple loop (flux/sampling.py)
 
 
 def default_devices() -> list[str]:
@@ -182,13 +185,15 @@ class ParallelFlux:
         context_only: bool = False,
         weight_dtype: str = "compute",
         family: str = "flux1",
+        reference_tokens: int = 0,
     ) -> Choice:
         """The planner's layout for this image on these devices; `.explanation` is one line for the node.
 
         `context_only` chooses among ring x Ulysses splits only (the Ring Attention Sampler's auto).
         `weight_dtype`: the planner's name ('compute', 'fp8_e4m3fn', 'fp8_e5m2'; see
         `load.planned_weight_dtype` for a checkpoint's 'default'). `family` is the checkpoint's model
-        family (CheckpointInfo.family): FLUX.2's shapes differ.
+        family (CheckpointInfo.family): FLUX.2's shapes and text length differ. `reference_tokens`: the
+        image tokens of Kontext / FLUX.2 reference latents, which every step carries next to the image's.
         """
         m = self.machine()
         cpu = self.devices[0].startswith("cpu")
@@ -203,6 +208,7 @@ class ParallelFlux:
             dims, width, height, batch, dtype=compute, devices=len(self.devices),
             memory_gb=m["memory_bytes"] / 1e9, link=link, tflops=m["tflops"],
             device_word="CPU worker" if cpu else "GPU", weight_dtype=weight_dtype, family=family,
+            text_tokens=get_family(family).text.tokens, reference_tokens=reference_tokens,
         )  # fmt: skip
         self.auto_choice = choose(setup, allow=(lambda lay: lay.tp == 1) if context_only else None)
         return self.auto_choice
@@ -342,6 +348,12 @@ class ParallelFlux:
         info = checkpoint if isinstance(checkpoint, CheckpointInfo) else inspect_checkpoint(checkpoint)
         if not isinstance(latent, dict) or "samples" not in latent:
             raise ConfigError("latent must be a LATENT dict with 'samples' [batch, 16, height/8, width/8]")
+        if info.family != SAMPLED_FAMILY:
+            raise ConfigError(
+                f"sample() runs FLUX.1's euler/simple loop; {info.model_name} is sampled by ComfyUI's own "
+                "samplers on the ROCm Parallel Model (Flux2Scheduler + SamplerCustomAdvanced), or step by "
+                "step with forward()"
+            )
         if info.input_channels != LATENT_CHANNELS:
             raise ConfigError(
                 f"{info.model_name} takes the masked image and mask in every step ({info.input_channels} input "
@@ -396,9 +408,11 @@ class ParallelFlux:
             )  # fmt: skip
             if layout == "auto":
                 b, _, h, w = plan.original.shape
-                planned = planned_weight_dtype(resident.weight_dtype, resident.info)
+                info = resident.info
+                width, height = info.model_family.planned_pixels(h, w)
+                planned = planned_weight_dtype(resident.weight_dtype, info)
                 layout = self.auto_layout(
-                    resident.info.dims, w * 8, h * 8, b, resident.dtype, weight_dtype=planned
+                    info.dims, width, height, b, resident.dtype, weight_dtype=planned, family=info.family
                 ).layout
             if layout is not None:
                 wanted = make_layout(layout, len(self.devices), ring, ulysses)
@@ -409,7 +423,7 @@ class ParallelFlux:
             if plan.steps == 0:
                 out["samples"] = plan.original
                 return out
-            resident.layout.validate_sequence(image_tokens(*plan.noise.shape[-2:]))
+            resident.layout.validate_sequence(resident.info.model_family.image_tokens(*plan.noise.shape[-2:]))
             if resident != self.resident or self._loaded_in is not self._group or not self.started:
                 self._load_resident(resident)
             result = self.group.call(
@@ -435,7 +449,7 @@ class ParallelFlux:
         x: torch.Tensor,
         timestep: torch.Tensor,
         context: torch.Tensor,
-        y: torch.Tensor,
+        y: torch.Tensor | None = None,
         guidance: torch.Tensor | None = None,
         ref_latents: Sequence[torch.Tensor] | None = None,
         ref_method: str | None = None,
@@ -445,22 +459,31 @@ class ParallelFlux:
         """One model call on the resident model, as ComfyUI's FLUX `diffusion_model(x, timestep, context,
         y, guidance, ref_latents, ref_latents_method=)` makes it: x [B, C, H, W] of any size in sampler
         space (C = 16, or 96 for FLUX.1 Fill: latent, masked image and mask as ComfyUI's `c_concat`
-        appends them), timestep [B] (sigma), context [B, T, text_dim] (T5), y [B, pooled_dim] (CLIP
+        appends them), timestep [B] (sigma), context [B, T, text_dim] (T5-XXL), y [B, pooled_dim] (CLIP
         pooled), guidance [B] (None for schnell), ref_latents (Kontext: ReferenceLatent's latents after
         the latent format's process_in, [B, 16, h, w] each, any size) placed by `ref_method` ('offset',
         the default, 'index' or 'uxo'). Returns the output [B, 16, H, W] on the CPU in the workers'
         compute dtype.
+
+        FLUX.2 (ComfyUI's `Flux2` model) is called alike: x [B, 128, H, W] at 1/16 of the pixels (one
+        token per latent pixel), context [B, T, text_dim] (ComfyUI pads it to 512 tokens), no pooled
+        vector (`y` is ignored), guidance for [dev], reference latents [B, 128, h, w] placed by 'index'
+        unless `ref_method` says otherwise.
 
         Every rank runs it in the resident layout; the conditioning (with the reference latents) is sent
         once and kept on the ranks (found again by content), so a sampler's step moves only x. After a
         failure closed the group, the next call starts it again and re-loads the resident model first.
         """
         refs = list(ref_latents or ())
-        method = ref_method or "offset"
         with self._lock:
             resident = self.resident
             if resident is None:
                 raise ConfigError("no checkpoint is loaded; call load(checkpoint) first")
+            family = resident.info.model_family
+            method = ref_method or family.ref_method
+            if not family.text.pooled:
+                # FLUX.2 has no pooled vector: an empty one keeps one conditioning record for all families
+                y = torch.zeros(x.shape[0], 0, dtype=context.dtype if torch.is_tensor(context) else None)
             _check_forward(x, timestep, context, y, guidance, resident, refs, method)
             if resident.info.variant != "dev":
                 guidance = None  # ComfyUI's Flux ignores it without a guidance embedder (schnell)
@@ -531,16 +554,20 @@ def _check_forward(
     refs: Sequence[torch.Tensor] = (),
     ref_method: str = "offset",
 ) -> None:
-    """The shapes a FLUX call needs, named by ComfyUI's argument names; cheap enough for every step."""
-    dims, info = resident.info.dims, resident.info
-    channels = info.input_channels
+    """The shapes a model call needs, named by ComfyUI's argument names; cheap enough for every step."""
+    info = resident.info
+    dims, family = info.dims, info.model_family
+    channels, latent = info.input_channels, family.latent_channels(info.config)
     if not torch.is_tensor(x) or x.ndim != 4 or x.shape[1] != channels or 0 in x.shape:
         shape = tuple(x.shape) if torch.is_tensor(x) else type(x).__name__
-        if channels == LATENT_CHANNELS:
-            raise ConfigError(f"x has shape {shape}; a FLUX.1 model takes [batch, 16, height, width] latents")
+        if channels == latent:
+            raise ConfigError(
+                f"x has shape {shape}; {info.model_name} takes [batch, {channels}, height, width] latents "
+                f"(encode with {family.latent.vae}, or use {family.latent.empty_node})"
+            )
         raise ConfigError(
-            f"x has shape {shape}; {info.model_name} takes [batch, {channels}, height, width]: the 16-channel "
-            f"latent with the {channels - LATENT_CHANNELS} channels of the masked image and mask appended "
+            f"x has shape {shape}; {info.model_name} takes [batch, {channels}, height, width]: the {latent}-channel "
+            f"latent with the {channels - latent} channels of the masked image and mask appended "
             "(ComfyUI's InpaintModelConditioning supplies them)"
         )
     batch = x.shape[0]
@@ -552,26 +579,28 @@ def _check_forward(
     ):
         shape = tuple(context.shape) if torch.is_tensor(context) else type(context).__name__
         raise ConfigError(
-            f"context has shape {shape}; this model expects [{batch}, tokens, {dims.text_dim}] (T5 features "
-            "for each latent): encode the prompt with a FLUX DualCLIPLoader (clip_l + t5xxl)"
+            f"context has shape {shape}; {info.model_name} expects [{batch}, tokens, {dims.text_dim}] (text "
+            f"features for each latent): encode the prompt with {family.text.encoder}"
         )
-    if not torch.is_tensor(y) or tuple(y.shape) != (batch, dims.pooled_dim):
+    if family.text.pooled and (not torch.is_tensor(y) or tuple(y.shape) != (batch, dims.pooled_dim)):
         shape = tuple(y.shape) if torch.is_tensor(y) else type(y).__name__
         raise ConfigError(
-            f"y (pooled_output) has shape {shape}; this model expects [{batch}, {dims.pooled_dim}] (CLIP-L "
-            "pooled): encode the prompt with a FLUX DualCLIPLoader (clip_l + t5xxl)"
+            f"y (pooled_output) has shape {shape}; {info.model_name} expects [{batch}, {dims.pooled_dim}] "
+            f"(CLIP-L pooled): encode the prompt with {family.text.encoder}"
         )
     if not torch.is_tensor(timestep) or timestep.numel() != batch:
         raise ConfigError(f"timestep must hold one value per latent ({batch}); got {timestep!r}")
     if info.variant == "dev" and guidance is None:
-        raise ConfigError("guidance is None; FLUX.1-dev needs one per latent (FluxGuidance, e.g. 3.5)")
-    _check_refs(refs, ref_method, batch, channels)
-    tokens = image_tokens(*x.shape[-2:]) + sum(image_tokens(*r.shape[-2:]) for r in refs)
+        raise ConfigError(
+            f"guidance is None; {info.model_name} needs one per latent (FluxGuidance, e.g. 3.5)"
+        )
+    _check_refs(refs, ref_method, batch, channels, latent)
+    tokens = family.image_tokens(*x.shape[-2:]) + sum(family.image_tokens(*r.shape[-2:]) for r in refs)
     resident.layout.validate_sequence(tokens)
 
 
-def _check_refs(refs: Sequence[torch.Tensor], method: str, batch: int, channels: int) -> None:
-    """Kontext's reference latents: what comfy/ldm/flux/model.py `Flux._forward` can concatenate."""
+def _check_refs(refs: Sequence[torch.Tensor], method: str, batch: int, channels: int, latent: int) -> None:
+    """Reference latents (Kontext, FLUX.2): what comfy/ldm/flux/model.py `Flux._forward` can concatenate."""
     if not refs:
         return
     if method not in REF_METHODS:
@@ -579,17 +608,17 @@ def _check_refs(refs: Sequence[torch.Tensor], method: str, batch: int, channels:
             f"ref_latents_method={method!r} is not one of {', '.join(REF_METHODS)}; use ComfyUI's "
             "FluxKontextMultiReferenceLatentMethod node to set it"
         )
-    if channels != LATENT_CHANNELS:
+    if channels != latent:
         raise ConfigError(
             f"reference latents (ReferenceLatent) cannot be combined with a {channels}-channel model (FLUX.1 "
             "Fill): its tokens are wider than a reference latent's; remove the ReferenceLatent node or load a "
             "FLUX.1 Kontext checkpoint"
         )
     for i, ref in enumerate(refs):
-        ok = torch.is_tensor(ref) and ref.ndim == 4 and ref.shape[1] == LATENT_CHANNELS and 0 not in ref.shape
+        ok = torch.is_tensor(ref) and ref.ndim == 4 and ref.shape[1] == latent and 0 not in ref.shape
         if not ok or ref.shape[0] != batch:
             shape = tuple(ref.shape) if torch.is_tensor(ref) else type(ref).__name__
             raise ConfigError(
-                f"ref_latents[{i}] has shape {shape}; a reference latent is [{batch}, 16, height, width] (one "
-                "per latent in the batch): connect a VAE Encode of the reference image to ReferenceLatent"
+                f"ref_latents[{i}] has shape {shape}; a reference latent is [{batch}, {latent}, height, width] "
+                "(one per latent in the batch): connect a VAE Encode of the reference image to ReferenceLatent"
             )

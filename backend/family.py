@@ -46,6 +46,18 @@ class LatentFormat:
     channels: int  # channels of the VAE latent the sampler works on (the model's output channels)
     scale: float
     shift: float
+    downscale: int  # image pixels per latent pixel on each side (the VAE's): 8 for FLUX.1, 16 for FLUX.2
+    vae: str  # the VAE file ComfyUI users encode with (messages name it)
+    empty_node: str  # ComfyUI's node for an empty latent of this format
+
+
+@dataclass(frozen=True)
+class TextInputs:
+    """The text conditioning a model call takes, for messages and the planner."""
+
+    encoder: str  # how a ComfyUI user makes it (errors name it), e.g. "a FLUX DualCLIPLoader (...)"
+    tokens: int  # text tokens of a short prompt as ComfyUI passes it (the planner prices these)
+    pooled: bool  # whether a call takes a pooled vector `y` (FLUX.1's CLIP-L); FLUX.2 takes none
 
 
 @dataclass(frozen=True)
@@ -73,7 +85,10 @@ class ModelFamily:
     - `matches_diffusers(keys)`, `config_from_diffusers(shapes)`: the same for diffusers-keyed files.
     - `variant(config)`: the schedule / guidance kind the sampler and the API key on ("dev" needs a
       guidance value, "schnell" has none); `describe(config)`: the model's name for messages.
-    - `input_channels(config)`: channels of `x` in a model call (latent plus concatenated extras).
+    - `input_channels(config)`: channels of `x` in a model call (latent plus concatenated extras);
+      `latent_channels(config)`: channels of the latent itself (the output, and a reference latent).
+    - `patch`: latent pixels per token on each side (`image_tokens` counts a latent's tokens);
+      `text`: the text conditioning; `ref_method`: ComfyUI's default placement of reference latents.
     - `comfy_model(config)`: the ComfyUI model config the proxy MODEL is built from.
     - `call(model_fn, x, timestep, context, pooled, guidance, ref_latents=(), ref_method="offset")`:
       one model call with ComfyUI's semantics (pad, patchify, ids, crop); `model_fn(model)` adapts the
@@ -95,9 +110,23 @@ class ModelFamily:
     variant: Callable[[Mapping[str, Any]], str]
     describe: Callable[[Mapping[str, Any]], str]
     input_channels: Callable[[Mapping[str, Any]], int]
+    latent_channels: Callable[[Mapping[str, Any]], int]
+    patch: int
+    text: TextInputs
+    ref_method: str
     comfy_model: Callable[[Mapping[str, Any]], ComfyModel]
     call: Callable[..., Any]
     model_fn: Callable[[Any], Callable[..., Any]]
+
+    def image_tokens(self, height: int, width: int) -> int:
+        """Tokens of a latent of height x width latent pixels (ComfyUI pads a partial patch)."""
+        return -(-height // self.patch) * -(-width // self.patch)
+
+    def planned_pixels(self, height: int, width: int) -> tuple[int, int]:
+        """(width, height) in pixels the planner prices for a latent of height x width latent pixels: padded
+        to whole patches, as the model pads it, so an odd latent is priced by the tokens it becomes."""
+        pad = self.patch * self.latent.downscale
+        return -(-width // self.patch) * pad, -(-height // self.patch) * pad
 
     def bfl_shapes(self, config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
         """BFL key -> shape a checkpoint of `config` has: the meta model's shapes mapped through the
@@ -186,6 +215,7 @@ __all__ = [
     "ComfyModel",
     "LatentFormat",
     "ModelFamily",
+    "TextInputs",
     "detect_bfl",
     "detect_diffusers",
     "families",

@@ -2,10 +2,11 @@
 
 Where a ComfyUI-driven step runs: ComfyUI's sampler calls the proxy MODEL's diffusion model
 (`nodes/comfy_model.py`), which calls `ParallelFlux.forward` (backend/api.py); that sends one `forward`
-request to every rank, each rank runs `flux.forward.flux_call` on its shard in the resident layout (TP,
-ring, Ulysses or both) and rank 0 returns the full output.
+request to every rank, each rank runs its family's model call (`flux.forward.flux_call` for FLUX.1,
+`flux2.forward.flux2_call` for FLUX.2) on its shard in the resident layout (TP, ring, Ulysses or both)
+and rank 0 returns the full output.
 
-Conditioning (T5 tokens and CLIP pooled, and Kontext's reference latents) is the same for every step
+Conditioning (the text features, FLUX.1's CLIP pooled vector, and reference latents) is the same for every step
 of a job, often megabytes: the client sends it once under a key and every rank keeps it on its device,
 so a step moves only the latent. The client finds a key by content (tensor equality), because ComfyUI builds new tensors with
 the same values for each step. Both sides keep the same least-recently-used set of keys (they see the
@@ -69,7 +70,7 @@ _keys = itertools.count(1)
 class ConditioningSender:
     """The client's side: which conditioning the ranks hold, found by content.
 
-    Comparing a prompt bit for bit (8 MB for 512 T5 tokens in float32) costs about as much as the rest of
+    Comparing a prompt bit for bit (8 MB for 512 T5 tokens in float32, 31 MB for FLUX.2 [dev]) costs about as much as the rest of
     a step's messaging, so it is taken off the step's path: `key_for` picks the held entry whose shape,
     dtype and a strided sample of words match (microseconds), the step is sent under that key at once,
     and the full comparison (`Match.verify`) runs while the ranks compute. In the rare case it fails,

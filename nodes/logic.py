@@ -274,6 +274,16 @@ def start_workers(registry: Registry, flux: ParallelFlux) -> None:
             flux.start()
 
 
+def checkpoint_info(flux: ParallelFlux, handle: ParallelHandle) -> Any:
+    """The handle's CheckpointInfo: the resident one when it is that file, else read from its header."""
+    from ..backend.flux.load import inspect_checkpoint
+
+    resident = flux.resident
+    if resident is not None and resident.checkpoint == handle.checkpoint:
+        return resident.info
+    return inspect_checkpoint(handle.checkpoint)
+
+
 def auto_layout(
     registry: Registry,
     flux: ParallelFlux,
@@ -282,16 +292,17 @@ def auto_layout(
     height: int,
     batch: int,
     context_only: bool,
+    reference_tokens: int = 0,
 ) -> ParallelLayout:
-    """The planner's layout for this image (link and memory measured once per group); its reason is shown."""
-    from ..backend.flux.load import inspect_checkpoint, planned_weight_dtype
+    """The planner's layout for this image (link and memory measured once per group); its reason is shown.
+    `reference_tokens`: the tokens of reference latents (ReferenceLatent) each step carries too."""
+    from ..backend.flux.load import planned_weight_dtype
 
-    resident = flux.resident
-    info = resident.info if resident is not None and resident.checkpoint == handle.checkpoint else None
-    info = info or inspect_checkpoint(handle.checkpoint)
+    info = checkpoint_info(flux, handle)
     choice = flux.auto_layout(
         info.dims, width, height, batch, handle.dtype, context_only=context_only,
-        weight_dtype=planned_weight_dtype(handle.weight_dtype, info),
+        weight_dtype=planned_weight_dtype(handle.weight_dtype, info), family=info.family,
+        reference_tokens=reference_tokens,
     )  # fmt: skip
     registry.update(auto=choice.explanation)
     return choice.layout
@@ -459,22 +470,22 @@ def _conditioning_entries(name: str, conditioning: Any) -> list[tuple[Any, dict[
     return entries
 
 
-def check_conditioning(name: str, conditioning: Any, text_dim: int, pooled_dim: int) -> None:
-    """Widths against the checkpoint (a SD or SDXL text encoder is the usual mistake), and the extras the
-    proxy refuses at run time, refused here before anything starts."""
+def check_conditioning(name: str, conditioning: Any, info: Any) -> None:
+    """Widths against the checkpoint `info` (a SD or SDXL text encoder is the usual mistake), and the
+    extras the proxy refuses at run time, refused here before anything starts."""
+    text, text_dim, pooled_dim = info.model_family.text, info.dims.text_dim, info.dims.pooled_dim
     for i, (cond, extras) in enumerate(_conditioning_entries(name, conditioning)):
         where = f"{name}[{i}]" if len(conditioning) > 1 else name
         if getattr(cond, "ndim", 0) != 3 or cond.shape[-1] != text_dim:
             raise ConfigError(
-                f"{where}: the text embedding is {list(getattr(cond, 'shape', []))} but this checkpoint takes "
-                f"[batch, tokens, {text_dim}] (T5-XXL); encode the prompt with a FLUX DualCLIPLoader "
-                "(clip_l + t5xxl, type flux) and CLIPTextEncode"
+                f"{where}: the text embedding is {list(getattr(cond, 'shape', []))} but {info.model_name} takes "
+                f"[batch, tokens, {text_dim}]; encode the prompt with {text.encoder} and CLIPTextEncode"
             )
         pooled = extras.get("pooled_output")
-        if pooled is not None and pooled.shape[-1] != pooled_dim:
+        if text.pooled and pooled is not None and pooled.shape[-1] != pooled_dim:
             raise ConfigError(
-                f"{where}: pooled_output is {list(pooled.shape)} but this checkpoint takes [batch, {pooled_dim}] "
-                "(CLIP-L); encode the prompt with a FLUX DualCLIPLoader (clip_l + t5xxl, type flux)"
+                f"{where}: pooled_output is {list(pooled.shape)} but {info.model_name} takes [batch, "
+                f"{pooled_dim}] (CLIP-L); encode the prompt with {text.encoder}"
             )
         if extras.get("control") is not None:
             raise ConfigError(CONTROLNET_MESSAGE)
@@ -484,19 +495,22 @@ def check_conditioning(name: str, conditioning: Any, text_dim: int, pooled_dim: 
             raise ConfigError(ATTENTION_MASK_MESSAGE)
 
 
-def check_latent(latent: Any, channels: int = 16) -> None:
-    """A LATENT ComfyUI's sampling accepts for FLUX: any height and width (the model pads to the patch
-    size); 16 channels, or an all-zero latent of another width that ComfyUI widens itself."""
+def check_latent(latent: Any, info: Any) -> None:
+    """A LATENT ComfyUI's sampling accepts for the checkpoint `info`: any height and width (the model pads
+    to the patch size); the family's channels, or an all-zero latent of another width that ComfyUI widens
+    itself."""
+    family = info.model_family
+    channels, scale = family.latent_channels(info.config), family.latent.downscale
     samples = latent.get("samples") if isinstance(latent, dict) else None
     if samples is None or getattr(samples, "ndim", 0) != 4:
         raise ConfigError(
-            "latent_image must be a LATENT with 'samples' [batch, 16, height/8, width/8]; got "
-            f"{list(getattr(samples, 'shape', [])) if samples is not None else type(latent).__name__}"
+            f"latent_image must be a LATENT with 'samples' [batch, {channels}, height/{scale}, width/{scale}]; "
+            f"got {list(getattr(samples, 'shape', [])) if samples is not None else type(latent).__name__}"
         )
     if samples.shape[1] != channels and bool(samples.any()):
         raise ConfigError(
-            f"latent_image has {samples.shape[1]} channels but FLUX latents have {channels}: encode the image "
-            "with the FLUX VAE (ae.safetensors), or use EmptySD3LatentImage for text-to-image"
+            f"latent_image has {samples.shape[1]} channels but {info.model_name} latents have {channels}: "
+            f"encode the image with {family.latent.vae}, or use {family.latent.empty_node} for text-to-image"
         )
     if min(samples.shape[-2:]) < 1:
         raise ConfigError(f"latent_image is empty: samples {list(samples.shape)}")
@@ -518,12 +532,12 @@ def check_sampler_inputs(
     from ..backend.flux.load import inspect_checkpoint
 
     info = inspect_checkpoint(handle.checkpoint)
-    if info.input_channels != 16:
+    if info.input_channels != info.model_family.latent_channels(info.config):
         raise ConfigError(FILL_MESSAGE.format(model=info.model_name))
-    check_latent(latent)
-    check_conditioning("positive", positive, info.dims.text_dim, info.dims.pooled_dim)
+    check_latent(latent, info)
+    check_conditioning("positive", positive, info)
     if negative is not None:
-        check_conditioning("negative", negative, info.dims.text_dim, info.dims.pooled_dim)
+        check_conditioning("negative", negative, info)
     elif not math.isclose(cfg, 1.0):
         raise ConfigError(
             f"cfg={cfg:g} needs a negative prompt: connect a CONDITIONING to 'negative' (e.g. CLIPTextEncode "
@@ -576,16 +590,21 @@ class ModelRunner:
 
         return resolve_dtype(self.handle.dtype, self.handle.devices[0])
 
-    def prepare(self, shape: Sequence[int]) -> ParallelFlux:
-        """Make the model resident for a latent of `shape` [B, C, H, W] (auto layouts are planned for it)."""
+    def prepare(self, shape: Sequence[int], references: Sequence[Sequence[int]] = ()) -> ParallelFlux:
+        """Make the model resident for a latent of `shape` [B, C, H, W] (auto layouts are planned for it,
+        with the tokens of the reference latents of shapes `references`, Kontext / FLUX.2 editing)."""
         if self.make_room is not None:
             self.make_room()
         flux = self.registry.flux_for(self.handle.devices)
         if self.request.layout is None:
             b, _, h, w = shape
+            family = checkpoint_info(flux, self.handle).model_family
+            width, height = family.planned_pixels(h, w)
+            extra = sum(family.image_tokens(*ref[-2:]) for ref in references)
             self.layout = auto_layout(
-                self.registry, flux, self.handle, w * 8, h * 8, b, context_only=self.request.context_only
-            )
+                self.registry, flux, self.handle, width, height, b, context_only=self.request.context_only,
+                reference_tokens=extra,
+            )  # fmt: skip
         else:
             self.registry.update(auto=None)
         ensure_loaded(self.registry, flux, self.handle, self.layout, self.interrupted)
@@ -593,9 +612,11 @@ class ModelRunner:
         return flux
 
     @contextmanager
-    def sampling(self, shape: Sequence[int], total: int) -> Iterator[None]:
+    def sampling(
+        self, shape: Sequence[int], total: int, references: Sequence[Sequence[int]] = ()
+    ) -> Iterator[None]:
         """Around one ComfyUI sampling run: load first, then show 'sampling' (and how it ended)."""
-        self.prepare(shape)
+        self.prepare(shape, references)
         with self.registry.phase("sampling", step=0, total=total):
             yield
 
@@ -615,7 +636,7 @@ class ModelRunner:
         flux = self.registry.flux_for(self.handle.devices)
         if self._resident is None or flux.resident is not self._resident:
             # Called outside ComfyUI's sampling, or another node loaded something else meanwhile.
-            self.prepare(x.shape)
+            self.prepare(x.shape, [r.shape for r in ref_latents or ()])
         if step is not None:
             self.registry.update(step=step[0], total=step[1])
         self.calls += 1

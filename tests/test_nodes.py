@@ -543,18 +543,17 @@ def _bad_inputs(name: str) -> dict:
         ),
         (
             "sd_latent",
-            "latent_image has 4 channels but FLUX latents have 16: encode the image with the FLUX VAE "
+            "latent_image has 4 channels but FLUX.1-dev latents have 16: encode the image with the FLUX VAE "
             "(ae.safetensors), or use EmptySD3LatentImage for text-to-image",
         ),
         (
             "sdxl_text",
-            "positive: the text embedding is [1, 77, 2048] but this checkpoint takes [batch, tokens, 32] "
-            "(T5-XXL); encode the prompt with a FLUX DualCLIPLoader (clip_l + t5xxl, type flux) and "
-            "CLIPTextEncode",
+            "positive: the text embedding is [1, 77, 2048] but FLUX.1-dev takes [batch, tokens, 32]; encode "
+            "the prompt with a FLUX DualCLIPLoader (clip_l + t5xxl, type flux) and CLIPTextEncode",
         ),
         (
             "negative_width",
-            "negative: pooled_output is [1, 1280] but this checkpoint takes [batch, 24] (CLIP-L); encode the "
+            "negative: pooled_output is [1, 1280] but FLUX.1-dev takes [batch, 24] (CLIP-L); encode the "
             "prompt with a FLUX DualCLIPLoader (clip_l + t5xxl, type flux)",
         ),
         ("controlnet", logic.CONTROLNET_MESSAGE),

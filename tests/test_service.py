@@ -173,9 +173,9 @@ def test_forward_after_a_worker_died_restarts_the_group_and_reloads(checkpoints:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"x": torch.zeros(2, 4, 8, 8)}, r"^x has shape \(2, 4, 8, 8\); a FLUX.1 model takes \[batch, 16"),
-        ({"context": torch.zeros(2, 8, 64)}, r"^context has shape \(2, 8, 64\); this model expects \[2, tokens, 32\]"),
-        ({"y": torch.zeros(1, 24)}, r"^y \(pooled_output\) has shape \(1, 24\); this model expects \[2, 24\]"),
+        ({"x": torch.zeros(2, 4, 8, 8)}, r"^x has shape \(2, 4, 8, 8\); FLUX.1-dev takes \[batch, 16, height, width\] latents \(encode"),
+        ({"context": torch.zeros(2, 8, 64)}, r"^context has shape \(2, 8, 64\); FLUX.1-dev expects \[2, tokens, 32\] \(text features for each latent\): encode the prompt with a FLUX DualCLIPLoader"),
+        ({"y": torch.zeros(1, 24)}, r"^y \(pooled_output\) has shape \(1, 24\); FLUX.1-dev expects \[2, 24\] \(CLIP-L pooled\)"),
         ({"guidance": None}, r"^guidance is None; FLUX.1-dev needs one per latent"),
     ],
 )  # fmt: skip

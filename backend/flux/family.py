@@ -20,17 +20,31 @@ from typing import Any
 
 import torch
 
-from ..family import ComfyModel, LatentFormat, ModelFamily, Shapes, register
+from ..family import ComfyModel, LatentFormat, ModelFamily, Shapes, TextInputs, register
 from ..parallel.tensor import FLUX_TP_PLAN, apply_tensor_parallel
 from .convert import bfl_sources, diffusers_to_bfl, flux_config_from_bfl
-from .forward import PATCH, flux_call
+from .forward import PATCH, REF_METHODS, flux_call
 from .model import build_flux
 from .sampling import SCALE_FACTOR, SHIFT_FACTOR, diffusers_model_fn
 
 # comfy/supported_models.py FluxInpaint: the Fill model's channels per latent pixel (16 latent + 16 masked
 # image + 64 mask, the 8x8 mask pixels under each latent pixel).
 FILL_CHANNELS = 96
-LATENT = LatentFormat(comfy_name="Flux", channels=16, scale=SCALE_FACTOR, shift=SHIFT_FACTOR)
+LATENT = LatentFormat(
+    comfy_name="Flux",
+    channels=16,
+    scale=SCALE_FACTOR,
+    shift=SHIFT_FACTOR,
+    downscale=8,
+    vae="the FLUX VAE (ae.safetensors)",
+    empty_node="EmptySD3LatentImage",
+)
+# T5-XXL tokens (ComfyUI pads a short prompt to 256) and CLIP-L's pooled vector, both from DualCLIPLoader.
+TEXT = TextInputs(
+    encoder="a FLUX DualCLIPLoader (clip_l + t5xxl, type flux)",
+    tokens=256,
+    pooled=True,
+)
 
 
 def matches_bfl(keys: Collection[str]) -> bool:
@@ -115,6 +129,10 @@ FLUX1 = register(
         variant=variant,
         describe=describe,
         input_channels=input_channels,
+        latent_channels=lambda config: LATENT.channels,  # Fill's extra inputs are not output channels
+        patch=PATCH,
+        text=TEXT,
+        ref_method=REF_METHODS[0],  # "offset": comfy/ldm/flux/model.py's default for FLUX.1
         comfy_model=comfy_model,
         call=flux_call,
         model_fn=diffusers_model_fn,

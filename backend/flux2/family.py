@@ -15,14 +15,25 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from ..config import FluxDims
-from ..family import ComfyModel, LatentFormat, ModelFamily, Shapes, register
+from ..family import ComfyModel, LatentFormat, ModelFamily, Shapes, TextInputs, register
 from ..parallel.tensor import FLUX2_TP_PLAN, apply_tensor_parallel
 from .convert import FLUX2_MARKERS, flux2_config_from_bfl, flux2_sources
 from .forward import flux2_call, flux2_model_fn
 from .model import build_flux2
 
-LATENT = LatentFormat(comfy_name="Flux2", channels=128, scale=1.0, shift=0.0)
+LATENT = LatentFormat(
+    comfy_name="Flux2", channels=128, scale=1.0, shift=0.0, downscale=16,
+    vae="the FLUX.2 VAE (flux2-vae.safetensors)", empty_node="EmptyFlux2LatentImage",
+)  # fmt: skip
 TEXT_TOKENS = 512  # comfy/model_base.py Flux2.extra_conds pads the text features to 512 tokens
+# ComfyUI 0.3.75's FLUX.2 text: CLIPLoader type "flux2" with Mistral 3 Small ([dev]) or Qwen 3 ([klein]),
+# three hidden layers stacked (15360 / 7680 / 12288 wide); no pooled vector (model_detection: vec_in_dim
+# None). Workflow templates image_flux2*.json, comfyui-workflow-templates 0.11.97.
+TEXT = TextInputs(
+    encoder="a CLIPLoader of type flux2 (mistral_3_small_flux2 for [dev], qwen_3_4b / qwen_3_8b for [klein])",
+    tokens=TEXT_TOKENS,
+    pooled=False,
+)
 
 
 def matches_bfl(keys: Collection[str]) -> bool:
@@ -131,6 +142,10 @@ FLUX2 = register(
         variant=variant,
         describe=describe,
         input_channels=input_channels,
+        latent_channels=lambda config: int(config.get("out_channels") or config["in_channels"]),
+        patch=1,
+        text=TEXT,
+        ref_method="index",  # comfy/model_detection.py flux2 `default_ref_method`
         comfy_model=comfy_model,
         call=flux2_call,
         model_fn=flux2_model_fn,

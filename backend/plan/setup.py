@@ -47,7 +47,9 @@ class Setup:
     width: int = 1024
     height: int = 1024
     batch: int = 1
-    text_tokens: int = 256  # ComfyUI pads T5 to 256 tokens; longer prompts use more (diffusers: 512)
+    # ComfyUI pads FLUX.1's T5 to 256 tokens (longer prompts use more; diffusers: 512) and FLUX.2's text to
+    # 512 (the family's `text.tokens`, which ParallelFlux.auto_layout passes)
+    text_tokens: int = 256
     dtype: str = "bfloat16"  # the compute dtype (activations, and weights unless weight_dtype is fp8)
     devices: int = 1
     memory_gb: float = 24.0  # per device
@@ -59,6 +61,9 @@ class Setup:
     # a checkpoint's "default" is resolved by the caller (load.planned_weight_dtype)
     weight_dtype: str = "compute"
     family: str = "flux1"  # one of FAMILIES: which transformer the dims describe
+    # image tokens of reference latents (Kontext / FLUX.2 ReferenceLatent): every step carries them after
+    # the image's own, so they are split, attended and held like image tokens
+    reference_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -80,6 +85,8 @@ class Setup:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
+        if not isinstance(self.reference_tokens, int) or self.reference_tokens < 0:
+            raise ConfigError(f"reference_tokens={self.reference_tokens!r} must be 0 or a positive integer")
         if self.memory_gb <= 0 or self.link.gbps <= 0 or self.tflops <= 0:
             raise ConfigError(
                 f"memory_gb={self.memory_gb}, link {self.link.gbps} GB/s and tflops={self.tflops} "
@@ -97,7 +104,8 @@ class Setup:
 
     @property
     def image_tokens(self) -> int:
-        return (self.width // 16) * (self.height // 16)
+        """The image's tokens (one per 16x16 pixels in FLUX.1 and FLUX.2 alike) plus the references'."""
+        return (self.width // 16) * (self.height // 16) + self.reference_tokens
 
     @property
     def tokens(self) -> int:
