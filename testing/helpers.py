@@ -19,7 +19,8 @@ from torch import nn
 
 from ..backend.config import FluxDims, ParallelLayout
 from ..backend.demo import DEMO_CONFIG
-from ..backend.flux.convert import bfl_shapes, bfl_sources, save_bfl_checkpoint
+from ..backend.family import get_family
+from ..backend.flux.convert import save_bfl_checkpoint
 from ..backend.flux.model import build_flux, random_inputs, tiny_flux_config
 from ..backend.parallel.comm import CountCollectives, synchronize
 from ..backend.parallel.context import apply_context_parallel
@@ -60,9 +61,10 @@ def write_random_checkpoint(path: str | Path, config: dict[str, Any], seed: int 
 LORA_FORMATS = ("bfl", "kohya", "peft")
 
 
-def lora_targets(config: dict[str, Any]) -> list[str]:
-    """Every BFL module of this FLUX that a LoRA can patch: the linears (norm scales are vectors)."""
-    return sorted(k.removesuffix(".weight") for k, s in bfl_shapes(config).items() if len(s) == 2)
+def lora_targets(config: dict[str, Any], family: str = "flux1") -> list[str]:
+    """Every BFL module of this model that a LoRA can patch: the linears (norm scales are vectors)."""
+    shapes = get_family(family).bfl_shapes(config)
+    return sorted(k.removesuffix(".weight") for k, s in shapes.items() if len(s) == 2)
 
 
 def write_random_lora(
@@ -75,8 +77,9 @@ def write_random_lora(
     alpha: float | None = 2.0,
     targets: list[str] | tuple[str, ...] | None = None,
     relative: float = 0.1,
+    family: str = "flux1",
 ) -> str:
-    """A random FLUX LoRA for `build_flux(config)` saved as safetensors in format `fmt`; returns the path.
+    """A random LoRA for the `family` model of `config` (FLUX.1: `build_flux(config)`) saved as safetensors in format `fmt`; returns the path.
 
     The factors are drawn once per BFL module in BFL layout (`targets`: BFL module names such as
     'double_blocks.0.img_attn.qkv'; default every linear) from `seed`, then written as
@@ -95,8 +98,9 @@ def write_random_lora(
 
     if fmt not in LORA_FORMATS:
         raise ValueError(f"fmt='{fmt}' is not one of {LORA_FORMATS}")
-    shapes = bfl_shapes(config)
-    names = sorted(targets) if targets is not None else lora_targets(config)
+    fam = get_family(family)
+    shapes = fam.bfl_shapes(config)
+    names = sorted(targets) if targets is not None else lora_targets(config, family)
     scale = 1.0 if alpha is None else alpha / rank
     # each factor entry ~ N(0, sigma^2): delta entries have std scale * sqrt(rank) * sigma^2
     sigma = (relative * 0.05 / (scale * rank**0.5)) ** 0.5
@@ -116,8 +120,7 @@ def write_random_lora(
             if alpha is not None:
                 tensors[f"{key}.alpha"] = torch.tensor(float(alpha))
     else:
-        dims = FluxDims.from_diffusers_config(config)
-        for param, source in bfl_sources(dims).items():
+        for param, source in fam.bfl_sources(config).items():
             module = source.key.removesuffix(".weight")
             if not param.endswith(".weight") or module not in factors:
                 continue

@@ -10,16 +10,20 @@ from unittest import mock
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from test_parallel_sampling import LAYOUTS
 
 from rocm_parallel.backend.api import ParallelFlux
 from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError, FluxDims, ParallelLayout
-from rocm_parallel.backend.flux2.convert import save_flux2_checkpoint
+from rocm_parallel.backend.flux.load import inspect_checkpoint
+from rocm_parallel.backend.flux.lora import inspect_lora
+from rocm_parallel.backend.flux2.convert import flux2_bfl_to_diffusers, save_flux2_checkpoint
 from rocm_parallel.backend.flux2.forward import flux2_call, flux2_model_fn
 from rocm_parallel.backend.flux2.model import FLUX2_DEV, build_flux2, tiny_flux2_config
 from rocm_parallel.backend.plan import Setup, plan
 from rocm_parallel.nodes import logic
+from rocm_parallel.testing.helpers import lora_targets, write_random_lora
 
 TOL = 1e-5
 # 32 latent channels (not FLUX.1's 16, so a FLUX.1 latent is refused), 8 heads for TP 2/4 and Ulysses 2.
@@ -184,3 +188,53 @@ def test_auto_plans_flux2_latents_and_their_references(
         assert runner.layout == registry.current.resident.layout
     finally:
         registry.current.unload()
+
+
+# --------------------------------------------------------------------------------------------------
+# LoRAs on FLUX.2: the same per-rank patching as FLUX.1, through FLUX.2's sources and TP plan
+
+
+def merged_flux2(checkpoint: str, loras: list[tuple[str, float]]) -> torch.nn.Module:
+    """`checkpoint` with BFL-format `loras` merged by plain math on the BFL tensors (W += strength * alpha /
+    rank * up @ down, fp32), converted with flux2_bfl_to_diffusers, independently of lora.py."""
+    bfl = {k.removeprefix("model.diffusion_model."): v.float() for k, v in load_file(checkpoint).items()}
+    for path, strength in loras:
+        lora = load_file(path)
+        for key in [k for k in lora if k.endswith(".lora_up.weight")]:
+            name = key.removesuffix(".lora_up.weight")
+            up, down = lora[key].float(), lora[f"{name}.lora_down.weight"].float()
+            scale = lora[f"{name}.alpha"].item() / down.shape[0] if f"{name}.alpha" in lora else 1.0
+            bfl[f"{name.removeprefix('diffusion_model.')}.weight"] += (strength * scale) * (up @ down)
+    model = build_flux2(CONFIG, device="meta")
+    model.load_state_dict(flux2_bfl_to_diffusers(bfl), assign=True)
+    return model.eval()
+
+
+def test_flux2_loras_patch_each_rank_and_restore_exactly(
+    group2: WorkerGroup, flux2_file: tuple[str, torch.nn.Module], tmp_path: Path
+) -> None:
+    """Every linear of a FLUX.2 (packed linear1 = [q|k|v|gate|up], shared modulation, SwiGLU) in BFL and
+    PEFT keys: the TP 2 and ring 2 forwards equal the independently merged model's, and `loras=()` gives
+    back the fresh load's output bit for bit."""
+    path, _ = flux2_file
+    bfl = write_random_lora(tmp_path / "flux2-lora.safetensors", CONFIG, "bfl", seed=3, family="flux2")
+    peft = write_random_lora(tmp_path / "flux2-peft.safetensors", CONFIG, "peft", seed=3, family="flux2")
+    targets = lora_targets(CONFIG, "flux2")
+    assert "single_blocks.0.linear1" in targets and "double_stream_modulation_img.lin" in targets
+    info = inspect_checkpoint(path)
+    assert len(inspect_lora(bfl, info).modules) == len(targets)
+    expected = one_process(merged_flux2(path, [(bfl, 0.7)]), call_inputs(refs=1))
+    flux = ParallelFlux(group=group2)
+    try:
+        for layout in (ParallelLayout(tp=2), ParallelLayout(ring=2)):
+            flux.unload()
+            flux.load(path, layout=layout, dtype="float32")
+            fresh = flux.forward(**call_inputs(refs=1), y=None)
+            for lora in (bfl, peft):
+                flux.load(path, layout=layout, dtype="float32", loras=[(lora, 0.7)])
+                out = flux.forward(**call_inputs(refs=1), y=None)
+                assert (out - expected).abs().max().item() <= TOL, (layout, lora)
+            flux.load(path, layout=layout, dtype="float32", loras=[])
+            assert torch.equal(flux.forward(**call_inputs(refs=1), y=None), fresh), layout
+    finally:
+        flux.unload()

@@ -15,7 +15,10 @@ difference: ComfyUI rounds bf16/fp16 results stochastically, this rounds to near
 
 Why deltas are mapped to diffusers *parameters* with row ranges of `up`: the model is diffusers', and a
 fused BFL target (`qkv`, `linear1 = [q|k|v|mlp]`, the final AdaLN's swapped (shift, scale)) feeds several
-diffusers parameters, each from some rows of the BFL tensor (convert.py's `bfl_sources`, the one mapping).
+diffusers parameters, each from some rows of the BFL tensor (the family's `bfl_sources`, the one mapping).
+FLUX.2 files are read the same way through FLUX.2's sources and TP plan: ComfyUI maps its LoRA keys as
+FLUX.1's (comfy/model_base.py `Flux2` is a `Flux`, so comfy/lora.py's `diffusion_model.*` keys and the
+`linear1_qkv` partial key apply), and `linear1` there is [q|k|v|gate|up].
 A rank then needs only its shard of each delta: `up[its rows] @ down[:, its columns]`.
 
 Why the weights are re-read from the checkpoint on every change instead of adding or subtracting deltas
@@ -49,9 +52,8 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from ..config import ConfigError
-from ..parallel.tensor import FLUX_TP_PLAN, Pieces, parameter_pieces, resolve_plan
+from ..parallel.tensor import Pieces, parameter_pieces, resolve_plan
 from ..parallel.weights import compute_dtype, is_fp8
-from .convert import bfl_sources
 from .load import (
     CheckpointInfo,
     _compose,
@@ -145,7 +147,7 @@ def _name_table(info: CheckpointInfo) -> dict[str, tuple[str, tuple[LoraTarget, 
     shapes = {name: _full_shape(stored, rows) for name, (stored, rows) in info.sources.items()}
     # BFL module -> [(diffusers param, rows of the BFL tensor)], from the one BFL <-> diffusers mapping.
     by_bfl: dict[str, list[tuple[str, tuple[tuple[int, int], ...] | None]]] = {}
-    for param, source in bfl_sources(dims).items():
+    for param, source in info.model_family.bfl_sources(info.config).items():
         if param.endswith(".weight") and len(shapes[param]) == 2:
             by_bfl.setdefault(source.key.removesuffix(".weight"), []).append((param, source.rows))
     table: dict[str, tuple[str, tuple[LoraTarget, ...], tuple[int, int]]] = {}
@@ -407,7 +409,7 @@ def _apply(
     degree: int,
     progress: Callable[[int, int], None] | None,
 ) -> None:
-    resolved = resolve_plan(model, FLUX_TP_PLAN)
+    resolved = resolve_plan(model, info.model_family.tp_plan)
     params = dict(model.named_parameters())
     dims = info.dims
     compute = compute_dtype(model)
