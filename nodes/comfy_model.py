@@ -1,11 +1,12 @@
 """The one module that touches ComfyUI's model internals: the ROCm Parallel Model as a ComfyUI MODEL.
 
-A real `comfy.model_patcher.ModelPatcher` around a real `comfy.model_base.Flux`, built from the
+A real `comfy.model_patcher.ModelPatcher` around a real `comfy.model_base.Flux` / `Flux2`, built from the
 `comfy.supported_models` config ComfyUI's own loader would pick for the checkpoint (`Flux`,
-`FluxSchnell`, `FluxInpaint`: the model family decides it from the header, backend/family.py), so
+`FluxSchnell`, `FluxInpaint`, `Flux2`: the model family decides it from the header, backend/family.py), so
 model_sampling, the latent format, FluxGuidance, ModelSamplingFlux, ReferenceLatent (Kontext) and
 InpaintModelConditioning's `c_concat` (Fill) behave exactly as with ComfyUI's loader, with
-`disable_unet_model_creation` so no weights exist here. Its `diffusion_model` is `ParallelDiffusionModel`, a small proxy whose forward is one
+`disable_unet_model_creation` so no weights exist here. FLUX.2 needs ComfyUI >= 0.3.75 (the first with
+`model_base.Flux2`); FLUX.1 also runs on 0.3.64. Its `diffusion_model` is `ParallelDiffusionModel`, a small proxy whose forward is one
 `ParallelFlux.forward` on the workers. ComfyUI's samplers, schedulers, CFG, guiders and sigma nodes run
 unchanged around it.
 
@@ -22,7 +23,11 @@ import torch
 
 from . import logic
 
-# (module, attribute path) this module relies on; checked once, before the first MODEL is built.
+# The ComfyUI the parallel MODEL was last checked against (tests/comfy, tests/data/comfy_references).
+TESTED_COMFYUI = "0.3.75"
+
+# (module, attribute path) this module relies on; checked once, before the first MODEL is built. The
+# config class of the checkpoint's family (supported_models.Flux2 for FLUX.2) is checked when it is picked.
 _REQUIRED = (
     ("comfy.model_base", "Flux"),
     ("comfy.model_base", "ModelType.FLOW"),
@@ -61,13 +66,13 @@ def missing_internals(required: tuple[tuple[str, str], ...] = _REQUIRED) -> list
     return missing
 
 
-def require_internals() -> None:
-    missing = missing_internals()
+def require_internals(required: tuple[tuple[str, str], ...] = _REQUIRED) -> None:
+    missing = missing_internals(required)
     if missing:
         raise RuntimeError(
             f"ROCm Parallel Model: ComfyUI {comfyui_version()} lacks {', '.join(missing)}, which the parallel "
-            "MODEL needs (built against ComfyUI 0.3.64). Update ComfyUI, or use the TP / Ring Attention "
-            "Sampler's pack version made for this ComfyUI"
+            f"MODEL needs (built against ComfyUI {TESTED_COMFYUI}). Update ComfyUI, or use the TP / Ring "
+            "Attention Sampler's pack version made for this ComfyUI"
         )
 
 
@@ -78,11 +83,25 @@ class ParallelDiffusionModel(torch.nn.Module):
     dtype, so ComfyUI casts the inputs as it would for its own model of that dtype.
     """
 
-    patch_size = 2  # read by ComfyUI's Flux.extra_conds
-
-    def __init__(self, runner: logic.ModelRunner, dtype: torch.dtype, guidance_embed: bool) -> None:
+    def __init__(
+        self,
+        runner: logic.ModelRunner,
+        dtype: torch.dtype,
+        guidance_embed: bool,
+        patch_size: int = 2,
+        pooled: bool = True,
+        default_ref_method: str = "offset",
+    ) -> None:
         super().__init__()
         self.runner, self.dtype, self.guidance_embed = runner, dtype, guidance_embed
+        # Read by ComfyUI's Flux.extra_conds (attention-mask upscaling): 2 for FLUX.1, 1 for FLUX.2.
+        self.patch_size = patch_size
+        # FLUX.1 takes CLIP-L's pooled vector (vec_in_dim); FLUX.2 has none (comfy/model_detection.py sets
+        # vec_in_dim None) and its Flux ignores `y`.
+        self.pooled = pooled
+        # comfy/ldm/flux/model.py Flux._forward: `kwargs.get("ref_latents_method",
+        # self.params.default_ref_method)`; FLUX.2's unet_config says "index", FLUX.1's default "offset".
+        self.default_ref_method = default_ref_method
 
     def forward(
         self,
@@ -103,7 +122,7 @@ class ParallelDiffusionModel(torch.nn.Module):
         # Kontext: ComfyUI's Flux.extra_conds hands the reference latents (after process_in) and their
         # placement (FluxKontextMultiReferenceLatentMethod) to every call; the workers append them as
         # extra tokens exactly as comfy/ldm/flux/model.py Flux._forward does.
-        if y is None:  # ComfyUI's Flux uses zeros when no pooled output came with the prompt
+        if self.pooled and y is None:  # ComfyUI's Flux uses zeros when no pooled output came with the prompt
             raise RuntimeError(
                 "the conditioning has no pooled_output (CLIP-L); encode the prompt with a FLUX DualCLIPLoader "
                 "(clip_l + t5xxl, type flux) and CLIPTextEncode"
@@ -117,7 +136,7 @@ class ParallelDiffusionModel(torch.nn.Module):
             guidance if self.guidance_embed else None,
             logic.step_of(options),
             ref_latents=ref_latents,
-            ref_method=kwargs.get("ref_latents_method"),
+            ref_method=kwargs.get("ref_latents_method", self.default_ref_method),
         )
         return out.to(x.device)
 
@@ -171,7 +190,9 @@ def parallel_model(
         interrupted=mm.throw_exception_if_processing_interrupted,
         make_room=lambda: free_comfy_models(handle.devices),
     )
-    wanted = runner.comfy_model()  # e.g. Flux, FluxSchnell or FluxInpaint, with the header's unet_config
+    wanted = runner.comfy_model()  # Flux, FluxSchnell, FluxInpaint or Flux2, with the header's unet_config
+    # FLUX.2 came with ComfyUI 0.3.75: an older ComfyUI fails here naming what it lacks, FLUX.1 still runs.
+    require_internals((("comfy.supported_models", wanted.config_class),))
     config_class = getattr(comfy.supported_models, wanted.config_class)
     unet_config = {**wanted.unet_config, "disable_unet_model_creation": True}
     guidance_embed = bool(unet_config.get("guidance_embed", False))
@@ -180,7 +201,16 @@ def parallel_model(
     model_config.set_inference_dtype(dtype, None)
     cpu = torch.device("cpu")  # the weights live in the workers: nothing for ComfyUI to move
     model = model_config.get_model({}, device=cpu)
-    model.diffusion_model = ParallelDiffusionModel(runner, dtype, guidance_embed=guidance_embed)
+    model.diffusion_model = ParallelDiffusionModel(
+        runner,
+        dtype,
+        guidance_embed=guidance_embed,
+        patch_size=int(unet_config.get("patch_size", 2)),
+        # FLUX.1's unet_config carries no vec_in_dim (ComfyUI's detection adds it from vector_in); FLUX.2's
+        # says None.
+        pooled=unet_config.get("vec_in_dim", 768) is not None,
+        default_ref_method=str(unet_config.get("default_ref_method", "offset")),
+    )
     if _PATCHER_CLASS is None:
         _PATCHER_CLASS = _parallel_patcher_class()
     patcher = _PATCHER_CLASS(model, load_device=cpu, offload_device=cpu)

@@ -818,6 +818,24 @@ def test_missing_comfyui_internals_name_the_version(
     assert text.startswith("ROCm Parallel Model: ComfyUI 0.9.99 lacks comfy.model_base.Flux, ")
     assert "comfy.samplers.sampler_object" in text  # the fake comfy.samplers has only the lists
     assert text.endswith(
-        "which the parallel MODEL needs (built against ComfyUI 0.3.64). Update ComfyUI, or use "
+        "which the parallel MODEL needs (built against ComfyUI 0.3.75). Update ComfyUI, or use "
         "the TP / Ring Attention Sampler's pack version made for this ComfyUI"
     )
+
+
+def test_a_comfyui_without_flux2_names_the_missing_config_class(
+    monkeypatch: pytest.MonkeyPatch, comfy: FakeComfy
+) -> None:
+    """ComfyUI 0.3.64 has no supported_models.Flux2: the FLUX.2 MODEL fails naming it (FLUX.1 still runs)."""
+    from rocm_parallel.nodes import comfy_model
+
+    monkeypatch.setitem(sys.modules, "comfyui_version", SimpleNamespace(__version__="0.3.64"))
+    monkeypatch.setitem(sys.modules, "comfy.supported_models", SimpleNamespace(Flux=object))
+    with pytest.raises(RuntimeError) as err:
+        comfy_model.require_internals((("comfy.supported_models", "Flux2"),))
+    assert str(err.value) == (
+        "ROCm Parallel Model: ComfyUI 0.3.64 lacks comfy.supported_models.Flux2, which the parallel MODEL "
+        "needs (built against ComfyUI 0.3.75). Update ComfyUI, or use the TP / Ring Attention Sampler's "
+        "pack version made for this ComfyUI"
+    )
+    comfy_model.require_internals((("comfy.supported_models", "Flux"),))  # present: no error
