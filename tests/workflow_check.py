@@ -17,6 +17,7 @@ WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN")
 MODEL_FILE_INPUTS = {
     ("DualCLIPLoader", "clip_name1"),
     ("DualCLIPLoader", "clip_name2"),
+    ("CLIPLoader", "clip_name"),
     ("VAELoader", "vae_name"),
     ("RocmParallelLoader", "checkpoint"),
     ("RocmParallelLoRA", "lora_name"),

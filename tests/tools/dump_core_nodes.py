@@ -1,0 +1,70 @@
+"""Write tests/data/comfy_core_nodes.json: the core node specs the shipped workflows use, as a REAL ComfyUI's
+/object_info reports them (the CI tier checks the workflows against this file; the comfy tier checks the
+file against the live /object_info again).
+
+    COMFYUI_PATH=/path/to/ComfyUI PYTHONPATH=<pack parent>:<comfy deps> python tests/tools/dump_core_nodes.py
+
+It starts ComfyUI the way the comfy tier does (tests/comfy/comfy_server.py: loopback, a temporary base
+directory) and keeps `input` and `output` of each node in CORE_NODES; the lists of the user's model files
+(workflow_check.MODEL_FILE_INPUTS) are emptied, since they depend on the installation.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+TESTS = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(TESTS), str(TESTS / "comfy")]
+
+from comfy_server import COMFYUI_PATH, running_comfy  # noqa: E402
+from workflow_check import CORE_NODES, MODEL_FILE_INPUTS  # noqa: E402
+
+# Every core node a shipped workflow (workflows/, workflows/api/) or a comfy-tier prompt uses.
+NODES = [
+    "KSampler", "DualCLIPLoader", "CLIPLoader", "CLIPTextEncode", "FluxGuidance", "EmptySD3LatentImage",
+    "EmptyFlux2LatentImage", "Flux2Scheduler", "BasicGuider", "KSamplerSelect", "RandomNoise",
+    "SamplerCustomAdvanced", "VAELoader", "VAEDecode", "SaveImage", "SaveLatent", "VAEEncode", "LoadImage",
+    "FluxKontextImageScale", "ReferenceLatent",
+]  # fmt: skip
+
+
+def core_specs(info: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in NODES:
+        spec = {"input": json.loads(json.dumps(info[name]["input"])), "output": info[name]["output"]}
+        for section in spec["input"].values():
+            for input_name, value in section.items():
+                if (name, input_name) in MODEL_FILE_INPUTS and isinstance(value[0], list):
+                    value[0] = []
+                elif (name, input_name) in MODEL_FILE_INPUTS and value[0] == "COMBO":
+                    value[1]["options"] = []
+        out[name] = spec
+    return out
+
+
+def main() -> None:
+    if not COMFYUI_PATH:
+        sys.exit("set COMFYUI_PATH to a ComfyUI checkout")
+    version = (Path(COMFYUI_PATH) / "comfyui_version.py").read_text().split("=")[-1].strip().strip("\"'")
+    commit = subprocess.run(
+        ["git", "-C", COMFYUI_PATH, "rev-parse", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    with tempfile.TemporaryDirectory() as base, running_comfy(Path(base)) as comfy:
+        info = comfy.get("/object_info")
+    data = {
+        "_source": f"ComfyUI {version}, commit {commit or 'unknown'}: its live /object_info, written by "
+        "tests/tools/dump_core_nodes.py; the lists of model files are empty here (they depend on the "
+        "installation).",
+        **core_specs(info),
+    }
+    CORE_NODES.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"wrote {CORE_NODES} from ComfyUI {version} ({len(NODES)} nodes)")
+
+
+if __name__ == "__main__":
+    main()
