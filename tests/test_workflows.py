@@ -1,7 +1,8 @@
 """The shared workflows in workflows/ (UI format) and workflows/api/ (API format) against the node specs.
 
-Core node specs are hard-coded in tests/data/comfy_core_nodes.json (copied from ComfyUI 0.3.64); the
-integration tier (tests/comfy) checks the same files against a live ComfyUI's /object_info.
+Core node specs are in tests/data/comfy_core_nodes.json (a live ComfyUI 0.3.75's /object_info, written by
+tests/tools/dump_core_nodes.py); the integration tier (tests/comfy) checks the same files against a live
+ComfyUI's /object_info.
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ EXPECTED = {
         "KSampler",
         "0,1,2,3",
         "flux1-kontext-dev.safetensors",
+        None,
+    ),
+    # Comfy-Org's FLUX.2 [dev] file, as ComfyUI's own template (image_flux2_text_to_image) loads it.
+    "flux2_dev_parallel_model_tp4": (
+        "SamplerCustomAdvanced",
+        "0,1,2,3",
+        "flux2_dev_fp8mixed.safetensors",
         None,
     ),
 }
@@ -106,9 +114,14 @@ def test_workflow_does_what_its_name_says(name: str) -> None:
         assert (by_class[sampler]["ring_degree"], by_class[sampler]["ulysses_degree"]) == degrees
     # FLUX.1-dev takes a guidance value; schnell has no guidance input, so no FluxGuidance node.
     assert ("FluxGuidance" in by_class) == ("dev" in name)
-    standard = {"DualCLIPLoader", "CLIPTextEncode", "VAELoader", "VAEDecode", "SaveImage"}
+    standard = {"CLIPTextEncode", "VAELoader", "VAEDecode", "SaveImage"}
+    # FLUX.1: two text encoders (clip_l + t5xxl); FLUX.2: one (Mistral 3 Small) and a 128-channel latent
+    standard.add("CLIPLoader" if name.startswith("flux2") else "DualCLIPLoader")
     # text-to-image starts from an empty latent; an edit (Kontext) from the encoded image
-    standard.add("VAEEncode" if "kontext" in name else "EmptySD3LatentImage")
+    if "kontext" in name:
+        standard.add("VAEEncode")
+    else:
+        standard.add("EmptyFlux2LatentImage" if name.startswith("flux2") else "EmptySD3LatentImage")
     assert standard <= set(by_class)
 
 
@@ -143,6 +156,38 @@ def test_kontext_workflow_edits_an_image_with_reference_latents_on_the_parallel_
     assert inputs["VAEEncode"]["pixels"] == [ids["FluxKontextImageScale"], 0]
     assert inputs["FluxKontextImageScale"]["image"] == [ids["LoadImage"], 0]
     assert (inputs["KSampler"]["cfg"], inputs["FluxGuidance"]["guidance"]) == (1.0, 2.5)
+
+
+def test_flux2_workflow_is_comfyuis_flux2_template_on_the_parallel_model() -> None:
+    """ComfyUI's FLUX.2 text-to-image template (image_flux2_text_to_image) with its UNETLoader replaced by
+    the ROCm Parallel Loader (4 GPUs, the fp8 file kept fp8) -> ROCm Parallel Model (tp): the MODEL goes
+    to BasicGuider, and SamplerCustomAdvanced samples with Flux2Scheduler's sigmas for the same size as
+    the empty latent."""
+    api = load("flux2_dev_parallel_model_tp4", api=True)
+    ids = {node["class_type"]: node_id for node_id, node in api.items()}
+    inputs = {name: api[node_id]["inputs"] for name, node_id in ids.items()}
+    assert "UNETLoader" not in ids
+    assert inputs["RocmParallelLoader"]["weight_dtype"] == "default"
+    assert inputs["RocmParallelModel"]["parallel_flux"] == [ids["RocmParallelLoader"], 0]
+    assert inputs["RocmParallelModel"]["layout"] == "tp"
+    assert inputs["BasicGuider"]["model"] == [ids["RocmParallelModel"], 0]
+    assert inputs["BasicGuider"]["conditioning"] == [ids["FluxGuidance"], 0]
+    assert inputs["FluxGuidance"]["guidance"] == 4.0
+    assert inputs["CLIPLoader"]["type"] == "flux2"
+    assert inputs["CLIPLoader"]["clip_name"] == "mistral_3_small_flux2_fp8.safetensors"
+    assert inputs["VAELoader"]["vae_name"] == "flux2-vae.safetensors"
+    assert inputs["KSamplerSelect"]["sampler_name"] == "euler"
+    sampler = inputs["SamplerCustomAdvanced"]
+    assert sampler == {
+        "noise": [ids["RandomNoise"], 0],
+        "guider": [ids["BasicGuider"], 0],
+        "sampler": [ids["KSamplerSelect"], 0],
+        "sigmas": [ids["Flux2Scheduler"], 0],
+        "latent_image": [ids["EmptyFlux2LatentImage"], 0],
+    }
+    size = (inputs["EmptyFlux2LatentImage"]["width"], inputs["EmptyFlux2LatentImage"]["height"])
+    assert (inputs["Flux2Scheduler"]["width"], inputs["Flux2Scheduler"]["height"]) == size
+    assert inputs["VAEDecode"]["samples"] == [ids["SamplerCustomAdvanced"], 0]
 
 
 def test_checker_finds_broken_workflows(info: dict) -> None:

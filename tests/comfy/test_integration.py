@@ -63,6 +63,7 @@ def test_pack_loads_with_nodes_route_js_and_templates(comfy: Comfy) -> None:
         "flux1_dev_tp4",
         "flux1_kontext_dev_ksampler_parallel_model",
         "flux1_schnell_tp2",
+        "flux2_dev_parallel_model_tp4",
     ]
     assert comfy.get(f"/api/workflow_templates/{PACK_DIR_NAME}/flux1_dev_tp4.json")["nodes"]
     # The samplers offer all of ComfyUI's own samplers and schedulers.
