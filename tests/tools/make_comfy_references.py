@@ -16,6 +16,19 @@ ComfyUI's model detection infers depths, input channels, pooled width and guidan
 keys but hard-codes the widths of the released model (hidden 3072, 24 heads, T5 4096, RoPE axes 16/56/56),
 so this script wraps `detect_unet_config` to replace exactly those widths by the tiny model's; everything
 else (model class dev vs schnell, sampling settings, latent format) is ComfyUI's own choice.
+
+FLUX.2 (ComfyUI >= 0.3.75; stored under the metadata keys `flux2_models` / `flux2_cases`, so the FLUX.1
+readers never see them): small random Flux2Transformer2DModels written in the BFL / ComfyUI single-file
+layout (`flux2_diffusers_to_bfl`), loaded by ComfyUI's own loader, which detects FLUX.2 from
+`double_stream_modulation_img.lin.weight` (comfy/model_detection.py) and builds `model_base.Flux2`
+(supported_models.Flux2, latent_formats.Flux2: 128 channels at 1/16). Detection hard-codes [dev]'s 48
+heads and RoPE axes 32/32/32/32 (hidden width and text width it reads from img_in / txt_in), so those two
+are replaced by the tiny model's. Each case is the graph of ComfyUI's FLUX.2 template
+(image_flux2_text_to_image): RandomNoise + EmptyFlux2LatentImage + Flux2Scheduler + FluxGuidance +
+BasicGuider + KSamplerSelect + SamplerCustomAdvanced, with the prompt's features random (CLIPTextEncode
+with a FLUX.2 text encoder gives [B, T, text_dim] and pooled_output None; model_base.Flux2.extra_conds
+pads the text to 512 tokens), and optionally ReferenceLatent (FLUX.2's reference images, placed by the
+"index" method FLUX.2's unet_config defaults to).
 """
 
 from __future__ import annotations
@@ -51,6 +64,32 @@ MODELS: dict[str, dict[str, Any]] = {
     },
 }  # fmt: skip
 TEXT_TOKENS = 8
+
+# FLUX.2: [dev]'s structure (shared modulation, SwiGLU x3, no biases, 4 RoPE axes, patch 1, 128 latent
+# channels) with small widths (backend/flux2/model.py tiny_flux2_config); "flux2_klein" has no guidance
+# embedder, like FLUX.2 [klein].
+FLUX2_MODELS: dict[str, dict[str, Any]] = {
+    "flux2": {"config": {"heads": 4, "head_dim": 16, "text_dim": 32, "in_channels": 128}, "seed": 5678},
+    "flux2_klein": {
+        "config": {"heads": 4, "head_dim": 16, "text_dim": 24, "in_channels": 128, "guidance": False},
+        "seed": 8765,
+    },
+}
+# Sizes in pixels (the latent is 1/16: EmptyFlux2LatentImage); refs: ReferenceLatent's latents, in pixels.
+FLUX2_CASES: dict[str, dict[str, Any]] = {
+    "flux2_4steps": {"variant": "flux2", "width": 96, "height": 64, "steps": 4, "seed": 44, "guidance": 4.0},
+    "flux2_klein_3steps": {"variant": "flux2_klein", "width": 64, "height": 80, "steps": 3, "seed": 45},
+    # The first model calls of a run with two reference latents (ComfyUI's own Flux2 output for each).
+    "flux2_ref_calls": {
+        "variant": "flux2", "width": 80, "height": 48, "steps": 2, "seed": 46, "guidance": 4.0,
+        "record_calls": 2, "refs": [[48, 64], [32, 48]],
+    },
+    # A whole run with one reference latent (the live /prompt test's reference).
+    "flux2_ref_2steps": {
+        "variant": "flux2", "width": 64, "height": 48, "steps": 2, "seed": 47, "guidance": 4.0,
+        "refs": [[48, 64]],
+    },
+}  # fmt: skip
 
 
 def import_comfy(path: str) -> dict[str, Any]:
@@ -127,6 +166,93 @@ def load_in_comfy(comfy: dict[str, Any], diffusers_config: dict[str, Any], bfl: 
     if model is None:
         raise RuntimeError("ComfyUI could not load the test checkpoint")
     return model
+
+
+def load_flux2_in_comfy(
+    comfy: dict[str, Any], diffusers_config: dict[str, Any], bfl: dict[str, torch.Tensor]
+):
+    """Load a FLUX.2 BFL state dict with ComfyUI's loader, telling its detection the tiny heads and RoPE
+    axes (comfy/model_detection.py hard-codes [dev]'s 48 heads and (32, 32, 32, 32))."""
+    detection = comfy["detection"]
+    original = detection.detect_unet_config
+    widths = {
+        "num_heads": diffusers_config["num_attention_heads"],
+        "axes_dim": list(diffusers_config["axes_dims_rope"]),
+    }
+
+    def detect_tiny(state_dict, key_prefix, metadata=None):
+        config = original(state_dict, key_prefix, metadata=metadata)
+        if config is None or config.get("image_model") != "flux2":
+            raise RuntimeError(f"ComfyUI did not detect the test checkpoint as FLUX.2: {config}")
+        return {**config, **widths}
+
+    detection.detect_unet_config = detect_tiny
+    try:
+        model = comfy["sd"].load_diffusion_model_state_dict(dict(bfl), model_options={"dtype": torch.float32})
+    finally:
+        detection.detect_unet_config = original
+    if model is None or type(model.model).__name__ != "Flux2":
+        raise RuntimeError(f"ComfyUI did not load the test checkpoint as its Flux2: {model}")
+    return model
+
+
+def flux2_model(variant: str) -> torch.nn.Module:
+    """The diffusers Flux2Transformer2DModel of a FLUX.2 variant (random weights from its seed)."""
+    from rocm_parallel.backend.flux2.model import build_flux2, tiny_flux2_config
+
+    spec = FLUX2_MODELS[variant]
+    return build_flux2(tiny_flux2_config(**spec["config"]), seed=spec["seed"])
+
+
+def flux2_inputs(name: str, case: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The prompt's text features (as a FLUX.2 CLIPTextEncode gives them: [1, T, text_dim]) and the reference
+    latents ([1, 128, h/16, w/16], as VAEEncode with the FLUX.2 VAE gives them)."""
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    text_dim = FLUX2_MODELS[case["variant"]]["config"]["text_dim"]
+    tensors = {"cond": torch.randn(1, TEXT_TOKENS, text_dim, generator=g)}
+    for j, (h_px, w_px) in enumerate(case.get("refs", ())):
+        tensors[f"ref{j}"] = torch.randn(1, 128, h_px // 16, w_px // 16, generator=g) * 0.8 + 0.1
+    return tensors
+
+
+def flux2_conditioning(comfy, case: dict[str, Any], tensors: dict[str, torch.Tensor]) -> list:
+    """CLIPTextEncode's CONDITIONING for FLUX.2 (features, pooled_output None: the Mistral encoder has no
+    pooled vector), then FluxGuidance and ReferenceLatent as the template wires them."""
+    flux_nodes = comfy["flux_nodes"]
+    conditioning: list = [[tensors["cond"], {"pooled_output": None}]]
+    if "guidance" in case:
+        conditioning = flux_nodes.FluxGuidance.execute(conditioning, case["guidance"])[0]
+    for j in range(len(case.get("refs", ()))):
+        conditioning = comfy["edit"].ReferenceLatent.execute(conditioning, {"samples": tensors[f"ref{j}"]})[0]
+    return conditioning
+
+
+def run_flux2_case(comfy, models, name: str, case: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """ComfyUI's FLUX.2 template graph (comfy_extras/nodes_flux.py EmptyFlux2LatentImage, Flux2Scheduler;
+    nodes_custom_sampler.py RandomNoise, BasicGuider, KSamplerSelect, SamplerCustomAdvanced) on `models`'
+    model for the case's variant."""
+    model = models[case["variant"]]
+    tensors = flux2_inputs(name, case)
+    conditioning = flux2_conditioning(comfy, case, tensors)
+    flux_nodes, custom = comfy["flux_nodes"], comfy["custom"]
+    latent = flux_nodes.EmptyFlux2LatentImage.execute(case["width"], case["height"], 1)[0]
+    sigmas = flux_nodes.Flux2Scheduler.execute(case["steps"], case["width"], case["height"])[0]
+    calls: dict[str, torch.Tensor] = {}
+    if "record_calls" in case:
+        model = model.clone()
+        record_calls(model, case["record_calls"], calls, ids="refs" in case)
+    out = custom.SamplerCustomAdvanced().sample(
+        custom.RandomNoise().get_noise(case["seed"])[0],
+        custom.BasicGuider().get_guider(model, conditioning)[0],
+        custom.KSamplerSelect().get_sampler(case.get("sampler", "euler"))[0],
+        sigmas,
+        latent,
+    )[0]
+    tensors["sigmas"] = torch.as_tensor(sigmas, dtype=torch.float32)
+    tensors["output"] = out["samples"].to(torch.float32).contiguous()
+    if "record_calls" in case:
+        return {f"{name}.{k}": v for k, v in calls.items()}
+    return {f"{name}.{k}": v for k, v in tensors.items()}
 
 
 def cond_for(variant: str, batch: int, seed: int, guidance: float | None) -> tuple[list, dict[str, Any]]:
@@ -317,7 +443,8 @@ def record_calls(model, limit: int, store: dict[str, torch.Tensor], ids: bool = 
                 refs["img_ids"] = seen[-1]
             for key, value in {"x": x, "timestep": timestep, "context": context, "y": y,
                                "guidance": guidance, "output": out, **refs}.items():  # fmt: skip
-                store[f"{i}.{key}"] = value.detach().to(torch.float32).clone()
+                if value is not None:  # FLUX.2 has no pooled y; [klein] and schnell no guidance
+                    store[f"{i}.{key}"] = value.detach().to(torch.float32).clone()
         count[0] += 1
         return out
 
@@ -326,6 +453,8 @@ def record_calls(model, limit: int, store: dict[str, torch.Tensor], ids: bool = 
 
 def run_case(comfy, models, name: str, case: dict[str, Any], folder: Path) -> dict[str, torch.Tensor]:
     variant = case["variant"]
+    if variant in FLUX2_MODELS:
+        return run_flux2_case(comfy, models, name, case)
     model = models[variant]
     tensors = case_inputs(name, case)
     positive, cond_tensors = cond_for(variant, 1, 500 + len(name), case.get("guidance"))
@@ -400,12 +529,18 @@ def main() -> None:
         flux = build_flux(config, seed=spec["seed"])
         models[variant] = load_in_comfy(comfy, config, diffusers_to_bfl(flux.state_dict()))
 
+    from rocm_parallel.backend.flux2.convert import flux2_diffusers_to_bfl
+
+    for variant in FLUX2_MODELS:
+        flux2 = flux2_model(variant)
+        models[variant] = load_flux2_in_comfy(comfy, dict(flux2.config), flux2_diffusers_to_bfl(flux2))
+
     import folder_paths
 
     loras = Path(tempfile.mkdtemp(prefix="rp-loras-"))
     folder_paths.add_model_folder_path("loras", str(loras))
     tensors: dict[str, torch.Tensor] = {}
-    for name, case in CASES.items():
+    for name, case in {**CASES, **FLUX2_CASES}.items():
         with torch.no_grad():
             got = run_case(comfy, models, name, case, loras)
         tensors.update({k: v.contiguous() for k, v in got.items()})
@@ -418,6 +553,8 @@ def main() -> None:
         "torch": torch.__version__,
         "models": json.dumps(MODELS),
         "cases": json.dumps(CASES),
+        "flux2_models": json.dumps(FLUX2_MODELS),
+        "flux2_cases": json.dumps(FLUX2_CASES),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(args.out), metadata=metadata)
