@@ -27,15 +27,17 @@ from typing import Any
 import psutil
 import torch
 from safetensors.torch import save_file
-from test_sampling import flux_model
+from test_sampling import META, flux_model
 
 from rocm_parallel.backend.flux.convert import diffusers_to_bfl
 
 COMFYUI_PATH = os.environ.get("COMFYUI_PATH")
+FLUX2_CHECKPOINT = "tiny-flux2.safetensors"
 PACK_ROOT = Path(__file__).resolve().parents[2]
 TESTS_DIR = PACK_ROOT / "tests"
 PACK_DIR_NAME = "rocm_parallel_pack"  # any folder name must work
 START_TIMEOUT = 300.0
+FLUX2_CASES: dict[str, Any] = json.loads(META.get("flux2_cases", "{}"))  # made by ComfyUI >= 0.3.75
 
 # A test-only custom node: the prompt embedding of a committed reference case as CONDITIONING.
 REFERENCE_NODE = """
@@ -56,7 +58,8 @@ class RPTestReferenceConditioning:
     def load(self, case):
         ref = load_file(REFERENCES)
         prefix = case[: -len(":neg")] + ".neg_" if case.endswith(":neg") else case + "."
-        return ([[ref[prefix + "cond"], {{"pooled_output": ref[prefix + "pooled"]}}]],)
+        # FLUX.2 cases have no pooled vector: its text encoder gives pooled_output None, as here
+        return ([[ref[prefix + "cond"], {{"pooled_output": ref.get(prefix + "pooled")}}]],)
 
 
 class RPTestReferenceLatent:
@@ -137,6 +140,14 @@ def running_comfy(base: Path) -> Iterator[Comfy]:
     models = base / "models" / "diffusion_models"
     models.mkdir(parents=True)
     save_file(diffusers_to_bfl(flux_model("dev").state_dict()), str(models / "tiny-flux-dev.safetensors"))
+    if FLUX2_CASES:  # the reference tool's random FLUX.2, in the BFL single-file layout
+        if str(TESTS_DIR / "tools") not in sys.path:
+            sys.path.insert(0, str(TESTS_DIR / "tools"))
+        from make_comfy_references import flux2_model
+
+        from rocm_parallel.backend.flux2.convert import save_flux2_checkpoint
+
+        save_flux2_checkpoint(flux2_model("flux2"), models / FLUX2_CHECKPOINT)
     before = _tree_state(COMFYUI_PATH)
 
     port = _free_port()
@@ -267,6 +278,33 @@ def model_prompt(case: str, seed_offset: int = 0) -> dict[str, Any]:
             "inputs": {"conditioning": ["8", 0], "guidance": guidance},
         }
         prompt["6"]["inputs"]["negative"] = ["9", 0]
+    return prompt
+
+
+def flux2_prompt(case: str, layout: str = "tp", seed_offset: int = 0) -> dict[str, Any]:
+    """ComfyUI's FLUX.2 template graph for reference `case` on the ROCm Parallel Model (`layout` on 2 CPU
+    workers), the text features from the reference file, saved with SaveLatent under 'flux2/<case>'."""
+    c = FLUX2_CASES[case]
+    size = {"width": c["width"], "height": c["height"]}
+    loader = loader_node(FLUX2_CHECKPOINT)
+    loader["inputs"]["preload"] = "none"
+    prompt: dict[str, Any] = {
+        "1": {"class_type": "RPTestReferenceConditioning", "inputs": {"case": case}},
+        "2": {"class_type": "FluxGuidance", "inputs": {"conditioning": ["1", 0], "guidance": c["guidance"]}},
+        "3": loader,
+        "4": {"class_type": "RocmParallelModel",
+              "inputs": {"parallel_flux": ["3", 0], "layout": layout, "ring_degree": 0, "ulysses_degree": 0}},
+        "5": {"class_type": "BasicGuider", "inputs": {"model": ["4", 0], "conditioning": ["2", 0]}},
+        "6": {"class_type": "RandomNoise", "inputs": {"noise_seed": c["seed"] + seed_offset}},
+        "7": {"class_type": "KSamplerSelect", "inputs": {"sampler_name": "euler"}},
+        "8": {"class_type": "Flux2Scheduler", "inputs": {"steps": c["steps"], **size}},
+        "9": {"class_type": "EmptyFlux2LatentImage", "inputs": {**size, "batch_size": 1}},
+        "10": {"class_type": "SamplerCustomAdvanced",
+               "inputs": {"noise": ["6", 0], "guider": ["5", 0], "sampler": ["7", 0], "sigmas": ["8", 0],
+                          "latent_image": ["9", 0]}},
+        "11": {"class_type": "SaveLatent",
+               "inputs": {"samples": ["10", 0], "filename_prefix": f"flux2/{case}_{layout}"}},
+    }  # fmt: skip
     return prompt
 
 

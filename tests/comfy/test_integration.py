@@ -19,10 +19,12 @@ import psutil
 import pytest
 import torch
 from comfy_server import (
+    FLUX2_CASES,
     PACK_DIR_NAME,
     PACK_ROOT,
     Comfy,
     absolute_paths,
+    flux2_prompt,
     loader_node,
     model_prompt,
     rejected_checkpoint,
@@ -207,6 +209,24 @@ def test_kontext_through_the_prompt_api_matches_comfyui(comfy: Comfy) -> None:
     entry = comfy.wait_done(comfy.post("/prompt", {"prompt": prompt, "client_id": "rp-test"})["prompt_id"])
     assert entry["status"]["status_str"] == "success", entry["status"]
     assert (_saved(comfy, f"model/{case}") - reference(case)["output"]).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("layout", ["tp", "context"])
+def test_flux2_template_graph_through_the_prompt_api_matches_comfyuis_own_flux2(
+    comfy: Comfy, layout: str
+) -> None:
+    """The shipped FLUX.2 workflow's graph (ROCm Parallel Loader -> ROCm Parallel Model -> BasicGuider,
+    RandomNoise, KSamplerSelect, Flux2Scheduler, EmptyFlux2LatentImage, SamplerCustomAdvanced) with a
+    FLUX.2 checkpoint, queued through /prompt: the saved latent equals ComfyUI's own Flux2's for the same
+    weights, seed and text features (tests/tools/make_comfy_references.py)."""
+    if not FLUX2_CASES or "EmptyFlux2LatentImage" not in comfy.get("/object_info/EmptyFlux2LatentImage"):
+        pytest.skip("this ComfyUI predates FLUX.2 (0.3.75)")
+    case = "flux2_4steps"
+    entry = comfy.wait_done(comfy.post("/prompt", {"prompt": flux2_prompt(case, layout)})["prompt_id"])
+    assert entry["status"]["status_str"] == "success", entry["status"]
+    diff = (_saved(comfy, f"flux2/{case}_{layout}") - reference(case)["output"]).abs().max().item()
+    print(f"{case} /prompt {layout}: max |diff| {diff:.2e}")
+    assert diff <= 1e-5
 
 
 def test_tp_sampler_with_cfg_and_negative_through_the_prompt_api(comfy: Comfy) -> None:

@@ -12,6 +12,8 @@ ring 2 x Ulysses 2. The /prompt path with the nodes is in test_integration.py.
 
 from __future__ import annotations
 
+import importlib
+import json
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -22,7 +24,7 @@ import pytest
 import torch
 from comfy_server import COMFYUI_PATH, TESTS_DIR
 from test_sampling import ALL_CASES as CASES
-from test_sampling import MODELS, flux_model, reference
+from test_sampling import META, MODELS, flux_model, reference
 
 from rocm_parallel.backend.api import ParallelFlux
 from rocm_parallel.backend.config import ParallelLayout
@@ -316,3 +318,134 @@ def test_a_fill_checkpoint_becomes_comfyuis_flux_inpaint(comfy, checkpoints, reg
     fill = parallel_model(comfy, checkpoints, registries, "fill", "tp2")
     assert type(fill.model.model_config) is comfy.supported_models.FluxInpaint
     assert fill.model.model_config.unet_config["in_channels"] == 96
+
+
+# FLUX.2 (ComfyUI >= 0.3.75): the graph of ComfyUI's FLUX.2 template (RandomNoise + EmptyFlux2LatentImage +
+# Flux2Scheduler + FluxGuidance + BasicGuider + KSamplerSelect + SamplerCustomAdvanced, and ReferenceLatent)
+# run by the reference tool's own code with the parallel MODEL in place of ComfyUI's own Flux2, loaded by
+# ComfyUI from the same random FLUX.2 weights in the BFL single-file layout.
+FLUX2_CASES = json.loads(META.get("flux2_cases", "{}"))
+FLUX2_LAYOUTS = ["tp2", "ring2"]
+
+
+def _needs_flux2() -> None:
+    if not FLUX2_CASES:
+        pytest.fail(
+            "tests/data/comfy_references.safetensors has no FLUX.2 cases: run make_comfy_references.py"
+        )
+    if not hasattr(importlib.import_module("comfy.model_base"), "Flux2"):
+        pytest.skip("this ComfyUI predates FLUX.2 (0.3.75)")
+
+
+@pytest.fixture(scope="module")
+def flux2_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    from make_comfy_references import FLUX2_MODELS, flux2_model
+
+    from rocm_parallel.backend.flux2.convert import save_flux2_checkpoint
+
+    folder = tmp_path_factory.mktemp("flux2")
+    return {
+        variant: save_flux2_checkpoint(flux2_model(variant), folder / f"tiny-{variant}.safetensors")
+        for variant in FLUX2_MODELS
+    }
+
+
+def run_flux2_case(comfy: dict[str, Any], model: Any, name: str) -> dict[str, torch.Tensor]:
+    from make_comfy_references import run_case as reference_run_case
+
+    case = FLUX2_CASES[name]
+    with torch.no_grad():
+        return reference_run_case(comfy, {case["variant"]: model}, name, case, Path(tempfile.gettempdir()))
+
+
+@pytest.mark.parametrize("layout", FLUX2_LAYOUTS)
+@pytest.mark.parametrize("name", ["flux2_4steps", "flux2_klein_3steps", "flux2_ref_2steps"])
+def test_flux2_template_graph_on_the_parallel_model_matches_comfyuis_own_flux2(
+    comfy, flux2_checkpoints, registries, layout, name
+):
+    """Mutations tried: the proxy's FLUX.1 patch size (2) or 'offset' as FLUX.2's default reference
+    placement, and requiring a pooled vector, each fail here."""
+    # importlib: `import comfy.x` here would rebind the `comfy` fixture's name
+    _needs_flux2()
+    model = parallel_model(comfy, flux2_checkpoints, registries, FLUX2_CASES[name]["variant"], layout)
+    assert type(model.model) is importlib.import_module("comfy.model_base").Flux2
+    assert type(model.model.model_config) is importlib.import_module("comfy.supported_models").Flux2
+    assert model.model.latent_format.latent_channels == 128
+    got = run_flux2_case(comfy, model, name)
+    ref = reference(name)
+    assert torch.equal(got[f"{name}.sigmas"], ref["sigmas"])  # Flux2Scheduler: ComfyUI's own, same size
+    diff = (got[f"{name}.output"] - ref["output"]).abs().max().item()
+    print(f"{name} {layout}: max |diff| {diff:.2e}")
+    assert diff <= 1e-5
+
+
+@pytest.mark.parametrize("layout", FLUX2_LAYOUTS)
+def test_flux2_reference_latents_match_comfyuis_own_calls(comfy, flux2_checkpoints, registries, layout):
+    """ReferenceLatent on FLUX.2 (two references, placed by FLUX.2's default 'index' method with
+    ref_index_scale 10): every recorded model call (inputs, references and ComfyUI's own output)."""
+    _needs_flux2()
+    name = "flux2_ref_calls"
+    model = parallel_model(comfy, flux2_checkpoints, registries, FLUX2_CASES[name]["variant"], layout)
+    got = run_flux2_case(comfy, model, name)
+    expected = {f"{name}.{k}": v for k, v in reference(name).items() if not k.endswith(".img_ids")}
+    assert sorted(got) == sorted(expected)
+    diff = max((got[k] - expected[k]).abs().max().item() for k in expected)
+    print(f"{name} {layout}: max |diff| {diff:.2e}")
+    assert diff <= 1e-5
+
+
+def test_flux2_fp8_mixed_matches_comfyuis_own_fp8_mixed_model(comfy, registries, tmp_path_factory):
+    """Comfy-Org's fp8 "mixed" layout (block linears float8_e4m3fn with a per-tensor `weight_scale`, the rest
+    bf16): ComfyUI 0.3.75 reads which layers are quantized from the safetensors metadata key
+    `_quantization_metadata` ({"format_version": "1.0", "layers": {layer: {"format": ...}}},
+    comfy/model_detection.py detect_layer_quantization, comfy/ops.py MixedPrecisionOps); later ComfyUI
+    versions read per-layer `comfy_quant` tensors. The file carries both. ComfyUI's own model and the
+    pack's (fp8 resident, TP 2) sample the same latent."""
+    from make_comfy_references import FLUX2_MODELS, flux2_model, load_flux2_in_comfy
+    from safetensors.torch import load_file, save_file
+
+    from rocm_parallel.backend.flux2.convert import save_flux2_checkpoint
+    from rocm_parallel.nodes import comfy_model
+
+    _needs_flux2()
+    reference_model = flux2_model("flux2")
+    path = tmp_path_factory.mktemp("flux2-fp8") / "tiny-flux2-fp8mixed.safetensors"
+    save_flux2_checkpoint(reference_model, path, fp8_mixed=True)
+    state = load_file(str(path))
+    layers = {
+        key.removesuffix(".comfy_quant"): json.loads(bytes(value.tolist()).decode())
+        for key, value in state.items()
+        if key.endswith(".comfy_quant")
+    }
+    assert layers and all(v == {"format": "float8_e4m3fn"} for v in layers.values())
+    metadata = {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers})}
+    save_file(state, str(path), metadata=metadata)
+
+    sd, header = importlib.import_module("comfy.utils").load_torch_file(
+        str(path), safe_load=True, return_metadata=True
+    )
+    load = comfy["sd"].load_diffusion_model_state_dict
+    try:  # ComfyUI's UNETLoader passes the file's metadata; load_flux2_in_comfy wraps the detection
+        comfy["sd"].load_diffusion_model_state_dict = lambda s, model_options: load(
+            s, model_options=model_options, metadata=header
+        )
+        own = load_flux2_in_comfy(comfy, dict(reference_model.config), sd)
+    finally:
+        comfy["sd"].load_diffusion_model_state_dict = load
+    qkv = own.model.diffusion_model.double_blocks[0].img_attn.qkv.weight
+    assert (
+        type(qkv).__name__ == "QuantizedTensor" and qkv.dtype == torch.float8_e4m3fn
+    )  # really fp8 in ComfyUI
+    handle = logic.ParallelHandle(str(path), path.name, ("cpu", "cpu"), "float32", (), None)
+    ours = comfy_model.parallel_model(handle, logic.LayoutRequest(ParallelLayout(tp=2)), registries[2])
+    name = "flux2_4steps"
+    want = run_flux2_case(comfy, own, name)[f"{name}.output"]
+    got = run_flux2_case(comfy, ours, name)[f"{name}.output"]
+    flux = registries[2].flux_for(handle.devices)
+    assert "float8_e4m3fn" in flux.status()[0]["parameter_bytes_by_dtype"]
+    diff = (got - want).abs().max().item()
+    print(f"{name} fp8 mixed tp2: max |diff| {diff:.2e}")
+    assert diff <= 1e-5
+    # not vacuous: fp8 rounding moves ComfyUI's own result away from its float32 model's
+    assert (want - reference(name)["output"]).abs().max().item() > 1e-3
+    assert FLUX2_MODELS["flux2"]["config"]["in_channels"] == 128
