@@ -49,7 +49,8 @@ def test_pack_loads_with_nodes_route_js_and_templates(comfy: Comfy) -> None:
         "RocmParallelStatus",
     ):
         assert info[node_id]["category"] == "ROCm Parallel"
-    assert info["RocmParallelLoader"]["input"]["required"]["checkpoint"][0] == ["tiny-flux-dev.safetensors"]
+    files = ["tiny-flux-dev.safetensors"] + (["tiny-flux2.safetensors"] if FLUX2_CASES else [])
+    assert info["RocmParallelLoader"]["input"]["required"]["checkpoint"][0] == files
     assert info["RocmParallelLoader"]["display_name"] == "ROCm Parallel Loader"
     # The panel's route answers the registry's snapshot (whatever ran before in this session).
     state = comfy.get("/rocm_parallel/status")
