@@ -120,7 +120,7 @@ _OPTIONAL_INPUTS = {
 
 class RocmParallelLoader:
     DESCRIPTION = (
-        "Starts one worker process per device and loads a FLUX.1 diffusion model on them. The workers "
+        "Starts one worker process per device and loads a FLUX.1 or FLUX.2 diffusion model on them. The workers "
         "stay resident between queue runs; running again with the same devices reuses them."
     )
     CATEGORY = CATEGORY
@@ -137,7 +137,10 @@ class RocmParallelLoader:
             "required": {
                 "checkpoint": (
                     folder_paths.get_filename_list("diffusion_models"),
-                    {"tooltip": "A FLUX.1 dev or schnell transformer from models/diffusion_models."},
+                    {
+                        "tooltip": "A FLUX.1 (dev, schnell, Kontext, Fill) or FLUX.2 ([dev], [klein]) transformer "
+                        "from models/diffusion_models. FLUX.2 samples through the ROCm Parallel Model."
+                    },
                 ),
                 "devices": (
                     "STRING",
@@ -339,8 +342,9 @@ class RocmParallelModel:
     DESCRIPTION = (
         "A standard ComfyUI MODEL whose FLUX transformer runs on the ROCm Parallel workers: connect it to "
         "ComfyUI's KSampler, KSamplerAdvanced, SamplerCustom, or CFGGuider/BasicGuider + "
-        "SamplerCustomAdvanced, with ModelSamplingFlux and FluxGuidance as usual. For LoRAs use the ROCm "
-        "Parallel LoRA node before this one."
+        "SamplerCustomAdvanced, with ModelSamplingFlux and FluxGuidance as usual; for FLUX.2 (ComfyUI >= "
+        "0.3.75) with EmptyFlux2LatentImage and Flux2Scheduler. For LoRAs use the ROCm Parallel LoRA node "
+        "before this one."
     )
     CATEGORY = CATEGORY
     RETURN_TYPES = ("MODEL",)
