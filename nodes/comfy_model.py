@@ -164,7 +164,11 @@ def _outer_sample(runner: logic.ModelRunner):
     def wrapper(
         executor: Any, noise: torch.Tensor, latent_image: Any, sampler: Any, sigmas: Any, *args, **kw
     ):
-        with runner.sampling(tuple(noise.shape), max(int(sigmas.shape[-1]) - 1, 0)):
+        # The guider (comfy/samplers.py CFGGuider.sample builds this executor around its outer_sample)
+        # holds the run's conds: ReferenceLatent's latents there ride along in every model call.
+        conds = getattr(getattr(executor, "class_obj", None), "conds", None)
+        references = logic.reference_shapes(conds)
+        with runner.sampling(tuple(noise.shape), max(int(sigmas.shape[-1]) - 1, 0), references):
             return executor(noise, latent_image, sampler, sigmas, *args, **kw)
 
     return wrapper

@@ -516,6 +516,20 @@ def check_latent(latent: Any, info: Any) -> None:
         raise ConfigError(f"latent_image is empty: samples {list(samples.shape)}")
 
 
+def reference_shapes(conds: Any) -> list[tuple[int, ...]]:
+    """Shapes of the reference latents (ReferenceLatent's `reference_latents`) one model call carries: the
+    conds entry with the most reference elements (positive and negative are called separately or batched
+    side by side, never with both sets), from a guider's `conds` {"positive": [{...}], ...}."""
+    best: list[tuple[int, ...]] = []
+    for entries in (conds or {}).values() if isinstance(conds, dict) else ():
+        for entry in entries or ():
+            refs = entry.get("reference_latents") if isinstance(entry, dict) else None
+            shapes = [tuple(r.shape) for r in refs or () if hasattr(r, "shape")]
+            if sum(math.prod(s) for s in shapes) > sum(math.prod(s) for s in best):
+                best = shapes
+    return best
+
+
 def check_sampler_inputs(
     registry: Registry,
     handle: ParallelHandle,

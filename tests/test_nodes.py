@@ -839,3 +839,15 @@ def test_a_comfyui_without_flux2_names_the_missing_config_class(
         "pack version made for this ComfyUI"
     )
     comfy_model.require_internals((("comfy.supported_models", "Flux"),))  # present: no error
+
+
+def test_reference_shapes_are_one_calls_references() -> None:
+    """The reference latents one model call carries: the richest conds entry's, never positive + negative."""
+    kontext = [torch.zeros(1, 16, 5, 7), torch.zeros(1, 16, 3, 3)]
+    conds = {
+        "positive": [{"cross_attn": torch.zeros(1, 8, 32), "reference_latents": kontext}],
+        "negative": [{"cross_attn": torch.zeros(1, 8, 32), "reference_latents": kontext[1:]}],
+    }
+    assert logic.reference_shapes(conds) == [(1, 16, 5, 7), (1, 16, 3, 3)]
+    assert logic.reference_shapes({"positive": [{"cross_attn": torch.zeros(1, 8, 32)}]}) == []
+    assert logic.reference_shapes(None) == []

@@ -310,6 +310,31 @@ def test_kontext_and_fill_through_comfyuis_nodes_match_comfyuis_own_calls(
     assert diff <= 1e-5  # seen: <= 5e-7
 
 
+def test_auto_plans_for_the_reference_latents_in_comfyuis_conds(comfy, checkpoints, registries, tmp_path):
+    """Kontext with layout 'auto': the planner is told the reference latents' tokens, read from ComfyUI's
+    own guider conds (ReferenceLatent), and the run still matches ComfyUI's recorded calls."""
+    from unittest import mock
+
+    from make_comfy_references import run_case as reference_run_case
+
+    from rocm_parallel.nodes import comfy_model
+
+    name = "kontext_calls"
+    case = CASES[name]
+    path = checkpoints[case["variant"]]
+    handle = logic.ParallelHandle(path, Path(path).name, ("cpu", "cpu"), "float32")
+    model = comfy_model.parallel_model(handle, logic.LayoutRequest(None), registries[2])
+    spy = mock.patch.object(ParallelFlux, "auto_layout", autospec=True, side_effect=ParallelFlux.auto_layout)
+    with spy as planned, torch.no_grad():
+        got = reference_run_case(comfy, {case["variant"]: model}, name, case, tmp_path)
+    recorded = reference(name)
+    refs = [recorded[k].shape[-2:] for k in sorted(recorded) if k.startswith("0.ref")]
+    tokens = sum(-(-h // 2) * -(-w // 2) for h, w in refs)  # FLUX.1: 2x2 patches, partial ones padded
+    assert tokens == 16 and planned.call_args.kwargs["reference_tokens"] == tokens
+    expected = {f"{name}.{k}": v for k, v in recorded.items() if not k.endswith(".img_ids")}
+    assert max((got[k] - expected[k]).abs().max().item() for k in expected) <= 1e-5
+
+
 def test_a_fill_checkpoint_becomes_comfyuis_flux_inpaint(comfy, checkpoints, registries):
     """ComfyUI's own loader picks FluxInpaint for Fill (in_channels 96), whose concat_cond appends the
     masked image and mask; the parallel MODEL must be the same config."""
