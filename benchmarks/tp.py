@@ -19,7 +19,7 @@ from torch import nn
 
 from ..backend.config import FluxDims, ParallelLayout
 from ..backend.flux.model import FLUX_DEV, build_flux, random_inputs, tiny_flux_config
-from ..backend.flux2.model import FLUX2_DEV, FLUX2_KLEIN_4B, FLUX2_KLEIN_9B, build_flux2, random_flux2_inputs
+from ..backend.flux2.model import FLUX2_DEV, FLUX2_KLEIN_4B, FLUX2_KLEIN_9B, build_flux2
 from ..backend.parallel.comm import CountCollectives
 from ..backend.parallel.fake import fake_process_group
 from ..backend.parallel.tensor import apply_tensor_parallel
@@ -176,8 +176,8 @@ def flux2_sizes_and_collectives(config: dict[str, Any], plan: str, degree: int, 
         if degree > 1:
             PLANS[plan](model)
         bf16, fp8 = _bytes_by_weight_dtype(model)
-        side = size // 16  # FLUX.2: one token per 16 x 16 pixels (128-channel latent at 1/16)
-        inputs = random_flux2_inputs(dims, rows=side, cols=side, text_tokens=512, device="meta")
+        # FLUX.2: one token per 16 x 16 pixels (128-channel latent at 1/16)
+        inputs = random_inputs(dims, height=size, width=size, text_tokens=512, device="meta", family="flux2")
         with CountCollectives() as counter, torch.no_grad():
             model(**inputs.to("meta", torch.bfloat16).as_kwargs(), return_dict=False)
     log = counter.log

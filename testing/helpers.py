@@ -220,8 +220,12 @@ def measure_on_meta(
     *,
     parallelize: Callable[[nn.Module], nn.Module] | None = None,
     memory: bool = True,
+    family: str = "flux1",
 ) -> dict[str, Any]:
     """One rank of `layout` on the meta device, under the `fake` process group: one forward, traced.
+
+    `family` ("flux1", "flux2": backend/family.py) picks the transformer `config` describes; both have one
+    image token per 16 x 16 pixels of width x height.
 
     The model is parallelised by the engine itself (`apply_tensor_parallel` / `apply_context_parallel`),
     or by `parallelize` (e.g. diffusers' own TP plan). Returns the parameter bytes the rank holds
@@ -235,11 +239,12 @@ def measure_on_meta(
     torch.set_flush_denormal(True)  # the fake group's all-gathers return uninitialised memory
     dims = FluxDims.from_diffusers_config(config)
     with fake_process_group(layout.world_size, rank=rank):
-        model = build_flux(config, device="meta", dtype=dtype)
+        model = get_family(family).build(config, device="meta", dtype=dtype)
         if layout.world_size > 1:
             (parallelize or _parallelize_like_the_engine(layout))(model)
         weights = local_parameter_bytes(model)
-        inputs = random_inputs(dims, batch, height, width, text_tokens, device="meta").to("meta", dtype)
+        inputs = random_inputs(dims, batch, height, width, text_tokens, device="meta", family=family)
+        inputs = inputs.to("meta", dtype)
         if memory:
             for p in model.parameters():
                 p.requires_grad_(True)  # MemTracker hooks every parameter's gradient; TP shards have none

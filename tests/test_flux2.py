@@ -7,7 +7,8 @@ import torch
 
 from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import FluxDims
-from rocm_parallel.backend.flux2.model import FLUX2_DEV, build_flux2, random_flux2_inputs, tiny_flux2_config
+from rocm_parallel.backend.flux.model import random_inputs
+from rocm_parallel.backend.flux2.model import FLUX2_DEV, build_flux2, tiny_flux2_config
 from rocm_parallel.backend.parallel.comm import CountCollectives
 from rocm_parallel.backend.parallel.fake import fake_process_group
 from rocm_parallel.backend.parallel.tensor import (
@@ -24,13 +25,13 @@ CONFIG = tiny_flux2_config(
 )
 
 SHAPES = {
-    "even": {"batch": 1, "rows": 4, "cols": 4, "text_tokens": 16},
-    "odd": {"batch": 2, "rows": 3, "cols": 5, "text_tokens": 11},  # 15 image + 11 text tokens, batch 2
+    "even": {"batch": 1, "height": 64, "width": 64, "text_tokens": 16},
+    "odd": {"batch": 2, "height": 48, "width": 80, "text_tokens": 11},  # 15 image + 11 text tokens, batch 2
 }
 
 
 def reference(config: dict, shape: dict) -> tuple[dict, torch.Tensor]:
-    inputs = random_flux2_inputs(FluxDims.from_diffusers_config(config), **shape)
+    inputs = random_inputs(FluxDims.from_diffusers_config(config), **shape, family="flux2")
     with torch.no_grad():
         out = build_flux2(config, seed=7)(**inputs.as_kwargs(), return_dict=False)[0]
     return inputs.as_kwargs(), out
@@ -93,7 +94,7 @@ def test_flux2_collectives_per_forward(degree: int) -> None:
     with fake_process_group(degree, rank=degree - 1):
         model = apply_tensor_parallel(build_flux2(CONFIG))
         with CountCollectives() as counter, torch.no_grad():
-            model(**random_flux2_inputs(dims).as_kwargs())
+            model(**random_inputs(dims, family="flux2").as_kwargs())
     # 2 per double block (attention and feed-forward, both streams at once) + 1 per single block;
     # one all-gather for the four shared modulation vectors.
     assert dict(counter.log.counts) == {"all_reduce": 2 * 2 + 3, "all_gather": 1}

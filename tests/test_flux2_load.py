@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from rocm_parallel.backend.config import FluxDims
 from rocm_parallel.backend.flux.convert import CheckpointError
+from rocm_parallel.backend.flux.model import random_inputs
 from rocm_parallel.backend.flux2.convert import (
     flux2_bfl_to_diffusers,
     flux2_config_from_bfl,
@@ -23,7 +24,6 @@ from rocm_parallel.backend.flux2.model import (
     FLUX2_DEV,
     FLUX2_KLEIN_4B,
     build_flux2,
-    random_flux2_inputs,
     tiny_flux2_config,
 )
 from rocm_parallel.backend.parallel.fake import fake_process_group
@@ -69,7 +69,9 @@ def test_load_bfl_file_whole(tmp_path: Path, model: torch.nn.Module, comfy_prefi
     assert info.format == "bfl" and info.config == flux2_config_from_bfl(load_file(path))
     loaded = load_flux2(path, dtype="float32")
     _same_state(loaded.state_dict(), model.state_dict())
-    inputs = random_flux2_inputs(FluxDims.from_diffusers_config(CONFIG), rows=3, cols=5, text_tokens=7)
+    inputs = random_inputs(
+        FluxDims.from_diffusers_config(CONFIG), height=48, width=80, text_tokens=7, family="flux2"
+    )
     with torch.no_grad():
         got = loaded(**inputs.as_kwargs(), return_dict=False)[0]
         want = model(**inputs.as_kwargs(), return_dict=False)[0]

@@ -153,27 +153,47 @@ def random_inputs(
     text_tokens: int = 16,
     seed: int = 1,
     device: str | torch.device = "cpu",
-) -> FluxInputs:
-    """Random inputs for an image of height x width pixels (latent = pixels / 8, tokens = pixels / 16)."""
+    family: str = "flux1",
+) -> Any:
+    """Random inputs of one forward of the `family` transformer ("flux1": FluxInputs, "flux2":
+    Flux2Inputs) for an image of height x width pixels.
+
+    Both families have one image token per 16 x 16 pixels (FLUX.1: 2x2 patches of the 1/8 latent;
+    FLUX.2: the 1/16 latent). The activations are drawn from `seed` in the order image, text, pooled
+    (FLUX.1 only); on 'meta' they are empty. Guidance is the families' usual default (3.5 / 4.0) when the
+    model has a guidance embedder.
+    """
     if height % 16 or width % 16:
         raise ValueError(f"image size {width}x{height} must be a multiple of 16 pixels")
-    g = torch.Generator().manual_seed(seed)
-    lh, lw = height // 8, width // 8
-    tokens = (lh // 2) * (lw // 2)
-    make = torch.empty if str(device) == "meta" else None
+    if family not in ("flux1", "flux2"):
+        raise ValueError(f"family={family!r} is not a model family with inputs here; use 'flux1' or 'flux2'")
+    rows, cols = height // 16, width // 16
     shapes = {
-        "hidden_states": (batch, tokens, dims.in_channels),
+        "hidden_states": (batch, rows * cols, dims.in_channels),
         "encoder_hidden_states": (batch, text_tokens, dims.text_dim),
-        "pooled_projections": (batch, dims.pooled_dim),
     }
-    if make is not None:
+    if family == "flux1":
+        shapes["pooled_projections"] = (batch, dims.pooled_dim)
+    if str(device) == "meta":
         tensors = {k: torch.empty(s, device="meta") for k, s in shapes.items()}
     else:
+        g = torch.Generator().manual_seed(seed)
         tensors = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
-    return FluxInputs(
-        timestep=torch.full((batch,), 0.75),
-        img_ids=image_ids(lh, lw),
-        txt_ids=torch.zeros(text_tokens, 3),
-        guidance=torch.full((batch,), 3.5) if dims.guidance else None,
+    timestep = torch.full((batch,), 0.75)
+    if family == "flux1":
+        return FluxInputs(
+            timestep=timestep,
+            img_ids=image_ids(height // 8, width // 8),
+            txt_ids=torch.zeros(text_tokens, 3),
+            guidance=torch.full((batch,), 3.5) if dims.guidance else None,
+            **tensors,
+        ).to(device)
+    from ..flux2.model import Flux2Inputs, flux2_image_ids, flux2_text_ids  # that module imports this one
+
+    return Flux2Inputs(
+        timestep=timestep,
+        img_ids=flux2_image_ids(rows, cols),
+        txt_ids=flux2_text_ids(text_tokens),
+        guidance=torch.full((batch,), 4.0) if dims.guidance else None,
         **tensors,
     ).to(device)

@@ -138,31 +138,3 @@ def flux2_text_ids(tokens: int) -> torch.Tensor:
     ids = torch.zeros(tokens, 4)
     ids[:, 3] = torch.arange(tokens)
     return ids
-
-
-def random_flux2_inputs(
-    dims: FluxDims,
-    batch: int = 1,
-    rows: int = 4,
-    cols: int = 4,
-    text_tokens: int = 16,
-    seed: int = 1,
-    device: str | torch.device = "cpu",
-) -> Flux2Inputs:
-    """Random inputs over a rows x cols grid of image tokens (FLUX.2: one token per 16 pixels)."""
-    shapes = {
-        "hidden_states": (batch, rows * cols, dims.in_channels),
-        "encoder_hidden_states": (batch, text_tokens, dims.text_dim),
-    }
-    if str(device) == "meta":
-        tensors = {k: torch.empty(s, device="meta") for k, s in shapes.items()}
-    else:
-        g = torch.Generator().manual_seed(seed)
-        tensors = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
-    return Flux2Inputs(
-        timestep=torch.full((batch,), 0.75),
-        img_ids=flux2_image_ids(rows, cols),
-        txt_ids=flux2_text_ids(text_tokens),
-        guidance=torch.full((batch,), 4.0) if dims.guidance else None,
-        **tensors,
-    ).to(device)
