@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from rocm_parallel.backend import family as registry
 from rocm_parallel.backend.config import FluxDims
 from rocm_parallel.backend.flux.load import inspect_checkpoint, load_flux
-from rocm_parallel.backend.flux2.convert import save_flux2_checkpoint
+from rocm_parallel.backend.flux2.convert import flux2_bfl_to_diffusers, save_flux2_checkpoint
 from rocm_parallel.backend.flux2.family import FLUX2, config_from_diffusers
 from rocm_parallel.backend.flux2.forward import flux2_call, flux2_model_fn, flux2_text_ids
-from rocm_parallel.backend.flux2.load import load_flux2
 from rocm_parallel.backend.flux2.model import (
     FLUX2_DEV,
     FLUX2_KLEIN_9B,
@@ -22,7 +22,7 @@ from rocm_parallel.backend.flux2.model import (
     tiny_flux2_config,
 )
 from rocm_parallel.backend.parallel.fake import fake_process_group
-from rocm_parallel.backend.parallel.tensor import FLUX2_TP_PLAN
+from rocm_parallel.backend.parallel.tensor import FLUX2_TP_PLAN, apply_tensor_parallel
 
 CONFIG = tiny_flux2_config(
     heads=8, head_dim=16, double_blocks=2, single_blocks=3, text_dim=32, in_channels=16
@@ -49,9 +49,11 @@ def test_generic_loader_detects_and_shards_flux2(tmp_path: Path, degree: int) ->
     info = inspect_checkpoint(path)
     assert (info.family, info.format, info.variant) == ("flux2", "bfl", "dev")
     assert FLUX2.describe(info.config) == "FLUX.2 (8 heads, 2+3 blocks)"
+    reference = build_flux2(CONFIG, seed=None)
+    reference.load_state_dict(flux2_bfl_to_diffusers(load_file(path)))
     with fake_process_group(degree, rank=degree - 1):
         got = load_flux(path, dtype="float32", tp=degree).state_dict()
-        want = load_flux2(path, dtype="float32", tp=degree).state_dict()
+        want = (apply_tensor_parallel(reference) if degree > 1 else reference).state_dict()
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in got)
 
 

@@ -206,17 +206,18 @@ def test_sdxl_unet_is_recognized(tmp_path: Path) -> None:
     keys = ["input_blocks.0.0.weight", "label_emb.0.0.weight", "middle_block.0.in_layers.0.weight"]
     save_file({COMFY_PREFIX + k: torch.zeros(2) for k in keys}, str(tmp_path / "sdxl.safetensors"))
     assert _error(tmp_path / "sdxl.safetensors") == (
-        f"'{tmp_path}/sdxl.safetensors' is not a FLUX.1 checkpoint: it looks like an SDXL UNet. "
-        "Pick a FLUX.1 transformer file (e.g. flux1-dev.safetensors) from models/diffusion_models"
+        f"'{tmp_path}/sdxl.safetensors' is not a FLUX.1 or FLUX.2 checkpoint: it looks like an SDXL UNet. "
+        "Pick a FLUX.1 or FLUX.2 transformer file (e.g. flux1-dev.safetensors, flux2-dev.safetensors) from "
+        "models/diffusion_models"
     )
 
 
 def test_unknown_model_lists_keys(tmp_path: Path) -> None:
     save_file({k: torch.zeros(2) for k in ["w3", "w1", "w2", "w0", "w4"]}, str(tmp_path / "x.safetensors"))
     assert _error(tmp_path / "x.safetensors") == (
-        f"'{tmp_path}/x.safetensors' is not a FLUX.1 checkpoint: it looks like not a FLUX.1 transformer "
-        "(first keys: w0, w1, w2, w3). Pick a FLUX.1 transformer file (e.g. flux1-dev.safetensors) "
-        "from models/diffusion_models"
+        f"'{tmp_path}/x.safetensors' is not a FLUX.1 or FLUX.2 checkpoint: it looks like not a FLUX.1 or "
+        "FLUX.2 transformer (first keys: w0, w1, w2, w3). Pick a FLUX.1 or FLUX.2 transformer file (e.g. "
+        "flux1-dev.safetensors, flux2-dev.safetensors) from models/diffusion_models"
     )
 
 
@@ -300,17 +301,17 @@ def test_incomplete_or_foreign_bfl_tensors(tmp_path: Path) -> None:
     path = tmp_path / "f.safetensors"
     save_file(_contiguous({k: v for k, v in bfl.items() if k != "double_blocks.1.txt_mlp.2.bias"}), str(path))
     assert _error(path) == (
-        f"'{path}' lacks 1 FLUX tensors (e.g. 'double_blocks.1.txt_mlp.2.bias'); the file is incomplete "
+        f"'{path}' lacks 1 FLUX.1 tensors (e.g. 'double_blocks.1.txt_mlp.2.bias'); the file is incomplete "
         "or a different model. Download the full checkpoint again"
     )
     save_file(_contiguous({**bfl, "double_blocks.0.extra.weight": torch.zeros(1)}), str(path))
     assert _error(path) == (
         f"'{path}' has 1 tensors FLUX.1 does not (e.g. 'double_blocks.0.extra.weight'); "
-        "it is a FLUX variant this loader does not know"
+        "it is a FLUX.1 variant this loader does not know"
     )
     save_file(_contiguous({**bfl, "txt_in.bias": torch.zeros(100)}), str(path))
     assert _error(path) == (
-        f"'{path}': tensor 'txt_in.bias' has shape [100] but this FLUX layout needs [128]; "
+        f"'{path}': tensor 'txt_in.bias' has shape [100] but this FLUX.1 layout needs [128]; "
         "the checkpoint is not a FLUX.1 transformer"
     )
 

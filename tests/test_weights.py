@@ -243,6 +243,7 @@ def test_scaled_fp8_loads_with_its_scales(tmp_path: Path) -> None:
     stored = write_scaled(path)
     info = inspect_checkpoint(path)
     assert info.scaled_fp8 and len(info.scales) == sum(v.ndim == 2 for v in _bfl().values())
+    assert info.quantization == "scaled_fp8"
     resident, upcast = _load(str(path), "default"), _load(str(path), "compute")
     w, s = stored["img_in.weight"], stored["img_in.scale_weight"]
     assert resident.x_embedder.weight.dtype == torch.float8_e4m3fn

@@ -24,6 +24,27 @@ from ..config import ConfigError, FluxDims
 # ComfyUI's full checkpoints (and some diffusion_models files) put the transformer under this prefix.
 COMFY_PREFIX = "model.diffusion_model."
 
+# ComfyUI's quantized ("mixed precision") layers, e.g. Comfy-Org's flux2_dev_fp8mixed.safetensors: some
+# linears are stored quantized, each with companions `<layer>.weight_scale` (the per-tensor scale:
+# comfy/quant_ops.py TensorCoreFP8Layout.dequantize is `weight.to(dtype) * scale`) and optionally
+# `<layer>.input_scale` (quantizes activations for fp8 matmuls only). Which layers, in which format, is
+# declared in either of two forms, both read by the loader (flux/load.py) and written by the test writer
+# (flux2/convert.py save_flux2_checkpoint):
+# * `<layer>.comfy_quant`: a uint8 tensor holding UTF-8 JSON such as {"format": "float8_e4m3fn"} (newer
+#   ComfyUI: comfy/ops.py mixed_precision_ops._load_from_state_dict; comfy/utils.py convert_old_quants);
+# * the safetensors header metadata `_quantization_metadata` = JSON {"format_version": "1.0", "layers":
+#   {"<layer>": {"format": "float8_e4m3fn"}}} (ComfyUI 0.3.75: comfy/model_detection.py
+#   detect_layer_quantization, comfy/ops.py mixed_precision_ops).
+COMFY_QUANT, WEIGHT_SCALE, INPUT_SCALE = ".comfy_quant", ".weight_scale", ".input_scale"
+QUANT_METADATA = "_quantization_metadata"
+# The formats whose weights are one fp8 tensor times one scale (comfy/quant_ops.py QUANT_ALGOS: "parameters"
+# weight_scale / input_scale, no group_size): format -> the dtype its weights are stored in. Others (nvfp4's
+# block scales and second scale, anything newer) are refused by name.
+QUANT_FORMATS: dict[str, torch.dtype] = {
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+
 # FLUX's single-stream blocks and feed-forwards are 4x wide (FluxDims.mlp_ratio's default); diffusers'
 # FluxTransformer2DModel has no option for another ratio, so a checkpoint with a different one cannot be
 # built. The key mapping reads the widths from the same FluxDims the rest of the pack uses.
@@ -46,19 +67,67 @@ class Source:
 
 
 @dataclass(frozen=True)
-class _Fused:
+class Fused:
     """A diffusers module reading some of the stacked outputs of one BFL linear, in the order `take`."""
 
     parts: tuple[str, ...]  # widths of the BFL output blocks, by FluxDims attribute name
     take: tuple[int, ...]
 
+    def rows(self, dims: FluxDims) -> tuple[tuple[int, int], ...]:
+        bounds, offset = [], 0
+        for part in self.parts:
+            width = getattr(dims, part)
+            bounds.append((offset, offset + width))
+            offset += width
+        return tuple(bounds[i] for i in self.take)
+
+
+# diffusers module -> (BFL module, fused part or None). Parameter names: weight (and bias where the family
+# has biases), except RMS norms, whose diffusers `weight` is BFL's `scale` (BFL modules ending in "_norm").
+KeyTable = Mapping[str, tuple[str, "Fused | None"]]
+
+
+@dataclass(frozen=True)
+class KeyLayout:
+    """A family's BFL <-> diffusers key mapping as data: top-level modules, the guidance embedder ([dev]
+    only), one double block and one single block (numbered N in both layouts)."""
+
+    top: KeyTable
+    guidance: KeyTable
+    double: KeyTable
+    single: KeyTable
+    biases: bool  # FLUX.1's linears have biases; FLUX.2 has none
+
+    def sources(self, dims: FluxDims) -> dict[str, Source]:
+        """diffusers parameter name -> where it lives in a BFL checkpoint (no key prefix)."""
+        out: dict[str, Source] = {}
+        tables: list[tuple[KeyTable, str, str]] = [(self.top, "", "")]
+        if dims.guidance:
+            tables.append((self.guidance, "", ""))
+        tables += [
+            (self.double, f"transformer_blocks.{i}.", f"double_blocks.{i}.")
+            for i in range(dims.double_blocks)
+        ]
+        tables += [
+            (self.single, f"single_transformer_blocks.{i}.", f"single_blocks.{i}.")
+            for i in range(dims.single_blocks)
+        ]
+        linear = {"weight": "weight", "bias": "bias"} if self.biases else {"weight": "weight"}
+        for table, diffusers_prefix, bfl_prefix in tables:
+            for module, (bfl_module, fused) in table.items():
+                params = {"weight": "scale"} if bfl_module.endswith("_norm") else linear
+                rows = None if fused is None else fused.rows(dims)
+                for d_param, b_param in params.items():
+                    out[f"{diffusers_prefix}{module}.{d_param}"] = Source(
+                        f"{bfl_prefix}{bfl_module}.{b_param}", rows
+                    )
+        return out
+
 
 _QKV = ("hidden", "hidden", "hidden")
 _LINEAR1 = ("hidden", "hidden", "hidden", "mlp")
 
-# diffusers module -> (BFL module, fused part or None). Parameter names: weight/bias, except RMS norms,
-# whose diffusers `weight` is BFL's `scale` (marked by the module names below ending in "_norm").
-_TOP: dict[str, tuple[str, _Fused | None]] = {
+_TOP: dict[str, tuple[str, Fused | None]] = {
     "time_text_embed.timestep_embedder.linear_1": ("time_in.in_layer", None),
     "time_text_embed.timestep_embedder.linear_2": ("time_in.out_layer", None),
     "time_text_embed.text_embedder.linear_1": ("vector_in.in_layer", None),
@@ -67,78 +136,55 @@ _TOP: dict[str, tuple[str, _Fused | None]] = {
     "x_embedder": ("img_in", None),
     "proj_out": ("final_layer.linear", None),
     # BFL stores the final AdaLN output as (shift, scale); diffusers' AdaLayerNormContinuous (scale, shift).
-    "norm_out.linear": ("final_layer.adaLN_modulation.1", _Fused(("hidden", "hidden"), (1, 0))),
+    "norm_out.linear": ("final_layer.adaLN_modulation.1", Fused(("hidden", "hidden"), (1, 0))),
 }
-_GUIDANCE: dict[str, tuple[str, _Fused | None]] = {
+_GUIDANCE: dict[str, tuple[str, Fused | None]] = {
     "time_text_embed.guidance_embedder.linear_1": ("guidance_in.in_layer", None),
     "time_text_embed.guidance_embedder.linear_2": ("guidance_in.out_layer", None),
 }
-_DOUBLE: dict[str, tuple[str, _Fused | None]] = {
-    "norm1.linear": ("img_mod.lin", None),
-    "norm1_context.linear": ("txt_mod.lin", None),
-    "attn.to_q": ("img_attn.qkv", _Fused(_QKV, (0,))),
-    "attn.to_k": ("img_attn.qkv", _Fused(_QKV, (1,))),
-    "attn.to_v": ("img_attn.qkv", _Fused(_QKV, (2,))),
-    "attn.add_q_proj": ("txt_attn.qkv", _Fused(_QKV, (0,))),
-    "attn.add_k_proj": ("txt_attn.qkv", _Fused(_QKV, (1,))),
-    "attn.add_v_proj": ("txt_attn.qkv", _Fused(_QKV, (2,))),
+# A double block's joint attention: fused qkv per stream, RMS q/k norms, output projections (the same
+# names in FLUX.1 and FLUX.2).
+DOUBLE_ATTENTION: dict[str, tuple[str, Fused | None]] = {
+    "attn.to_q": ("img_attn.qkv", Fused(_QKV, (0,))),
+    "attn.to_k": ("img_attn.qkv", Fused(_QKV, (1,))),
+    "attn.to_v": ("img_attn.qkv", Fused(_QKV, (2,))),
+    "attn.add_q_proj": ("txt_attn.qkv", Fused(_QKV, (0,))),
+    "attn.add_k_proj": ("txt_attn.qkv", Fused(_QKV, (1,))),
+    "attn.add_v_proj": ("txt_attn.qkv", Fused(_QKV, (2,))),
     "attn.norm_q": ("img_attn.norm.query_norm", None),
     "attn.norm_k": ("img_attn.norm.key_norm", None),
     "attn.norm_added_q": ("txt_attn.norm.query_norm", None),
     "attn.norm_added_k": ("txt_attn.norm.key_norm", None),
     "attn.to_out.0": ("img_attn.proj", None),
     "attn.to_add_out": ("txt_attn.proj", None),
+}
+_DOUBLE: dict[str, tuple[str, Fused | None]] = {
+    "norm1.linear": ("img_mod.lin", None),
+    "norm1_context.linear": ("txt_mod.lin", None),
+    **DOUBLE_ATTENTION,
     "ff.net.0.proj": ("img_mlp.0", None),
     "ff.net.2": ("img_mlp.2", None),
     "ff_context.net.0.proj": ("txt_mlp.0", None),
     "ff_context.net.2": ("txt_mlp.2", None),
 }
-_SINGLE: dict[str, tuple[str, _Fused | None]] = {
+_SINGLE: dict[str, tuple[str, Fused | None]] = {
     "norm.linear": ("modulation.lin", None),
-    "attn.to_q": ("linear1", _Fused(_LINEAR1, (0,))),
-    "attn.to_k": ("linear1", _Fused(_LINEAR1, (1,))),
-    "attn.to_v": ("linear1", _Fused(_LINEAR1, (2,))),
-    "proj_mlp": ("linear1", _Fused(_LINEAR1, (3,))),
+    "attn.to_q": ("linear1", Fused(_LINEAR1, (0,))),
+    "attn.to_k": ("linear1", Fused(_LINEAR1, (1,))),
+    "attn.to_v": ("linear1", Fused(_LINEAR1, (2,))),
+    "proj_mlp": ("linear1", Fused(_LINEAR1, (3,))),
     "attn.norm_q": ("norm.query_norm", None),
     "attn.norm_k": ("norm.key_norm", None),
     "proj_out": ("linear2", None),
 }
 
 
-def _rows(fused: _Fused, dims: FluxDims) -> tuple[tuple[int, int], ...]:
-    bounds, offset = [], 0
-    for part in fused.parts:
-        width = getattr(dims, part)
-        bounds.append((offset, offset + width))
-        offset += width
-    return tuple(bounds[i] for i in fused.take)
-
-
-def _add(
-    out: dict[str, Source],
-    table: Mapping[str, tuple[str, _Fused | None]],
-    dims: FluxDims,
-    diffusers_prefix: str = "",
-    bfl_prefix: str = "",
-) -> None:
-    for module, (bfl_module, fused) in table.items():
-        params = {"weight": "scale"} if bfl_module.endswith("_norm") else {"weight": "weight", "bias": "bias"}
-        for d_param, b_param in params.items():
-            rows = None if fused is None else _rows(fused, dims)
-            out[f"{diffusers_prefix}{module}.{d_param}"] = Source(f"{bfl_prefix}{bfl_module}.{b_param}", rows)
+FLUX1_KEYS = KeyLayout(top=_TOP, guidance=_GUIDANCE, double=_DOUBLE, single=_SINGLE, biases=True)
 
 
 def bfl_sources(dims: FluxDims) -> dict[str, Source]:
-    """diffusers parameter name -> where it lives in a BFL checkpoint (no key prefix)."""
-    out: dict[str, Source] = {}
-    _add(out, _TOP, dims)
-    if dims.guidance:
-        _add(out, _GUIDANCE, dims)
-    for i in range(dims.double_blocks):
-        _add(out, _DOUBLE, dims, f"transformer_blocks.{i}.", f"double_blocks.{i}.")
-    for i in range(dims.single_blocks):
-        _add(out, _SINGLE, dims, f"single_transformer_blocks.{i}.", f"single_blocks.{i}.")
-    return out
+    """diffusers parameter name -> where it lives in a FLUX.1 BFL checkpoint (no key prefix)."""
+    return FLUX1_KEYS.sources(dims)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -157,6 +203,7 @@ def strip_prefix(keys_and_shapes: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _block_count(shapes: Mapping[str, tuple[int, ...]], prefix: str) -> int:
+    """How many numbered blocks `prefix`N.* there are; CheckpointError naming the gaps."""
     indices = {int(k.split(".")[1]) for k in shapes if k.startswith(prefix) and k.split(".")[1].isdigit()}
     if indices != set(range(len(indices))):
         missing = sorted(set(range(max(indices) + 1)) - indices)
@@ -164,9 +211,9 @@ def _block_count(shapes: Mapping[str, tuple[int, ...]], prefix: str) -> int:
     return len(indices)
 
 
-def _require(shapes: Mapping[str, tuple[int, ...]], key: str) -> tuple[int, ...]:
+def _require(shapes: Mapping[str, tuple[int, ...]], key: str, title: str = "FLUX.1") -> tuple[int, ...]:
     if key not in shapes:
-        raise CheckpointError(f"tensor '{key}' is missing; the checkpoint is incomplete or not FLUX.1")
+        raise CheckpointError(f"tensor '{key}' is missing; the checkpoint is incomplete or not {title}")
     return shapes[key]
 
 
@@ -294,6 +341,14 @@ def diffusers_to_bfl(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.
         raise ValueError(
             f"not a FluxTransformer2DModel state dict: missing {missing[:3]}, unknown {unknown[:3]}"
         )
+    return assemble_bfl(sources, state_dict)
+
+
+def assemble_bfl(
+    sources: Mapping[str, Source], state_dict: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The BFL tensors of a diffusers state dict, given where each diffusers tensor lives (`sources`):
+    fused tensors are the row blocks of their parts in file order; unfused ones are passed through."""
     pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
     for name, source in sources.items():
         tensor = state_dict[name]
@@ -330,8 +385,18 @@ def bfl_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
 
 __all__ = [
     "COMFY_PREFIX",
+    "COMFY_QUANT",
+    "DOUBLE_ATTENTION",
+    "FLUX1_KEYS",
+    "INPUT_SCALE",
+    "QUANT_FORMATS",
+    "QUANT_METADATA",
+    "WEIGHT_SCALE",
     "CheckpointError",
+    "Fused",
+    "KeyLayout",
     "Source",
+    "assemble_bfl",
     "bfl_shapes",
     "bfl_sources",
     "bfl_to_diffusers",

@@ -3,8 +3,12 @@
 Formats: a BFL / ComfyUI single safetensors file (`flux1-dev.safetensors`, fine-tunes; with or without
 the `model.diffusion_model.` prefix of ComfyUI's full checkpoints), a diffusers-keyed single file, and
 diffusers folders (`config.json` + `diffusion_pytorch_model*.safetensors`, or a pipeline folder with
-`transformer/`). Stored dtypes bf16, fp16, fp32, fp8 e4m3fn / e5m2, and ComfyUI's "scaled fp8" files
-(fp8 weights with a scalar `scale_weight` each).
+`transformer/`), of every registered model family (FLUX.1, FLUX.2: backend/family.py). Stored dtypes
+bf16, fp16, fp32, fp8 e4m3fn / e5m2, ComfyUI's "scaled fp8" files (fp8 weights with a scalar
+`scale_weight` each) and ComfyUI's quantized "mixed" files (fp8 layers with a scalar `weight_scale`,
+declared by `comfy_quant` tensors or the header's `_quantization_metadata`; e.g.
+flux2_dev_fp8mixed.safetensors). Both scaled layouts become the same thing: one scale per weight, applied
+per layer (fp8 resident) or while reading (upcast).
 
 Weight dtype vs compute dtype (`load_flux(weight_dtype=...)`, names in config.WEIGHT_DTYPE_BYTES): the
 linear weights either stay fp8 on the device and are upcast per layer at compute time
@@ -47,7 +51,15 @@ from ..family import (
 )
 from ..parallel.tensor import Pieces, parameter_pieces, resolve_plan
 from ..parallel.weights import is_fp8, keep_fp8_resident
-from .convert import COMFY_PREFIX, CheckpointError
+from .convert import (
+    COMFY_PREFIX,
+    COMFY_QUANT,
+    INPUT_SCALE,
+    QUANT_FORMATS,
+    QUANT_METADATA,
+    WEIGHT_SCALE,
+    CheckpointError,
+)
 
 # safetensors dtype names this loader reads -> torch dtype (fp8 stays fp8 or is upcast: see weight dtype).
 STORED_DTYPES: dict[str, torch.dtype] = {
@@ -98,8 +110,10 @@ class CheckpointInfo:
     # diffusers parameter name -> where its values are stored (rows of a fused BFL tensor when set)
     sources: dict[str, tuple[StoredTensor, tuple[tuple[int, int], ...] | None]] = field(repr=False)
     family: str = "flux1"  # the registered model family (backend/family.py) the header matched
-    # ComfyUI scaled fp8: stored weight key -> its scalar scale (real weight = fp8 weight x scale)
+    # ComfyUI scaled fp8 / quantized mixed: stored weight key -> its scalar scale (weight = fp8 x scale)
     scales: dict[str, StoredTensor] = field(default_factory=dict, repr=False)
+    # how the scales were declared: "" (none), "scaled_fp8", "comfy_quant", "quantization_metadata"
+    quantization: str = ""
 
     @property
     def dims(self) -> FluxDims:
@@ -107,6 +121,7 @@ class CheckpointInfo:
 
     @property
     def scaled_fp8(self) -> bool:
+        """Some weights are fp8 with a scale each (ComfyUI scaled fp8 or quantized mixed files)."""
         return bool(self.scales)
 
     @property
@@ -190,7 +205,8 @@ def _truncation_detail(path: Path) -> str:
         return f"its {size} bytes do not start with a safetensors header"
 
 
-def _read_header(path: Path) -> dict[str, StoredTensor]:
+def _read_header(path: Path) -> tuple[dict[str, StoredTensor], dict[str, str]]:
+    """(key -> stored tensor, the header's `__metadata__` strings) of a safetensors file."""
     _check_file_kind(path)
     try:
         with safe_open(str(path), "pt") as f:
@@ -198,7 +214,7 @@ def _read_header(path: Path) -> dict[str, StoredTensor]:
             for key in f.keys():
                 s = f.get_slice(key)
                 out[key] = StoredTensor(str(path), key, tuple(s.get_shape()), s.get_dtype())
-            return out
+            return out, dict(f.metadata() or {})
     except SafetensorError as err:
         raise CheckpointError(
             f"'{path}' is truncated or corrupt: {_truncation_detail(path)}. Download or copy it again"
@@ -233,47 +249,144 @@ def describe_keys(keys: Iterable[str]) -> str:
     if has("decoder.conv_in.", "encoder.conv_in.", "first_stage_model."):
         return "a VAE"
     sample = ", ".join(sorted(keys)[:4])
-    return f"not a FLUX.1 transformer (first keys: {sample})"
+    return f"not a {_known_families()} transformer (first keys: {sample})"
+
+
+# The ways a file declares its scaled weights (CheckpointInfo.quantization), as messages name them.
+_DECLARED = {
+    "scaled_fp8": "a ComfyUI scaled fp8 'scale_weight'",
+    "comfy_quant": "its 'comfy_quant' tensor",
+    "quantization_metadata": f"the header's {QUANT_METADATA}",
+}
+_FIX = "Use a plain fp8, bf16 or fp16 FLUX file"
+
+
+def _read_marker(stored: StoredTensor) -> Any:
+    """The JSON object a `<layer>.comfy_quant` uint8 tensor holds (None when it holds none)."""
+    with safe_open(stored.file, "pt") as f:
+        raw = bytes(f.get_tensor(stored.key).reshape(-1).tolist()) if stored.dtype == "U8" else b""
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+
+
+def _quantized_layers(
+    path: str, header: Mapping[str, StoredTensor], metadata: Mapping[str, str]
+) -> dict[str, tuple[Any, str]]:
+    """Layer (header key without `.weight`) -> (declared format, how it was declared) of a ComfyUI
+    quantized "mixed" file, from `<layer>.comfy_quant` tensors and the header's `_quantization_metadata`
+    (the layout: flux/convert.py); {} for any other file."""
+    layers: dict[str, tuple[Any, str]] = {}
+    for key in (k for k in header if k.endswith(COMFY_QUANT)):
+        conf = _read_marker(header[key])
+        if not isinstance(conf, dict):
+            raise CheckpointError(
+                f"'{path}': '{key}' does not hold the UTF-8 JSON object ComfyUI writes there "
+                '(e.g. {"format": "float8_e4m3fn"}); the file is damaged. Download it again'
+            )
+        layers[key.removesuffix(COMFY_QUANT)] = (conf.get("format"), "comfy_quant")
+    if QUANT_METADATA not in metadata:
+        return layers
+    try:
+        declared = json.loads(metadata[QUANT_METADATA])
+    except ValueError:
+        declared = None
+    if not isinstance(declared, dict) or not isinstance(declared.get("layers"), dict):
+        raise CheckpointError(
+            f"'{path}': the header's {QUANT_METADATA} is not ComfyUI's JSON "
+            '{"format_version": ..., "layers": {"<layer>": {"format": ...}}}; the file is damaged. '
+            "Download it again"
+        )
+    prefix = COMFY_PREFIX if any(k.startswith(COMFY_PREFIX) for k in header) else ""
+    for name, conf in declared["layers"].items():
+        # ComfyUI 0.3.75 names the layers inside the diffusion model (no `model.diffusion_model.`); newer
+        # ComfyUI's convert_old_quants appends `.comfy_quant` to the names as given: accept either.
+        layer = next((c for c in (name, prefix + name) if f"{c}.weight" in header), name)
+        # the metadata wins over a comfy_quant tensor, as in convert_old_quants
+        layers[layer] = (conf.get("format") if isinstance(conf, dict) else None, "quantization_metadata")
+    return layers
 
 
 def _split_scales(
-    path: str, header: dict[str, StoredTensor]
-) -> tuple[dict[str, StoredTensor], dict[str, StoredTensor]]:
-    """(the model's tensors, stored weight key -> its scale) of a ComfyUI scaled fp8 file; a plain file
-    comes back unchanged with no scales.
+    path: str, header: dict[str, StoredTensor], metadata: Mapping[str, str]
+) -> tuple[dict[str, StoredTensor], dict[str, StoredTensor], str]:
+    """(the model's tensors, stored weight key -> its scale, how the scales were declared) of a ComfyUI
+    scaled fp8 or quantized "mixed" file; any other file comes back unchanged with no scales.
 
-    `scale_input` tensors are dropped: ComfyUI uses them only for fp8 x fp8 matmuls (`fp8_linear`); its
-    upcasting path, which this loader's arithmetic follows, ignores them as well.
+    Both layouts hold some weights as fp8 with one float scale each (weight = fp8 x scale): scaled fp8's
+    `scale_weight` (comfy/ops.py scaled_fp8_ops), mixed files' `weight_scale` (comfy/quant_ops.py
+    TensorCoreFP8Layout.dequantize). `scale_input` / `input_scale` tensors are dropped: ComfyUI uses them
+    only to quantize activations for fp8 x fp8 matmuls; its upcasting path, which this loader's
+    arithmetic follows, ignores them as well. Anything but one scale per fp8 weight (nvfp4, block or
+    per-channel scales, an unknown format) is refused here, from the header, before a worker starts.
     """
+    layers = _quantized_layers(path, header, metadata)
+    for layer, (fmt, how) in sorted(layers.items()):
+        if fmt not in QUANT_FORMATS:
+            shown = "no format" if fmt is None else repr(fmt)
+            raise CheckpointError(
+                f"'{path}': layer '{layer}' is quantized as {shown} ({_DECLARED[how]}); this loader reads "
+                f"ComfyUI's {' and '.join(QUANT_FORMATS)} layers (one scale per weight) only. Use an fp8 "
+                "(e.g. flux2_dev_fp8mixed.safetensors), bf16 or fp16 version of the model, or load this file "
+                "with ComfyUI's own Load Diffusion Model"
+            )
     marker = [k for k in header if k.removeprefix(COMFY_PREFIX) == SCALED_FP8_MARKER]
-    extra = [k for k in header if k.endswith((SCALE_WEIGHT, SCALE_INPUT))]
-    if not marker and not extra:
-        return header, {}
-    tensors = {k: t for k, t in header.items() if k not in marker and k not in extra}
+    # (scale key, weight key, how it is declared) of every scaled weight
+    pairs = [
+        (k, k.removesuffix(SCALE_WEIGHT) + ".weight", "scaled_fp8")
+        for k in header
+        if k.endswith(SCALE_WEIGHT)
+    ]
+    pairs += [(layer + WEIGHT_SCALE, layer + ".weight", how) for layer, (_, how) in sorted(layers.items())]
+    dropped = {*marker, *(k for k in header if k.endswith(SCALE_INPUT))}
+    dropped |= {layer + suffix for layer in layers for suffix in (COMFY_QUANT, INPUT_SCALE)}
+    stray = sorted(
+        k for k in header if k.endswith(WEIGHT_SCALE) and k.removesuffix(WEIGHT_SCALE) not in layers
+    )
+    if stray:
+        raise CheckpointError(
+            f"'{path}': '{stray[0]}' is a ComfyUI weight scale, but neither a "
+            f"'{stray[0].removesuffix(WEIGHT_SCALE)}{COMFY_QUANT}' tensor nor the header's {QUANT_METADATA} "
+            f"declares its layer quantized; the file is damaged or from a tool this loader does not know. {_FIX}"
+        )
+    if not pairs and not dropped:
+        return header, {}, ""
+    tensors = {k: t for k, t in header.items() if k not in dropped and k not in {p[0] for p in pairs}}
     scales: dict[str, StoredTensor] = {}
-    for key in extra:
-        if key.endswith(SCALE_INPUT):
-            continue
-        weight_key = key.removesuffix(SCALE_WEIGHT) + ".weight"
-        scale, weight = header[key], tensors.get(weight_key)
-        if weight is None:
+    for key, weight_key, how in pairs:
+        scale, weight = header.get(key), tensors.get(weight_key)
+        if how == "scaled_fp8" and weight is None:
             raise CheckpointError(
                 f"'{path}': scale '{key}' has no weight '{weight_key}' beside it; the scaled fp8 file is "
-                "damaged or from a tool this loader does not know. Use a plain fp8, bf16 or fp16 FLUX file"
+                f"damaged or from a tool this loader does not know. {_FIX}"
+            )
+        if weight is None or scale is None:
+            layer, fmt = weight_key.removesuffix(".weight"), layers[weight_key.removesuffix(".weight")][0]
+            raise CheckpointError(
+                f"'{path}': layer '{layer}' is declared {fmt} ({_DECLARED[how]}) but the file has no "
+                f"'{key if weight is not None else weight_key}'; ComfyUI's quantized layers need a weight and "
+                f"its weight_scale. The file is damaged; download it again. {_FIX}"
             )
         if _numel(scale.shape) != 1 or scale.dtype not in ("F32", "BF16", "F16"):
+            stores = "ComfyUI scaled fp8 stores" if how == "scaled_fp8" else "ComfyUI's fp8 layers store"
             raise CheckpointError(
-                f"'{path}': '{key}' is a {scale.dtype} tensor of shape {list(scale.shape)}; ComfyUI scaled fp8 "
-                "stores one float scale per weight (shape []), and per-channel or block scales are not "
-                "supported. Use a plain fp8, bf16 or fp16 FLUX file"
+                f"'{path}': '{key}' is a {scale.dtype} tensor of shape {list(scale.shape)}; {stores} one float "
+                f"scale per weight (shape []), and per-channel or block scales are not supported. {_FIX}"
             )
-        if weight.dtype not in ("F8_E4M3", "F8_E5M2"):
+        if how == "scaled_fp8" and weight.dtype not in ("F8_E4M3", "F8_E5M2"):
             raise CheckpointError(
                 f"'{path}': '{weight_key}' is stored as {weight.dtype} but has a scale '{key}'; only fp8 "
                 "weights are scaled. The file is damaged; use a plain fp8, bf16 or fp16 FLUX file"
             )
-        scales[key.removesuffix(SCALE_WEIGHT) + ".weight"] = scale
-    return tensors, scales
+        fmt = layers.get(weight_key.removesuffix(".weight"), (None, ""))[0]
+        if how != "scaled_fp8" and STORED_DTYPES.get(weight.dtype) != QUANT_FORMATS[fmt]:
+            raise CheckpointError(
+                f"'{path}': '{weight_key}' is stored as {weight.dtype} but its layer is declared {fmt} "
+                f"({_DECLARED[how]}); the file is damaged. Download it again, or use a plain fp8, bf16 or fp16 FLUX file"
+            )
+        scales[weight_key] = scale
+    return tensors, scales, "+".join(sorted({how for _, _, how in pairs}))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -281,25 +394,26 @@ def _split_scales(
 
 
 def _check_shapes(
-    path: str, found: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]]
+    path: str, found: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]], title: str
 ) -> None:
+    """Every tensor of the `title` family's layout present, nothing else, each of its shape."""
     missing = sorted(set(expected) - set(found))
     if missing:
         raise CheckpointError(
-            f"'{path}' lacks {len(missing)} FLUX tensors (e.g. '{missing[0]}'); the file is incomplete "
+            f"'{path}' lacks {len(missing)} {title} tensors (e.g. '{missing[0]}'); the file is incomplete "
             "or a different model. Download the full checkpoint again"
         )
     unknown = sorted(set(found) - set(expected))
     if unknown:
         raise CheckpointError(
-            f"'{path}' has {len(unknown)} tensors FLUX.1 does not (e.g. '{unknown[0]}'); "
-            "it is a FLUX variant this loader does not know"
+            f"'{path}' has {len(unknown)} tensors {title} does not (e.g. '{unknown[0]}'); "
+            f"it is a {title} variant this loader does not know"
         )
     for key, shape in expected.items():
         if found[key] != shape:
             raise CheckpointError(
-                f"'{path}': tensor '{key}' has shape {list(found[key])} but this FLUX layout needs "
-                f"{list(shape)}; the checkpoint is not a FLUX.1 transformer"
+                f"'{path}': tensor '{key}' has shape {list(found[key])} but this {title} layout needs "
+                f"{list(shape)}; the checkpoint is not a {title} transformer"
             )
 
 
@@ -316,7 +430,11 @@ def _dtype_names(tensors: Iterable[StoredTensor], path: str) -> tuple[str, ...]:
 
 
 def _bfl_info(
-    path: Path, header: dict[str, StoredTensor], family: ModelFamily, scales: dict[str, StoredTensor]
+    path: Path,
+    header: dict[str, StoredTensor],
+    family: ModelFamily,
+    scales: dict[str, StoredTensor],
+    quantization: str,
 ) -> CheckpointInfo:
     prefix = COMFY_PREFIX if any(k.startswith(COMFY_PREFIX) for k in header) else ""
     tensors = {k[len(prefix) :]: t for k, t in header.items() if k.startswith(prefix)}
@@ -325,11 +443,13 @@ def _bfl_info(
     if config["attention_head_dim"] % 8:
         raise CheckpointError(
             f"'{path}': head width {config['attention_head_dim']} is not a multiple of 8; "
-            "not a FLUX.1 transformer"
+            f"not a {family.title} transformer"
         )
-    _check_shapes(str(path), shapes, family.bfl_shapes(config))
+    _check_shapes(str(path), shapes, family.bfl_shapes(config), family.title)
     sources = {name: (tensors[s.key], s.rows) for name, s in family.bfl_sources(config).items()}
-    return _info(path, "bfl", (str(path),), prefix, config, sources, tensors.values(), family, scales)
+    return _info(
+        path, "bfl", (str(path),), prefix, config, sources, tensors.values(), family, scales, quantization
+    )
 
 
 def _diffusers_shapes(family: ModelFamily, config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -344,6 +464,7 @@ def _diffusers_info(
     config: dict[str, Any] | None,
     family: ModelFamily,
     scales: dict[str, StoredTensor] | None = None,
+    quantization: str = "",
 ) -> CheckpointInfo:
     shapes = {k: t.shape for k, t in tensors.items()}
     if config is None:  # a diffusers-keyed single file: the family derives the config from its shapes
@@ -351,11 +472,13 @@ def _diffusers_info(
             config = family.config_from_diffusers(shapes)
         except ValueError as err:
             raise CheckpointError(
-                f"'{path}' has diffusers keys but is not a FLUX transformer: {err}"
+                f"'{path}' has diffusers keys but is not a {family.title} transformer: {err}"
             ) from None
-    _check_shapes(str(path), shapes, _diffusers_shapes(family, config))
+    _check_shapes(str(path), shapes, _diffusers_shapes(family, config), family.title)
     sources = {k: (t, None) for k, t in tensors.items()}
-    return _info(path, "diffusers", files, "", config, sources, tensors.values(), family, scales or {})
+    return _info(
+        path, "diffusers", files, "", config, sources, tensors.values(), family, scales or {}, quantization
+    )
 
 
 def _info(
@@ -368,6 +491,7 @@ def _info(
     stored: Iterable[StoredTensor],
     family: ModelFamily,
     scales: dict[str, StoredTensor],
+    quantization: str = "",
 ) -> CheckpointInfo:
     tensors = list(stored)
     return CheckpointInfo(
@@ -383,6 +507,7 @@ def _info(
         sources=sources,
         family=family.name,
         scales=scales,
+        quantization=quantization,
     )
 
 
@@ -393,20 +518,27 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+def _known_families() -> str:
+    """'FLUX.1 or FLUX.2': the titles of the registered families, for messages."""
+    return " or ".join(f.title for f in families())
+
+
 def _inspect_file(path: Path) -> CheckpointInfo:
-    header, scales = _split_scales(str(path), _read_header(path))
+    raw, metadata = _read_header(path)
+    header, scales, quantization = _split_scales(str(path), raw, metadata)
     keys = list(header)
     prefix = COMFY_PREFIX if any(k.startswith(COMFY_PREFIX) for k in keys) else ""
     stripped = {k.removeprefix(prefix) for k in keys if k.startswith(prefix)}
     family = detect_bfl(stripped)
     if family is not None:
-        return _bfl_info(path, header, family, scales)
+        return _bfl_info(path, header, family, scales, quantization)
     family = detect_diffusers(set(keys))
     if family is not None:
-        return _diffusers_info(path, (str(path),), header, None, family, scales)
+        return _diffusers_info(path, (str(path),), header, None, family, scales, quantization)
     raise CheckpointError(
-        f"'{path}' is not a FLUX.1 checkpoint: it looks like {describe_keys(keys)}. "
-        "Pick a FLUX.1 transformer file (e.g. flux1-dev.safetensors) from models/diffusion_models"
+        f"'{path}' is not a {_known_families()} checkpoint: it looks like {describe_keys(keys)}. "
+        f"Pick a {_known_families()} transformer file (e.g. flux1-dev.safetensors, flux2-dev.safetensors) "
+        "from models/diffusion_models"
     )
 
 
@@ -449,7 +581,7 @@ def _inspect_folder(path: Path) -> CheckpointInfo:
                 f"'{folder / DIFFUSERS_INDEX}' names the shard '{shard}', which is missing; "
                 f"'{folder}' has: {_listing(folder)}. Download the missing shard"
             )
-        tensors.update(_read_header(folder / shard))
+        tensors.update(_read_header(folder / shard)[0])
     return _diffusers_info(folder, tuple(str(folder / s) for s in shards), tensors, config, family)
 
 
@@ -512,10 +644,11 @@ def check_weight_dtype(weight_dtype: str | None, info: CheckpointInfo) -> str:
     that is not one, or a conversion this loader does not do."""
     name = weight_dtype_name(weight_dtype)
     if info.scaled_fp8 and name in FP8_WEIGHT_DTYPES:
+        kind = "ComfyUI scaled fp8" if info.quantization == "scaled_fp8" else "ComfyUI quantized (fp8 mixed)"
         stored = sorted({str(STORED_DTYPES[info_t.dtype]).removeprefix("torch.") for info_t in _scaled(info)})
         if [str(FP8_WEIGHT_DTYPES[name]).removeprefix("torch.")] != stored:
             raise CheckpointError(
-                f"weight_dtype='{name}' but '{info.path}' is a ComfyUI scaled fp8 checkpoint stored as "
+                f"weight_dtype='{name}' but '{info.path}' is a {kind} checkpoint stored as "
                 f"{', '.join(stored)}: its scaled weights are not converted to another fp8 format. Use "
                 "weight_dtype='default' (keeps the file's fp8 weights and scales) or 'compute'"
             )

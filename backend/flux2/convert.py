@@ -34,17 +34,35 @@ from typing import Any
 import torch
 
 from ..config import FluxDims
-from ..flux.convert import COMFY_PREFIX, CheckpointError, Source, strip_prefix
+from ..flux.convert import (
+    COMFY_PREFIX,
+    COMFY_QUANT,
+    DOUBLE_ATTENTION,
+    INPUT_SCALE,
+    QUANT_METADATA,
+    WEIGHT_SCALE,
+    CheckpointError,
+    Fused,
+    KeyLayout,
+    Source,
+    _block_count,
+    _gather_rows,
+    _require,
+    _shapes,
+    assemble_bfl,
+    strip_prefix,
+)
 
 # A key only FLUX.2 has (diffusers' CHECKPOINT_KEY_NAMES["flux2"] tests the single-stream one).
 FLUX2_MARKERS = ("double_stream_modulation_img.lin.weight", "single_stream_modulation.lin.weight")
-# ComfyUI's quantized-layer companions of `<layer>.weight`.
-QUANT_SUFFIXES = (".weight_scale", ".input_scale", ".comfy_quant")
+# ComfyUI's quantized-layer companions of `<layer>.weight` (flux/convert.py describes the layout).
+QUANT_SUFFIXES = (WEIGHT_SCALE, INPUT_SCALE, COMFY_QUANT)
+# How save_flux2_checkpoint declares its quantized layers: per-layer `comfy_quant` tensors (newer ComfyUI)
+# or the header's `_quantization_metadata` (ComfyUI 0.3.75).
+MIXED_FORMS = ("comfy_quant", "metadata")
 
-# diffusers module -> (BFL module, (part widths by FluxDims attribute, parts taken in order) or None)
-_Take = tuple[tuple[str, ...], tuple[int, ...]]
-_QKV = ("hidden", "hidden", "hidden")
-_TOP: dict[str, tuple[str, _Take | None]] = {
+# diffusers module -> (BFL module, fused part or None): flux.convert's key tables, FLUX.2's names.
+_TOP: dict[str, tuple[str, Fused | None]] = {
     "x_embedder": ("img_in", None),
     "context_embedder": ("txt_in", None),
     "time_guidance_embed.timestep_embedder.linear_1": ("time_in.in_layer", None),
@@ -53,31 +71,20 @@ _TOP: dict[str, tuple[str, _Take | None]] = {
     "double_stream_modulation_txt.linear": ("double_stream_modulation_txt.lin", None),
     "single_stream_modulation.linear": ("single_stream_modulation.lin", None),
     "proj_out": ("final_layer.linear", None),
-    "norm_out.linear": ("final_layer.adaLN_modulation.1", (("hidden", "hidden"), (1, 0))),
+    "norm_out.linear": ("final_layer.adaLN_modulation.1", Fused(("hidden", "hidden"), (1, 0))),
 }
-_GUIDANCE: dict[str, tuple[str, _Take | None]] = {
+_GUIDANCE: dict[str, tuple[str, Fused | None]] = {
     "time_guidance_embed.guidance_embedder.linear_1": ("guidance_in.in_layer", None),
     "time_guidance_embed.guidance_embedder.linear_2": ("guidance_in.out_layer", None),
 }
-_DOUBLE: dict[str, tuple[str, _Take | None]] = {
-    "attn.to_q": ("img_attn.qkv", (_QKV, (0,))),
-    "attn.to_k": ("img_attn.qkv", (_QKV, (1,))),
-    "attn.to_v": ("img_attn.qkv", (_QKV, (2,))),
-    "attn.add_q_proj": ("txt_attn.qkv", (_QKV, (0,))),
-    "attn.add_k_proj": ("txt_attn.qkv", (_QKV, (1,))),
-    "attn.add_v_proj": ("txt_attn.qkv", (_QKV, (2,))),
-    "attn.norm_q": ("img_attn.norm.query_norm", None),
-    "attn.norm_k": ("img_attn.norm.key_norm", None),
-    "attn.norm_added_q": ("txt_attn.norm.query_norm", None),
-    "attn.norm_added_k": ("txt_attn.norm.key_norm", None),
-    "attn.to_out.0": ("img_attn.proj", None),
-    "attn.to_add_out": ("txt_attn.proj", None),
+_DOUBLE: dict[str, tuple[str, Fused | None]] = {
+    **DOUBLE_ATTENTION,
     "ff.linear_in": ("img_mlp.0", None),
     "ff.linear_out": ("img_mlp.2", None),
     "ff_context.linear_in": ("txt_mlp.0", None),
     "ff_context.linear_out": ("txt_mlp.2", None),
 }
-_SINGLE: dict[str, tuple[str, _Take | None]] = {
+_SINGLE: dict[str, tuple[str, Fused | None]] = {
     "attn.to_qkv_mlp_proj": ("linear1", None),
     "attn.to_out": ("linear2", None),
     "attn.norm_q": ("norm.query_norm", None),
@@ -85,67 +92,21 @@ _SINGLE: dict[str, tuple[str, _Take | None]] = {
 }
 
 
-def _rows(take: _Take, dims: FluxDims) -> tuple[tuple[int, int], ...]:
-    parts, order = take
-    bounds, offset = [], 0
-    for part in parts:
-        width = getattr(dims, part)
-        bounds.append((offset, offset + width))
-        offset += width
-    return tuple(bounds[i] for i in order)
-
-
-def _add(
-    out: dict[str, Source],
-    table: Mapping[str, tuple[str, _Take | None]],
-    dims: FluxDims,
-    diffusers_prefix: str = "",
-    bfl_prefix: str = "",
-) -> None:
-    for module, (bfl_module, take) in table.items():
-        param = "scale" if bfl_module.endswith("_norm") else "weight"  # RMS norms: BFL `scale`
-        rows = None if take is None else _rows(take, dims)
-        out[f"{diffusers_prefix}{module}.weight"] = Source(f"{bfl_prefix}{bfl_module}.{param}", rows)
+FLUX2_KEYS = KeyLayout(top=_TOP, guidance=_GUIDANCE, double=_DOUBLE, single=_SINGLE, biases=False)
 
 
 def flux2_sources(dims: FluxDims) -> dict[str, Source]:
     """diffusers parameter name -> where it lives in a BFL FLUX.2 checkpoint (no key prefix)."""
-    out: dict[str, Source] = {}
-    _add(out, _TOP, dims)
-    if dims.guidance:
-        _add(out, _GUIDANCE, dims)
-    for i in range(dims.double_blocks):
-        _add(out, _DOUBLE, dims, f"transformer_blocks.{i}.", f"double_blocks.{i}.")
-    for i in range(dims.single_blocks):
-        _add(out, _SINGLE, dims, f"single_transformer_blocks.{i}.", f"single_blocks.{i}.")
-    return out
+    return FLUX2_KEYS.sources(dims)
 
 
 # --------------------------------------------------------------------------------------------------
 # Shapes -> configuration
 
 
-def _shapes(keys_and_shapes: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    return {k: tuple(v.shape) if hasattr(v, "shape") else tuple(v) for k, v in keys_and_shapes.items()}
-
-
 def looks_flux2(keys: Any) -> bool:
     """True for BFL / ComfyUI FLUX.2 keys (prefix optional)."""
     return any(k.endswith(marker) for k in keys for marker in FLUX2_MARKERS)
-
-
-def _require(shapes: Mapping[str, tuple[int, ...]], key: str) -> tuple[int, ...]:
-    if key not in shapes:
-        raise CheckpointError(f"tensor '{key}' is missing; the checkpoint is incomplete or not FLUX.2")
-    return shapes[key]
-
-
-def _blocks(shapes: Mapping[str, tuple[int, ...]], prefix: str) -> int:
-    indices = {int(k.split(".")[1]) for k in shapes if k.startswith(prefix) and k.split(".")[1].isdigit()}
-    if indices and indices != set(range(max(indices) + 1)):
-        missing = sorted(set(range(max(indices) + 1)) - indices)
-        raise CheckpointError(f"'{prefix}*' blocks {missing} are missing; the checkpoint is incomplete")
-    return len(indices)
 
 
 def flux2_config_from_bfl(keys_and_shapes: Mapping[str, Any]) -> dict[str, Any]:
@@ -154,26 +115,33 @@ def flux2_config_from_bfl(keys_and_shapes: Mapping[str, Any]) -> dict[str, Any]:
     RoPE has no weights: axes are head_dim / 4 each, which is [dev]'s and [klein]'s (32, 32, 32, 32).
     """
     shapes = _shapes(strip_prefix(keys_and_shapes))
-    hidden, in_channels = _require(shapes, "img_in.weight")
-    double_blocks, single_blocks = _blocks(shapes, "double_blocks."), _blocks(shapes, "single_blocks.")
+    hidden, in_channels = _require(shapes, "img_in.weight", "FLUX.2")
+    double_blocks, single_blocks = (
+        _block_count(shapes, "double_blocks."),
+        _block_count(shapes, "single_blocks."),
+    )
     norm = (
         "double_blocks.0.img_attn.norm.query_norm.scale"
         if double_blocks
         else "single_blocks.0.norm.query_norm.scale"
     )
-    head_dim = _require(shapes, norm)[0]
+    head_dim = _require(shapes, norm, "FLUX.2")[0]
     if hidden % head_dim or head_dim % 4:
         raise CheckpointError(
             f"hidden width {hidden} (img_in.weight) and head width {head_dim} ({norm}) do not make "
             "whole heads of four RoPE axes; the checkpoint is not a FLUX.2 transformer"
         )
-    mod = _require(shapes, "single_stream_modulation.lin.weight")
+    mod = _require(shapes, "single_stream_modulation.lin.weight", "FLUX.2")
     if mod != (3 * hidden, hidden):
         raise CheckpointError(
             f"single_stream_modulation.lin.weight is {list(mod)}, FLUX.2 needs [{3 * hidden}, {hidden}]"
         )
-    linear1 = _require(shapes, "single_blocks.0.linear1.weight")[0] if single_blocks else None
-    mlp = (linear1 - 3 * hidden) // 2 if linear1 else _require(shapes, "double_blocks.0.img_mlp.2.weight")[1]
+    linear1 = _require(shapes, "single_blocks.0.linear1.weight", "FLUX.2")[0] if single_blocks else None
+    mlp = (
+        (linear1 - 3 * hidden) // 2
+        if linear1
+        else _require(shapes, "double_blocks.0.img_mlp.2.weight", "FLUX.2")[1]
+    )
     config: dict[str, Any] = {
         "patch_size": 1,
         "in_channels": in_channels,
@@ -181,15 +149,15 @@ def flux2_config_from_bfl(keys_and_shapes: Mapping[str, Any]) -> dict[str, Any]:
         "num_single_layers": single_blocks,
         "attention_head_dim": head_dim,
         "num_attention_heads": hidden // head_dim,
-        "joint_attention_dim": _require(shapes, "txt_in.weight")[1],
-        "timestep_guidance_channels": _require(shapes, "time_in.in_layer.weight")[1],
+        "joint_attention_dim": _require(shapes, "txt_in.weight", "FLUX.2")[1],
+        "timestep_guidance_channels": _require(shapes, "time_in.in_layer.weight", "FLUX.2")[1],
         "mlp_ratio": mlp / hidden,
         "axes_dims_rope": (head_dim // 4,) * 4,
         "rope_theta": 2000,
         "eps": 1e-6,
         "guidance_embeds": any(k.startswith("guidance_in.") for k in shapes),
     }
-    out_channels = _require(shapes, "final_layer.linear.weight")[0]
+    out_channels = _require(shapes, "final_layer.linear.weight", "FLUX.2")[0]
     if out_channels != in_channels:
         config["out_channels"] = out_channels
     return config
@@ -202,7 +170,7 @@ def flux2_config_from_bfl(keys_and_shapes: Mapping[str, Any]) -> dict[str, Any]:
 def dequantize(bfl: Mapping[str, torch.Tensor], key: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`key` in `dtype`, with ComfyUI's per-tensor `weight_scale` applied when the file has one."""
     tensor = bfl[key].to(dtype)
-    scale_key = key.removesuffix(".weight") + ".weight_scale"
+    scale_key = key.removesuffix(".weight") + WEIGHT_SCALE
     if key.endswith(".weight") and scale_key in bfl:
         tensor = tensor * bfl[scale_key].to(dtype)
     return tensor
@@ -225,8 +193,7 @@ def flux2_bfl_to_diffusers(
             raise CheckpointError(
                 f"tensor '{source.key}' is missing; the checkpoint is incomplete or not FLUX.2"
             )
-        full = dequantize(bfl, source.key, dtype)
-        out[name] = full if source.rows is None else torch.cat([full[a:b] for a, b in source.rows])
+        out[name] = _gather_rows(dequantize(bfl, source.key, dtype), source.rows)
     return out
 
 
@@ -240,16 +207,7 @@ def flux2_diffusers_to_bfl(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             f"not a Flux2Transformer2DModel state dict: missing {sorted(set(sources) - set(state))[:3]}, "
             f"unknown {sorted(set(state) - set(sources))[:3]}"
         )
-    pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
-    for name, source in sources.items():
-        tensor, offset = state[name], 0
-        for a, b in source.rows or ((0, tensor.shape[0]),):
-            pieces.setdefault(source.key, []).append((a, tensor[offset : offset + b - a]))
-            offset += b - a
-    return {
-        key: torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])]).contiguous()
-        for key, parts in pieces.items()
-    }
+    return {key: tensor.contiguous() for key, tensor in assemble_bfl(sources, state).items()}
 
 
 # fp8 e4m3fn's largest finite value: ComfyUI's per-tensor scale maps max |W| onto it.
@@ -263,37 +221,53 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def save_flux2_checkpoint(
-    model: torch.nn.Module, path: str | Path, *, fp8_mixed: bool = False, comfy_prefix: bool = False
+    model: torch.nn.Module, path: str | Path, *, fp8_mixed: str | None = None, comfy_prefix: bool = False
 ) -> str:
     """Write a Flux2Transformer2DModel as a BFL / ComfyUI single file; returns the path.
 
     fp8_mixed: the layout of Comfy-Org's `flux2_dev_fp8mixed.safetensors`: every linear inside the
-    blocks is float8_e4m3fn + `weight_scale` + `comfy_quant`; embedders, shared modulation, final
-    layer and norms stay bf16. comfy_prefix: keys under `model.diffusion_model.` (full checkpoints).
+    blocks is float8_e4m3fn + a float32 `weight_scale`; embedders, shared modulation, final layer and
+    norms stay bf16. The quantized layers are declared as ComfyUI reads them (MIXED_FORMS):
+    "comfy_quant", a `<layer>.comfy_quant` JSON tensor each (newer ComfyUI), or "metadata", the header's
+    `_quantization_metadata` with an `input_scale` per layer as well (ComfyUI 0.3.75, which names the
+    layers without `model.diffusion_model.`). comfy_prefix: keys under `model.diffusion_model.` (full
+    checkpoints).
     """
     from safetensors.torch import save_file
 
+    if fp8_mixed not in (None, *MIXED_FORMS):
+        raise ValueError(f"fp8_mixed={fp8_mixed!r}; use None or one of {MIXED_FORMS}")
     bfl = flux2_diffusers_to_bfl(model)
     out: dict[str, torch.Tensor] = {}
-    marker = torch.tensor(list(json.dumps({"format": "float8_e4m3fn"}).encode()), dtype=torch.uint8)
+    fmt = {"format": "float8_e4m3fn"}
+    layers: dict[str, dict[str, str]] = {}
     for key, tensor in bfl.items():
         in_block = key.startswith(("double_blocks.", "single_blocks.")) and key.endswith(".weight")
         if fp8_mixed and in_block:
             layer = key.removesuffix(".weight")
-            out[key], out[f"{layer}.weight_scale"] = quantize_fp8(tensor)
-            out[f"{layer}.comfy_quant"] = marker.clone()  # safetensors refuses shared storage
+            out[key], out[layer + WEIGHT_SCALE] = quantize_fp8(tensor)
+            layers[layer] = fmt
+            if fp8_mixed == "comfy_quant":
+                out[layer + COMFY_QUANT] = torch.tensor(list(json.dumps(fmt).encode()), dtype=torch.uint8)
+            else:
+                out[layer + INPUT_SCALE] = torch.ones((), dtype=torch.float32)
         elif fp8_mixed:
             out[key] = tensor.to(torch.bfloat16)
         else:
             out[key] = tensor
     if comfy_prefix:
         out = {COMFY_PREFIX + k: v for k, v in out.items()}
-    save_file(out, str(path))
+    metadata = None
+    if fp8_mixed == "metadata":
+        metadata = {QUANT_METADATA: json.dumps({"format_version": "1.0", "layers": layers})}
+    save_file(out, str(path), metadata=metadata)
     return str(path)
 
 
 __all__ = [
+    "FLUX2_KEYS",
     "FLUX2_MARKERS",
+    "MIXED_FORMS",
     "QUANT_SUFFIXES",
     "dequantize",
     "flux2_bfl_to_diffusers",
