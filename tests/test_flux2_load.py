@@ -369,3 +369,19 @@ def test_not_flux_names_the_file(tmp_path: Path) -> None:
         "(first keys: img_in.weight). Pick a FLUX.1 or FLUX.2 transformer file (e.g. flux1-dev.safetensors, "
         "flux2-dev.safetensors) from models/diffusion_models"
     )
+
+
+def test_float8_e5m2_layers_load_with_their_scale(tmp_path: Path, model: torch.nn.Module) -> None:
+    """Newer ComfyUI's other per-tensor format (comfy/quant_ops.py QUANT_ALGOS 'float8_e5m2'): e5m2 weight
+    x weight_scale, held resident as e5m2 or upcast, both exactly the dequantized weight."""
+    path, tensors, _ = _mixed(tmp_path, model)
+    layer = "single_blocks.1.linear1"
+    tensors[f"{layer}.weight"] = tensors[f"{layer}.weight"].float().to(torch.float8_e5m2)
+    tensors[f"{layer}.comfy_quant"] = _marker("float8_e5m2")
+    save_file(tensors, str(path))
+    exact = dequantize(tensors, f"{layer}.weight")
+    resident = load_flux(path, dtype="float32").single_transformer_blocks[1].attn.to_qkv_mlp_proj
+    upcast = load_flux(path, dtype="float32", weight_dtype="compute").single_transformer_blocks[1].attn
+    assert resident.weight.dtype == torch.float8_e5m2
+    assert torch.equal(linear_weight(resident, torch.float32), exact)
+    assert torch.equal(upcast.to_qkv_mlp_proj.weight, exact)
