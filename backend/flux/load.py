@@ -518,9 +518,15 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+def _by_name() -> list[ModelFamily]:
+    """The registered families in name order: families() lists them in registration order, which
+    depends on which family module a process imported first, and messages must not."""
+    return sorted(families(), key=lambda f: f.name)
+
+
 def _known_families() -> str:
     """'FLUX.1 or FLUX.2': the titles of the registered families, for messages."""
-    return " or ".join(f.title for f in families())
+    return " or ".join(f.title for f in _by_name())
 
 
 def _inspect_file(path: Path) -> CheckpointInfo:
@@ -555,7 +561,7 @@ def _inspect_folder(path: Path) -> CheckpointInfo:
     cls = raw.get("_class_name")
     family = family_for_class(cls)
     if family is None:
-        known = " or ".join(f.diffusers_class for f in families())
+        known = " or ".join(f.diffusers_class for f in _by_name())
         raise CheckpointError(
             f"'{config_file}' describes a {cls}, not a {known}; pass a FLUX pipeline folder "
             "or its transformer/ folder"
