@@ -221,21 +221,27 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def save_flux2_checkpoint(
-    model: torch.nn.Module, path: str | Path, *, fp8_mixed: str | None = None, comfy_prefix: bool = False
+    model: torch.nn.Module,
+    path: str | Path,
+    *,
+    fp8_mixed: str | bool | None = None,
+    comfy_prefix: bool = False,
 ) -> str:
     """Write a Flux2Transformer2DModel as a BFL / ComfyUI single file; returns the path.
 
     fp8_mixed: the layout of Comfy-Org's `flux2_dev_fp8mixed.safetensors`: every linear inside the
     blocks is float8_e4m3fn + a float32 `weight_scale`; embedders, shared modulation, final layer and
     norms stay bf16. The quantized layers are declared as ComfyUI reads them (MIXED_FORMS):
-    "comfy_quant", a `<layer>.comfy_quant` JSON tensor each (newer ComfyUI), or "metadata", the header's
+    "comfy_quant" (or True), a `<layer>.comfy_quant` JSON tensor each (newer ComfyUI), or "metadata", the header's
     `_quantization_metadata` with an `input_scale` per layer as well (ComfyUI 0.3.75, which names the
     layers without `model.diffusion_model.`). comfy_prefix: keys under `model.diffusion_model.` (full
     checkpoints).
     """
     from safetensors.torch import save_file
 
-    if fp8_mixed not in (None, *MIXED_FORMS):
+    if fp8_mixed is True:  # the writer's first form, kept for its callers
+        fp8_mixed = "comfy_quant"
+    if fp8_mixed not in (None, False, *MIXED_FORMS):
         raise ValueError(f"fp8_mixed={fp8_mixed!r}; use None or one of {MIXED_FORMS}")
     bfl = flux2_diffusers_to_bfl(model)
     out: dict[str, torch.Tensor] = {}
