@@ -5,8 +5,8 @@ ComfyUI's `Flux2` latent format (128 channels at 1/16, identity process_in/out) 
 (flux2/forward.py). ComfyUI's own detection (comfy/model_detection.py) keys FLUX.2 on
 `double_stream_modulation_img.lin.weight`; FLUX.1's entry excludes that key, so the two never overlap.
 
-ComfyUI fp8 "mixed" files (per-tensor `weight_scale`) load through `flux2.load.load_flux2`; the
-generic loader (flux/load.py) reads the plain bf16 / fp16 / fp32 / fp8 layouts.
+Every FLUX.2 file loads through the shared loader (flux/load.py), ComfyUI's fp8 "mixed" files included
+(per-tensor `weight_scale`, declared by `comfy_quant` tensors or the `_quantization_metadata` header).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from test_sampling import META, MODELS, flux_model, reference
 
 from rocm_parallel.backend.api import ParallelFlux
 from rocm_parallel.backend.config import ParallelLayout
-from rocm_parallel.backend.flux.convert import CheckpointError, save_bfl_checkpoint
+from rocm_parallel.backend.flux.convert import save_bfl_checkpoint
 from rocm_parallel.nodes import logic
 
 pytestmark = [pytest.mark.comfy, pytest.mark.timeout(3000)]
@@ -419,12 +419,6 @@ def test_flux2_reference_latents_match_comfyuis_own_calls(comfy, flux2_checkpoin
     assert diff <= 1e-5
 
 
-@pytest.mark.xfail(
-    raises=CheckpointError,
-    strict=True,
-    reason="the shared loader (backend/flux/load.py) does not read the fp8 mixed layout's weight_scale / "
-    "comfy_quant tensors yet (checkpoint-loading rewrite in progress); remove this mark when it does",
-)
 def test_flux2_fp8_mixed_matches_comfyuis_own_fp8_mixed_model(comfy, registries, tmp_path_factory):
     """Comfy-Org's fp8 "mixed" layout (block linears float8_e4m3fn with a per-tensor `weight_scale`, the rest
     bf16): ComfyUI 0.3.75 reads which layers are quantized from the safetensors metadata key
