@@ -139,7 +139,8 @@ class RocmParallelLoader:
                     folder_paths.get_filename_list("diffusion_models"),
                     {
                         "tooltip": "A FLUX.1 (dev, schnell, Kontext, Fill) or FLUX.2 ([dev], [klein]) transformer "
-                        "from models/diffusion_models. FLUX.2 samples through the ROCm Parallel Model."
+                        "from models/diffusion_models. FLUX.2 samples through the ROCm Parallel Model, or the "
+                        "samplers with Flux2Scheduler's SIGMAS."
                     },
                 ),
                 "devices": (

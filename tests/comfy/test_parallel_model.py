@@ -383,6 +383,44 @@ def run_flux2_case(comfy: dict[str, Any], model: Any, name: str) -> dict[str, to
         return reference_run_case(comfy, {case["variant"]: model}, name, case, Path(tempfile.gettempdir()))
 
 
+@pytest.mark.parametrize("node", ["RocmParallelTPSampler", "RocmParallelRingSampler"])
+def test_the_samplers_run_flux2_with_flux2_scheduler_sigmas(
+    comfy, flux2_checkpoints, registries, monkeypatch, node
+):
+    """The TP / Ring Attention Sampler on a FLUX.2 file, fed ComfyUI's EmptyFlux2LatentImage and its
+    Flux2Scheduler's SIGMAS (SamplerCustom's path at cfg 1), equal ComfyUI's own FLUX.2 template run."""
+    from make_comfy_references import flux2_conditioning, flux2_inputs
+
+    from rocm_parallel.nodes import classes
+
+    _needs_flux2()
+    name = "flux2_4steps"
+    case = FLUX2_CASES[name]
+    monkeypatch.setattr(classes, "REGISTRY", registries[2])
+    path = flux2_checkpoints[case["variant"]]
+    handle = logic.ParallelHandle(path, Path(path).name, ("cpu", "cpu"), "float32")
+    conditioning = flux2_conditioning(comfy, case, flux2_inputs(name, case))
+    flux_nodes = comfy["flux_nodes"]
+    latent = flux_nodes.EmptyFlux2LatentImage.execute(case["width"], case["height"], 1)[0]
+    sigmas = flux_nodes.Flux2Scheduler.execute(case["steps"], case["width"], case["height"])[0]
+    args = (
+        handle,
+        conditioning,
+        latent,
+        case["seed"],
+        case["steps"],
+        1.0,
+        case.get("sampler", "euler"),
+        "simple",
+    )
+    extra = {"ring_degree": 0, "ulysses_degree": 0} if node == "RocmParallelRingSampler" else {}
+    with torch.no_grad():
+        (out,) = getattr(classes, node)().sample(*args, 1.0, sigmas=sigmas, **extra)
+    diff = (out["samples"].float() - reference(name)["output"]).abs().max().item()
+    print(f"{node} FLUX.2: max |diff| {diff:.2e}")
+    assert diff <= 1e-5
+
+
 @pytest.mark.parametrize("layout", FLUX2_LAYOUTS)
 @pytest.mark.parametrize("name", ["flux2_4steps", "flux2_klein_3steps", "flux2_ref_2steps"])
 def test_flux2_template_graph_on_the_parallel_model_matches_comfyuis_own_flux2(
