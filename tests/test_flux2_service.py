@@ -41,6 +41,12 @@ def flux2_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, torch.nn.
     return path, model
 
 
+def loaded(group: WorkerGroup, path: str, layout: ParallelLayout) -> ParallelFlux:
+    flux = ParallelFlux(group=group)
+    flux.load(path, layout=layout, dtype="float32")
+    return flux
+
+
 def call_inputs(refs: int = 0, batch: int = 2, height: int = 5, width: int = 7) -> dict:
     """A CFG-like call (two latents, two prompts) of an odd size, as ComfyUI's Flux2 makes it."""
     g = torch.Generator().manual_seed(3)
@@ -71,8 +77,7 @@ def test_flux2_forward_matches_one_process_in_every_layout(
     groups: WorkerGroup, layout: ParallelLayout, flux2_file: tuple[str, torch.nn.Module]
 ) -> None:
     path, model = flux2_file
-    flux = ParallelFlux(group=groups)
-    flux.load(path, layout=layout, dtype="float32")
+    flux = loaded(groups, path, layout)
     assert flux.resident.info.family == "flux2"
     for refs in (0, 2):  # text-to-image, then two reference latents placed by FLUX.2's default ("index")
         inputs = call_inputs(refs)
@@ -86,8 +91,7 @@ def test_flux2_forward_ignores_a_pooled_vector_and_takes_other_ref_methods(
     group2: WorkerGroup, flux2_file: tuple[str, torch.nn.Module]
 ) -> None:
     path, model = flux2_file
-    flux = ParallelFlux(group=group2)
-    flux.load(path, layout=ParallelLayout(ring=2), dtype="float32")
+    flux = loaded(group2, path, ParallelLayout(ring=2))
     inputs = call_inputs(refs=1)
     pooled = torch.randn(2, 768)  # what a FLUX.1-style caller might pass: FLUX.2 has no vector_in
     out = flux.forward(inputs["x"], inputs["timestep"], inputs["context"], pooled, inputs["guidance"],
@@ -103,8 +107,7 @@ def test_flux2_forward_refuses_flux1_inputs_before_any_rank_runs(
     group2: WorkerGroup, flux2_file: tuple[str, torch.nn.Module]
 ) -> None:
     path, _ = flux2_file
-    flux = ParallelFlux(group=group2)
-    flux.load(path, layout=ParallelLayout(tp=2), dtype="float32")
+    flux = loaded(group2, path, ParallelLayout(tp=2))
     inputs = call_inputs()
     no_call = mock.patch.object(group2, "call", side_effect=AssertionError("a rank was called"))
     no_call.start()

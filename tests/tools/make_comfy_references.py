@@ -140,22 +140,19 @@ def comfy_version(path: str) -> str:
     return text.split("__version__ =")[-1].strip().strip("\"'")
 
 
-def load_in_comfy(comfy: dict[str, Any], diffusers_config: dict[str, Any], bfl: dict[str, torch.Tensor]):
-    """Load a BFL state dict with ComfyUI's loader, telling its detection the tiny widths."""
+def _load_detected_as(
+    comfy: dict[str, Any], bfl: dict[str, torch.Tensor], image_model: str, widths: dict[str, Any]
+):
+    """ComfyUI's own loader on a BFL state dict, its detection told the tiny `widths` it cannot read from
+    the header (comfy/model_detection.py hard-codes the full models' heads and RoPE axes); it must detect
+    the file as `image_model` ("flux" or "flux2")."""
     detection = comfy["detection"]
     original = detection.detect_unet_config
-    heads = diffusers_config["num_attention_heads"]
-    widths = {
-        "hidden_size": heads * diffusers_config["attention_head_dim"],
-        "num_heads": heads,
-        "context_in_dim": diffusers_config["joint_attention_dim"],
-        "axes_dim": list(diffusers_config["axes_dims_rope"]),
-    }
 
     def detect_tiny(state_dict, key_prefix, metadata=None):
         config = original(state_dict, key_prefix, metadata=metadata)
-        if config is None or config.get("image_model") != "flux":
-            raise RuntimeError(f"ComfyUI did not detect the test checkpoint as FLUX: {config}")
+        if config is None or config.get("image_model") != image_model:
+            raise RuntimeError(f"ComfyUI did not detect the test checkpoint as {image_model}: {config}")
         return {**config, **widths}
 
     detection.detect_unet_config = detect_tiny
@@ -168,30 +165,29 @@ def load_in_comfy(comfy: dict[str, Any], diffusers_config: dict[str, Any], bfl: 
     return model
 
 
+def load_in_comfy(comfy: dict[str, Any], diffusers_config: dict[str, Any], bfl: dict[str, torch.Tensor]):
+    """Load a FLUX.1 BFL state dict with ComfyUI's loader, telling its detection the tiny widths."""
+    heads = diffusers_config["num_attention_heads"]
+    widths = {
+        "hidden_size": heads * diffusers_config["attention_head_dim"],
+        "num_heads": heads,
+        "context_in_dim": diffusers_config["joint_attention_dim"],
+        "axes_dim": list(diffusers_config["axes_dims_rope"]),
+    }
+    return _load_detected_as(comfy, bfl, "flux", widths)
+
+
 def load_flux2_in_comfy(
     comfy: dict[str, Any], diffusers_config: dict[str, Any], bfl: dict[str, torch.Tensor]
 ):
     """Load a FLUX.2 BFL state dict with ComfyUI's loader, telling its detection the tiny heads and RoPE
-    axes (comfy/model_detection.py hard-codes [dev]'s 48 heads and (32, 32, 32, 32))."""
-    detection = comfy["detection"]
-    original = detection.detect_unet_config
+    axes (it hard-codes [dev]'s 48 heads and (32, 32, 32, 32))."""
     widths = {
         "num_heads": diffusers_config["num_attention_heads"],
         "axes_dim": list(diffusers_config["axes_dims_rope"]),
     }
-
-    def detect_tiny(state_dict, key_prefix, metadata=None):
-        config = original(state_dict, key_prefix, metadata=metadata)
-        if config is None or config.get("image_model") != "flux2":
-            raise RuntimeError(f"ComfyUI did not detect the test checkpoint as FLUX.2: {config}")
-        return {**config, **widths}
-
-    detection.detect_unet_config = detect_tiny
-    try:
-        model = comfy["sd"].load_diffusion_model_state_dict(dict(bfl), model_options={"dtype": torch.float32})
-    finally:
-        detection.detect_unet_config = original
-    if model is None or type(model.model).__name__ != "Flux2":
+    model = _load_detected_as(comfy, bfl, "flux2", widths)
+    if type(model.model).__name__ != "Flux2":
         raise RuntimeError(f"ComfyUI did not load the test checkpoint as its Flux2: {model}")
     return model
 
