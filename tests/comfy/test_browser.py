@@ -291,6 +291,10 @@ def _overlaps(a: list[float], b: list[float]) -> bool:
     return a[0] < b[0] + b[2] and b[0] < a[0] + a[2] and a[1] < b[1] + b[3] and b[1] < a[1] + a[3]
 
 
+# Workflows photographed whole (FLUX.1 TP 4, and FLUX.2 [dev] TP 4) for a person to look at.
+WIDE_SHOTS = ("flux1_dev_tp4.json", "flux2_dev_parallel_model_tp4.json")
+
+
 def test_shipped_workflows_load_without_overlapping_nodes(comfy: Comfy, browser: str) -> None:
     names = sorted(p.name for p in (PACK_ROOT / "workflows").glob("*.json"))
 
@@ -304,7 +308,7 @@ def test_shipped_workflows_load_without_overlapping_nodes(comfy: Comfy, browser:
                 "app.graph._nodes.map(n => ({id: n.id, type: n.type, box: Array.from(n.getBounding()),"
                 " pos: Array.from(n.pos), size: Array.from(n.size), rows: n.rocmParallelRows || 0}))"
             )
-            if name == "flux1_dev_tp4.json":  # the whole graph on a wide screen, titles readable
+            if name in WIDE_SHOTS:  # the whole graph on a wide screen, titles readable
                 await tools.send(
                     "Emulation.setDeviceMetricsOverride",
                     width=2200,
@@ -321,7 +325,7 @@ def test_shipped_workflows_load_without_overlapping_nodes(comfy: Comfy, browser:
                     " app.canvas.ds.scale = s; app.canvas.ds.offset = [60 / s - x0, 100 / s - y0];"
                     " app.graph.setDirtyCanvas(true, true); })()"
                 )
-                await screenshot(tools, comfy, "workflow_flux1_dev_tp4.png")
+                await screenshot(tools, comfy, f"workflow_{name.removesuffix('.json')}.png")
                 await tools.send("Emulation.clearDeviceMetricsOverride")
         return seen
 
@@ -336,12 +340,15 @@ def test_shipped_workflows_load_without_overlapping_nodes(comfy: Comfy, browser:
                 assert not _overlaps(a["box"], b["box"]), (name, a["type"], b["type"])
         # The loader's panel, drawn under it, covers no other node either.
         loader = next(n for n in nodes if n["type"] == LOADER)
-        assert loader["rows"] >= 2, name
+        assert loader["rows"] >= 1, name  # drawn
+        # Its height depends on the group's state (one line on a fresh server, more once workers run and
+        # a model is resident, as after the other browser tests): check room for at least 3 lines, so
+        # the result does not depend on which tests ran before.
         panel = [
             loader["pos"][0],
             loader["pos"][1] + loader["size"][1] + 8,
             loader["size"][0],
-            loader["rows"] * 15 + 8,
+            max(loader["rows"], 3) * 15 + 8,
         ]
         for other in nodes:
             assert other is loader or not _overlaps(panel, other["box"]), (name, other["type"])
