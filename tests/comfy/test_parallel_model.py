@@ -512,3 +512,36 @@ def test_flux2_fp8_mixed_matches_comfyuis_own_fp8_mixed_model(comfy, registries,
     # not vacuous: fp8 rounding moves ComfyUI's own result away from its float32 model's
     assert (want - reference(name)["output"]).abs().max().item() > 1e-3
     assert FLUX2_MODELS["flux2"]["config"]["in_channels"] == 128
+
+
+@pytest.mark.parametrize("fmt", ["bfl", "kohya"])
+def test_flux2_parallel_lora_matches_comfyuis_lora_loader_on_its_own_flux2(
+    comfy, flux2_checkpoints, registries, tmp_path, fmt
+):
+    """A FLUX.2 LoRA on every linear (packed linear1 = [q|k|v|gate|up], shared modulation) in the keys
+    ComfyUI maps for FLUX.2 (`diffusion_model.*`, kohya `lora_unet_*`): the ROCm Parallel LoRA at TP 2
+    equals ComfyUI's LoraLoaderModelOnly (comfy.sd.load_lora_for_models) on ComfyUI's own Flux2, loaded
+    here from the same file."""
+    from make_comfy_references import flux2_model, load_flux2_in_comfy
+    from safetensors.torch import load_file
+
+    from rocm_parallel.testing.helpers import write_random_lora
+
+    _needs_flux2()
+    name = "flux2_4steps"
+    variant = FLUX2_CASES[name]["variant"]
+    config = dict(flux2_model(variant).config)
+    lora = write_random_lora(tmp_path / f"flux2-{fmt}.safetensors", config, fmt, seed=5, family="flux2")
+    own = load_flux2_in_comfy(comfy, config, load_file(flux2_checkpoints[variant]))
+    patches = importlib.import_module("comfy.utils").load_torch_file(lora, safe_load=True)
+    own_lora, _ = importlib.import_module("comfy.sd").load_lora_for_models(own, None, patches, 0.8, 0)
+    ours = parallel_model(comfy, flux2_checkpoints, registries, variant, "tp2", loras=[(lora, 0.8)])
+    want = run_flux2_case(comfy, own_lora, name)[f"{name}.output"]
+    got = run_flux2_case(comfy, ours, name)[f"{name}.output"]
+    without = reference(name)["output"]
+    diff = (got - want).abs().max().item()
+    print(
+        f"FLUX.2 LoRA {fmt} tp2: max |diff| {diff:.2e}, LoRA effect {(want - without).abs().max().item():.2e}"
+    )
+    assert (want - without).abs().max().item() > 1e-2  # ComfyUI applied it (no key left unmapped)
+    assert diff <= 1e-5
