@@ -54,10 +54,11 @@ def group4() -> Iterator[WorkerGroup]:
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     from test_sampling import flux_model  # the models the ComfyUI references were made with
 
-    """The reference models as BFL single files, the way users keep FLUX in models/diffusion_models/."""
+    """The reference models (dev, schnell, fill) as BFL single files, the way users keep FLUX in
+    models/diffusion_models/."""
     folder = tmp_path_factory.mktemp("diffusion_models")
     paths = {}
-    for variant in ("dev", "schnell"):
+    for variant in ("dev", "schnell", "fill"):
         path = folder / f"tiny-flux-{variant}.safetensors"
         save_bfl_checkpoint(flux_model(variant), path)
         paths[variant] = str(path)

@@ -30,18 +30,6 @@ from rocm_parallel.backend.parallel.tensor import FLUX_TP_PLAN
 TOL = 1e-5  # parity with the same call in one process, and with ComfyUI's own Flux.forward; float32
 
 
-@pytest.fixture(scope="session")
-def family_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """The reference models (dev for Kontext, fill) as BFL single files."""
-    folder = tmp_path_factory.mktemp("family_models")
-    paths = {}
-    for variant in ("dev", "fill"):
-        path = folder / f"tiny-flux-{variant}.safetensors"
-        convert.save_bfl_checkpoint(flux_model(variant), path)
-        paths[variant] = str(path)
-    return paths
-
-
 # --------------------------------------------------------------------------------------------------
 # The registry
 
@@ -193,11 +181,11 @@ def test_one_process_equals_comfyuis_own_flux_forward(case: str) -> None:
     ids=str,
 )
 def test_the_service_equals_comfyuis_own_flux_forward(
-    groups: WorkerGroup, layout: ParallelLayout, family_checkpoints: dict[str, str]
+    groups: WorkerGroup, layout: ParallelLayout, checkpoints: dict[str, str]
 ) -> None:
     for case, (variant, method) in COMFY_CASES.items():
         flux = ParallelFlux(group=groups)
-        flux.load(family_checkpoints[variant], layout=layout, dtype="float32")
+        flux.load(checkpoints[variant], layout=layout, dtype="float32")
         for call in recorded_calls(case):
             got = flux.forward(
                 call["x"],
@@ -252,23 +240,23 @@ def one_process(variant: str, inputs: dict) -> torch.Tensor:
 
 @pytest.mark.parametrize("groups", [2, 4], indirect=True)
 def test_kontext_and_fill_match_one_process_in_every_layout(
-    groups: WorkerGroup, family_checkpoints: dict[str, str]
+    groups: WorkerGroup, checkpoints: dict[str, str]
 ) -> None:
     for variant, inputs in (("dev", kontext_inputs()), ("fill", fill_inputs())):
         expected = one_process(variant, inputs)
         assert expected.shape == (2, 16, *inputs["x"].shape[-2:])
         for layout in LAYOUTS[groups.world_size]:
             flux = ParallelFlux(group=groups)
-            flux.load(family_checkpoints[variant], layout=layout, dtype="float32")
+            flux.load(checkpoints[variant], layout=layout, dtype="float32")
             got = flux.forward(**inputs)
             assert (got - expected).abs().max().item() <= TOL, (variant, layout)
 
 
 def test_reference_latents_are_sent_once_and_found_by_content(
-    group2: WorkerGroup, family_checkpoints: dict[str, str]
+    group2: WorkerGroup, checkpoints: dict[str, str]
 ) -> None:
     flux = ParallelFlux(group=group2)
-    flux.load(family_checkpoints["dev"], layout="tp", dtype="float32")
+    flux.load(checkpoints["dev"], layout="tp", dtype="float32")
     inputs = kontext_inputs(seed=1)
     sent = sum(t.numel() * 4 for t in (inputs["context"], inputs["y"], *inputs["ref_latents"]))
     for _ in range(2):
@@ -299,10 +287,10 @@ def test_reference_latents_are_sent_once_and_found_by_content(
     ],
 )  # fmt: skip
 def test_bad_kontext_and_fill_calls_fail_before_any_rank_runs(
-    group2: WorkerGroup, family_checkpoints: dict[str, str], variant: str, change: dict, message: str
+    group2: WorkerGroup, checkpoints: dict[str, str], variant: str, change: dict, message: str
 ) -> None:
     flux = ParallelFlux(group=group2)
-    flux.load(family_checkpoints[variant], layout="tp", dtype="float32")
+    flux.load(checkpoints[variant], layout="tp", dtype="float32")
     base = kontext_inputs() if variant == "dev" else fill_inputs()
     before = group2._job
     with pytest.raises(ConfigError, match=message):
@@ -310,12 +298,12 @@ def test_bad_kontext_and_fill_calls_fail_before_any_rank_runs(
     assert group2._job == before
 
 
-def test_fill_is_refused_by_the_built_in_sampler(family_checkpoints: dict[str, str]) -> None:
+def test_fill_is_refused_by_the_built_in_sampler(checkpoints: dict[str, str]) -> None:
     with pytest.raises(ConfigError) as err:
         ParallelFlux.check_sample(
             [[torch.zeros(1, 8, 32), {"pooled_output": torch.zeros(1, 24)}]],
             {"samples": torch.zeros(1, 16, 8, 8)},
-            checkpoint=family_checkpoints["fill"], seed=0, steps=2,
+            checkpoint=checkpoints["fill"], seed=0, steps=2,
         )  # fmt: skip
     assert str(err.value) == (
         "FLUX.1 Fill takes the masked image and mask in every step (96 input channels), which sample() does "

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import FluxDims
 from ..flux.model import build_random
 
 FLUX2_DEV: dict[str, Any] = {
@@ -82,10 +81,6 @@ def tiny_flux2_config(
         "axes_dims_rope": (head_dim // 4,) * 4,
         "guidance_embeds": guidance,
     }
-
-
-def flux2_dims(config: dict[str, Any]) -> FluxDims:
-    return FluxDims.from_diffusers_config(config)
 
 
 def build_flux2(
