@@ -133,6 +133,20 @@ def test_planner_weight_bytes_are_what_the_engine_holds(degree: int) -> None:
         assert weight_bytes(dims, ParallelLayout(tp=degree), 2, rank=rank, family="flux2") == held
 
 
+def test_planner_work_of_flux2_dev_is_swiglu_and_packed_single_blocks() -> None:
+    """FLUX.2 [dev]'s per-token work from the meta model, against the architecture worked by hand: SwiGLU
+    d -> 2m -> m -> d, the single block's packed [q | k | v | gate | up] and cat(attention, mlp) outputs;
+    its shared modulation is 6 + 6 + 3 + 2 vectors of hidden whatever the block count."""
+    from rocm_parallel.backend.plan import model_facts
+
+    d, m = 6144, 18432
+    facts = model_facts("flux2", FluxDims.from_diffusers_config(FLUX2_DEV))
+    assert facts.image_macs == 128 * d + d * 128 + 8 * (4 * d * d + 3 * d * m)
+    assert facts.text_macs == 15360 * d + 8 * (4 * d * d + 3 * d * m)
+    assert facts.joint_macs == 48 * (d * (3 * d + 2 * m) + (d + m) * d)
+    assert (facts.attentions, facts.tp_all_reduces, facts.modulation_width) == (56, 64, 17 * d)
+
+
 def test_plan_cli_answers_for_flux2_dev(capsys: pytest.CaptureFixture[str]) -> None:
     from rocm_parallel.backend.cli import main
 

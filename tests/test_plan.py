@@ -20,6 +20,8 @@ from rocm_parallel.backend.plan import (
     choose,
     collectives,
     estimate,
+    forward_flops,
+    model_facts,
     ring_attention,
     weight_bytes,
 )
@@ -86,6 +88,22 @@ def test_context_parallel_weights_are_a_full_copy() -> None:
         assert weight_bytes(DEV, layout, 2) == full
     measured = measure_on_meta(TINY_CONFIG, ParallelLayout(ring=2), 256, 256, text_tokens=32)
     assert measured["weights"] == weight_bytes(TINY, ParallelLayout(ring=2), 2)
+
+
+def test_the_meta_model_gives_flux_devs_work_and_tp_facts() -> None:
+    """Derived from the meta model, equal to FLUX.1-dev's architecture worked by hand: per-token linears
+    (image stream, text stream, joint single blocks), 57 attentions, 76 fused all-reduces, 344 x hidden
+    modulation features."""
+    d, m = 3072, 12288
+    facts = model_facts("flux1", DEV)
+    assert facts.image_macs == 64 * d + d * 64 + 19 * (4 * d * d + 2 * d * 4 * d)  # img_in, proj_out, blocks
+    assert facts.text_macs == 4096 * d + 19 * (4 * d * d + 2 * d * 4 * d)  # txt_in, blocks
+    assert facts.joint_macs == 38 * (3 * d * d + d * m + (d + m) * d)
+    assert (facts.attentions, facts.tp_all_reduces, facts.modulation_width) == (57, 76, 344 * d)
+    setup = Setup(DEV, 1024, 1024, text_tokens=512)
+    s, image, text = 4608, 4096, 512
+    macs = image * facts.image_macs + text * facts.text_macs + s * facts.joint_macs
+    assert forward_flops(setup) == 2 * (macs + 57 * 2 * s * s * d)
 
 
 # --- collectives: what CountCollectives counts -----------------------------------------------------

@@ -299,7 +299,7 @@ def _unknown_key(path: Path, key: str, info: CheckpointInfo) -> None:
         )
     raise LoraError(
         f"LoRA '{path}': '{key}' targets '{split[0]}', which this checkpoint "
-        f"({info.config['num_layers']} double + {info.config['num_single_layers']} single blocks, "
+        f"({info.dims.double_blocks} double + {info.dims.single_blocks} single blocks, "
         f"hidden {info.dims.hidden}) does not have; the LoRA was made for a different FLUX model"
     )
 

@@ -247,8 +247,9 @@ def gather_modulation(
 class ModulationBank:
     """Computes every AdaLN modulation vector of one forward with a single all-gather.
 
-    Filled by a hook on `time_text_embed` (its output `temb` is the only input of every AdaLN linear),
-    emptied when the model forward starts and ends, so a stale vector can never be used.
+    Filled by a hook on the spec's `modulation_source` (FLUX.1: `time_text_embed`; its output `temb` is
+    the only input of every AdaLN linear), emptied when the model forward starts and ends, so a stale
+    vector can never be used.
     """
 
     def __init__(self, layers: list[GatheredLinear], group: Any, degree: int) -> None:
