@@ -45,11 +45,11 @@ def save_mixed_checkpoint(
 
     fp8_mixed: the layout of Comfy-Org's `flux2_dev_fp8mixed.safetensors`: every linear weight inside the
     numbered blocks is float8_e4m3fn + a float32 `weight_scale`; embedders, shared modulation, final layer
-    and norms stay bf16. None writes the plain file (`save_checkpoint`). The quantized layers are declared as ComfyUI reads them (MIXED_FORMS):
-    "comfy_quant" (or True), a `<layer>.comfy_quant` JSON tensor each (newer ComfyUI), or "metadata", the header's
-    `_quantization_metadata` with an `input_scale` per layer as well (ComfyUI 0.3.75, which names the
-    layers without `model.diffusion_model.`). comfy_prefix: keys under `model.diffusion_model.` (full
-    checkpoints).
+    and norms stay bf16. The quantized layers are declared as ComfyUI reads them (MIXED_FORMS):
+    "comfy_quant" (or True), a `<layer>.comfy_quant` JSON tensor each (newer ComfyUI), or "metadata", the
+    header's `_quantization_metadata` with an `input_scale` per layer as well (ComfyUI 0.3.75, which names
+    the layers without `model.diffusion_model.`). None writes the plain file (`save_checkpoint`).
+    comfy_prefix: keys under `model.diffusion_model.` (full checkpoints).
     """
     from safetensors.torch import save_file
 

@@ -35,6 +35,7 @@ class StoredTensor:
 
 
 def listing(folder: Path, limit: int = 12) -> str:
+    """What `folder` holds, for messages: its first `limit` names (folders marked with '/')."""
     names = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
     if not names:
         return "nothing (it is empty)"
@@ -43,6 +44,7 @@ def listing(folder: Path, limit: int = 12) -> str:
 
 
 def missing_checkpoint(path: Path) -> CheckpointError:
+    """The error for a checkpoint path that does not exist, naming what its folder has instead."""
     parent = path.parent
     if parent.is_dir():
         return CheckpointError(
@@ -113,6 +115,7 @@ def read_header(path: Path) -> tuple[dict[str, StoredTensor], dict[str, str]]:
 
 
 def numel(shape: tuple[int, ...]) -> int:
+    """Elements of a tensor of `shape` (from a header: no tensor needed)."""
     n = 1
     for s in shape:
         n *= s
