@@ -20,18 +20,18 @@ from typing import Any
 
 import torch
 
-from .client import ProgressCallback, WorkerError, WorkerGroup, validate_devices
-from .config import ConfigError, FluxDims, ParallelLayout, weight_dtype_name
-from .family import get_family
-from .flux.forward import REF_METHODS
-from .flux.load import (
+from .checkpoint import (
     CheckpointInfo,
+    check_loras,
     check_weight_dtype,
     inspect_checkpoint,
     planned_weight_dtype,
     resolve_dtype,
 )
-from .flux.lora import check_loras
+from .client import ProgressCallback, WorkerError, WorkerGroup, validate_devices
+from .config import ConfigError, FluxDims, ParallelLayout, weight_dtype_name
+from .family import get_family
+from .flux.forward import REF_METHODS
 from .flux.sampling import LATENT_CHANNELS, SamplingPlan, plan_sampling
 from .plan import Choice, Link, Setup, choose
 from .platforms import parse_devices

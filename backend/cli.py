@@ -6,8 +6,12 @@ import argparse
 import importlib
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
+
+from .dtypes import COMPUTE_DTYPES, FP8_DTYPES
+from .family import ModelFamily, families
 
 # The benchmarks are not part of the installed package: they live in the repository's top-level
 # benchmarks/ folder, next to backend/ (the repository root is the package), and run from a checkout.
@@ -52,23 +56,16 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-# `plan --model`: name -> (module, config name, planner family, text tokens ComfyUI pads to).
-# FLUX.1: T5 padded to 256 (design notes §3). FLUX.2: ComfyUI's model_base.Flux2.extra_conds pads the
-# text features to 512 tokens.
-PLAN_MODELS: dict[str, tuple[str, str, str, int]] = {
-    "flux1-dev": ("flux.model", "FLUX_DEV", "flux1", 256),
-    "flux1-schnell": ("flux.model", "FLUX_SCHNELL", "flux1", 256),
-    "flux2-dev": ("flux2.model", "FLUX2_DEV", "flux2", 512),
-    "flux2-klein": ("flux2.model", "FLUX2_KLEIN_4B", "flux2", 512),
-    "flux2-klein-9b": ("flux2.model", "FLUX2_KLEIN_9B", "flux2", 512),
-    "dev": ("flux.model", "FLUX_DEV", "flux1", 256),  # the names before FLUX.2
-    "schnell": ("flux.model", "FLUX_SCHNELL", "flux1", 256),
-}
+def plan_models() -> dict[str, tuple[ModelFamily, Mapping[str, Any]]]:
+    """`plan --model`'s choices: every family's presets, then their older aliases (name -> family, config)."""
+    models = {name: (f, config) for f in families() for name, config in f.presets.items()}
+    aliases = {alias: (f, f.presets[name]) for f in families() for alias, name in f.aliases.items()}
+    return {**models, **aliases}
 
 
 def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", choices=tuple(PLAN_MODELS), default="flux1-dev", help="model (dev/schnell: FLUX.1)"
+        "--model", choices=tuple(plan_models()), default="flux1-dev", help="model (dev/schnell: FLUX.1)"
     )
     parser.add_argument("--size", default="1024", help="image size in pixels: 1024 or WIDTHxHEIGHT")
     parser.add_argument("--batch", type=int, default=1, help="images per step")
@@ -76,7 +73,7 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--text-tokens",
         type=int,
         default=None,
-        help="text tokens (default: ComfyUI's, 256 FLUX.1, 512 FLUX.2)",
+        help="text tokens (default: ComfyUI's, 256 FLUX.1, 512 FLUX.2)",  # each family's `text.tokens`
     )
     parser.add_argument("--devices", type=int, default=2, help="number of GPUs")
     parser.add_argument("--memory-gb", type=float, default=24.0, help="memory of one GPU in GB")
@@ -86,11 +83,11 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--latency-us", type=float, default=30.0, help="latency of one collective in µs")
     parser.add_argument("--tflops", type=float, default=100.0, help="sustained TFLOPS of one GPU")
     parser.add_argument(
-        "--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16", help="compute dtype"
+        "--dtype", choices=tuple(d.name for d in COMPUTE_DTYPES), default="bfloat16", help="compute dtype"
     )
     parser.add_argument(
         "--weight-dtype",
-        choices=("compute", "fp8_e4m3fn", "fp8_e5m2"),
+        choices=("compute", *(d.short for d in FP8_DTYPES)),
         default="compute",
         help="how linear weights stay resident: in the compute dtype, or fp8 (1 byte, upcast per layer)",
     )
@@ -98,19 +95,19 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from .config import ConfigError, FluxDims
+    from .config import ConfigError
     from .plan import Link, Setup, choose, format_table, plan
 
-    module, config_name, family, text_tokens = PLAN_MODELS[args.model]
-    config = getattr(importlib.import_module(f"{__package__}.{module}"), config_name)
+    family, config = plan_models()[args.model]
+    text_tokens = family.text.tokens  # what ComfyUI pads a short prompt to: 256 FLUX.1, 512 FLUX.2
     width, _, height = args.size.partition("x")
     try:
         setup = Setup(
-            FluxDims.from_diffusers_config(config),
+            family.dims(config),
             width=int(width), height=int(height or width), batch=args.batch,
             text_tokens=text_tokens if args.text_tokens is None else args.text_tokens, dtype=args.dtype,
             weight_dtype=args.weight_dtype, devices=args.devices, memory_gb=args.memory_gb,
-            link=Link(args.link_gbps, args.latency_us, name="link"), tflops=args.tflops, family=family,
+            link=Link(args.link_gbps, args.latency_us, name="link"), tflops=args.tflops, family=family.name,
         )  # fmt: skip
         estimates = plan(setup)
     except (ConfigError, ValueError) as exc:

@@ -10,31 +10,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-# The compute dtypes by name, with their bytes per element: the one table the planner, the loader and the
-# test/benchmark helpers read (torch-free, so the client plans without importing torch). The loader also
-# accepts the short aliases.
-COMPUTE_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
-# The weight dtypes: how the nn.Linear weights (>99.9 % of FLUX's bytes) are held resident, by name, with
-# their bytes per element (None: the compute dtype's). fp8 weights are upcast layer by layer at compute
-# time (backend/flux/weights.py); biases and norm scales always stay in the compute dtype.
-# "default": the checkpoint's own fp8 weights stay fp8, everything else is held in the compute dtype —
-#            ComfyUI's UNETLoader keeps fp8 files fp8 too when the model would not fit otherwise;
-# "fp8_e4m3fn" / "fp8_e5m2": weights converted to that fp8 format while loading (ComfyUI's names);
-# "compute": every weight upcast to the compute dtype at load (faster per step, twice the bytes of fp8).
-WEIGHT_DTYPE_BYTES: dict[str, int | None] = {"default": None, "fp8_e4m3fn": 1, "fp8_e5m2": 1, "compute": None}
-WEIGHT_DTYPE_ALIASES = {"float8_e4m3fn": "fp8_e4m3fn", "float8_e5m2": "fp8_e5m2"}
+from .dtypes import WEIGHT_DTYPES, weight_dtype_alias
 
 
 def weight_dtype_name(weight_dtype: str | None) -> str:
-    """The canonical weight dtype name ('default' for None); ConfigError naming the choices otherwise."""
+    """The canonical weight dtype name ('default' for None; dtypes.WEIGHT_DTYPES says what each does);
+    ConfigError naming the choices otherwise."""
     if weight_dtype is None:
         return "default"
-    name = WEIGHT_DTYPE_ALIASES.get(weight_dtype, weight_dtype) if isinstance(weight_dtype, str) else None
-    if name not in WEIGHT_DTYPE_BYTES:
+    name = weight_dtype_alias(weight_dtype) if isinstance(weight_dtype, str) else None
+    if name not in WEIGHT_DTYPES:
         raise ConfigError(
-            f"weight_dtype={weight_dtype!r} is not a weight dtype; use one of {', '.join(WEIGHT_DTYPE_BYTES)} "
+            f"weight_dtype={weight_dtype!r} is not a weight dtype; use one of {', '.join(WEIGHT_DTYPES)} "
             "(fp8 weights stay resident at 1 byte each and are upcast per layer to the compute dtype)"
         )
     return name

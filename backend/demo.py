@@ -18,16 +18,24 @@ from pathlib import Path
 import torch
 
 from .api import ParallelFlux
+from .checkpoint import save_checkpoint
 from .config import FluxDims
-from .flux.convert import save_bfl_checkpoint
-from .flux.model import build_flux, tiny_flux_config
+from .flux.keys import rope_axes
+from .flux.model import FLUX_DEV, build_flux
 from .flux.sampling import diffusers_model_fn, sample_flux
 from .text import MB, markdown_table
 
 # Every code path of FLUX.1 at a size a laptop CPU runs in a second: 8 heads x 64, 2 + 4 blocks.
-DEMO_CONFIG = tiny_flux_config(
-    heads=8, head_dim=64, double_blocks=2, single_blocks=4, text_dim=256, pooled_dim=64
-)
+DEMO_CONFIG = {
+    **FLUX_DEV,
+    "num_layers": 2,
+    "num_single_layers": 4,
+    "attention_head_dim": 64,
+    "num_attention_heads": 8,
+    "joint_attention_dim": 256,
+    "pooled_projection_dim": 64,
+    "axes_dims_rope": rope_axes(64),
+}
 TEXT_TOKENS = 64
 
 
@@ -88,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     rows, ok = [], True
     with tempfile.TemporaryDirectory(prefix="rocm-parallel-demo-") as folder:
         checkpoint = Path(folder) / "demo-flux-dev.safetensors"
-        save_bfl_checkpoint(torch.nn.Module.to(model, dtype), checkpoint)
+        save_checkpoint(torch.nn.Module.to(model, dtype), checkpoint)
         del model
         started = time.perf_counter()
         with ParallelFlux(devices, threads=1 if not on_gpu else None) as flux:

@@ -1,36 +1,52 @@
-"""Model families as data: what the loader, the workers and the ComfyUI proxy need to know about a
-transformer family, in one record per family.
+"""Model families as data: everything the pack knows about one transformer family, in one record.
 
-A family names its diffusers class (and how to build it), its tensor-parallel plan (data, like
-`FLUX_TP_PLAN`) with the function that applies it, its checkpoint conversion (BFL / ComfyUI single file
--> diffusers parameters, as `Source` data read from headers), its latent format, its input preparation
-(ComfyUI's `diffusion_model.forward` semantics around the diffusers forward), and the ComfyUI model
-config the proxy MODEL is built from. The loader (`flux/load.py`), the worker's `forward` handler
-(`service.py`) and the proxy MODEL (`nodes/comfy_model.py`) only ever read these fields, so adding a
-family touches neither the worker, the client nor the nodes. Style: torchtitan's plans-as-data and
-diffusers' `_cp_plan`; context parallelism comes from the diffusers class's own `_cp_plan`.
+A family is one folder (backend/flux/ for FLUX.1, backend/flux2/ for FLUX.2) whose `family.py` builds a
+`ModelFamily` and registers it. The record carries every family-owned fact, and the generic code only
+ever reads these fields:
+
+* the checkpoint loader and LoRA code (backend/checkpoint/): `keys`, header detection, configs;
+* tensor parallelism (parallel/tensor.py): `tp`, the plan as data with its block forwards;
+* context parallelism (parallel/context.py): `cp`, the attention processors it may rebuild;
+* the planner (backend/plan/): `dims`, `config_from_dims` (its meta model), `planner` (calibration);
+* the command line: `presets`;
+* the worker's forward service and the ComfyUI proxy MODEL: `call`, `model_fn`, `latent`, `text`,
+  `comfy_model`.
+
+So adding a family touches its folder, `BUILTIN` below, its docs and its tests; nothing else branches on
+a family. Style: torchtitan's plans-as-data and diffusers' `_tp_plan` / `_cp_plan`.
 
 How to add a family
 -------------------
-1. Write a module that builds a `ModelFamily(...)` and calls `register(...)` at import time, e.g.
-   `backend/flux2/family.py` (see `backend/flux/family.py`, the FLUX.1 entry, for every field).
-2. Add that module's name to `BUILTIN` below: the registry imports the modules lazily, the first time
-   a family is looked up, so importing this module stays cheap and free of cycles.
+1. Make a folder like backend/flux2/: `model.py` (released configs, `build`), `keys.py` (checkpoint
+   layout, detection, configs from shapes), `tp.py` (the tensor-parallel spec and any fused block
+   forwards), `forward.py` (ComfyUI's model call), and `family.py`, which builds the `ModelFamily(...)`
+   and calls `register(...)` at import time.
+2. Add `family.py`'s module name to `BUILTIN` below: the registry imports the modules lazily, the first
+   time a family is looked up, so importing this module stays cheap and free of cycles.
 3. Make `matches_bfl` / `matches_diffusers` specific enough that no two families claim the same header:
    `detect_*` raises when two do, so an overlap is found by the first test that loads either.
+4. Calibrate the planner's activation units (`PlannerFacts`) with `bench planner`'s tracer.
 
 Lookups: `get_family(name)`, `families()`, `detect_bfl(keys)`, `detect_diffusers(keys)`,
-`family_for_class(class_name)`, `family_of(model)` (the loader marks each model it builds).
+`family_for_class(class_name)`, `family_of(model)`.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from .config import ConfigError
+from .config import ConfigError, FluxDims
+
+if TYPE_CHECKING:  # the records' types; importing them here would make this module import torch
+    from torch import nn
+
+    from .checkpoint.keys import KeyLayout, Source
+    from .parallel.context import ContextParallelSpec
+    from .parallel.tensor import TensorParallelSpec
 
 # Modules (relative to this package) whose import registers the built-in families, in detection order.
 BUILTIN: tuple[str, ...] = (".flux.family", ".flux2.family")
@@ -72,51 +88,77 @@ class ComfyModel:
 
 
 @dataclass(frozen=True)
-class ModelFamily:
-    """One transformer family. Every callable takes the diffusers config (a dict) the loader derived.
+class PlannerFacts:
+    """What the planner cannot derive from shapes: the peak of live activations, measured.
 
+    Units are (batch x tokens x hidden x bytes) per rank, tokens being the rank's own (all of them under
+    TP); backend/plan/cost.py `activation_bytes` says how they combine. Each family calibrates its own with
+    torch's MemTracker on the meta device (`bench planner`, testing/meta.py); the family's folder says how.
+    """
+
+    table_name: str  # how `python -m rocm_parallel plan`'s table names the model, e.g. "FLUX"
+    attention_full: float  # at the attention peak: what TP never shards (block input, norms, RoPE tables)
+    attention_sharded: float  # at the attention peak: what TP splits (q/k/v, the MLP branch)
+    block_full: float  # the fused double block's peak under TP: partial sums and residuals, full width
+
+
+@dataclass(frozen=True, eq=False)
+class ModelFamily:
+    """One transformer family. Every callable taking `config` takes the diffusers config (a dict).
+
+    Identity
     - `build(config, device=, dtype=, seed=)`: the diffusers model; random weights when `seed` is set,
       none on the meta device (the loader builds on meta, shards, then fills from the file).
-    - `tp_plan` / `apply_tp(model, group)`: the tensor-parallel plan (module pattern -> split kind) and
-      the function that applies it in place (the loader reads the same plan to slice the file).
-    - `matches_bfl(keys)`, `config_from_bfl(shapes)`, `bfl_sources(config)`: header detection and
-      conversion of the BFL / ComfyUI single-file layout (keys without `model.diffusion_model.`);
-      `bfl_sources` maps every diffusers parameter to a `flux.convert.Source` (the BFL key and rows).
-    - `matches_diffusers(keys)`, `config_from_diffusers(shapes)`: the same for diffusers-keyed files.
-    - `variant(config)`: the schedule / guidance kind the sampler and the API key on ("dev" needs a
-      guidance value, "schnell" has none); `describe(config)`: the model's name for messages.
-    - `input_channels(config)`: channels of `x` in a model call (latent plus concatenated extras);
-      `latent_channels(config)`: channels of the latent itself (the output, and a reference latent).
-    - `patch`: latent pixels per token on each side (`image_tokens` counts a latent's tokens);
-      `text`: the text conditioning; `ref_method`: ComfyUI's default placement of reference latents.
+    - `presets`: released configs by the name `plan --model` offers ("flux1-dev"); `aliases`: older
+      names for some of them ("dev" -> "flux1-dev").
+    - `dims(config)`: the shape facts layouts depend on (FluxDims); `config_from_dims(dims)`: a config
+      with those dims, from which the planner builds its meta model.
+    Checkpoint
+    - `keys`: the BFL <-> diffusers key layout (data); `matches_bfl(keys)` / `matches_diffusers(keys)`:
+      header detection (keys without `model.diffusion_model.`); `config_from_bfl(shapes)` /
+      `config_from_diffusers(shapes)`: the config from a header's shapes.
+    - `variant(config)`: the schedule / guidance kind ("dev" needs a guidance value, "schnell" has none);
+      `describe(config)`: the model's name for messages; `input_channels(config)`: channels of `x` in a
+      model call (latent plus concatenated extras); `latent_channels(config)`: of the latent itself.
+    Parallelism and planning
+    - `tp`: the tensor-parallel spec (plan, block forwards, modulation source, attention processors);
+      `cp`: what context parallelism may rebuild and returns; `planner`: the measured activation units.
+    ComfyUI
+    - `patch`: latent pixels per token on each side; `latent`, `text`: the latent format and text
+      conditioning; `ref_method`: ComfyUI's default placement of reference latents.
     - `comfy_model(config)`: the ComfyUI model config the proxy MODEL is built from.
-    - `call(model_fn, x, timestep, context, pooled, guidance, ref_latents=(), ref_method="offset")`:
-      one model call with ComfyUI's semantics (pad, patchify, ids, crop); `model_fn(model)` adapts the
-      diffusers model to the `model_fn` contract `call` takes.
+    - `call(model_fn, x, timestep, context, pooled, guidance, ref_latents=(), ref_method=...)`: one model
+      call with ComfyUI's semantics (pad, patchify, ids, crop); `model_fn(model)` adapts the diffusers
+      model to the `model_fn` contract `call` takes.
     """
 
     name: str
     title: str
     diffusers_class: str
-    build: Callable[..., Any]
-    tp_plan: Mapping[str, Any]
-    apply_tp: Callable[[Any, Any], Any]
-    latent: LatentFormat
+    build: Callable[..., nn.Module]
+    presets: Mapping[str, Mapping[str, Any]]
+    dims: Callable[[Mapping[str, Any]], FluxDims]
+    config_from_dims: Callable[[FluxDims], dict[str, Any]]
+    keys: KeyLayout
     matches_bfl: Callable[[Collection[str]], bool]
     config_from_bfl: Callable[[Shapes], dict[str, Any]]
-    bfl_sources: Callable[[Mapping[str, Any]], Mapping[str, Any]]
     matches_diffusers: Callable[[Collection[str]], bool]
     config_from_diffusers: Callable[[Shapes], dict[str, Any]]
     variant: Callable[[Mapping[str, Any]], str]
     describe: Callable[[Mapping[str, Any]], str]
     input_channels: Callable[[Mapping[str, Any]], int]
     latent_channels: Callable[[Mapping[str, Any]], int]
+    tp: TensorParallelSpec
+    cp: ContextParallelSpec
+    planner: PlannerFacts
+    latent: LatentFormat
     patch: int
     text: TextInputs
     ref_method: str
     comfy_model: Callable[[Mapping[str, Any]], ComfyModel]
     call: Callable[..., Any]
     model_fn: Callable[[Any], Callable[..., Any]]
+    aliases: Mapping[str, str] = field(default_factory=dict)
 
     def image_tokens(self, height: int, width: int) -> int:
         """Tokens of a latent of height x width latent pixels (ComfyUI pads a partial patch)."""
@@ -128,20 +170,65 @@ class ModelFamily:
         pad = self.patch * self.latent.downscale
         return -(-width // self.patch) * pad, -(-height // self.patch) * pad
 
-    def bfl_shapes(self, config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-        """BFL key -> shape a checkpoint of `config` has: the meta model's shapes mapped through the
-        family's sources (a fused tensor has as many rows as its parts' last row)."""
-        sources = self.bfl_sources(config)
-        out: dict[str, tuple[int, ...]] = {}
-        for name, param in self.build(dict(config), device="meta").state_dict().items():
-            source = sources[name]
-            shape = tuple(param.shape)
-            if source.rows is not None:
-                rows = max(max(b for _, b in source.rows), out.get(source.key, (0,))[0])
-                shape = (rows, *shape[1:])
-            out[source.key] = shape
-        return out
+    def parameter_shapes(self, config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+        """diffusers parameter name -> shape of a model of `config`: its meta model's (built once per config)."""
+        return dict(_parameter_shapes(self, _frozen(config)))
 
+    def sources(self, config: Mapping[str, Any]) -> dict[str, Source]:
+        """diffusers parameter name -> where it lives in a BFL checkpoint of `config` (no key prefix)."""
+        return self.keys.sources(self.dims(config), self.parameter_shapes(config))
+
+    def bfl_shapes(self, config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+        """BFL key -> shape a checkpoint of `config` has (a fused tensor has as many rows as its parts)."""
+        return self.keys.bfl_shapes(self.dims(config), self.parameter_shapes(config))
+
+
+def _frozen(config: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """A hashable copy of a diffusers config (lists, as config.json has them, become tuples)."""
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in config.items()))
+
+
+@functools.lru_cache(maxsize=64)
+def _parameter_shapes(
+    family: ModelFamily, config: tuple[tuple[str, Any], ...]
+) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    model = family.build(dict(config), device="meta")
+    return tuple((name, tuple(p.shape)) for name, p in model.state_dict().items())
+
+
+def build_diffusers(
+    model_class: type[nn.Module],
+    config: Mapping[str, Any],
+    device: Any = "cpu",
+    dtype: Any = None,
+    seed: int | None = 0,
+    init_scale: float = 0.05,
+) -> nn.Module:
+    """`model_class(**config)` (a diffusers transformer) with random weights from `seed`, none on 'meta'.
+
+    Every family's `build`: the weights are drawn on the CPU in parameter order, so every process builds
+    the identical model. Training initialises AdaLN-zero and output projections to zero; everything is
+    drawn here so that a parity test exercises every weight. `dtype` defaults to float32.
+    """
+    import torch
+    from torch import nn
+
+    dtype = torch.float32 if dtype is None else dtype
+    if str(device) == "meta":
+        with torch.device("meta"):
+            return nn.Module.to(model_class(**config), dtype=dtype).eval()
+    model = model_class(**config).eval()
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * init_scale)
+    # nn.Module.to, not ModelMixin.to: the latter warns about float32-kept modules FLUX does not have.
+    return nn.Module.to(model, device=device, dtype=dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# The registry
 
 _REGISTRY: dict[str, ModelFamily] = {}
 _loaded = False
@@ -178,14 +265,21 @@ def get_family(name: str) -> ModelFamily:
     return _REGISTRY[name]
 
 
-# Attribute `load_flux` sets on the model it builds: the name of its family.
-FAMILY_ATTRIBUTE = "_rp_family"
-DEFAULT_FAMILY = "flux1"  # a model built without the loader (tests, demos) is FLUX.1
+def family_for_class(class_name: str | None) -> ModelFamily | None:
+    """The family built by the diffusers class named `class_name` (e.g. a config.json's `_class_name`)."""
+    return next((f for f in families() if f.diffusers_class == class_name), None)
 
 
 def family_of(model: Any) -> ModelFamily:
-    """The family a resident model was loaded as (`load_flux` marks it)."""
-    return get_family(getattr(model, FAMILY_ATTRIBUTE, DEFAULT_FAMILY))
+    """The family of a diffusers model, by its class; ConfigError naming the supported classes otherwise."""
+    found = family_for_class(type(model).__name__)
+    if found is None:
+        known = ", ".join(f.diffusers_class for f in families())
+        raise ConfigError(
+            f"{type(model).__name__} is not the model class of a registered family ({known}); load the "
+            "model with diffusers' class for its family"
+        )
+    return found
 
 
 def _only(found: Sequence[ModelFamily], what: str) -> ModelFamily | None:
@@ -204,18 +298,14 @@ def detect_diffusers(keys: Collection[str]) -> ModelFamily | None:
     return _only([f for f in families() if f.matches_diffusers(keys)], "this diffusers checkpoint")
 
 
-def family_for_class(class_name: str | None) -> ModelFamily | None:
-    """The family built by the diffusers class named in a folder's config.json `_class_name`."""
-    return next((f for f in families() if f.diffusers_class == class_name), None)
-
-
 __all__ = [
     "BUILTIN",
-    "FAMILY_ATTRIBUTE",
     "ComfyModel",
     "LatentFormat",
     "ModelFamily",
+    "PlannerFacts",
     "TextInputs",
+    "build_diffusers",
     "detect_bfl",
     "detect_diffusers",
     "families",

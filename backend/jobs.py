@@ -13,9 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .checkpoint import CheckpointInfo, apply_loras, inspect_checkpoint, inspect_lora, load_model
 from .config import ConfigError, ParallelLayout
-from .flux.load import CheckpointInfo, inspect_checkpoint, load_flux
-from .flux.lora import apply_loras, inspect_lora
 from .flux.sampling import FluxConditioning, SamplingPlan, diffusers_model_fn, run_euler
 from .parallel.context import apply_context_parallel
 from .parallel.tensor import parameter_bytes
@@ -116,7 +115,7 @@ def load(
     layout = ParallelLayout(tp=tp, ring=ring, ulysses=ulysses)
     layout.validate(info.dims, devices=ctx.world_size)
     started = time.perf_counter()
-    model = load_flux(
+    model = load_model(
         info, device=ctx.device, dtype=dtype, weight_dtype=weight_dtype, tp=tp, progress=ctx.load_progress
     )
     report = _apply_loras(ctx, model, info, loras, tp) if loras else {}

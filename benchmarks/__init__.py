@@ -3,7 +3,7 @@
 A benchmark prints a Markdown table (what BENCHMARKS.md records) and returns it; none is a test. This
 folder is not part of the installed package: the command runs it from a checkout (backend/cli.py finds
 it next to backend/). What it shares with the tests (meta-device tracer, configs, checkpoint writer,
-timing, tables) is in testing/helpers.py.
+timing, tables) is in testing/.
 """
 
 BENCHMARKS = {

@@ -3,7 +3,7 @@
 Writes a random BFL-layout FLUX of a few hundred MB (FLUX's structure, narrower), then loads it once
 per rank and per variant, each in a fresh process run one after another (peak RSS is per process):
 
-* sharded: `load_flux(path, tp=N)`, each rank reading only its slices from disk;
+* sharded: `load_model(path, tp=N)`, each rank reading only its slices from disk;
 * naive:   `safetensors.torch.load_file` + key conversion + `load_state_dict` + `apply_tensor_parallel`.
 
 Peak = VmHWM at the end minus the RSS after imports (the peak mark is reset after imports).
@@ -45,18 +45,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def write_checkpoint(path: Path, config: dict[str, Any], dtype: str) -> int:
-    """Random BFL-layout tensors straight from the shapes: no model is built, so writing stays cheap."""
+    """Random weights drawn straight from the meta model's shapes (no model is built, so writing stays
+    cheap), written by the one checkpoint writer in the BFL layout."""
     import torch
-    from safetensors.torch import save_file
 
-    from ..backend.flux.convert import bfl_shapes
+    from ..backend.checkpoint import save_checkpoint
+    from ..backend.flux.family import FLUX1
 
     g = torch.Generator().manual_seed(0)
-    tensors = {
+    state = {
         k: (torch.randn(s, generator=g) * 0.05).to(getattr(torch, dtype))
-        for k, s in bfl_shapes(config).items()
+        for k, s in FLUX1.parameter_shapes(config).items()
     }
-    save_file(tensors, str(path))
+    save_checkpoint(state, path, FLUX1)
     return path.stat().st_size
 
 
@@ -100,11 +101,10 @@ def child(spec_json: str) -> None:
     from diffusers import FluxTransformer2DModel  # noqa: F401  (imported before the baseline)
     from safetensors.torch import load_file
 
-    from ..backend.flux.convert import bfl_to_diffusers
-    from ..backend.flux.load import inspect_checkpoint, load_flux
+    from ..backend.checkpoint import bfl_to_diffusers, inspect_checkpoint, load_model
     from ..backend.flux.model import build_flux
-    from ..backend.parallel.fake import fake_process_group
     from ..backend.parallel.tensor import apply_tensor_parallel, parameter_bytes
+    from ..testing.fake import fake_process_group
 
     dtype = getattr(torch, spec["dtype"])
     path, degree, rank = spec["path"], spec["degree"], spec["rank"]
@@ -114,7 +114,7 @@ def child(spec_json: str) -> None:
     start = time.perf_counter()
     with fake_process_group(degree, rank):
         if spec["variant"] == "sharded":
-            model = load_flux(path, dtype=dtype, tp=degree)
+            model = load_model(path, dtype=dtype, tp=degree)
         else:
             state = {k: v.to(dtype) for k, v in bfl_to_diffusers(load_file(path)).items()}
             model = build_flux(info.config, device="meta", dtype=dtype)
@@ -143,7 +143,7 @@ def _measure(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> str:
-    from ..backend.flux.model import tiny_flux_config
+    from ..testing.models import tiny_flux_config
 
     if args.hidden % 128:
         raise SystemExit(f"--hidden={args.hidden} must be a multiple of the head width 128")

@@ -6,7 +6,7 @@ process group and parallelised by the engine itself (`apply_tensor_parallel` / `
 * weights: the parameter bytes the rank holds (must equal the plan exactly);
 * collectives: counted during one forward by `CountCollectives` (kinds, counts, payload bytes);
 * activations: torch's MemTracker peak of that forward (weights excluded; see
-  `testing.helpers.measure_on_meta`, the tracer the tests use too).
+  `testing.meta.measure_on_meta`, the tracer the tests use too).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from ..backend.config import FluxDims, ParallelLayout
 from ..backend.flux.model import FLUX_DEV
 from ..backend.plan import Setup, count_by_kind, estimate, payload_by_kind
 from ..backend.text import GB
-from ..testing.helpers import markdown_row, measure_on_meta
+from ..testing.helpers import markdown_row
+from ..testing.meta import measure_on_meta
 
 LAYOUTS = "1x1x1,2x1x1,4x1x1,8x1x1,1x2x1,1x4x1,1x1x2,1x1x4,1x2x2"
 

@@ -23,9 +23,10 @@ import torch
 from ..backend.api import ParallelFlux
 from ..backend.config import ParallelLayout
 from ..backend.flux.forward import flux_call
-from ..backend.flux.model import build_flux, tiny_flux_config
+from ..backend.flux.model import build_flux
 from ..backend.flux.sampling import diffusers_model_fn
 from ..testing.helpers import markdown_table, write_random_checkpoint
+from ..testing.models import tiny_flux_config
 
 # A small transformer with FLUX.1's real conditioning widths (T5-XXL 4096, CLIP-L 768), so the prompt a
 # step must recognise is as large as a real one (8.4 MB at 512 tokens in float32).

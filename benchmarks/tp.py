@@ -18,13 +18,14 @@ import torch
 from torch import nn
 
 from ..backend.config import FluxDims, ParallelLayout
-from ..backend.flux.model import FLUX_DEV, build_flux, random_inputs, tiny_flux_config
-from ..backend.flux2.model import FLUX2_DEV, FLUX2_KLEIN_4B, FLUX2_KLEIN_9B, build_flux2
-from ..backend.parallel.comm import CountCollectives
-from ..backend.parallel.fake import fake_process_group
+from ..backend.family import ModelFamily, families
+from ..backend.flux.model import FLUX_DEV, build_flux
 from ..backend.parallel.tensor import apply_tensor_parallel
 from ..backend.text import GB, MB
-from ..testing.helpers import markdown_table, measure_on_meta, median_seconds
+from ..testing.fake import fake_process_group
+from ..testing.helpers import markdown_table, median_seconds
+from ..testing.meta import measure_on_meta
+from ..testing.models import random_inputs, tiny_flux_config
 
 # What a CPU can time in seconds: FLUX.1's structure with 24 heads x 32 (hidden 768), 2 + 4 blocks.
 CPU_CONFIG = tiny_flux_config(
@@ -48,10 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--model",
-        choices=tuple(META_MODELS),
+        choices=tuple(presets()),
         default="flux1-dev",
-        help="flux1-dev: sizes, collectives and compute; FLUX.2 models: sizes (bf16 and fp8-resident) and "
-        "collectives on the meta device",
+        help="flux1-dev: sizes, collectives and compute; other models (e.g. FLUX.2's): sizes (bf16 and "
+        "fp8-resident) and collectives on the meta device",
     )
     parser.add_argument("--json", help="also write the rows to this JSON file")
 
@@ -142,50 +143,38 @@ def compute_time(
             return median_seconds(lambda: model(**kwargs), repeats, device)
 
 
-# ---------------------------------------------------------------------------------------------- FLUX.2
-
-META_MODELS: dict[str, dict[str, Any] | None] = {
-    "flux1-dev": None,  # the FLUX.1 report below
-    "flux2-dev": FLUX2_DEV,
-    "flux2-klein": FLUX2_KLEIN_4B,
-    "flux2-klein-9b": FLUX2_KLEIN_9B,
-}
+# ---------------------------------------------------------------------------------------------- any model
 
 
-def _bytes_by_weight_dtype(model: nn.Module) -> tuple[int, int]:
-    """(bf16 bytes, fp8-resident bytes) this rank holds: fp8 keeps every 2-D (linear) weight at 1 byte.
+def presets() -> dict[str, tuple[ModelFamily, dict[str, Any]]]:
+    """The released models of every family, by the names `plan --model` uses."""
+    return {name: (f, dict(config)) for f in families() for name, config in f.presets.items()}
 
-    The same rule as the fp8 work's loader and planner: linear weights stay fp8 and are upcast per
-    layer; norm scales (1-D) stay in the compute dtype.
+
+def meta_sizes_and_collectives(
+    family: ModelFamily, config: dict[str, Any], plan: str, degree: int, size: int
+) -> dict[str, Any]:
+    """One rank of TP=`degree` on the meta device under the fake group: bytes and one forward's collectives.
+
+    fp8-resident bytes: the same rule as the fp8 work's loader and planner: linear (2-D) weights stay fp8
+    at 1 byte and are upcast per layer; norm scales (1-D) stay in the compute dtype.
     """
-    from torch.distributed.tensor import DTensor
-
-    bf16 = fp8 = 0
-    for p in model.parameters():
-        n = (p.to_local() if isinstance(p, DTensor) else p).numel()
-        bf16 += 2 * n
-        fp8 += n if p.dim() == 2 else 2 * n
-    return bf16, fp8
-
-
-def flux2_sizes_and_collectives(config: dict[str, Any], plan: str, degree: int, size: int) -> dict[str, Any]:
-    """One rank of TP=`degree` on the meta device under the fake group: bytes and one forward's collectives."""
-    dims = FluxDims.from_diffusers_config(config)
-    with fake_process_group(degree):
-        model = build_flux2(config, device="meta", dtype=torch.bfloat16)
-        if degree > 1:
-            PLANS[plan](model)
-        bf16, fp8 = _bytes_by_weight_dtype(model)
-        # FLUX.2: one token per 16 x 16 pixels (128-channel latent at 1/16)
-        inputs = random_inputs(dims, height=size, width=size, text_tokens=512, device="meta", family="flux2")
-        with CountCollectives() as counter, torch.no_grad():
-            model(**inputs.to("meta", torch.bfloat16).as_kwargs(), return_dict=False)
-    log = counter.log
+    traced = measure_on_meta(
+        config,
+        ParallelLayout(tp=degree),
+        size,
+        size,
+        text_tokens=512,
+        parallelize=PLANS[plan],
+        memory=False,
+        family=family.name,
+    )
+    log = traced["log"]
     return {
         "plan": plan,
         "degree": degree,
-        "bf16_gb": bf16 / GB,
-        "fp8_gb": fp8 / GB,
+        "bf16_gb": traced["weights"] / GB,
+        "fp8_gb": (traced["linear_elements"] + 2 * traced["other_elements"]) / GB,
         "all_reduce": log.counts["all_reduce"],
         "all_gather": log.counts["all_gather"],
         "payload_mb": sum(log.payload_bytes.values()) / MB,
@@ -193,16 +182,15 @@ def flux2_sizes_and_collectives(config: dict[str, Any], plan: str, degree: int, 
     }
 
 
-def run_flux2(args: argparse.Namespace) -> str:
-    config = META_MODELS[args.model]
-    assert config is not None
+def run_sizes(args: argparse.Namespace) -> str:
+    family, config = presets()[args.model]
     degrees = [int(d) for d in args.degrees.split(",")]
     rows = []
     for degree in degrees:
         for plan in PLANS if degree > 1 else list(PLANS)[:1]:
-            rows.append(flux2_sizes_and_collectives(config, plan, degree, args.size))
+            rows.append(meta_sizes_and_collectives(family, config, plan, degree, args.size))
             print(f"  measured {plan} at TP={degree}", flush=True)
-    dims = FluxDims.from_diffusers_config(config)
+    dims = family.dims(config)
     tokens = (args.size // 16) ** 2
     out = [
         f"### Tensor parallelism: {args.model} ({dims.heads} heads x {dims.head_dim}, {dims.double_blocks}+"
@@ -250,7 +238,7 @@ def run_flux2(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> str:
     if getattr(args, "model", "flux1-dev") != "flux1-dev":
-        return run_flux2(args)
+        return run_sizes(args)
     degrees = [int(d) for d in args.degrees.split(",")]
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     on_gpu = device.type == "cuda"

@@ -276,7 +276,7 @@ def start_workers(registry: Registry, flux: ParallelFlux) -> None:
 
 def checkpoint_info(flux: ParallelFlux, handle: ParallelHandle) -> Any:
     """The handle's CheckpointInfo: the resident one when it is that file, else read from its header."""
-    from ..backend.flux.load import inspect_checkpoint
+    from ..backend.checkpoint import inspect_checkpoint
 
     resident = flux.resident
     if resident is not None and resident.checkpoint == handle.checkpoint:
@@ -296,7 +296,7 @@ def auto_layout(
 ) -> ParallelLayout:
     """The planner's layout for this image (link and memory measured once per group); its reason is shown.
     `reference_tokens`: the tokens of reference latents (ReferenceLatent) each step carries too."""
-    from ..backend.flux.load import planned_weight_dtype
+    from ..backend.checkpoint import planned_weight_dtype
 
     info = checkpoint_info(flux, handle)
     choice = flux.auto_layout(
@@ -345,8 +345,7 @@ def ensure_loaded(
 def add_lora(handle: ParallelHandle, path: str, strength: float) -> ParallelHandle:
     """The ROCm Parallel LoRA node: `handle` plus this LoRA, after the backend checked from the file's
     header against the handle's checkpoint (no worker starts) that every key fits this model."""
-    from ..backend.flux.load import inspect_checkpoint
-    from ..backend.flux.lora import check_loras
+    from ..backend.checkpoint import check_loras, inspect_checkpoint
 
     check_loras([(path, strength)], inspect_checkpoint(handle.checkpoint))
     return handle.with_lora(path, strength)
@@ -543,7 +542,7 @@ def check_sampler_inputs(
 ) -> None:
     """Everything the TP / Ring Attention Sampler can check before a worker starts or a weight loads:
     the checkpoint's header, the layout against it, the conditioning widths, the latent, cfg vs negative."""
-    from ..backend.flux.load import inspect_checkpoint
+    from ..backend.checkpoint import inspect_checkpoint
 
     info = inspect_checkpoint(handle.checkpoint)
     if info.input_channels != info.model_family.latent_channels(info.config):
@@ -593,14 +592,14 @@ class ModelRunner:
     def comfy_model(self) -> Any:
         """The ComfyUI model config (`backend.family.ComfyModel`) ComfyUI's own loader would pick for the
         checkpoint: the family decides it from the header (e.g. FluxInpaint for FLUX.1 Fill)."""
-        from ..backend.flux.load import inspect_checkpoint
+        from ..backend.checkpoint import inspect_checkpoint
 
         info = inspect_checkpoint(self.handle.checkpoint)
         return info.model_family.comfy_model(info.config)
 
     def compute_dtype(self) -> Any:
         """The workers' compute dtype (ComfyUI casts the model inputs to it, as for its own model)."""
-        from ..backend.flux.load import resolve_dtype
+        from ..backend.checkpoint import resolve_dtype
 
         return resolve_dtype(self.handle.dtype, self.handle.devices[0])
 

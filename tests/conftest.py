@@ -13,8 +13,8 @@ import psutil
 import pytest
 import torch
 
+from rocm_parallel.backend.checkpoint import save_checkpoint
 from rocm_parallel.backend.client import WorkerGroup
-from rocm_parallel.backend.flux.convert import save_bfl_checkpoint
 
 TESTS_DIR = str(Path(__file__).resolve().parent)
 # Test-only worker methods, imported by the workers from tests/ (see WorkerGroup(methods=...)).
@@ -60,7 +60,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     paths = {}
     for variant in ("dev", "schnell", "fill"):
         path = folder / f"tiny-flux-{variant}.safetensors"
-        save_bfl_checkpoint(flux_model(variant), path)
+        save_checkpoint(flux_model(variant), path)
         paths[variant] = str(path)
     return paths
 

@@ -10,10 +10,11 @@ from typing import Any
 import torch
 
 from rocm_parallel.backend.config import FluxDims, ParallelLayout
-from rocm_parallel.backend.flux2.model import Flux2Inputs, build_flux2
+from rocm_parallel.backend.flux2.model import build_flux2
 from rocm_parallel.backend.parallel.context import apply_context_parallel
 from rocm_parallel.backend.parallel.tensor import apply_tensor_parallel, parameter_bytes
 from rocm_parallel.backend.worker import WorkerContext, handler
+from rocm_parallel.testing.models import ModelInputs
 
 
 @handler("build_random_flux2")
@@ -40,6 +41,6 @@ def forward_flux2(ctx: WorkerContext, inputs: dict[str, Any], return_dict: bool 
     """One forward on every rank; rank 0 returns the full output."""
     model = ctx.resident.require()
     with torch.inference_mode():
-        out = model(**Flux2Inputs(**inputs).as_kwargs(), return_dict=return_dict)
+        out = model(**ModelInputs(inputs).as_kwargs(), return_dict=return_dict)
     sample = out.sample if return_dict else out[0]
     return {"rank": ctx.rank, "output": sample.cpu() if ctx.rank == 0 else None, "type": type(out).__name__}

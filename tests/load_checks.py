@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rocm_parallel.backend.flux.load import load_flux
+from rocm_parallel.backend.checkpoint import load_model
 from rocm_parallel.backend.parallel.tensor import parameter_bytes
 from rocm_parallel.backend.worker import handler
 
@@ -13,7 +13,7 @@ from rocm_parallel.backend.worker import handler
 def load_shards(ctx: Any, path: str, dtype: str, tp: int) -> dict[str, Any]:
     """What a worker will do: load its own shard onto its device and keep it resident for `forward`."""
     ctx.resident.clear()
-    model = load_flux(path, device=ctx.device, dtype=dtype, tp=tp)
+    model = load_model(path, device=ctx.device, dtype=dtype, tp=tp)
     ctx.resident.set(model, {"checkpoint": path, "dtype": dtype, "tp": tp})
     return {"rank": ctx.rank, "parameter_bytes": parameter_bytes(model)}
 

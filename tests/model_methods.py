@@ -12,12 +12,14 @@ from typing import Any
 
 import torch
 
-from rocm_parallel.backend.config import COMPUTE_DTYPE_BYTES, ConfigError, FluxDims, ParallelLayout
-from rocm_parallel.backend.flux.model import FluxInputs, build_flux
+from rocm_parallel.backend.config import ConfigError, FluxDims, ParallelLayout
+from rocm_parallel.backend.dtypes import COMPUTE_DTYPES
+from rocm_parallel.backend.flux.model import build_flux
 from rocm_parallel.backend.parallel.context import apply_context_parallel
 from rocm_parallel.backend.parallel.tensor import apply_tensor_parallel, parameter_bytes
 from rocm_parallel.backend.parallel.weights import compute_dtype
 from rocm_parallel.backend.worker import WorkerContext, handler
+from rocm_parallel.testing.models import ModelInputs
 
 
 @handler("build_random")
@@ -36,8 +38,10 @@ def build_random(
     `tp` shards the weights (tensor parallelism); `ring` x `ulysses` split the tokens (context
     parallelism, `attention` overrides its kernel). Their product must be the group's size.
     """
-    if dtype not in COMPUTE_DTYPE_BYTES:
-        raise ConfigError(f"dtype={dtype!r} is not supported; use {', '.join(COMPUTE_DTYPE_BYTES)}")
+    if dtype not in (d.name for d in COMPUTE_DTYPES):
+        raise ConfigError(
+            f"dtype={dtype!r} is not supported; use {', '.join(d.name for d in COMPUTE_DTYPES)}"
+        )
     layout = ParallelLayout(tp=tp, ring=ring, ulysses=ulysses)
     layout.validate(FluxDims.from_diffusers_config(config), devices=ctx.world_size)
     ctx.resident.clear()
@@ -64,7 +68,7 @@ def forward(ctx: WorkerContext, inputs: dict[str, Any]) -> dict[str, Any]:
     """One timed transformer forward on every rank; rank 0 returns the (full) output."""
     model = ctx.resident.require()
     dtype = compute_dtype(model)
-    args = FluxInputs(**inputs).to(ctx.device, dtype).as_kwargs()
+    args = ModelInputs(inputs).to(ctx.device, dtype).as_kwargs()
     with torch.inference_mode():
         ctx.synchronize()
         started = time.perf_counter()

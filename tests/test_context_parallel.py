@@ -8,7 +8,7 @@ from diffusers.utils import is_torch_version
 
 from rocm_parallel.backend.client import WorkerError, WorkerGroup
 from rocm_parallel.backend.config import ConfigError, FluxDims, ParallelLayout
-from rocm_parallel.backend.flux.model import build_flux, random_inputs, tiny_flux_config
+from rocm_parallel.backend.flux.model import build_flux
 from rocm_parallel.backend.parallel.comm import CountCollectives
 from rocm_parallel.backend.parallel.context import (
     apply_context_parallel,
@@ -19,7 +19,6 @@ from rocm_parallel.backend.parallel.context import (
     split_sizes,
     unpad_from_ranks,
 )
-from rocm_parallel.backend.parallel.fake import fake_process_group
 from rocm_parallel.backend.parallel.lse import (
     ANY,
     NEEDS_3D,
@@ -28,7 +27,9 @@ from rocm_parallel.backend.parallel.lse import (
     probe_merge_shape,
     probe_query_shape,
 )
+from rocm_parallel.testing.fake import fake_process_group
 from rocm_parallel.testing.helpers import TEST_CONFIG
+from rocm_parallel.testing.models import random_inputs, tiny_flux_config
 
 # 8 heads so that Ulysses 2 and 4 both split them; 2 double + 3 single blocks.
 CONFIG = TEST_CONFIG

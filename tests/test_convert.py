@@ -5,15 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rocm_parallel.backend.flux.convert import (
-    COMFY_PREFIX,
-    CheckpointError,
-    bfl_shapes,
-    bfl_to_diffusers,
-    diffusers_to_bfl,
-    flux_config_from_bfl,
-)
-from rocm_parallel.backend.flux.model import FLUX_DEV, FLUX_SCHNELL, build_flux, tiny_flux_config
+from rocm_parallel.backend.checkpoint import COMFY_PREFIX, CheckpointError, bfl_to_diffusers, diffusers_to_bfl
+from rocm_parallel.backend.flux.family import FLUX1
+from rocm_parallel.backend.flux.keys import config_from_bfl
+from rocm_parallel.backend.flux.model import FLUX_DEV, FLUX_SCHNELL, build_flux
+from rocm_parallel.testing.models import tiny_flux_config
 
 
 def _tiny(guidance: bool = True) -> dict:
@@ -86,7 +82,7 @@ def _released_flux_keys(guidance: bool, double: int = 19, single: int = 38) -> d
 def test_released_flux_key_set(config: dict) -> None:
     expected = _released_flux_keys(config["guidance_embeds"])
     assert len(expected) == (780 if config["guidance_embeds"] else 776)
-    assert bfl_shapes(config) == expected
+    assert FLUX1.bfl_shapes(config) == expected
 
 
 def test_diffusers_own_converter_agrees_on_the_released_shape() -> None:
@@ -105,9 +101,9 @@ def test_diffusers_own_converter_agrees_on_the_released_shape() -> None:
     "config", [FLUX_DEV, FLUX_SCHNELL, _tiny(True), _tiny(False)], ids=["dev", "schnell", "tiny", "tiny-s"]
 )
 def test_config_from_shapes(config: dict) -> None:
-    shapes = bfl_shapes(config)
-    assert flux_config_from_bfl(shapes) == config
-    assert flux_config_from_bfl({COMFY_PREFIX + k: v for k, v in shapes.items()}) == config
+    shapes = FLUX1.bfl_shapes(config)
+    assert config_from_bfl(shapes) == config
+    assert config_from_bfl({COMFY_PREFIX + k: v for k, v in shapes.items()}) == config
 
 
 def test_full_comfy_checkpoint_keeps_only_the_transformer() -> None:
@@ -119,9 +115,9 @@ def test_full_comfy_checkpoint_keeps_only_the_transformer() -> None:
 
 
 def test_missing_block_is_named() -> None:
-    shapes = bfl_shapes(_tiny())
+    shapes = FLUX1.bfl_shapes(_tiny())
     shapes = {k: v for k, v in shapes.items() if not k.startswith("single_blocks.1.")}
     with pytest.raises(
         CheckpointError, match=r"^'single_blocks.\*' blocks \[1\] are missing; the checkpoint is incomplete$"
     ):
-        flux_config_from_bfl(shapes)
+        config_from_bfl(shapes)

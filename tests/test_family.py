@@ -17,15 +17,15 @@ from test_sampling import flux_model, reference
 
 from rocm_parallel.backend import family as registry
 from rocm_parallel.backend.api import ParallelFlux
+from rocm_parallel.backend.checkpoint import diffusers_to_bfl, inspect_checkpoint, save_checkpoint
 from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError, ParallelLayout
-from rocm_parallel.backend.flux import convert
 from rocm_parallel.backend.flux.family import FLUX1
 from rocm_parallel.backend.flux.forward import flux_call, patch_ids, reference_placements
-from rocm_parallel.backend.flux.load import inspect_checkpoint
-from rocm_parallel.backend.flux.model import tiny_flux_config
+from rocm_parallel.backend.flux.model import build_flux
 from rocm_parallel.backend.flux.sampling import diffusers_model_fn
-from rocm_parallel.backend.parallel.tensor import FLUX_TP_PLAN
+from rocm_parallel.backend.flux.tp import FLUX_TP_PLAN
+from rocm_parallel.testing.models import tiny_flux_config
 
 TOL = 1e-5  # parity with the same call in one process, and with ComfyUI's own Flux.forward; float32
 
@@ -37,7 +37,7 @@ TOL = 1e-5  # parity with the same call in one process, and with ComfyUI's own F
 def test_flux1_is_a_registered_family_with_the_tp_plan_as_data() -> None:
     assert registry.get_family("flux1") is FLUX1
     assert FLUX1 in registry.families()
-    assert FLUX1.tp_plan is FLUX_TP_PLAN and FLUX1.diffusers_class == "FluxTransformer2DModel"
+    assert FLUX1.tp.plan is FLUX_TP_PLAN and FLUX1.diffusers_class == "FluxTransformer2DModel"
     assert registry.family_for_class("FluxTransformer2DModel") is FLUX1
     assert registry.family_for_class("UNet2DConditionModel") is None
 
@@ -62,7 +62,8 @@ def test_a_family_name_registers_once() -> None:
 @pytest.mark.parametrize("variant", ["dev", "schnell", "fill"])
 def test_the_familys_bfl_shapes_are_the_converters(variant: str) -> None:
     config = tiny_flux_config(**_spec(variant))
-    assert FLUX1.bfl_shapes(config) == convert.bfl_shapes(config)
+    converted = diffusers_to_bfl(build_flux(config, device="meta").state_dict())
+    assert FLUX1.bfl_shapes(config) == {k: tuple(v.shape) for k, v in converted.items()}
 
 
 def _spec(variant: str) -> dict:
@@ -82,7 +83,7 @@ def _spec(variant: str) -> dict:
 def test_the_variant_is_detected_from_the_header(
     tmp_path: Path, variant: str, name: str, channels: int, comfy_class: str
 ) -> None:
-    path = convert.save_bfl_checkpoint(flux_model(variant), tmp_path / f"{variant}.safetensors")
+    path = save_checkpoint(flux_model(variant), tmp_path / f"{variant}.safetensors")
     info = inspect_checkpoint(path)
     assert (info.family, info.model_name, info.input_channels) == ("flux1", name, channels)
     assert info.variant == ("schnell" if variant == "schnell" else "dev")

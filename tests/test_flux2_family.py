@@ -9,20 +9,16 @@ import torch
 from safetensors.torch import load_file
 
 from rocm_parallel.backend import family as registry
-from rocm_parallel.backend.config import FluxDims
-from rocm_parallel.backend.flux.load import inspect_checkpoint, load_flux
-from rocm_parallel.backend.flux2.convert import flux2_bfl_to_diffusers, save_flux2_checkpoint
-from rocm_parallel.backend.flux2.family import FLUX2, config_from_diffusers
+from rocm_parallel.backend.checkpoint import bfl_to_diffusers, inspect_checkpoint, load_model, save_checkpoint
+from rocm_parallel.backend.config import ConfigError, FluxDims
+from rocm_parallel.backend.flux2.family import FLUX2
 from rocm_parallel.backend.flux2.forward import flux2_call, flux2_model_fn, flux2_text_ids
-from rocm_parallel.backend.flux2.model import (
-    FLUX2_DEV,
-    FLUX2_KLEIN_9B,
-    build_flux2,
-    flux2_image_ids,
-    tiny_flux2_config,
-)
-from rocm_parallel.backend.parallel.fake import fake_process_group
-from rocm_parallel.backend.parallel.tensor import FLUX2_TP_PLAN, apply_tensor_parallel
+from rocm_parallel.backend.flux2.keys import config_from_diffusers
+from rocm_parallel.backend.flux2.model import FLUX2_DEV, FLUX2_KLEIN_9B, build_flux2
+from rocm_parallel.backend.flux2.tp import FLUX2_TP_PLAN
+from rocm_parallel.backend.parallel.tensor import apply_tensor_parallel
+from rocm_parallel.testing.fake import fake_process_group
+from rocm_parallel.testing.models import tiny_flux2_config
 
 CONFIG = tiny_flux2_config(
     heads=8, head_dim=16, double_blocks=2, single_blocks=3, text_dim=32, in_channels=16
@@ -31,7 +27,7 @@ CONFIG = tiny_flux2_config(
 
 def test_flux2_is_registered_next_to_flux1() -> None:
     assert registry.get_family("flux2") is FLUX2
-    assert FLUX2.tp_plan is FLUX2_TP_PLAN
+    assert FLUX2.tp.plan is FLUX2_TP_PLAN
     assert registry.family_for_class("Flux2Transformer2DModel") is FLUX2
     assert {f.name for f in registry.families()} == {"flux1", "flux2"}
 
@@ -45,16 +41,24 @@ def test_config_from_diffusers_shapes(config: dict) -> None:
 @pytest.mark.parametrize("degree", [1, 2])
 def test_generic_loader_detects_and_shards_flux2(tmp_path: Path, degree: int) -> None:
     model = build_flux2(CONFIG, seed=5)
-    path = save_flux2_checkpoint(model, tmp_path / "flux2.safetensors", comfy_prefix=True)
+    path = save_checkpoint(model, tmp_path / "flux2.safetensors", prefix=True)
     info = inspect_checkpoint(path)
     assert (info.family, info.format, info.variant) == ("flux2", "bfl", "dev")
     assert FLUX2.describe(info.config) == "FLUX.2 (8 heads, 2+3 blocks)"
     reference = build_flux2(CONFIG, seed=None)
-    reference.load_state_dict(flux2_bfl_to_diffusers(load_file(path)))
+    reference.load_state_dict(bfl_to_diffusers(load_file(path)))
     with fake_process_group(degree, rank=degree - 1):
-        got = load_flux(path, dtype="float32", tp=degree).state_dict()
+        got = load_model(path, dtype="float32", tp=degree).state_dict()
         want = (apply_tensor_parallel(reference) if degree > 1 else reference).state_dict()
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in got)
+
+
+def flux2_image_ids(rows: int, cols: int) -> torch.Tensor:
+    """(t, h, w, l) = (0, row, col, 0) for a rows x cols token grid, row-major (diffusers' pipeline_flux2.py)."""
+    ids = torch.zeros(rows, cols, 4)
+    ids[..., 1] = torch.arange(rows)[:, None]
+    ids[..., 2] = torch.arange(cols)[None, :]
+    return ids.reshape(rows * cols, 4)
 
 
 @pytest.mark.parametrize("refs", [0, 2])
@@ -104,7 +108,7 @@ def test_auto_prices_a_flux2_checkpoint_as_flux2(tmp_path: Path, group2) -> None
     from rocm_parallel.backend.config import ParallelLayout
     from rocm_parallel.backend.plan import weight_bytes
 
-    path = save_flux2_checkpoint(build_flux2(CONFIG, seed=5), tmp_path / "flux2.safetensors")
+    path = save_checkpoint(build_flux2(CONFIG, seed=5), tmp_path / "flux2.safetensors")
     flux = ParallelFlux(group=group2)
     resident = flux.check_load(path, layout="auto", dtype="float32")
     choice = flux.auto_choice
@@ -112,6 +116,6 @@ def test_auto_prices_a_flux2_checkpoint_as_flux2(tmp_path: Path, group2) -> None
     dims = FluxDims.from_diffusers_config(CONFIG)
     for estimate in choice.estimates:
         assert estimate.weights == weight_bytes(dims, estimate.layout, 4, family="flux2")
-    assert weight_bytes(dims, ParallelLayout(tp=2), 4, family="flux2") != weight_bytes(
-        dims, ParallelLayout(tp=2), 4
-    )
+    # FLUX.2's dims are no FLUX.1 (whose MLP is 4 x hidden): they are not priced as one
+    with pytest.raises(ConfigError, match=r"FLUX\.1.s transformer has MLP ratio 4, these dims have 3"):
+        weight_bytes(dims, ParallelLayout(tp=2), 4)

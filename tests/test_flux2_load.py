@@ -1,4 +1,4 @@
-"""FLUX.2 checkpoints through the shared loader (flux/load.py): BFL / ComfyUI single files (bf16, and
+"""FLUX.2 checkpoints through the shared loader (backend/checkpoint/): BFL / ComfyUI single files (bf16, and
 ComfyUI's quantized "mixed" fp8 files in both of the forms ComfyUI reads) and diffusers folders, sliced
 per rank.
 
@@ -17,23 +17,24 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from rocm_parallel.backend.checkpoint import (
+    CheckpointError,
+    bfl_to_diffusers,
+    diffusers_to_bfl,
+    inspect_checkpoint,
+    load_model,
+    save_checkpoint,
+)
+from rocm_parallel.backend.checkpoint.quant import dequantize
 from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import FluxDims
-from rocm_parallel.backend.flux.convert import CheckpointError
-from rocm_parallel.backend.flux.load import inspect_checkpoint, load_flux
-from rocm_parallel.backend.flux.model import random_inputs
-from rocm_parallel.backend.flux2.convert import (
-    MIXED_FORMS,
-    dequantize,
-    flux2_bfl_to_diffusers,
-    flux2_config_from_bfl,
-    flux2_diffusers_to_bfl,
-    save_flux2_checkpoint,
-)
-from rocm_parallel.backend.flux2.model import FLUX2_DEV, FLUX2_KLEIN_4B, build_flux2, tiny_flux2_config
-from rocm_parallel.backend.parallel.fake import fake_process_group
+from rocm_parallel.backend.flux2.keys import config_from_bfl
+from rocm_parallel.backend.flux2.model import FLUX2_DEV, FLUX2_KLEIN_4B, build_flux2
 from rocm_parallel.backend.parallel.tensor import apply_tensor_parallel
 from rocm_parallel.backend.parallel.weights import linear_weight
+from rocm_parallel.testing.fake import fake_process_group
+from rocm_parallel.testing.models import random_inputs, tiny_flux2_config
+from rocm_parallel.testing.writers import MIXED_FORMS, save_mixed_checkpoint
 
 CONFIG = tiny_flux2_config(
     heads=8, head_dim=16, double_blocks=2, single_blocks=3, text_dim=32, in_channels=16
@@ -65,7 +66,7 @@ def _effective(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _dequantized(path: str) -> torch.nn.Module:
     """The single-process reference: the whole file dequantized (fp8 x weight_scale in float32)."""
     reference = build_flux2(CONFIG, seed=None)
-    reference.load_state_dict(flux2_bfl_to_diffusers(load_file(path)))
+    reference.load_state_dict(bfl_to_diffusers(load_file(path)))
     return reference
 
 
@@ -78,27 +79,27 @@ def _forward(model: torch.nn.Module) -> torch.Tensor:
 @pytest.mark.parametrize("config", [FLUX2_DEV, FLUX2_KLEIN_4B, CONFIG], ids=["dev", "klein-4b", "tiny"])
 def test_config_from_bfl_shapes(config: dict) -> None:
     """The diffusers config is recovered from the BFL key layout alone (meta tensors: no weights)."""
-    bfl = flux2_diffusers_to_bfl(build_flux2(config, device="meta"))
-    assert flux2_config_from_bfl(bfl) == {**config, "axes_dims_rope": tuple(config["axes_dims_rope"])}
+    bfl = diffusers_to_bfl(build_flux2(config, device="meta").state_dict())
+    assert config_from_bfl(bfl) == {**config, "axes_dims_rope": tuple(config["axes_dims_rope"])}
 
 
 def test_bfl_key_layout_matches_diffusers_converter(model: torch.nn.Module) -> None:
     """Our BFL file converts back with diffusers' own single-file converter to the same weights."""
     from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
 
-    bfl = flux2_diffusers_to_bfl(model)
+    bfl = diffusers_to_bfl(model.state_dict())
     assert "single_blocks.0.linear1.weight" in bfl and "double_blocks.1.img_attn.qkv.weight" in bfl
     _same_state(convert_flux2_transformer_checkpoint_to_diffusers(dict(bfl)), model.state_dict())
-    _same_state(flux2_bfl_to_diffusers(bfl), model.state_dict())
+    _same_state(bfl_to_diffusers(bfl), model.state_dict())
 
 
 @pytest.mark.parametrize("comfy_prefix", [False, True], ids=["bfl", "comfy-prefix"])
 def test_load_bfl_file_whole(tmp_path: Path, model: torch.nn.Module, comfy_prefix: bool) -> None:
-    path = save_flux2_checkpoint(model, tmp_path / "flux2.safetensors", comfy_prefix=comfy_prefix)
+    path = save_checkpoint(model, tmp_path / "flux2.safetensors", prefix=comfy_prefix)
     info = inspect_checkpoint(path)
     assert (info.family, info.format, info.quantization) == ("flux2", "bfl", "")
-    assert info.config == flux2_config_from_bfl(load_file(path))
-    loaded = load_flux(path, dtype="float32")
+    assert info.config == config_from_bfl(load_file(path))
+    loaded = load_model(path, dtype="float32")
     _same_state(loaded.state_dict(), model.state_dict())
     assert torch.equal(_forward(loaded), _forward(model))
 
@@ -108,16 +109,16 @@ def test_load_bfl_file_whole(tmp_path: Path, model: torch.nn.Module, comfy_prefi
 def test_each_rank_reads_its_slices(
     tmp_path: Path, model: torch.nn.Module, degree: int, fp8_mixed: str | None
 ) -> None:
-    """load_flux(tp=N) on rank r == the whole file dequantized, then sharded with the TP plan on rank r:
+    """load_model(tp=N) on rank r == the whole file dequantized, then sharded with the TP plan on rank r:
     upcast at load, and fp8-resident (raw fp8 shards + the layer's scale, upcast per layer)."""
-    path = save_flux2_checkpoint(model, tmp_path / "flux2.safetensors", fp8_mixed=fp8_mixed)
+    path = save_mixed_checkpoint(model, tmp_path / "flux2.safetensors", fp8_mixed=fp8_mixed)
     for rank in range(degree):
         with fake_process_group(degree, rank=rank):
             want = apply_tensor_parallel(_dequantized(path)).state_dict()
             _same_state(
-                load_flux(path, dtype="float32", weight_dtype="compute", tp=degree).state_dict(), want
+                load_model(path, dtype="float32", weight_dtype="compute", tp=degree).state_dict(), want
             )
-            resident = load_flux(path, dtype="float32", tp=degree)
+            resident = load_model(path, dtype="float32", tp=degree)
         _same_state(_effective(resident), want)
         fp8 = {n for n, p in resident.named_parameters() if p.dtype == torch.float8_e4m3fn}
         assert bool(fp8) == bool(fp8_mixed)
@@ -135,7 +136,7 @@ def test_fp8_mixed_resident_and_upcast_equal_dequantize(
     Mutations tried: no `scale_weight` buffer on the resident layers fails here (the fp8 layer has no
     scale); not reading the header's _quantization_metadata refuses the "metadata" files (their
     weight_scales look undeclared)."""
-    path = save_flux2_checkpoint(
+    path = save_mixed_checkpoint(
         model, tmp_path / "flux2_fp8mixed.safetensors", fp8_mixed=fp8_mixed, comfy_prefix=comfy_prefix
     )
     prefix = "model.diffusion_model." if comfy_prefix else ""
@@ -159,8 +160,8 @@ def test_fp8_mixed_resident_and_upcast_equal_dequantize(
     assert info.stored_dtypes == ("bfloat16", "float8_e4m3fn")  # scales and markers are not weights
     assert len(info.scales) == sum(k.endswith(".weight_scale") for k in stored) == 2 * 8 + 3 * 2
 
-    resident = load_flux(path, dtype="float32")
-    upcast = load_flux(path, dtype="float32", weight_dtype="compute")
+    resident = load_model(path, dtype="float32")
+    upcast = load_model(path, dtype="float32", weight_dtype="compute")
     qkv = resident.single_transformer_blocks[0].attn.to_qkv_mlp_proj
     assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.scale_weight.dtype == torch.float32
     exact = dequantize(
@@ -188,7 +189,7 @@ def test_workers_fp8_mixed_tp_and_ring_equal_dequantized(
     dequantized file."""
     from rocm_parallel.backend.api import ParallelFlux
 
-    path = save_flux2_checkpoint(model, tmp_path / "flux2_fp8mixed.safetensors", fp8_mixed="metadata")
+    path = save_mixed_checkpoint(model, tmp_path / "flux2_fp8mixed.safetensors", fp8_mixed="metadata")
     expected = _forward(_dequantized(path))
     inputs = random_inputs(DIMS, height=48, width=80, text_tokens=7, family="flux2").as_kwargs()
     flux = ParallelFlux(group=group2)
@@ -210,7 +211,7 @@ def test_load_diffusers_folder(tmp_path: Path, model: torch.nn.Module) -> None:
     info = inspect_checkpoint(tmp_path)
     assert (info.family, info.format) == ("flux2", "diffusers")
     with fake_process_group(2, rank=1):
-        got = load_flux(tmp_path, dtype="float32", tp=2).state_dict()
+        got = load_model(tmp_path, dtype="float32", tp=2).state_dict()
         want = apply_tensor_parallel(build_flux2(CONFIG, seed=3)).state_dict()
     _same_state(got, want)
 
@@ -226,7 +227,7 @@ def _error(path: Path | str) -> str:
 
 
 def _mixed(tmp_path: Path, model: torch.nn.Module, form: str = "comfy_quant") -> tuple[Path, dict, dict]:
-    path = Path(save_flux2_checkpoint(model, tmp_path / "mixed.safetensors", fp8_mixed=form))
+    path = Path(save_mixed_checkpoint(model, tmp_path / "mixed.safetensors", fp8_mixed=form))
     with safe_open(str(path), "pt") as f:
         metadata = f.metadata() or {}
     return path, load_file(path), metadata
@@ -330,19 +331,19 @@ def test_damaged_mixed_files_are_refused(tmp_path: Path, model: torch.nn.Module)
 def test_fp8_mixed_weights_are_not_converted_to_another_fp8(tmp_path: Path, model: torch.nn.Module) -> None:
     path, _, _ = _mixed(tmp_path, model)
     with pytest.raises(CheckpointError) as err:
-        load_flux(path, weight_dtype="fp8_e5m2")
+        load_model(path, weight_dtype="fp8_e5m2")
     assert str(err.value) == (
         f"weight_dtype='fp8_e5m2' but '{path}' is a ComfyUI quantized (fp8 mixed) checkpoint stored as "
         "float8_e4m3fn: its scaled weights are not converted to another fp8 format. Use weight_dtype='default' "
         "(keeps the file's fp8 weights and scales) or 'compute'"
     )
-    kept = load_flux(path, dtype="float32", weight_dtype="fp8_e4m3fn")
+    kept = load_model(path, dtype="float32", weight_dtype="fp8_e4m3fn")
     assert kept.x_embedder.weight.dtype == torch.float8_e4m3fn  # a bf16 linear of the file, converted
 
 
 def test_flux2_shape_checks_name_flux2(tmp_path: Path, model: torch.nn.Module) -> None:
     """The checks load_flux2 had, in the shared loader, in FLUX.2's words."""
-    bfl = flux2_diffusers_to_bfl(model)
+    bfl = diffusers_to_bfl(model.state_dict())
     path = tmp_path / "f.safetensors"
     save_file({k: v for k, v in bfl.items() if k != "double_blocks.1.txt_mlp.2.weight"}, str(path))
     assert _error(path) == (
@@ -380,8 +381,8 @@ def test_float8_e5m2_layers_load_with_their_scale(tmp_path: Path, model: torch.n
     tensors[f"{layer}.comfy_quant"] = _marker("float8_e5m2")
     save_file(tensors, str(path))
     exact = dequantize(tensors, f"{layer}.weight")
-    resident = load_flux(path, dtype="float32").single_transformer_blocks[1].attn.to_qkv_mlp_proj
-    upcast = load_flux(path, dtype="float32", weight_dtype="compute").single_transformer_blocks[1].attn
+    resident = load_model(path, dtype="float32").single_transformer_blocks[1].attn.to_qkv_mlp_proj
+    upcast = load_model(path, dtype="float32", weight_dtype="compute").single_transformer_blocks[1].attn
     assert resident.weight.dtype == torch.float8_e5m2
     assert torch.equal(linear_weight(resident, torch.float32), exact)
     assert torch.equal(upcast.to_qkv_mlp_proj.weight, exact)

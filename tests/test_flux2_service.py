@@ -14,16 +14,16 @@ from safetensors.torch import load_file
 from test_parallel_sampling import LAYOUTS
 
 from rocm_parallel.backend.api import ParallelFlux
+from rocm_parallel.backend.checkpoint import bfl_to_diffusers, inspect_checkpoint
+from rocm_parallel.backend.checkpoint.lora import inspect_lora
 from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError, FluxDims, ParallelLayout
-from rocm_parallel.backend.flux.load import inspect_checkpoint
-from rocm_parallel.backend.flux.lora import inspect_lora
-from rocm_parallel.backend.flux2.convert import flux2_bfl_to_diffusers, save_flux2_checkpoint
 from rocm_parallel.backend.flux2.forward import flux2_call, flux2_model_fn
-from rocm_parallel.backend.flux2.model import FLUX2_DEV, build_flux2, tiny_flux2_config
+from rocm_parallel.backend.flux2.model import FLUX2_DEV, build_flux2
 from rocm_parallel.backend.plan import Setup, plan
 from rocm_parallel.nodes import logic
-from rocm_parallel.testing.helpers import lora_targets, write_random_lora
+from rocm_parallel.testing.models import tiny_flux2_config
+from rocm_parallel.testing.writers import lora_targets, save_mixed_checkpoint, write_random_lora
 
 TOL = 1e-5
 # 32 latent channels (not FLUX.1's 16, so a FLUX.1 latent is refused), 8 heads for TP 2/4 and Ulysses 2.
@@ -35,7 +35,7 @@ CONFIG = tiny_flux2_config(
 @pytest.fixture(scope="module")
 def flux2_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, torch.nn.Module]:
     model = build_flux2(CONFIG, seed=11)
-    path = save_flux2_checkpoint(
+    path = save_mixed_checkpoint(
         model, tmp_path_factory.mktemp("flux2") / "flux2-tiny.safetensors", comfy_prefix=True
     )
     return path, model
@@ -199,7 +199,7 @@ def test_auto_plans_flux2_latents_and_their_references(
 
 def merged_flux2(checkpoint: str, loras: list[tuple[str, float]]) -> torch.nn.Module:
     """`checkpoint` with BFL-format `loras` merged by plain math on the BFL tensors (W += strength * alpha /
-    rank * up @ down, fp32), converted with flux2_bfl_to_diffusers, independently of lora.py."""
+    rank * up @ down, fp32), converted with bfl_to_diffusers, independently of lora.py."""
     bfl = {k.removeprefix("model.diffusion_model."): v.float() for k, v in load_file(checkpoint).items()}
     for path, strength in loras:
         lora = load_file(path)
@@ -209,7 +209,7 @@ def merged_flux2(checkpoint: str, loras: list[tuple[str, float]]) -> torch.nn.Mo
             scale = lora[f"{name}.alpha"].item() / down.shape[0] if f"{name}.alpha" in lora else 1.0
             bfl[f"{name.removeprefix('diffusion_model.')}.weight"] += (strength * scale) * (up @ down)
     model = build_flux2(CONFIG, device="meta")
-    model.load_state_dict(flux2_bfl_to_diffusers(bfl), assign=True)
+    model.load_state_dict(bfl_to_diffusers(bfl), assign=True)
     return model.eval()
 
 

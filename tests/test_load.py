@@ -12,13 +12,21 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from rocm_parallel.backend.checkpoint import (
+    COMFY_PREFIX,
+    CheckpointError,
+    bfl_to_diffusers,
+    diffusers_to_bfl,
+    inspect_checkpoint,
+    load_model,
+    resolve_dtype,
+)
 from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError, FluxDims
-from rocm_parallel.backend.flux.convert import COMFY_PREFIX, bfl_to_diffusers, diffusers_to_bfl
-from rocm_parallel.backend.flux.load import CheckpointError, inspect_checkpoint, load_flux, resolve_dtype
-from rocm_parallel.backend.flux.model import build_flux, random_inputs, tiny_flux_config
-from rocm_parallel.backend.parallel.fake import fake_process_group
+from rocm_parallel.backend.flux.model import build_flux
 from rocm_parallel.backend.parallel.tensor import apply_tensor_parallel
+from rocm_parallel.testing.fake import fake_process_group
+from rocm_parallel.testing.models import random_inputs, tiny_flux_config
 
 # 8 heads so that TP 2 and 4 both split them.
 CONFIG = tiny_flux_config(heads=8, head_dim=16, double_blocks=2, single_blocks=2)
@@ -82,9 +90,9 @@ def _load(path: Path, degree: int, rank: int, dtype: torch.dtype = torch.float32
     # upcast at load ('compute'): the slicing under test is the same for fp8-resident weights, whose
     # dtypes and bytes tests/test_weights.py checks
     if degree == 1:
-        return load_flux(path, dtype=dtype, weight_dtype="compute").state_dict()
+        return load_model(path, dtype=dtype, weight_dtype="compute").state_dict()
     with fake_process_group(degree, rank):
-        return load_flux(path, dtype=dtype, weight_dtype="compute", tp=degree).state_dict()
+        return load_model(path, dtype=dtype, weight_dtype="compute", tp=degree).state_dict()
 
 
 def _assert_same(got: dict, want: dict) -> None:
@@ -120,11 +128,11 @@ def test_sharded_load_equals_full_model_sliced(tmp_path: Path, fmt: str, stored:
 
 def test_tp_load_equals_loading_whole_then_applying_tp(tmp_path: Path) -> None:
     path = write_bfl(tmp_path, stored=torch.bfloat16)
-    full = load_flux(path, dtype="bfloat16")
+    full = load_model(path, dtype="bfloat16")
     for rank in range(4):
         with fake_process_group(4, rank):
-            want = apply_tensor_parallel(load_flux(path, dtype="bfloat16")).state_dict()
-            _assert_same(load_flux(path, dtype="bfloat16", tp=4).state_dict(), want)
+            want = apply_tensor_parallel(load_model(path, dtype="bfloat16")).state_dict()
+            _assert_same(load_model(path, dtype="bfloat16", tp=4).state_dict(), want)
     assert full.dtype == torch.bfloat16
 
 
@@ -134,7 +142,7 @@ def test_fp8_upcast_is_exact(tmp_path: Path, fp8: torch.dtype, compute: torch.dt
     bfl = {k: v.to(fp8) for k, v in diffusers_to_bfl(build_flux(CONFIG, seed=SEED).state_dict()).items()}
     path = tmp_path / "flux-fp8.safetensors"
     save_file(_contiguous(bfl), str(path))
-    loaded = load_flux(path, dtype=compute, weight_dtype="compute").state_dict()
+    loaded = load_model(path, dtype=compute, weight_dtype="compute").state_dict()
     stored = bfl_to_diffusers(bfl)
     assert loaded.keys() == stored.keys()
     for name, tensor in loaded.items():
@@ -168,8 +176,8 @@ def test_mixed_fp8_and_bf16_file(tmp_path: Path) -> None:
 def test_bfl_file_and_diffusers_twin_give_the_same_forward(tmp_path: Path) -> None:
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    bfl = load_flux(write_bfl(tmp_path / "a", stored=torch.bfloat16))
-    twin = load_flux(write_diffusers_folder(tmp_path / "b", stored=torch.bfloat16))
+    bfl = load_model(write_bfl(tmp_path / "a", stored=torch.bfloat16))
+    twin = load_model(write_diffusers_folder(tmp_path / "b", stored=torch.bfloat16))
     original = nn.Module.to(_model(CONFIG, torch.bfloat16), dtype=torch.float32)
     inputs = random_inputs(FluxDims.from_diffusers_config(CONFIG)).as_kwargs()
     with torch.no_grad():
@@ -268,7 +276,7 @@ def test_header_length_starting_with_0x80_is_safetensors_not_a_pickle(tmp_path: 
             break
     assert path.read_bytes()[0] == 0x80
     info = inspect_checkpoint(path)
-    model = load_flux(info, device="cpu", dtype="float32")
+    model = load_model(info, device="cpu", dtype="float32")
     reference = _model().state_dict()
     assert model.state_dict().keys() == reference.keys()
     assert all(torch.equal(v, reference[k]) for k, v in model.state_dict().items())
@@ -375,16 +383,16 @@ def test_compute_dtype_errors_and_defaults(monkeypatch: pytest.MonkeyPatch) -> N
 def test_tp_needs_a_group_of_that_size(tmp_path: Path) -> None:
     path = write_bfl(tmp_path)
     with pytest.raises(CheckpointError) as err:
-        load_flux(path, tp=2)
-    assert str(err.value) == "load_flux(tp=2) needs a process group of 2 ranks, got no process group"
+        load_model(path, tp=2)
+    assert str(err.value) == "load_model(tp=2) needs a process group of 2 ranks, got no process group"
     with fake_process_group(4, 0), pytest.raises(CheckpointError) as err:
-        load_flux(path, tp=2)
-    assert str(err.value) == "load_flux(tp=2) needs a process group of 2 ranks, got 4"
+        load_model(path, tp=2)
+    assert str(err.value) == "load_model(tp=2) needs a process group of 2 ranks, got 4"
     with (
         fake_process_group(3, 0),
         pytest.raises(ConfigError, match="tp_degree=3 does not divide 8 attention heads"),
     ):
-        load_flux(path, tp=3)
+        load_model(path, tp=3)
 
 
 def test_workers_load_their_shards_and_match_one_process(tmp_path: Path, group2: WorkerGroup) -> None:
@@ -392,7 +400,7 @@ def test_workers_load_their_shards_and_match_one_process(tmp_path: Path, group2:
     path = write_bfl(tmp_path, stored=torch.bfloat16)
     inputs = random_inputs(FluxDims.from_diffusers_config(CONFIG)).as_kwargs()
     with torch.no_grad():
-        expected = load_flux(path, dtype="float32")(**inputs, return_dict=False)[0]
+        expected = load_model(path, dtype="float32")(**inputs, return_dict=False)[0]
     loaded = group2.call_all("load_shards", {"path": str(path), "dtype": "float32", "tp": 2})
     full_bytes = 4 * sum(p.numel() for p in build_flux(CONFIG, device="meta").parameters())
     assert [r["rank"] for r in loaded] == [0, 1]

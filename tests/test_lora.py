@@ -14,15 +14,27 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from rocm_parallel.backend.api import ParallelFlux
+from rocm_parallel.backend.checkpoint import (
+    bfl_to_diffusers,
+    diffusers_to_bfl,
+    inspect_checkpoint,
+    load_model,
+)
+from rocm_parallel.backend.checkpoint.lora import (
+    LoraError,
+    apply_loras,
+    check_loras,
+    delta_slice,
+    inspect_lora,
+)
 from rocm_parallel.backend.client import WorkerError, WorkerGroup
 from rocm_parallel.backend.config import ConfigError, FluxDims
-from rocm_parallel.backend.flux.convert import bfl_to_diffusers, diffusers_to_bfl
-from rocm_parallel.backend.flux.load import inspect_checkpoint, load_flux
-from rocm_parallel.backend.flux.lora import LoraError, apply_loras, check_loras, delta_slice, inspect_lora
-from rocm_parallel.backend.flux.model import build_flux, random_inputs
-from rocm_parallel.backend.parallel.fake import fake_process_group
+from rocm_parallel.backend.flux.model import build_flux
 from rocm_parallel.backend.parallel.tensor import apply_tensor_parallel
-from rocm_parallel.testing.helpers import TEST_CONFIG, write_random_lora
+from rocm_parallel.testing.fake import fake_process_group
+from rocm_parallel.testing.helpers import TEST_CONFIG
+from rocm_parallel.testing.models import random_inputs
+from rocm_parallel.testing.writers import write_random_lora
 
 CONFIG = TEST_CONFIG  # 8 heads x 16, 2 double + 3 single blocks
 FORMATS = ("bfl", "kohya", "peft")
@@ -160,9 +172,9 @@ def test_comfyui_key_variants(files: dict[str, str], tmp_path: Path) -> None:
 
 def load_rank(checkpoint: str, degree: int, rank: int, dtype: str) -> nn.Module:
     if degree == 1:
-        return load_flux(checkpoint, dtype=dtype)
+        return load_model(checkpoint, dtype=dtype)
     with fake_process_group(degree, rank):
-        return load_flux(checkpoint, dtype=dtype, tp=degree)
+        return load_model(checkpoint, dtype=dtype, tp=degree)
 
 
 @pytest.mark.parametrize(
@@ -182,13 +194,13 @@ def test_each_tp_rank_matches_the_merged_model_and_restores_exactly(
     want = [shard(merged_reference(files[stored], stack, torch_dtype), 2, rank) for rank in range(2)]
     for rank in range(2):
         with fake_process_group(2, rank):
-            model = load_flux(info, dtype=dtype, tp=2)
+            model = load_model(info, dtype=dtype, tp=2)
             original = {k: v.clone() for k, v in model.state_dict().items()}
             patched = apply_loras(model, info, [(first, 0.7), (second, -1.5)], rank=rank, degree=2)
             # bf16: the reference rounds once from float32 too; tolerance is one bf16 step at |w| ~ 0.2
             assert_close(model.state_dict(), want[rank], tol, f"rank {rank}")
             changed = apply_loras(model, info, [(first, 0.3)], restore=patched, rank=rank, degree=2)
-            fresh = load_flux(info, dtype=dtype, tp=2)
+            fresh = load_model(info, dtype=dtype, tp=2)
             apply_loras(fresh, info, [(first, 0.3)], rank=rank, degree=2)
             assert_equal(model.state_dict(), fresh.state_dict(), f"rank {rank}: s1 -> s2 vs fresh s2")
             apply_loras(model, info, [], restore=changed, rank=rank, degree=2)
@@ -364,7 +376,7 @@ def test_matches_comfyuis_own_lora_loader(
     shards and samples with its own loop, in TP and ring."""
     from test_sampling import ALL_CASES, MODELS, positive, reference
 
-    from rocm_parallel.backend.flux.model import tiny_flux_config
+    from rocm_parallel.testing.models import tiny_flux_config
 
     case, ref = ALL_CASES["lora_bfl"], reference("lora_bfl")
     spec = case["lora"]

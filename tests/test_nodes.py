@@ -22,9 +22,9 @@ from test_sampling import flux_model, positive, reference
 
 import rocm_parallel
 from rocm_parallel.backend.api import ParallelFlux
+from rocm_parallel.backend.checkpoint import save_checkpoint
 from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError, ParallelLayout
-from rocm_parallel.backend.flux.convert import save_bfl_checkpoint
 from rocm_parallel.nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS, logic
 from rocm_parallel.nodes.logic import ParallelHandle, Registry
 
@@ -267,7 +267,7 @@ def shared_registry(group2: WorkerGroup, monkeypatch: pytest.MonkeyPatch) -> Reg
 
 @pytest.fixture
 def dev_checkpoint(comfy: FakeComfy) -> str:
-    save_bfl_checkpoint(flux_model("dev"), comfy.models / "tiny-dev.safetensors")
+    save_checkpoint(flux_model("dev"), comfy.models / "tiny-dev.safetensors")
     return "tiny-dev.safetensors"
 
 
@@ -493,7 +493,7 @@ def test_workers_starting_are_shown_as_such() -> None:
     ],
 )
 def test_public_error_names_files_not_paths(message: str, shown: str) -> None:
-    from rocm_parallel.backend.flux.load import CheckpointError
+    from rocm_parallel.backend.checkpoint import CheckpointError
 
     assert logic.public_error(CheckpointError(message)) == shown
 
@@ -581,7 +581,7 @@ def test_samplers_refuse_a_fill_checkpoint_pointing_to_the_parallel_model(
     comfy: FakeComfy, recording_registry: tuple[Registry, list]
 ) -> None:
     _, started = recording_registry
-    save_bfl_checkpoint(flux_model("fill"), comfy.models / "fill.safetensors")
+    save_checkpoint(flux_model("fill"), comfy.models / "fill.safetensors")
     handle = ParallelHandle(str(comfy.models / "fill.safetensors"), "fill.safetensors", ("cpu", "cpu"), None)
     with pytest.raises(ConfigError) as err:
         NODE_CLASS_MAPPINGS["RocmParallelTPSampler"]().sample(parallel_flux=handle, **_bad_inputs("none"))
@@ -738,14 +738,14 @@ def test_a_cancel_during_comfyuis_sampling_is_shown_as_such() -> None:
 def lora_files(comfy: FakeComfy) -> list[str]:
     from test_sampling import MODELS
 
-    from rocm_parallel.backend.flux.model import tiny_flux_config
-    from rocm_parallel.testing.helpers import write_random_lora
+    from rocm_parallel.testing.models import tiny_flux_config
+    from rocm_parallel.testing.writers import write_random_lora
 
     config = tiny_flux_config(**MODELS["dev"]["config"])
     comfy.loras.mkdir(exist_ok=True)
     write_random_lora(comfy.loras / "style.safetensors", config, "bfl", rank=4, seed=1)
     write_random_lora(comfy.loras / "kohya.safetensors", config, "kohya", rank=2, seed=2)
-    save_bfl_checkpoint(flux_model("dev"), comfy.loras / "not-a-lora.safetensors")
+    save_checkpoint(flux_model("dev"), comfy.loras / "not-a-lora.safetensors")
     return ["kohya.safetensors", "not-a-lora.safetensors", "style.safetensors"]
 
 
@@ -780,8 +780,8 @@ def test_lora_node_refuses_a_file_that_is_no_lora_for_this_model(
             parallel_flux=base, lora_name="not-a-lora.safetensors", strength_model=1.0
         )
     assert str(err.value).startswith(f"'{comfy.loras / 'not-a-lora.safetensors'}' has no FLUX LoRA keys")
-    from rocm_parallel.backend.flux.model import tiny_flux_config
-    from rocm_parallel.testing.helpers import write_random_lora
+    from rocm_parallel.testing.models import tiny_flux_config
+    from rocm_parallel.testing.writers import write_random_lora
 
     write_random_lora(comfy.loras / "wide.safetensors", tiny_flux_config(heads=8, head_dim=16), "bfl")
     with pytest.raises(

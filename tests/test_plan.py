@@ -10,8 +10,7 @@ import torch
 from rocm_parallel.backend.api import ParallelFlux, make_layout
 from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError, FluxDims, ParallelLayout
-from rocm_parallel.backend.flux.model import FLUX_DEV, FLUX_SCHNELL, build_flux, tiny_flux_config
-from rocm_parallel.backend.parallel.fake import fake_process_group
+from rocm_parallel.backend.flux.model import FLUX_DEV, build_flux
 from rocm_parallel.backend.parallel.tensor import apply_tensor_parallel, parameter_bytes
 from rocm_parallel.backend.plan import (
     Link,
@@ -21,11 +20,14 @@ from rocm_parallel.backend.plan import (
     choose,
     collectives,
     estimate,
-    flux_parameter_shapes,
+    forward_flops,
+    model_facts,
     ring_attention,
     weight_bytes,
 )
-from rocm_parallel.testing.helpers import measure_on_meta
+from rocm_parallel.testing.fake import fake_process_group
+from rocm_parallel.testing.meta import measure_on_meta
+from rocm_parallel.testing.models import tiny_flux_config
 
 DEV = FluxDims.from_diffusers_config(FLUX_DEV)
 TINY_CONFIG = tiny_flux_config(
@@ -68,13 +70,6 @@ def test_ring_layout_reduces_to_the_calculator() -> None:
 # --- weights: exactly what the engine holds --------------------------------------------------------
 
 
-@pytest.mark.parametrize("config", [FLUX_DEV, FLUX_SCHNELL, TINY_CONFIG], ids=["dev", "schnell", "tiny"])
-def test_parameter_shapes_match_diffusers(config: dict) -> None:
-    model = build_flux(config, device="meta")
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    assert flux_parameter_shapes(FluxDims.from_diffusers_config(config)) == expected
-
-
 @pytest.mark.parametrize("degree", [1, 2, 4, 8])
 def test_tp_weight_bytes_equal_the_engine_shard(degree: int) -> None:
     for rank in sorted({0, degree - 1}):
@@ -93,6 +88,22 @@ def test_context_parallel_weights_are_a_full_copy() -> None:
         assert weight_bytes(DEV, layout, 2) == full
     measured = measure_on_meta(TINY_CONFIG, ParallelLayout(ring=2), 256, 256, text_tokens=32)
     assert measured["weights"] == weight_bytes(TINY, ParallelLayout(ring=2), 2)
+
+
+def test_the_meta_model_gives_flux_devs_work_and_tp_facts() -> None:
+    """Derived from the meta model, equal to FLUX.1-dev's architecture worked by hand: per-token linears
+    (image stream, text stream, joint single blocks), 57 attentions, 76 fused all-reduces, 344 x hidden
+    modulation features."""
+    d, m = 3072, 12288
+    facts = model_facts("flux1", DEV)
+    assert facts.image_macs == 64 * d + d * 64 + 19 * (4 * d * d + 2 * d * 4 * d)  # img_in, proj_out, blocks
+    assert facts.text_macs == 4096 * d + 19 * (4 * d * d + 2 * d * 4 * d)  # txt_in, blocks
+    assert facts.joint_macs == 38 * (3 * d * d + d * m + (d + m) * d)
+    assert (facts.attentions, facts.tp_all_reduces, facts.modulation_width) == (57, 76, 344 * d)
+    setup = Setup(DEV, 1024, 1024, text_tokens=512)
+    s, image, text = 4608, 4096, 512
+    macs = image * facts.image_macs + text * facts.text_macs + s * facts.joint_macs
+    assert forward_flops(setup) == 2 * (macs + 57 * 2 * s * s * d)
 
 
 # --- collectives: what CountCollectives counts -----------------------------------------------------

@@ -23,9 +23,9 @@ from safetensors.torch import save_file
 from test_sampling import flux_model, positive, reference
 
 from rocm_parallel.backend.api import ParallelFlux
+from rocm_parallel.backend.checkpoint import diffusers_to_bfl
 from rocm_parallel.backend.client import Watchdog, WorkerError, WorkerGroup, validate_devices
 from rocm_parallel.backend.config import ConfigError
-from rocm_parallel.backend.flux.convert import diffusers_to_bfl
 from rocm_parallel.backend.transport import private_dir, remove_stale_dirs
 
 TESTS_DIR = str(Path(__file__).resolve().parent)

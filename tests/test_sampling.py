@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from rocm_parallel.backend.config import ConfigError
 from rocm_parallel.backend.flux.forward import patchify, unpatchify
-from rocm_parallel.backend.flux.model import build_flux, tiny_flux_config
+from rocm_parallel.backend.flux.model import build_flux
 from rocm_parallel.backend.flux.sampling import (
     denoise_schedule,
     diffusers_model_fn,
@@ -28,6 +28,7 @@ from rocm_parallel.backend.flux.sampling import (
     schnell_sigma_table,
     simple_schedule,
 )
+from rocm_parallel.testing.models import tiny_flux_config
 
 REFERENCES = Path(__file__).parent / "data" / "comfy_references.safetensors"
 with safe_open(str(REFERENCES), "pt") as _f:

@@ -7,9 +7,8 @@ import torch
 
 from rocm_parallel.backend.client import WorkerError, WorkerGroup
 from rocm_parallel.backend.config import ConfigError, FluxDims
-from rocm_parallel.backend.flux.model import FLUX_DEV, build_flux, random_inputs, tiny_flux_config
+from rocm_parallel.backend.flux.model import FLUX_DEV, build_flux
 from rocm_parallel.backend.parallel.comm import CountCollectives
-from rocm_parallel.backend.parallel.fake import fake_process_group
 from rocm_parallel.backend.parallel.tensor import (
     GatheredLinear,
     PackedRow,
@@ -18,7 +17,9 @@ from rocm_parallel.backend.parallel.tensor import (
     parameter_bytes,
     shard_pieces,
 )
+from rocm_parallel.testing.fake import fake_process_group
 from rocm_parallel.testing.helpers import TEST_CONFIG
+from rocm_parallel.testing.models import random_inputs, tiny_flux_config
 
 # 8 heads so that TP 2 and 4 both split them; 2 double + 3 single blocks.
 CONFIG = TEST_CONFIG

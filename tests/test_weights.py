@@ -21,18 +21,19 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from rocm_parallel.backend.api import ParallelFlux
+from rocm_parallel.backend.checkpoint import CheckpointError, diffusers_to_bfl, inspect_checkpoint, load_model
+from rocm_parallel.backend.checkpoint.lora import apply_loras, inspect_lora
 from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError, FluxDims, ParallelLayout
-from rocm_parallel.backend.flux.convert import diffusers_to_bfl
-from rocm_parallel.backend.flux.load import CheckpointError, inspect_checkpoint, load_flux
-from rocm_parallel.backend.flux.lora import apply_loras, inspect_lora
-from rocm_parallel.backend.flux.model import FLUX_DEV, build_flux, random_inputs
+from rocm_parallel.backend.flux.model import FLUX_DEV, build_flux
 from rocm_parallel.backend.flux.sampling import diffusers_model_fn, run_euler
-from rocm_parallel.backend.parallel.fake import fake_process_group
 from rocm_parallel.backend.parallel.tensor import RowParallelLinear, parameter_bytes
 from rocm_parallel.backend.parallel.weights import UpcastLinear, compute_dtype
 from rocm_parallel.backend.plan import weight_bytes
-from rocm_parallel.testing.helpers import TEST_CONFIG, sampling_job, write_random_lora
+from rocm_parallel.testing.fake import fake_process_group
+from rocm_parallel.testing.helpers import TEST_CONFIG, sampling_job
+from rocm_parallel.testing.models import random_inputs
+from rocm_parallel.testing.writers import write_random_lora
 
 CONFIG = TEST_CONFIG  # 8 heads x 16, 2 double + 3 single blocks
 DIMS = FluxDims.from_diffusers_config(CONFIG)
@@ -66,9 +67,9 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 def _load(path: str, weight_dtype: str, dtype: str = "bfloat16", degree: int = 1, rank: int = 0) -> nn.Module:
     if degree == 1:
-        return load_flux(path, dtype=dtype, weight_dtype=weight_dtype)
+        return load_model(path, dtype=dtype, weight_dtype=weight_dtype)
     with fake_process_group(degree, rank):
-        return load_flux(path, dtype=dtype, weight_dtype=weight_dtype, tp=degree)
+        return load_model(path, dtype=dtype, weight_dtype=weight_dtype, tp=degree)
 
 
 def _forward(model: nn.Module) -> torch.Tensor:
@@ -193,12 +194,12 @@ def test_conversion_out_of_range_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "big.safetensors"
     save_file(bfl, str(path))
     with pytest.raises(CheckpointError) as err:
-        load_flux(path, weight_dtype="fp8_e4m3fn")
+        load_model(path, weight_dtype="fp8_e4m3fn")
     assert str(err.value) == (
         f"'{path}': tensor 'img_in.weight' holds values up to 1000, beyond fp8_e4m3fn's range (+-448); "
         "converting would clip them. Use weight_dtype='fp8_e5m2', 'default' or 'compute'"
     )
-    assert load_flux(path, weight_dtype="fp8_e5m2").x_embedder.weight.float().abs().max() == 1024
+    assert load_model(path, weight_dtype="fp8_e5m2").x_embedder.weight.float().abs().max() == 1024
 
 
 def test_unknown_weight_dtype(files: dict[str, str]) -> None:
@@ -207,7 +208,7 @@ def test_unknown_weight_dtype(files: dict[str, str]) -> None:
         "(fp8 weights stay resident at 1 byte each and are upcast per layer to the compute dtype)"
     )
     with pytest.raises(ConfigError, match=re.escape(message)):
-        load_flux(files["bf16"], weight_dtype="fp8")
+        load_model(files["bf16"], weight_dtype="fp8")
     with pytest.raises(ConfigError, match=re.escape(message)):
         ParallelFlux(["cpu", "cpu"]).check_load(files["bf16"], weight_dtype="fp8")
 
@@ -270,7 +271,7 @@ def test_scaled_fp8_errors(tmp_path: Path) -> None:
     path = tmp_path / "scaled.safetensors"
     write_scaled(path)
     with pytest.raises(CheckpointError) as err:
-        load_flux(path, weight_dtype="fp8_e5m2")
+        load_model(path, weight_dtype="fp8_e5m2")
     assert str(err.value) == (
         f"weight_dtype='fp8_e5m2' but '{path}' is a ComfyUI scaled fp8 checkpoint stored as float8_e4m3fn: "
         "its scaled weights are not converted to another fp8 format. Use weight_dtype='default' (keeps the "
@@ -291,8 +292,8 @@ def test_lora_on_fp8_weights_is_held_in_the_compute_dtype(files: dict[str, str],
     lora = inspect_lora(files["lora"], info)
     for rank in range(degree):
         with fake_process_group(degree, rank):
-            fp8 = load_flux(info, dtype="bfloat16", weight_dtype="default", tp=degree)
-            upcast = load_flux(info, dtype="bfloat16", weight_dtype="compute", tp=degree)
+            fp8 = load_model(info, dtype="bfloat16", weight_dtype="default", tp=degree)
+            upcast = load_model(info, dtype="bfloat16", weight_dtype="compute", tp=degree)
             fresh = {k: v.clone() for k, v in fp8.state_dict().items()}
             patched = apply_loras(fp8, info, [(lora, 0.8)], rank=rank, degree=degree)
             apply_loras(upcast, info, [(lora, 0.8)], rank=rank, degree=degree)
@@ -332,7 +333,7 @@ def test_plan_cli_counts_fp8_weights(capsys: pytest.CaptureFixture[str]) -> None
 
 def test_planner_weight_dtype_follows_the_file(files: dict[str, str]) -> None:
     """What `auto` plans with: 'default' is the file's own fp8 (or the compute dtype), names pass through."""
-    from rocm_parallel.backend.flux.load import planned_weight_dtype
+    from rocm_parallel.backend.checkpoint import planned_weight_dtype
 
     e4m3fn, e5m2, bf16 = (inspect_checkpoint(files[k]) for k in ("e4m3fn", "e5m2", "bf16"))
     assert [planned_weight_dtype(None, i) for i in (e4m3fn, e5m2, bf16)] == [

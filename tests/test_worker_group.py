@@ -161,7 +161,7 @@ def test_workers_exit_when_the_parent_dies(tmp_path) -> None:
 
 def test_clean_exit_after_a_parallel_forward() -> None:
     from rocm_parallel.backend.config import FluxDims
-    from rocm_parallel.backend.flux.model import random_inputs, tiny_flux_config
+    from rocm_parallel.testing.models import random_inputs, tiny_flux_config
 
     config = tiny_flux_config(heads=4, head_dim=16)
     group = WorkerGroup(["cpu", "cpu"], threads=1, extra_sys_path=[TESTS_DIR], methods=["model_methods"])

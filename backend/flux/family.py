@@ -15,17 +15,16 @@ BFL key layout; they differ only in what the header shows and in the extra input
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-import torch
-
-from ..family import ComfyModel, LatentFormat, ModelFamily, Shapes, TextInputs, register
-from ..parallel.tensor import FLUX_TP_PLAN, apply_tensor_parallel
-from .convert import bfl_sources, diffusers_to_bfl, flux_config_from_bfl
+from ..family import ComfyModel, LatentFormat, ModelFamily, PlannerFacts, TextInputs, register
+from ..parallel.context import ContextParallelSpec
+from . import keys
 from .forward import PATCH, REF_METHODS, flux_call
-from .model import build_flux
+from .model import FLUX_DEV, FLUX_SCHNELL, build_flux
 from .sampling import SCALE_FACTOR, SHIFT_FACTOR, diffusers_model_fn
+from .tp import FLUX_TP
 
 # comfy/supported_models.py FluxInpaint: the Fill model's channels per latent pixel (16 latent + 16 masked
 # image + 64 mask, the 8x8 mask pixels under each latent pixel).
@@ -47,32 +46,20 @@ TEXT = TextInputs(
 )
 
 
-def matches_bfl(keys: Collection[str]) -> bool:
-    """BFL double/single blocks with an `img_in` (Chroma has none) and FLUX.1's per-block modulation."""
-    blocks = any(k.startswith(("double_blocks.", "single_blocks.")) for k in keys)
-    shared_modulation = any(k.startswith("double_stream_modulation") for k in keys)  # FLUX.2's layout
-    return blocks and "img_in.weight" in keys and not shared_modulation
+# Context parallelism rebuilds diffusers' FluxAttnProcessor (double and single blocks alike).
+CP = ContextParallelSpec(processors={"FluxAttnProcessor": "diffusers.models.transformers.transformer_flux"})
 
-
-def matches_diffusers(keys: Collection[str]) -> bool:
-    shared_modulation = any(k.startswith("double_stream_modulation") for k in keys)
-    return (
-        "x_embedder.weight" in keys
-        and any(k.startswith("single_transformer_blocks.") for k in keys)
-        and not shared_modulation
-    )
-
-
-def config_from_diffusers(shapes: Shapes) -> dict[str, Any]:
-    """The config of a diffusers-keyed single file: derived from the BFL view of its shapes."""
-    meta = {k: torch.empty(s, device="meta") for k, s in shapes.items()}
-    return flux_config_from_bfl(diffusers_to_bfl(meta))  # ValueError when it is not FLUX.1
-
-
-def sources(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    from ..config import FluxDims
-
-    return bfl_sources(FluxDims.from_diffusers_config(config))
+# Live activations at a forward's peak (PlannerFacts). Calibrated with torch's MemTracker on the meta device
+# (the GPU's flash attention standing in, no score matrix), bf16; a FLUX with 24 heads x 16 and FLUX.1-dev
+# gave the same units to 1 % (see `bench planner` and BENCHMARKS.md "Planner vs measurement").
+#
+# * Peak 1, inside a single-stream block's attention (RoPE): the block input, its concatenation and its
+#   norm at full width, never sharded (3 + 0.35 for RoPE tables and norms), plus the MLP branch (4 x
+#   hidden: projection and GELU), q/k/v and their float32 norm/RoPE temporaries: 14 units, which TP splits.
+# * Peak 2, in the fused double-stream block when TP has shrunk peak 1: the row-parallel partial sums,
+#   their concatenation for the one all-reduce, the bias-added outputs and both residual streams, all at
+#   full width: 8.35 units whatever the TP degree (measured at TP 4 and 8).
+PLANNER = PlannerFacts(table_name="FLUX", attention_full=3.35, attention_sharded=14.0, block_full=8.35)
 
 
 def variant(config: Mapping[str, Any]) -> str:
@@ -118,18 +105,23 @@ FLUX1 = register(
         title="FLUX.1",
         diffusers_class="FluxTransformer2DModel",
         build=build_flux,
-        tp_plan=FLUX_TP_PLAN,
-        apply_tp=lambda model, group: apply_tensor_parallel(model, group, FLUX_TP_PLAN),
-        latent=LATENT,
-        matches_bfl=matches_bfl,
-        config_from_bfl=flux_config_from_bfl,
-        bfl_sources=sources,
-        matches_diffusers=matches_diffusers,
-        config_from_diffusers=config_from_diffusers,
+        presets={"flux1-dev": FLUX_DEV, "flux1-schnell": FLUX_SCHNELL},
+        aliases={"dev": "flux1-dev", "schnell": "flux1-schnell"},  # the names before FLUX.2
+        dims=keys.dims,
+        config_from_dims=keys.config_from_dims,
+        keys=keys.FLUX1_KEYS,
+        matches_bfl=keys.matches_bfl,
+        config_from_bfl=keys.config_from_bfl,
+        matches_diffusers=keys.matches_diffusers,
+        config_from_diffusers=keys.config_from_diffusers,
         variant=variant,
         describe=describe,
         input_channels=input_channels,
         latent_channels=lambda config: LATENT.channels,  # Fill's extra inputs are not output channels
+        tp=FLUX_TP,
+        cp=CP,
+        planner=PLANNER,
+        latent=LATENT,
         patch=PATCH,
         text=TEXT,
         ref_method=REF_METHODS[0],  # "offset": comfy/ldm/flux/model.py's default for FLUX.1

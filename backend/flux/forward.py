@@ -14,8 +14,6 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .model import image_ids
-
 PATCH = 2
 
 # model_fn(hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids, guidance)
@@ -44,6 +42,15 @@ def unpatchify(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
     c = d // 4
     x = tokens.reshape(b, height // 2, width // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
     return x.reshape(b, c, height, width)
+
+
+def image_ids(latent_height: int, latent_width: int) -> torch.Tensor:
+    """Position ids of the 2x2-patched latent: [(H/2)(W/2), 3] with (0, row, column)."""
+    h, w = latent_height // 2, latent_width // 2
+    ids = torch.zeros(h, w, 3)
+    ids[..., 1] = torch.arange(h)[:, None]
+    ids[..., 2] = torch.arange(w)[None, :]
+    return ids.reshape(h * w, 3)
 
 
 def text_ids(tokens: int) -> torch.Tensor:

@@ -1,1 +1,3 @@
-"""FLUX.2 ([dev], [klein]) on the same engine: configs, inputs, checkpoint layout conversion."""
+"""FLUX.2 ([dev], [klein]) as a model family, all in this folder: family.py (the registered `ModelFamily`),
+model.py (released configs, build), keys.py (checkpoint layout, detection, configs from shapes), tp.py
+(the tensor-parallel plan and fused double block), forward.py (ComfyUI's model call)."""

@@ -1,25 +1,25 @@
 """FLUX.2 ([dev], [klein] 4B / 9B and fine-tunes with their shapes) as a model family.
 
-diffusers' Flux2Transformer2DModel, FLUX2_TP_PLAN, the BFL / ComfyUI key layout of flux2/convert.py,
+diffusers' Flux2Transformer2DModel, FLUX2_TP (flux2/tp.py), the BFL / ComfyUI key layout of flux2/keys.py,
 ComfyUI's `Flux2` latent format (128 channels at 1/16, identity process_in/out) and its model call
 (flux2/forward.py). ComfyUI's own detection (comfy/model_detection.py) keys FLUX.2 on
 `double_stream_modulation_img.lin.weight`; FLUX.1's entry excludes that key, so the two never overlap.
 
-Every FLUX.2 file loads through the shared loader (flux/load.py), ComfyUI's fp8 "mixed" files included
+Every FLUX.2 file loads through the shared loader (backend/checkpoint/), ComfyUI's fp8 "mixed" files included
 (per-tensor `weight_scale`, declared by `comfy_quant` tensors or the `_quantization_metadata` header).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from ..config import FluxDims
-from ..family import ComfyModel, LatentFormat, ModelFamily, Shapes, TextInputs, register
-from ..parallel.tensor import FLUX2_TP_PLAN, apply_tensor_parallel
-from .convert import FLUX2_MARKERS, flux2_config_from_bfl, flux2_sources
+from ..family import ComfyModel, LatentFormat, ModelFamily, PlannerFacts, TextInputs, register
+from ..parallel.context import ContextParallelSpec
+from . import keys
 from .forward import flux2_call, flux2_model_fn
-from .model import build_flux2
+from .model import FLUX2_DEV, FLUX2_KLEIN_4B, FLUX2_KLEIN_9B, build_flux2
+from .tp import FLUX2_TP
 
 LATENT = LatentFormat(
     comfy_name="Flux2", channels=128, scale=1.0, shift=0.0, downscale=16,
@@ -36,43 +36,22 @@ TEXT = TextInputs(
 )
 
 
-def matches_bfl(keys: Collection[str]) -> bool:
-    return "img_in.weight" in keys and any(k in keys for k in FLUX2_MARKERS)
+# diffusers 0.42.1 transformer_flux2.py: double blocks, and single blocks whose packed QKV+MLP projection
+# feeds the same attention call; the forward returns its own output class.
+CP = ContextParallelSpec(
+    processors={
+        "Flux2AttnProcessor": "diffusers.models.transformers.transformer_flux2",
+        "Flux2ParallelSelfAttnProcessor": "diffusers.models.transformers.transformer_flux2",
+    },
+    output_class="diffusers.models.transformers.transformer_flux2.Flux2Transformer2DModelOutput",
+)
 
-
-def matches_diffusers(keys: Collection[str]) -> bool:
-    return "x_embedder.weight" in keys and "double_stream_modulation_img.linear.weight" in keys
-
-
-def config_from_diffusers(shapes: Shapes) -> dict[str, Any]:
-    """The config of a diffusers-keyed FLUX.2 file: its shapes mapped to the BFL view, then read as BFL."""
-    hidden, in_channels = shapes["x_embedder.weight"]
-    head_dim = next(s[0] for k, s in shapes.items() if k.endswith("attn.norm_q.weight"))
-    single = len({k.split(".")[1] for k in shapes if k.startswith("single_transformer_blocks.")})
-    if single:
-        mlp = (shapes["single_transformer_blocks.0.attn.to_qkv_mlp_proj.weight"][0] - 3 * hidden) // 2
-    else:
-        mlp = shapes["transformer_blocks.0.ff.linear_out.weight"][1]
-    dims = FluxDims(
-        heads=hidden // head_dim,
-        head_dim=head_dim,
-        double_blocks=len({k.split(".")[1] for k in shapes if k.startswith("transformer_blocks.")}),
-        single_blocks=single,
-        guidance=any(k.startswith("time_guidance_embed.guidance_embedder.") for k in shapes),
-        mlp_ratio=mlp / hidden,
-        text_dim=shapes["context_embedder.weight"][1],
-        in_channels=in_channels,
-    )
-    bfl: dict[str, tuple[int, ...]] = {}
-    for name, source in flux2_sources(dims).items():
-        shape = shapes[name]
-        rows = max(b for _, b in source.rows) if source.rows else shape[0]
-        bfl[source.key] = (max(rows, bfl.get(source.key, (0,))[0]), *shape[1:])
-    return flux2_config_from_bfl(bfl)
-
-
-def sources(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    return flux2_sources(FluxDims.from_diffusers_config(config))
+# Live activations at a forward's peak (PlannerFacts), calibrated as FLUX.1's (flux/family.py) on
+# FLUX.2 [dev], 1024x1024 + 512 text tokens, bf16: single 21.6 units, TP 2 12.6, TP 4 and 8 8.25; ring 4,
+# Ulysses 4 and ring 2 x Ulysses 2 within 4 % with the planner's ring terms. Its single block is wider
+# before the split: one packed projection of 3 + 2 x 3 = 9 x hidden ([q | k | v | gate | up]) where FLUX.1
+# has 3 + 4 + 4 (GELU).
+PLANNER = PlannerFacts(table_name="FLUX.2", attention_full=3.55, attention_sharded=18.0, block_full=8.25)
 
 
 def variant(config: Mapping[str, Any]) -> str:
@@ -131,18 +110,22 @@ FLUX2 = register(
         title="FLUX.2",
         diffusers_class="Flux2Transformer2DModel",
         build=build_flux2,
-        tp_plan=FLUX2_TP_PLAN,
-        apply_tp=lambda model, group: apply_tensor_parallel(model, group, FLUX2_TP_PLAN),
-        latent=LATENT,
-        matches_bfl=matches_bfl,
-        config_from_bfl=flux2_config_from_bfl,
-        bfl_sources=sources,
-        matches_diffusers=matches_diffusers,
-        config_from_diffusers=config_from_diffusers,
+        presets={"flux2-dev": FLUX2_DEV, "flux2-klein": FLUX2_KLEIN_4B, "flux2-klein-9b": FLUX2_KLEIN_9B},
+        dims=keys.dims,
+        config_from_dims=keys.config_from_dims,
+        keys=keys.FLUX2_KEYS,
+        matches_bfl=keys.matches_bfl,
+        config_from_bfl=keys.config_from_bfl,
+        matches_diffusers=keys.matches_diffusers,
+        config_from_diffusers=keys.config_from_diffusers,
         variant=variant,
         describe=describe,
         input_channels=input_channels,
         latent_channels=lambda config: int(config.get("out_channels") or config["in_channels"]),
+        tp=FLUX2_TP,
+        cp=CP,
+        planner=PLANNER,
+        latent=LATENT,
         patch=1,
         text=TEXT,
         ref_method="index",  # comfy/model_detection.py flux2 `default_ref_method`

@@ -1,8 +1,8 @@
-"""Context parallelism for FLUX.1 and FLUX.2: ring attention, Ulysses, or both, on diffusers' own machinery.
+"""Context parallelism for any family: ring attention, Ulysses, or both, on diffusers' own machinery.
 
-Every rank holds the whole model and 1/N of the tokens. diffusers does the heavy lifting:
-`FluxTransformer2DModel._cp_plan` / `Flux2Transformer2DModel._cp_plan` say where to split the sequence (text, image and their position ids)
-and where to gather it (`proj_out`), `enable_parallelism(ContextParallelConfig(...))` installs those
+Every rank holds the whole model and 1/N of the tokens. diffusers does the heavy lifting: the model
+class's `_cp_plan` (e.g. `FluxTransformer2DModel._cp_plan`) says where to split the sequence (text,
+image and their position ids) and where to gather it (`proj_out`), `enable_parallelism(ContextParallelConfig(...))` installs those
 hooks and builds the (ring, ulysses) device mesh, and its templated ring / Ulysses / unified attention
 moves K/V around and merges the partial results.
 
@@ -10,7 +10,8 @@ Written here, because diffusers cannot do it:
 
 * **Our own attention kernels per device.** diffusers' backends are an Enum-keyed registry with no
   CPU backend that returns the LSE ring attention needs, and no way to add one without replacing a
-  registry entry for the whole process. So FLUX's attention processor is rebuilt with its
+  registry entry for the whole process. So each attention processor the family names
+  (`ContextParallelSpec.processors`) is rebuilt with its
   `dispatch_attention_fn` pointing at `ContextAttention` (the processor's code itself is diffusers'), and
   that calls diffusers' `_templated_context_parallel_attention` with the kernel chosen for the device:
   ROCm flash SDPA (AOTriton), CUDA cuDNN, the CPU flash kernel, or plain math.
@@ -32,10 +33,11 @@ Supported diffusers: 0.36 (first `_cp_plan` / `enable_parallelism`) to 0.42; tes
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 import math
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -44,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import ConfigError, FluxDims, ParallelLayout
+from ..config import ConfigError, ParallelLayout
 from .comm import WaitCollectives
 from .lse import ANY, guard_forward_op, probe_merge_shape, probe_query_shape
 from .weights import compute_dtype
@@ -327,17 +329,6 @@ def _with_dispatch(fn: Callable[..., Any], dispatch: Callable[..., Any]) -> Call
     return copy
 
 
-# diffusers processor class name -> the module that defines it. Every one of them calls the module-level
-# `dispatch_attention_fn`, which is what gets redirected; nothing else of the processor changes.
-CONTEXT_PROCESSORS: dict[str, str] = {
-    "FluxAttnProcessor": "diffusers.models.transformers.transformer_flux",
-    # FLUX.2 (diffusers 0.42.1 transformer_flux2.py): double blocks, and single blocks whose packed
-    # QKV+MLP projection feeds the same attention call.
-    "Flux2AttnProcessor": "diffusers.models.transformers.transformer_flux2",
-    "Flux2ParallelSelfAttnProcessor": "diffusers.models.transformers.transformer_flux2",
-}
-
-
 def _processor_class(base: type) -> type:
     from diffusers.models.attention_dispatch import AttentionBackendName
 
@@ -359,9 +350,7 @@ def _processor_class(base: type) -> type:
     return ContextParallelProcessor
 
 
-def _install_processors(model: nn.Module, dispatch: ContextAttention) -> int:
-    import importlib
-
+def _install_processors(model: nn.Module, dispatch: ContextAttention, spec: ContextParallelSpec) -> int:
     classes: dict[type, type] = {}
     count = 0
     for name, module in model.named_modules():
@@ -369,17 +358,111 @@ def _install_processors(model: nn.Module, dispatch: ContextAttention) -> int:
         if processor is None:
             continue
         kind = type(processor)
-        source = CONTEXT_PROCESSORS.get(kind.__name__)
+        source = spec.processors.get(kind.__name__)
         if source is None or getattr(importlib.import_module(source), kind.__name__, None) is not kind:
             raise ConfigError(
                 f"{name} uses the attention processor {kind.__name__}; context parallelism supports "
-                f"{', '.join(CONTEXT_PROCESSORS)} only (remove IP-adapters / custom processors first)"
+                f"{', '.join(spec.processors)} only (remove IP-adapters / custom processors first)"
             )
         if kind not in classes:
             classes[kind] = _processor_class(kind)
         module.set_processor(classes[kind](dispatch))
         count += 1
     return count
+
+
+# --------------------------------------------------------------------------------------------------
+# Padding uneven sequences around the model's forward
+
+
+def _bind(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    bound = inspect.signature(type(model).forward).bind(model, *args, **kwargs)
+    arguments = dict(bound.arguments)
+    arguments.pop("self", None)
+    arguments.update(arguments.pop("kwargs", {}))
+    return arguments
+
+
+def _output_class(spec: ContextParallelSpec) -> type:
+    """What the model's forward returns with return_dict=True: `spec.output_class` ('module.Class')."""
+    module, _, name = spec.output_class.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def pad_token_streams(model: nn.Module, state: ContextState, spec: ContextParallelSpec) -> None:
+    """Pad the text and image streams before diffusers splits them; unpad the gathered output.
+
+    For forwards taking `hidden_states` and `encoder_hidden_states` [B, S, C] and position ids that the
+    model's root `_cp_plan` splits (FLUX.1, FLUX.2); a family whose positions come another way brings
+    its own function as `ContextParallelSpec.padding`.
+    """
+    degree = state.layout.ring * state.layout.ulysses
+    cp_config = model._parallel_config.context_parallel_config
+    root_plan = type(model)._cp_plan.get("", {})
+    id_layout = {
+        ids: (root_plan[ids].expected_dims or 2, root_plan[ids].split_dim)
+        for ids in ("img_ids", "txt_ids")
+        if ids in root_plan
+    }
+
+    def pad_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        kw = _bind(module, args, kwargs)
+        image, text = kw["hidden_states"], kw["encoder_hidden_states"]
+        state.layout.validate_sequence(image.shape[1])
+        # Bring the ids to the rank the model's _cp_plan splits: FLUX.1 plans 2-D ids [S, 3] (batched
+        # ids are deprecated there), FLUX.2 plans batched ids [B, S, 4] split on dim 1. Ids of the
+        # other rank would be passed whole to every rank: wrong rotary positions, silently.
+        for ids, (ndim, _dim) in id_layout.items():
+            if kw.get(ids) is None:
+                continue
+            while kw[ids].ndim > ndim:
+                kw[ids] = kw[ids][0]
+            while kw[ids].ndim < ndim:
+                kw[ids] = kw[ids].unsqueeze(0)
+        # diffusers' split hook on the root rejects a Transformer2DModelOutput: run with return_dict=False
+        # and rebuild the output object for the caller afterwards.
+        state.return_dict = bool(kw.get("return_dict", True))
+        kw["return_dict"] = False
+        rank = dist.get_rank(cp_config._flattened_mesh.get_group())
+        state.padding = local_padding(text.shape[1], image.shape[1], degree, rank, image.device)
+        if state.padding is not None:
+            kw["hidden_states"] = pad_for_ranks(image, 1, degree)
+            kw["encoder_hidden_states"] = pad_for_ranks(text, 1, degree)
+            for ids, (_ndim, dim) in id_layout.items():
+                kw[ids] = pad_for_ranks(kw[ids], dim, degree)
+        return (), kw
+
+    def unpad_output(module: nn.Module, args: Any, output: tuple[torch.Tensor, ...]) -> Any:
+        padding, state.padding = state.padding, None
+        sample = output[0] if padding is None else unpad_from_ranks(output[0], 1, list(padding.image_sizes))
+        if state.return_dict:
+            return output_class(sample=sample)
+        return (sample, *output[1:])
+
+    output_class = _output_class(spec)
+    model.register_forward_pre_hook(pad_inputs, with_kwargs=True)
+    model.register_forward_hook(unpad_output)
+
+
+# --------------------------------------------------------------------------------------------------
+# A family's spec
+
+
+@dataclass(frozen=True)
+class ContextParallelSpec:
+    """What context parallelism needs from a family (its `cp`); the sequence split itself is the diffusers
+    class's own `_cp_plan`.
+
+    - `processors`: diffusers attention processor class name -> the module that defines it. Each is
+      rebuilt with its module-level `dispatch_attention_fn` redirected; nothing else of it changes.
+    - `output_class`: 'module.Class' of what the model's forward returns with return_dict=True.
+    - `padding(model, state, spec)`: installs the hooks that pad uneven sequences for the ranks and unpad
+      the gathered output (`pad_token_streams` for FLUX-style forwards).
+    """
+
+    processors: Mapping[str, str]
+    output_class: str = "diffusers.models.modeling_outputs.Transformer2DModelOutput"
+    padding: Callable[[nn.Module, ContextState, ContextParallelSpec], None] = pad_token_streams
 
 
 # --------------------------------------------------------------------------------------------------
@@ -431,93 +514,27 @@ def _probe_ring(model: nn.Module, device: torch.device, state: ContextState) -> 
         return probe_merge_shape(run_ring, chunks=state.layout.ring)
 
 
-def _bind(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    bound = inspect.signature(type(model).forward).bind(model, *args, **kwargs)
-    arguments = dict(bound.arguments)
-    arguments.pop("self", None)
-    arguments.update(arguments.pop("kwargs", {}))
-    return arguments
-
-
-def _output_class(model: nn.Module) -> type:
-    """What the model's forward returns with return_dict=True (FLUX.2 has its own output class)."""
-    if type(model).__name__ == "Flux2Transformer2DModel":
-        from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModelOutput
-
-        return Flux2Transformer2DModelOutput
-    from diffusers.models.modeling_outputs import Transformer2DModelOutput
-
-    return Transformer2DModelOutput
-
-
-def _install_padding_hooks(model: nn.Module, state: ContextState) -> None:
-    """Pad the text and image streams before diffusers splits them; unpad the gathered output."""
-    degree = state.layout.ring * state.layout.ulysses
-    cp_config = model._parallel_config.context_parallel_config
-    root_plan = type(model)._cp_plan[""]
-    id_layout = {
-        ids: (root_plan[ids].expected_dims or 2, root_plan[ids].split_dim)
-        for ids in ("img_ids", "txt_ids")
-        if ids in root_plan
-    }
-
-    def pad_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        kw = _bind(module, args, kwargs)
-        image, text = kw["hidden_states"], kw["encoder_hidden_states"]
-        state.layout.validate_sequence(image.shape[1])
-        # Bring the ids to the rank the model's _cp_plan splits: FLUX.1 plans 2-D ids [S, 3] (batched
-        # ids are deprecated there), FLUX.2 plans batched ids [B, S, 4] split on dim 1. Ids of the
-        # other rank would be passed whole to every rank: wrong rotary positions, silently.
-        for ids, (ndim, _dim) in id_layout.items():
-            if kw.get(ids) is None:
-                continue
-            while kw[ids].ndim > ndim:
-                kw[ids] = kw[ids][0]
-            while kw[ids].ndim < ndim:
-                kw[ids] = kw[ids].unsqueeze(0)
-        # diffusers' split hook on the root rejects a Transformer2DModelOutput: run with return_dict=False
-        # and rebuild the output object for the caller afterwards.
-        state.return_dict = bool(kw.get("return_dict", True))
-        kw["return_dict"] = False
-        rank = dist.get_rank(cp_config._flattened_mesh.get_group())
-        state.padding = local_padding(text.shape[1], image.shape[1], degree, rank, image.device)
-        if state.padding is not None:
-            kw["hidden_states"] = pad_for_ranks(image, 1, degree)
-            kw["encoder_hidden_states"] = pad_for_ranks(text, 1, degree)
-            for ids, (_ndim, dim) in id_layout.items():
-                kw[ids] = pad_for_ranks(kw[ids], dim, degree)
-        return (), kw
-
-    def unpad_output(module: nn.Module, args: Any, output: tuple[torch.Tensor, ...]) -> Any:
-        padding, state.padding = state.padding, None
-        sample = output[0] if padding is None else unpad_from_ranks(output[0], 1, list(padding.image_sizes))
-        if state.return_dict:
-            return output_class(sample=sample)
-        return (sample, *output[1:])
-
-    output_class = _output_class(model)
-    model.register_forward_pre_hook(pad_inputs, with_kwargs=True)
-    model.register_forward_hook(unpad_output)
-
-
 def apply_context_parallel(
     model: nn.Module, ring_degree: int = 1, ulysses_degree: int = 1, *, attention: str | None = None
 ) -> nn.Module:
-    """Split FLUX's token sequence over the default process group: ring x Ulysses = world size.
+    """Split the model's token sequence over the default process group: ring x Ulysses = world size.
 
     Collective: every rank calls it with the same arguments. `attention` overrides the kernel chosen for
     the device (one of ATTENTION_KERNELS). Returns the model, whose forward then takes and returns full
     tensors on every rank (inputs are split and the output gathered by diffusers' hooks).
     """
+    from ..family import family_of
+
+    family = family_of(model)
     layout = ParallelLayout(ring=ring_degree, ulysses=ulysses_degree)
-    layout.validate(FluxDims.from_diffusers_config(model.config), devices=dist.get_world_size())
+    layout.validate(family.dims(model.config), devices=dist.get_world_size())
     if layout.ring * layout.ulysses == 1:
         return model
     from diffusers import ContextParallelConfig
 
     device, dtype = _model_device(model)
     state = ContextState(layout=layout, kernel=choose_attention_kernel(device, dtype, attention))
-    _install_processors(model, ContextAttention(state))
+    _install_processors(model, ContextAttention(state), family.cp)
     options: dict[str, Any] = {"ring_degree": layout.ring, "ulysses_degree": layout.ulysses}
     if "mesh" in {f.name for f in dataclasses.fields(ContextParallelConfig)}:  # diffusers >= 0.37
         options["mesh"] = _build_mesh(device, layout.ring, layout.ulysses)
@@ -527,6 +544,6 @@ def apply_context_parallel(
     model._parallel_config.context_parallel_config._device = device
     if layout.ring > 1:
         state.lse_shape = _probe_ring(model, device, state)
-    _install_padding_hooks(model, state)
+    family.cp.padding(model, state, family.cp)
     model._rp_context_state = state  # for inspection (tests, benchmarks)
     return model

@@ -1,15 +1,16 @@
-"""Megatron-style tensor parallelism for diffusers' FluxTransformer2DModel, declared as a plan.
+"""Megatron-style tensor parallelism for diffusers transformers, declared as a plan: the generic machinery.
 
-What this does beyond diffusers' own `_tp_plan` (and why it is written by hand):
+Each family brings a `TensorParallelSpec` (its folder's tp.py: FLUX.1's `FLUX_TP_PLAN` in
+backend/flux/tp.py): module path -> split kind, plus the block forwards that replace a block's own. This
+module applies any such spec. Beyond diffusers' own `_tp_plan` (and why it is written by hand):
 
-* The AdaLN modulation linears (3.23 B of FLUX.1-dev's 11.9 B parameters) are sharded too. Every one
-  of them reads the same `silu(temb)`, so all 77 are evaluated right after the time embedding and
+* The AdaLN modulation linears (`Gathered`; 3.23 B of FLUX.1-dev's 11.9 B parameters) are sharded too.
+  Every one of them reads the same `silu(temb)`, so all are evaluated right after the time embedding and
   their shards are all-gathered in **one** small collective per forward (`ModulationBank`). diffusers
-  replicates them: 6.45 GB of bf16 on every GPU.
-* The image and text streams of a double-stream block are reduced together: one all-reduce for the two
-  attention outputs, one for the two feed-forward outputs (`fused_double_block_forward`). With a
-  module-by-module row-parallel plan that is four per block. FLUX.1-dev: 76 activation all-reduces per
-  forward instead of 114.
+  replicates them: 6.45 GB of bf16 on every GPU for FLUX.1-dev.
+* A family's block forward may reduce several row-parallel outputs at once (`Row(reduce=False)` +
+  `reduce_streams`): FLUX's double-stream blocks reduce the image and text streams together, two
+  all-reduces per block instead of four (FLUX.1-dev: 76 per forward instead of 114).
 * It runs on CPU/gloo, on the meta device and under the `fake` process group; diffusers' native TP
   refuses CPU and needs DTensor.
 
@@ -82,74 +83,6 @@ class PackedColumn:
 
 
 Split = Column | Row | PackedRow | PackedColumn | Gathered
-
-# --------------------------------------------------------------------------------------------------
-# The plan: module path (``*`` = one path component) -> split kind
-
-FLUX_TP_PLAN: dict[str, Split] = {
-    # double-stream (MMDiT) blocks: image and text streams
-    "transformer_blocks.*.norm1.linear": Gathered(),
-    "transformer_blocks.*.norm1_context.linear": Gathered(),
-    "transformer_blocks.*.attn.to_q": Column(),
-    "transformer_blocks.*.attn.to_k": Column(),
-    "transformer_blocks.*.attn.to_v": Column(),
-    "transformer_blocks.*.attn.add_q_proj": Column(),
-    "transformer_blocks.*.attn.add_k_proj": Column(),
-    "transformer_blocks.*.attn.add_v_proj": Column(),
-    "transformer_blocks.*.attn.to_out.0": Row(reduce=False),
-    "transformer_blocks.*.attn.to_add_out": Row(reduce=False),
-    "transformer_blocks.*.ff.net.0.proj": Column(),
-    "transformer_blocks.*.ff.net.2": Row(reduce=False),
-    "transformer_blocks.*.ff_context.net.0.proj": Column(),
-    "transformer_blocks.*.ff_context.net.2": Row(reduce=False),
-    # single-stream blocks: parallel attention + MLP
-    "single_transformer_blocks.*.norm.linear": Gathered(),
-    "single_transformer_blocks.*.attn.to_q": Column(),
-    "single_transformer_blocks.*.attn.to_k": Column(),
-    "single_transformer_blocks.*.attn.to_v": Column(),
-    "single_transformer_blocks.*.proj_mlp": Column(),
-    "single_transformer_blocks.*.proj_out": PackedRow(("hidden", "mlp")),
-    # final AdaLN
-    "norm_out.linear": Gathered(),
-}
-
-# Blocks whose forward is replaced so that their Row(reduce=False) outputs are reduced together.
-FLUX_TP_BLOCK_FORWARDS: dict[str, str] = {"transformer_blocks.*": "fused_double_block"}
-
-# FLUX.2 (diffusers' Flux2Transformer2DModel, 0.42.1). Same Megatron layout as diffusers' own `_tp_plan`
-# for the blocks, plus what diffusers leaves replicated: the three *shared* modulation linears
-# (double_stream_modulation_img/_txt: hidden -> 6 x hidden each; single_stream_modulation: hidden -> 3 x
-# hidden) and norm_out. They read silu(temb) like FLUX.1's AdaLN, so they are Gathered: one all-gather
-# for all four per forward. FLUX.2 [dev]: 0.64 B parameters, 1.28 GB of bf16 that diffusers keeps whole
-# on every GPU. Widths: "hidden" = heads x head_dim, "mlp" = int(hidden x mlp_ratio) (FluxDims).
-FLUX2_TP_PLAN: dict[str, Split] = {
-    # shared modulation (computed once per forward, used by every block)
-    "double_stream_modulation_img.linear": Gathered(),
-    "double_stream_modulation_txt.linear": Gathered(),
-    "single_stream_modulation.linear": Gathered(),
-    # double-stream blocks
-    "transformer_blocks.*.attn.to_q": Column(),
-    "transformer_blocks.*.attn.to_k": Column(),
-    "transformer_blocks.*.attn.to_v": Column(),
-    "transformer_blocks.*.attn.add_q_proj": Column(),
-    "transformer_blocks.*.attn.add_k_proj": Column(),
-    "transformer_blocks.*.attn.add_v_proj": Column(),
-    "transformer_blocks.*.attn.to_out.0": Row(reduce=False),
-    "transformer_blocks.*.attn.to_add_out": Row(reduce=False),
-    "transformer_blocks.*.ff.linear_in": PackedColumn(("mlp", "mlp")),  # SwiGLU [gate | up]
-    "transformer_blocks.*.ff.linear_out": Row(reduce=False),
-    "transformer_blocks.*.ff_context.linear_in": PackedColumn(("mlp", "mlp")),
-    "transformer_blocks.*.ff_context.linear_out": Row(reduce=False),
-    # single-stream blocks: one packed projection in, one packed projection out
-    "single_transformer_blocks.*.attn.to_qkv_mlp_proj": PackedColumn(
-        ("hidden", "hidden", "hidden", "mlp", "mlp")
-    ),
-    "single_transformer_blocks.*.attn.to_out": PackedRow(("hidden", "mlp")),
-    # final AdaLN
-    "norm_out.linear": Gathered(),
-}
-
-FLUX2_TP_BLOCK_FORWARDS: dict[str, str] = {"transformer_blocks.*": "fused_flux2_double_block"}
 
 # --------------------------------------------------------------------------------------------------
 # Slicing: which part of a full tensor a rank keeps. Shared with the checkpoint loader, which reads
@@ -314,8 +247,9 @@ def gather_modulation(
 class ModulationBank:
     """Computes every AdaLN modulation vector of one forward with a single all-gather.
 
-    Filled by a hook on `time_text_embed` (its output `temb` is the only input of every AdaLN linear),
-    emptied when the model forward starts and ends, so a stale vector can never be used.
+    Filled by a hook on the spec's `modulation_source` (FLUX.1: `time_text_embed`; its output `temb` is
+    the only input of every AdaLN linear), emptied when the model forward starts and ends, so a stale
+    vector can never be used.
     """
 
     def __init__(self, layers: list[GatheredLinear], group: Any, degree: int) -> None:
@@ -342,146 +276,38 @@ def reduce_streams(
     return [o if m.bias is None else o + m.bias for o, m in zip(outs, layers, strict=True)]
 
 
-def fused_double_block_forward(
-    block: nn.Module,
-    hidden_states: torch.Tensor,
-    encoder_hidden_states: torch.Tensor,
-    temb: torch.Tensor,
-    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-    joint_attention_kwargs: dict[str, Any] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """FluxTransformerBlock.forward with the image and text streams reduced together.
+# --------------------------------------------------------------------------------------------------
+# A family's spec
 
-    Same arithmetic, in the same order, as diffusers' FluxTransformerBlock.forward; only the four
-    row-parallel outputs are reduced in two collectives instead of four.
+
+@dataclass(frozen=True)
+class BlockForward:
+    """A forward that replaces a block's own under TP (bound to the block, which gets `tp_group`).
+
+    Such a forward reduces several Row(reduce=False) partial sums together (`reduce_streams`);
+    `reductions` is how many all-reduces one call issues, so the planner counts collectives from data.
     """
-    norm_h, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.norm1(hidden_states, emb=temb)
-    norm_c, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = block.norm1_context(
-        encoder_hidden_states, emb=temb
-    )
-    outputs = block.attn(
-        hidden_states=norm_h,
-        encoder_hidden_states=norm_c,
-        image_rotary_emb=image_rotary_emb,
-        **(joint_attention_kwargs or {}),
-    )
-    if len(outputs) != 2:
-        raise NotImplementedError("IP-Adapter attention is not supported under tensor parallelism")
-    attn, c_attn = reduce_streams(
-        list(outputs), [block.attn.to_out[0], block.attn.to_add_out], block.tp_group
-    )
 
-    hidden_states = hidden_states + gate_msa.unsqueeze(1) * attn
-    encoder_hidden_states = encoder_hidden_states + c_gate_msa.unsqueeze(1) * c_attn
-
-    norm_h = block.norm2(hidden_states) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
-    norm_c = block.norm2_context(encoder_hidden_states) * (1 + c_scale_mlp[:, None]) + c_shift_mlp[:, None]
-    ff, c_ff = reduce_streams(
-        [block.ff(norm_h), block.ff_context(norm_c)],
-        [block.ff.net[2], block.ff_context.net[2]],
-        block.tp_group,
-    )
-    hidden_states = hidden_states + gate_mlp.unsqueeze(1) * ff
-    encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * c_ff
-    if encoder_hidden_states.dtype == torch.float16:
-        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
-    return encoder_hidden_states, hidden_states
-
-
-def fused_flux2_double_block_forward(
-    block: nn.Module,
-    hidden_states: torch.Tensor,
-    encoder_hidden_states: torch.Tensor,
-    temb_mod_img: torch.Tensor,
-    temb_mod_txt: torch.Tensor,
-    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-    joint_attention_kwargs: dict[str, Any] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """diffusers' Flux2TransformerBlock.forward (0.42.1) with the two streams reduced together.
-
-    Same arithmetic per stream as diffusers (which runs the image FF before the text residual: the
-    streams are independent there, so the order does not change a value). Two all-reduces per block
-    instead of four.
-    """
-    from diffusers.models.transformers.transformer_flux2 import Flux2Modulation
-
-    (shift_msa, scale_msa, gate_msa), (shift_mlp, scale_mlp, gate_mlp) = Flux2Modulation.split(
-        temb_mod_img, 2
-    )
-    (c_shift_msa, c_scale_msa, c_gate_msa), (c_shift_mlp, c_scale_mlp, c_gate_mlp) = Flux2Modulation.split(
-        temb_mod_txt, 2
-    )
-    norm_h = (1 + scale_msa) * block.norm1(hidden_states) + shift_msa
-    norm_c = (1 + c_scale_msa) * block.norm1_context(encoder_hidden_states) + c_shift_msa
-    outputs = block.attn(
-        hidden_states=norm_h,
-        encoder_hidden_states=norm_c,
-        image_rotary_emb=image_rotary_emb,
-        **(joint_attention_kwargs or {}),
-    )
-    attn, c_attn = reduce_streams(
-        list(outputs), [block.attn.to_out[0], block.attn.to_add_out], block.tp_group
-    )
-    hidden_states = hidden_states + gate_msa * attn
-    encoder_hidden_states = encoder_hidden_states + c_gate_msa * c_attn
-
-    norm_h = block.norm2(hidden_states) * (1 + scale_mlp) + shift_mlp
-    norm_c = block.norm2_context(encoder_hidden_states) * (1 + c_scale_mlp) + c_shift_mlp
-    ff, c_ff = reduce_streams(
-        [block.ff(norm_h), block.ff_context(norm_c)],
-        [block.ff.linear_out, block.ff_context.linear_out],
-        block.tp_group,
-    )
-    hidden_states = hidden_states + gate_mlp * ff
-    encoder_hidden_states = encoder_hidden_states + c_gate_mlp * c_ff
-    if encoder_hidden_states.dtype == torch.float16:
-        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
-    return encoder_hidden_states, hidden_states
-
-
-BLOCK_FORWARDS: dict[str, Callable[..., Any]] = {
-    "fused_double_block": fused_double_block_forward,
-    "fused_flux2_double_block": fused_flux2_double_block_forward,
-}
+    forward: Callable[..., Any]
+    reductions: int
 
 
 @dataclass(frozen=True)
 class TensorParallelSpec:
-    """Everything model-specific about tensor parallelism, as data.
+    """Everything model-specific about tensor parallelism, as data (a family's `tp`).
 
-    `modulation_source` is the module whose output `temb` feeds every Gathered linear (through silu):
-    the ModulationBank evaluates them all right after it.
+    - `plan`: module path (``*`` = one path component) -> split kind; the loader reads the same plan to
+      slice the file.
+    - `block_forwards`: module path -> the BlockForward that replaces that block's forward.
+    - `modulation_source`: the module whose output `temb` feeds every Gathered linear (through silu):
+      the ModulationBank evaluates them all right after it.
+    - `attention_processors`: the diffusers processor classes (by name) whose math is shard-safe.
     """
 
     plan: Mapping[str, Split]
-    block_forwards: Mapping[str, str]
+    block_forwards: Mapping[str, BlockForward]
     modulation_source: str
     attention_processors: tuple[str, ...]
-
-
-# diffusers class name -> its tensor-parallel spec
-TP_SPECS: dict[str, TensorParallelSpec] = {
-    "FluxTransformer2DModel": TensorParallelSpec(
-        FLUX_TP_PLAN, FLUX_TP_BLOCK_FORWARDS, "time_text_embed", ("FluxAttnProcessor",)
-    ),
-    "Flux2Transformer2DModel": TensorParallelSpec(
-        FLUX2_TP_PLAN,
-        FLUX2_TP_BLOCK_FORWARDS,
-        "time_guidance_embed",
-        ("Flux2AttnProcessor", "Flux2ParallelSelfAttnProcessor"),
-    ),
-}
-
-
-def tp_spec_for(model: nn.Module) -> TensorParallelSpec:
-    """The spec for `model`'s class; an error that names the supported classes otherwise."""
-    name = type(model).__name__
-    if name not in TP_SPECS:
-        raise TypeError(
-            f"apply_tensor_parallel supports {', '.join(TP_SPECS)}; got {name}. Load the model with "
-            "diffusers' class for its family."
-        )
-    return TP_SPECS[name]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -520,17 +346,11 @@ def _split_module(
     return RowParallelLinear(weight, bias, group, reduce)
 
 
-def check_tensor_parallel_ready(model: nn.Module) -> FluxDims:
+def check_tensor_parallel_ready(model: nn.Module, spec: TensorParallelSpec) -> None:
     """Everything that would make sharding wrong, checked before a single weight is touched."""
-    spec = tp_spec_for(model)
     if getattr(model, "_rp_tensor_parallel", None) is not None:
         raise ValueError(
             "this model is already tensor-parallel; build or load a fresh one to change the layout"
-        )
-    config = getattr(model, "config", None)
-    if config is None or "num_attention_heads" not in config:
-        raise TypeError(
-            f"apply_tensor_parallel expects diffusers' FluxTransformer2DModel, got {type(model).__name__}"
         )
     for name, module in model.named_modules():
         if getattr(module, "fused_projections", False):
@@ -542,21 +362,23 @@ def check_tensor_parallel_ready(model: nn.Module) -> FluxDims:
                 f"{' or '.join(spec.attention_processors)} (IP-Adapter, KV-cache and custom processors "
                 "are not supported)"
             )
-    return FluxDims.from_diffusers_config(config)
 
 
 def apply_tensor_parallel(
-    model: nn.Module, group: Any = None, plan: Mapping[str, Split] | None = None
+    model: nn.Module, group: Any = None, spec: TensorParallelSpec | None = None
 ) -> nn.Module:
     """Shard `model` in place across `group` (default: the world) and return it.
 
     Works on materialized weights (each rank keeps its slice) and on the meta device (shapes only).
-    All ranks must call it on identical models. Degree 1 leaves the model untouched. `plan` defaults to
-    the plan of the model's class (TP_SPECS).
+    All ranks must call it on identical models. Degree 1 leaves the model untouched. `spec` defaults to
+    the spec of the model's family (found by its class in the family registry).
     """
-    dims = check_tensor_parallel_ready(model)
-    spec = tp_spec_for(model)
-    plan = spec.plan if plan is None else plan
+    from ..family import family_of
+
+    family = family_of(model)
+    spec = family.tp if spec is None else spec
+    check_tensor_parallel_ready(model, spec)
+    dims = family.dims(model.config)
     degree, rank = dist.get_world_size(group), dist.get_rank(group)
     validate_tp_degree(degree, dims)
     if degree == 1:
@@ -564,7 +386,7 @@ def apply_tensor_parallel(
         return model
 
     gathered: list[GatheredLinear] = []
-    for name, split in resolve_plan(model, plan).items():
+    for name, split in resolve_plan(model, spec.plan).items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         new = _split_module(parent.get_submodule(child), split, rank, degree, dims, group)
@@ -572,10 +394,10 @@ def apply_tensor_parallel(
         if isinstance(new, GatheredLinear):
             gathered.append(new)
 
-    for name, kind in resolve_plan(model, spec.block_forwards).items():
+    for name, replacement in resolve_plan(model, spec.block_forwards).items():
         block = model.get_submodule(name)
         block.tp_group = group
-        block.forward = BLOCK_FORWARDS[kind].__get__(block)
+        block.forward = replacement.forward.__get__(block)
 
     for module in model.modules():  # keep the attention modules' bookkeeping honest
         if hasattr(module, "heads") and hasattr(module, "head_dim"):
@@ -601,21 +423,22 @@ def parameter_bytes(model: nn.Module) -> int:
 
 
 __all__ = [
-    "FLUX2_TP_PLAN",
-    "FLUX_TP_PLAN",
-    "TP_SPECS",
+    "BlockForward",
     "Column",
     "ConfigError",
     "Gathered",
+    "GatheredLinear",
+    "ModulationBank",
     "PackedColumn",
     "PackedRow",
     "Pieces",
     "Row",
+    "RowParallelLinear",
     "TensorParallelSpec",
     "apply_tensor_parallel",
     "parameter_bytes",
     "parameter_pieces",
+    "reduce_streams",
     "resolve_plan",
     "shard_pieces",
-    "tp_spec_for",
 ]

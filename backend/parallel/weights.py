@@ -28,13 +28,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
+from ..dtypes import FP8_DTYPES
+
+_FP8: tuple[torch.dtype, ...] = tuple(d.torch for d in FP8_DTYPES)
 # Attribute of a model that keeps fp8 weights: the dtype its layers compute in.
 COMPUTE_DTYPE_ATTR = "_rp_compute_dtype"
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
-    return dtype in FP8_DTYPES
+    return dtype in _FP8
 
 
 def linear_weight(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
@@ -99,7 +101,6 @@ def resident_bytes_by_dtype(model: nn.Module) -> dict[str, int]:
 
 
 __all__ = [
-    "FP8_DTYPES",
     "UpcastLinear",
     "compute_dtype",
     "is_fp8",

@@ -1,16 +1,16 @@
 """Memory and communication planner: what each layout costs per GPU, and the `auto` choice.
 
-For a FLUX model (FluxDims + dtype), an image size, a batch, a device count and the memory of one
-device, every layout the engine accepts (`ParallelLayout.validate`) is priced:
+For a model of a registered family (its name + FluxDims + dtype), an image size, a batch, a device count
+and the memory of one device, every layout the engine accepts (`ParallelLayout.validate`) is priced:
 
-* **weights** per GPU, exactly what the engine holds: parameter shapes of diffusers'
-  FluxTransformer2DModel computed from the dims, sharded with the engine's own TP plan
-  (`FLUX_TP_PLAN` + `shard_pieces`); context parallelism keeps a full copy;
-* **collectives** per transformer forward (= one sampling step), exactly what the engine issues: our
-  TP plan's fused all-reduces + one modulation all-gather, diffusers' K/V all-gathers (ring),
-  all-to-alls (Ulysses) and output gather, with payloads and bytes sent per GPU (ring algorithms);
-* **activations** per GPU: the peak of live tensors in one forward, a model of what is live in a
-  single-stream block (see `activation_bytes`), checked against torch's MemTracker on the meta device;
+* **weights** per GPU, exactly what the engine holds: the parameter shapes of the family's own diffusers
+  model (built once on the meta device), sharded with the family's TP plan and the engine's
+  `shard_pieces`; context parallelism keeps a full copy;
+* **collectives** per transformer forward (= one sampling step), exactly what the engine issues: the TP
+  plan's all-reduces (counted from its data) + one modulation all-gather, diffusers' K/V all-gathers
+  (ring), all-to-alls (Ulysses) and output gather, with payloads and bytes sent per GPU (ring algorithms);
+* **activations** per GPU: the peak of live tensors in one forward, a model of what is live in a block
+  with the family's measured units (see `activation_bytes`), checked against torch's MemTracker;
 * **communication buffers**: the collective outputs alive at the peak (the gathered K/V of the ring);
 * **step time** from a deliberately simple cost model: compute / N + bytes sent / link bandwidth +
   latency x collectives. Nothing overlaps: neither our all-reduces nor diffusers' collectives do.
@@ -18,10 +18,10 @@ device, every layout the engine accepts (`ParallelLayout.validate`) is priced:
 `ring_attention` is the classic ring-attention calculator (chunk = S/N, N steps, K/V passed around);
 the ring layout's attention numbers reduce to it (see `attention_ring`).
 
-All sizes are bytes; "GB" in text is 1e9 bytes. Pure arithmetic: no model is built, nothing is imported
-that needs a device, so the client can plan before any worker starts.
+All sizes are bytes; "GB" in text is 1e9 bytes. Nothing needs a device: the model facts come from the
+meta device, so the client plans before any worker starts.
 
-The planner is a package split by job: `setup` (inputs), `shapes` (model shapes and weight bytes),
+The planner is a package split by job: `setup` (inputs), `shapes` (what the meta model says),
 `cost` (collectives, activations, compute, the ranked estimates), `choice` (`auto`), `report` (table).
 The names below are its public surface: `from .plan import choose, Setup, Link` keeps working.
 """
@@ -31,9 +31,6 @@ from __future__ import annotations
 from ..text import GB
 from .choice import Choice, choose
 from .cost import (
-    ATTENTION_BLOCK_FULL,
-    ATTENTION_BLOCK_SHARDED,
-    DOUBLE_BLOCK_FULL,
     RING_EXTRA_FULL_SEQUENCE,
     Collective,
     Estimate,
@@ -53,30 +50,20 @@ from .cost import (
     ring_attention,
 )
 from .report import format_table
-from .setup import FAMILIES, MARGIN, PCIE4, XGMI, Link, Setup
-from .shapes import (
-    TIMESTEP_CHANNELS,
-    flux2_parameter_shapes,
-    flux_parameter_shapes,
-    parameter_shapes,
-    weight_bytes,
-)
+from .setup import MARGIN, PCIE4, XGMI, Link, Setup
+from .shapes import ModelFacts, model_facts, weight_bytes
 
 __all__ = [
-    "ATTENTION_BLOCK_FULL",
-    "ATTENTION_BLOCK_SHARDED",
-    "DOUBLE_BLOCK_FULL",
-    "FAMILIES",
     "GB",
     "MARGIN",
     "PCIE4",
     "RING_EXTRA_FULL_SEQUENCE",
-    "TIMESTEP_CHANNELS",
     "XGMI",
     "Choice",
     "Collective",
     "Estimate",
     "Link",
+    "ModelFacts",
     "RingAttention",
     "Setup",
     "activation_bytes",
@@ -88,12 +75,10 @@ __all__ = [
     "count_by_kind",
     "cp_local_tokens",
     "estimate",
-    "flux2_parameter_shapes",
-    "flux_parameter_shapes",
     "format_table",
     "forward_flops",
+    "model_facts",
     "modulation_width",
-    "parameter_shapes",
     "payload_by_kind",
     "plan",
     "ring_attention",

@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import ConfigError, FluxDims, ParallelLayout
+from ..family import get_family
 from ..text import GB
 from .setup import Setup
-from .shapes import weight_bytes
+from .shapes import model_facts, weight_bytes
 
 # --------------------------------------------------------------------------------------------------
 # Collectives per forward
@@ -58,15 +59,11 @@ def payload_by_kind(comms: list[Collective]) -> dict[str, int]:
 
 
 def modulation_width(dims: FluxDims, family: str = "flux1") -> int:
-    """Features of all AdaLN modulation vectors of one forward (the TP plan's single all-gather).
-
-    FLUX.2 shares its modulation: 6 + 6 (double, image and text) + 3 (single) + 2 (final) x hidden,
-    whatever the block counts.
+    """Features of all AdaLN modulation vectors of one forward (the TP plan's single all-gather): the out
+    features of the family's Gathered layers. FLUX.1: 12 x hidden per double block, 3 per single block and
+    2 for the final layer; FLUX.2 shares its modulation: 6 + 6 + 3 + 2 x hidden, whatever the block counts.
     """
-    d = dims.hidden
-    if family == "flux2":
-        return 17 * d
-    return dims.double_blocks * 12 * d + dims.single_blocks * 3 * d + 2 * d
+    return model_facts(family, dims).modulation_width
 
 
 def cp_local_tokens(setup: Setup, degree: int) -> tuple[int, bool]:
@@ -84,27 +81,32 @@ def cp_local_tokens(setup: Setup, degree: int) -> tuple[int, bool]:
 def collectives(setup: Setup, layout: ParallelLayout) -> list[Collective]:
     """Every collective one forward issues on one rank, grouped by kind and purpose."""
     dims, b, batch = setup.dims, setup.bytes, setup.batch
-    attentions = dims.double_blocks + dims.single_blocks
+    facts = model_facts(setup.family, dims)
+    attentions = facts.attentions
     if layout.world_size == 1:
         return []
     if layout.tp > 1:
         activation = batch * setup.tokens * dims.hidden * b
-        return [
+        out = [
             Collective(
                 "all_reduce",
-                2 * dims.double_blocks + dims.single_blocks,
+                facts.tp_all_reduces,
                 activation,
                 layout.tp,
                 "row-parallel outputs (image and text streams fused)",
-            ),
-            Collective(
-                "all_gather",
-                1,
-                batch * modulation_width(dims, setup.family) * b,
-                layout.tp,
-                "AdaLN modulation vectors",
-            ),
+            )
         ]
+        if facts.modulation_width:
+            out.append(
+                Collective(
+                    "all_gather",
+                    1,
+                    batch * facts.modulation_width * b,
+                    layout.tp,
+                    "AdaLN modulation vectors",
+                )
+            )
+        return out
     n, r, u = layout.world_size, layout.ring, layout.ulysses
     local, padded = cp_local_tokens(setup, n)
     qkv_width = dims.heads * (dims.head_dim + int(padded))
@@ -186,36 +188,18 @@ def attention_ring(setup: Setup, layout: ParallelLayout) -> RingAttention:
 
 
 # Live activations at a forward's peak, in units of (batch x tokens x hidden x bytes) per rank, where the
-# tokens are the rank's own (all of them under TP). Calibrated with torch's MemTracker on the meta device
-# (the GPU's flash attention standing in, no score matrix), bf16; a FLUX with 24 heads x 16 and FLUX.1-dev
-# gave the same units to 1 % (see `bench planner` and BENCHMARKS.md "Planner vs measurement").
+# tokens are the rank's own (all of them under TP). The units of a family's blocks are its own measured
+# `PlannerFacts` (its folder's family.py says how they were calibrated):
 #
-# * Peak 1, inside a single-stream block's attention (RoPE): the block input, its concatenation and its
-#   norm at full width, never sharded (3 + 0.35 for RoPE tables and norms), plus the MLP branch (4 x
-#   hidden: projection and GELU), q/k/v and their float32 norm/RoPE temporaries: 14 units, which TP splits.
-# * Peak 2, in the fused double-stream block when TP has shrunk peak 1: the row-parallel partial sums,
-#   their concatenation for the one all-reduce, the bias-added outputs and both residual streams, all at
-#   full width: 8.35 units whatever the TP degree (measured at TP 4 and 8).
-# * Ring attention adds the gathered K and V of the whole sequence (2 x S x hidden/ulysses: diffusers
+# * peak 1, inside a single-stream block's attention: `attention_full` units TP never shards (the block
+#   input, its concatenation and norm, RoPE tables) + `attention_sharded` units TP splits (q/k/v, the MLP);
+# * peak 2, in the fused double-stream block when TP has shrunk peak 1: `block_full` units (row-parallel
+#   partial sums, their concatenation, both residual streams), whatever the TP degree;
+# * ring attention adds the gathered K and V of the whole sequence (2 x S x hidden/ulysses: diffusers
 #   gathers every chunk at once) and one more full-sequence unit that MemTracker sees alive through the
-#   ring loop (calibrated: ring 2, 4, 8 and ring x Ulysses 2x2, 2x4, 4x2 within 10 %).
-ATTENTION_BLOCK_FULL = 3.35
-ATTENTION_BLOCK_SHARDED = 14.0
-DOUBLE_BLOCK_FULL = 8.35
+#   ring loop (calibrated on FLUX.1: ring 2, 4, 8 and ring x Ulysses 2x2, 2x4, 4x2 within 10 %; on FLUX.2
+#   within 4 %).
 RING_EXTRA_FULL_SEQUENCE = 1.0
-# FLUX.2 (calibrated the same way on FLUX.2 [dev], 1024x1024 + 512 text tokens, bf16: single 21.6 units,
-# TP 2 12.6, TP 4 and 8 8.25; ring 4, Ulysses 4 and ring 2 x Ulysses 2 within 4 % with the ring terms
-# above). Its single block is wider before the split: one packed projection of 3 + 2 x 3 = 9 x hidden
-# ([q | k | v | gate | up]) where FLUX.1 has 3 + 4 + 4 (GELU).
-FLUX2_ATTENTION_BLOCK_FULL = 3.55
-FLUX2_ATTENTION_BLOCK_SHARDED = 18.0
-FLUX2_DOUBLE_BLOCK_FULL = 8.25
-
-
-def _activation_units(family: str) -> tuple[float, float, float]:
-    if family == "flux2":
-        return FLUX2_ATTENTION_BLOCK_FULL, FLUX2_ATTENTION_BLOCK_SHARDED, FLUX2_DOUBLE_BLOCK_FULL
-    return ATTENTION_BLOCK_FULL, ATTENTION_BLOCK_SHARDED, DOUBLE_BLOCK_FULL
 
 
 def activation_bytes(setup: Setup, layout: ParallelLayout) -> float:
@@ -225,9 +209,9 @@ def activation_bytes(setup: Setup, layout: ParallelLayout) -> float:
         tokens = setup.tokens
     else:
         tokens = cp_local_tokens(setup, layout.world_size)[0]
-    full, sharded, double = _activation_units(setup.family)
-    peak_attention = (full + sharded / layout.tp) * tokens
-    peak = max(peak_attention, double * tokens) * unit
+    units = get_family(setup.family).planner
+    peak_attention = (units.attention_full + units.attention_sharded / layout.tp) * tokens
+    peak = max(peak_attention, units.block_full * tokens) * unit
     if layout.ring > 1:
         sequence = attention_ring(setup, layout).seq
         peak += buffer_bytes(setup, layout) + RING_EXTRA_FULL_SEQUENCE * sequence * unit
@@ -247,19 +231,15 @@ def buffer_bytes(setup: Setup, layout: ParallelLayout) -> float:
 
 
 def forward_flops(setup: Setup) -> float:
-    """Dense FLOPs of one forward (all devices together): 2 x MACs of per-token linears + attention."""
-    dims = setup.dims
-    d, m, s, text, image = dims.hidden, dims.mlp, setup.tokens, setup.text_tokens, setup.image_tokens
-    if setup.family == "flux2":  # SwiGLU: d -> 2m -> m -> d
-        per_stream = 4 * d * d + 3 * d * m
-        single = d * (3 * d + 2 * m) + (d + m) * d
-    else:
-        per_stream = 4 * d * d + 2 * d * 4 * d  # q, k, v, out + feed-forward, on each token of its stream
-        single = 3 * d * d + d * m + (d + m) * d
-    macs = image * dims.in_channels * d + text * dims.text_dim * d + image * d * dims.in_channels
-    macs += dims.double_blocks * s * per_stream
-    macs += dims.single_blocks * s * single
-    attention_macs = (dims.double_blocks + dims.single_blocks) * 2 * s * s * d  # QK^T and PV
+    """Dense FLOPs of one forward (all devices together): 2 x MACs of per-token linears + attention.
+
+    The per-token MACs of every linear layer, by the tokens it reads (image, text or both), come from the
+    family's meta model (shapes.model_facts); attention is QK^T and PV over the joint sequence.
+    """
+    facts = model_facts(setup.family, setup.dims)
+    s, text, image = setup.tokens, setup.text_tokens, setup.image_tokens
+    macs = image * facts.image_macs + text * facts.text_macs + s * facts.joint_macs
+    attention_macs = facts.attentions * 2 * s * s * setup.dims.hidden  # QK^T and PV
     return 2 * setup.batch * (macs + attention_macs)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..family import get_family
 from ..text import GB, markdown_table
 from .cost import Estimate, count_by_kind
 from .setup import Setup
@@ -31,7 +32,7 @@ def _weights(setup: Setup) -> str:
 
 def format_table(setup: Setup, estimates: list[Estimate]) -> str:
     head = (
-        f"{'FLUX.2' if setup.family == 'flux2' else 'FLUX'} ({setup.dims.heads} heads x "
+        f"{get_family(setup.family).planner.table_name} ({setup.dims.heads} heads x "
         f"{setup.dims.head_dim}, {setup.dims.double_blocks}+{setup.dims.single_blocks} blocks), "
         f"{setup.dtype}{_weights(setup)}, {setup.width}x{setup.height} x{setup.batch} "
         f"({setup.tokens} tokens), {setup.devices} device(s) x {capacity(setup.memory_gb)} GB, "

@@ -7,15 +7,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import COMPUTE_DTYPE_BYTES, WEIGHT_DTYPE_BYTES, ConfigError, FluxDims
+from ..config import ConfigError, FluxDims
+from ..dtypes import COMPUTE_DTYPES, WEIGHT_DTYPES, compute_dtype_named
+from ..family import families, get_family
 from ..text import GB
 
 # The weight dtypes the planner prices ("default" depends on the file: resolved before planning).
-PLANNED_WEIGHT_DTYPES = tuple(name for name in WEIGHT_DTYPE_BYTES if name != "default")
+PLANNED_WEIGHT_DTYPES = tuple(name for name in WEIGHT_DTYPES if name != "default")
 MARGIN = 0.10  # of device memory kept free: allocator fragmentation, RCCL/NCCL buffers, runtime context
-
-# Model families the planner prices (diffusers FluxTransformer2DModel / Flux2Transformer2DModel).
-FAMILIES = ("flux1", "flux2")
 
 
 @dataclass(frozen=True)
@@ -60,26 +59,32 @@ class Setup:
     # how linear weights are held: "compute" (the compute dtype) or "fp8_e4m3fn" / "fp8_e5m2" (1 byte);
     # a checkpoint's "default" is resolved by the caller (load.planned_weight_dtype)
     weight_dtype: str = "compute"
-    family: str = "flux1"  # one of FAMILIES: which transformer the dims describe
+    family: str = (
+        "flux1"  # a registered model family (backend/family.py): which transformer the dims describe
+    )
     # image tokens of reference latents (Kontext / FLUX.2 ReferenceLatent): every step carries them after
     # the image's own, so they are split, attended and held like image tokens
     reference_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if self.family not in FAMILIES:
+        known = [f.name for f in families()]
+        if self.family not in known:
             raise ConfigError(
-                f"family={self.family!r} is not a model family the planner knows; use {', '.join(FAMILIES)}"
+                f"family={self.family!r} is not a model family the planner knows; use {', '.join(known)}"
             )
-        if self.dtype not in COMPUTE_DTYPE_BYTES:
-            raise ConfigError(f"dtype={self.dtype!r} is not supported; use {', '.join(COMPUTE_DTYPE_BYTES)}")
+        if self.dtype not in (d.name for d in COMPUTE_DTYPES):
+            raise ConfigError(
+                f"dtype={self.dtype!r} is not supported; use {', '.join(d.name for d in COMPUTE_DTYPES)}"
+            )
         if self.weight_dtype not in PLANNED_WEIGHT_DTYPES:
             raise ConfigError(
                 f"weight_dtype={self.weight_dtype!r} is not supported by the planner; use "
                 f"{', '.join(PLANNED_WEIGHT_DTYPES)} (resolve 'default' from the checkpoint first)"
             )
-        if self.width % 16 or self.height % 16 or self.width < 16 or self.height < 16:
+        side = self.token_pixels
+        if self.width % side or self.height % side or self.width < side or self.height < side:
             raise ConfigError(
-                f"image size {self.width}x{self.height} is not a multiple of 16 pixels; use e.g. 1024x1024"
+                f"image size {self.width}x{self.height} is not a multiple of {side} pixels; use e.g. 1024x1024"
             )
         for name in ("batch", "devices", "text_tokens"):
             value = getattr(self, name)
@@ -95,17 +100,26 @@ class Setup:
 
     @property
     def bytes(self) -> int:
-        return COMPUTE_DTYPE_BYTES[self.dtype]
+        return compute_dtype_named(self.dtype).bytes
 
     @property
     def linear_bytes(self) -> int:
         """Bytes per resident linear-weight element: 1 for fp8, else the compute dtype's."""
-        return WEIGHT_DTYPE_BYTES[self.weight_dtype] or self.bytes
+        fp8 = WEIGHT_DTYPES[self.weight_dtype]
+        return self.bytes if fp8 is None else fp8.bytes
+
+    @property
+    def token_pixels(self) -> int:
+        """Pixels per image token on each side: the family's patch x its VAE's scale (16 for FLUX.1 and
+        FLUX.2 alike)."""
+        family = get_family(self.family)
+        return family.patch * family.latent.downscale
 
     @property
     def image_tokens(self) -> int:
-        """The image's tokens (one per 16x16 pixels in FLUX.1 and FLUX.2 alike) plus the references'."""
-        return (self.width // 16) * (self.height // 16) + self.reference_tokens
+        """The image's tokens plus the references'."""
+        side = self.token_pixels
+        return (self.width // side) * (self.height // side) + self.reference_tokens
 
     @property
     def tokens(self) -> int:

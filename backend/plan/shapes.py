@@ -1,117 +1,104 @@
-"""Model shapes and bytes: diffusers' parameter shapes from the dims, sharded with the engine's own plan."""
+"""What the planner knows about a model, derived from the family's meta model: shapes, splits, work.
+
+Nothing here is written per family. For a family and its dims, the family's own diffusers model is built
+once on the meta device (no weights; cached) from `config_from_dims`, and read:
+
+* every parameter's shape, and the split the family's TP plan gives it (the engine's `shard_pieces`
+  then says what a rank keeps): exact weight bytes per rank;
+* the modulation vector width (the out features of the plan's `Gathered` layers: one all-gather) and the
+  all-reduces one TP forward issues (`BlockForward.reductions` per replaced block, plus one per
+  row-parallel layer that reduces itself);
+* the work of a forward: one tiny call through the family's own `call` on meta tensors, with hooks that
+  record which linear layers read image tokens, text tokens or both (per-token MACs), and how many
+  attention calls there are. Per-token work scales linearly with the tokens, so one call prices any size.
+"""
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
+from typing import Any
 
 from ..config import FluxDims, ParallelLayout
+from ..family import get_family
 
-TIMESTEP_CHANNELS = 256  # diffusers' Timesteps(num_channels=256) in FLUX's time/guidance embedders
-
-
-def flux_parameter_shapes(dims: FluxDims) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every parameter of diffusers' FluxTransformer2DModel with these dims.
-
-    Written out instead of building the model so the client can plan without diffusers; the test checks
-    it equals the state dict of a meta model, name for name.
-    """
-    d, m, hd = dims.hidden, dims.mlp, dims.head_dim
-    ff = 4 * d  # diffusers' FeedForward(mult=4) in the double blocks, whatever mlp_ratio says
-    shapes: dict[str, tuple[int, ...]] = {}
-
-    def linear(name: str, fan_in: int, fan_out: int) -> None:
-        shapes[f"{name}.weight"] = (fan_out, fan_in)
-        shapes[f"{name}.bias"] = (fan_out,)
-
-    embedders = ["timestep_embedder"] + (["guidance_embedder"] if dims.guidance else [])
-    for emb in embedders:
-        linear(f"time_text_embed.{emb}.linear_1", TIMESTEP_CHANNELS, d)
-        linear(f"time_text_embed.{emb}.linear_2", d, d)
-    linear("time_text_embed.text_embedder.linear_1", dims.pooled_dim, d)
-    linear("time_text_embed.text_embedder.linear_2", d, d)
-    linear("context_embedder", dims.text_dim, d)
-    linear("x_embedder", dims.in_channels, d)
-    for i in range(dims.double_blocks):
-        p = f"transformer_blocks.{i}"
-        linear(f"{p}.norm1.linear", d, 6 * d)
-        linear(f"{p}.norm1_context.linear", d, 6 * d)
-        for norm in ("norm_q", "norm_k"):
-            shapes[f"{p}.attn.{norm}.weight"] = (hd,)
-        for proj in ("to_q", "to_k", "to_v"):
-            linear(f"{p}.attn.{proj}", d, d)
-        linear(f"{p}.attn.to_out.0", d, d)
-        for norm in ("norm_added_q", "norm_added_k"):
-            shapes[f"{p}.attn.{norm}.weight"] = (hd,)
-        for proj in ("add_q_proj", "add_k_proj", "add_v_proj"):
-            linear(f"{p}.attn.{proj}", d, d)
-        linear(f"{p}.attn.to_add_out", d, d)
-        for stream in ("ff", "ff_context"):
-            linear(f"{p}.{stream}.net.0.proj", d, ff)
-            linear(f"{p}.{stream}.net.2", ff, d)
-    for i in range(dims.single_blocks):
-        p = f"single_transformer_blocks.{i}"
-        linear(f"{p}.norm.linear", d, 3 * d)
-        linear(f"{p}.proj_mlp", d, m)
-        linear(f"{p}.proj_out", d + m, d)
-        for norm in ("norm_q", "norm_k"):
-            shapes[f"{p}.attn.{norm}.weight"] = (hd,)
-        for proj in ("to_q", "to_k", "to_v"):
-            linear(f"{p}.attn.{proj}", d, d)
-    linear("norm_out.linear", d, 2 * d)
-    linear("proj_out", d, dims.in_channels)
-    return shapes
+# The probe call's token counts: distinct, so a layer's input length says which tokens it read.
+_PROBE_IMAGE_PATCHES = (1, 2)  # (rows, columns) of patches: 2 image tokens
+_PROBE_TEXT = 3
 
 
-def flux2_parameter_shapes(dims: FluxDims) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every parameter of diffusers' Flux2Transformer2DModel (0.42.1) with these dims.
+@dataclass(frozen=True)
+class ModelFacts:
+    """One family's model with given dims, as the planner prices it."""
 
-    No biases; the modulation linears are shared by all blocks (three at the top level); SwiGLU
-    feed-forwards read d and write [gate | up] = 2 x mlp; single blocks fuse q, k, v and the MLP input
-    into one projection and the attention and MLP outputs into another.
-    """
-    d, m, hd = dims.hidden, dims.mlp, dims.head_dim
-    shapes: dict[str, tuple[int, ...]] = {}
-
-    def linear(name: str, fan_in: int, fan_out: int) -> None:
-        shapes[f"{name}.weight"] = (fan_out, fan_in)
-
-    embedders = ["timestep_embedder"] + (["guidance_embedder"] if dims.guidance else [])
-    for emb in embedders:
-        linear(f"time_guidance_embed.{emb}.linear_1", TIMESTEP_CHANNELS, d)
-        linear(f"time_guidance_embed.{emb}.linear_2", d, d)
-    linear("double_stream_modulation_img.linear", d, 6 * d)
-    linear("double_stream_modulation_txt.linear", d, 6 * d)
-    linear("single_stream_modulation.linear", d, 3 * d)
-    linear("x_embedder", dims.in_channels, d)
-    linear("context_embedder", dims.text_dim, d)
-    for i in range(dims.double_blocks):
-        p = f"transformer_blocks.{i}"
-        for proj in ("to_q", "to_k", "to_v"):
-            linear(f"{p}.attn.{proj}", d, d)
-        for norm in ("norm_q", "norm_k"):
-            shapes[f"{p}.attn.{norm}.weight"] = (hd,)
-        linear(f"{p}.attn.to_out.0", d, d)
-        for norm in ("norm_added_q", "norm_added_k"):
-            shapes[f"{p}.attn.{norm}.weight"] = (hd,)
-        for proj in ("add_q_proj", "add_k_proj", "add_v_proj"):
-            linear(f"{p}.attn.{proj}", d, d)
-        linear(f"{p}.attn.to_add_out", d, d)
-        for stream in ("ff", "ff_context"):
-            linear(f"{p}.{stream}.linear_in", d, 2 * m)
-            linear(f"{p}.{stream}.linear_out", m, d)
-    for i in range(dims.single_blocks):
-        p = f"single_transformer_blocks.{i}"
-        linear(f"{p}.attn.to_qkv_mlp_proj", d, 3 * d + 2 * m)
-        for norm in ("norm_q", "norm_k"):
-            shapes[f"{p}.attn.{norm}.weight"] = (hd,)
-        linear(f"{p}.attn.to_out", d + m, d)
-    linear("norm_out.linear", d, 2 * d)
-    linear("proj_out", d, dims.in_channels)
-    return shapes
+    parameters: tuple[tuple[str, tuple[int, ...], Any], ...]  # (name, shape, TP split or None)
+    modulation_width: int  # features of all Gathered (AdaLN modulation) outputs of one forward
+    tp_all_reduces: int  # activation all-reduces of one forward under TP
+    attentions: int  # attention calls per forward
+    image_macs: int  # multiply-accumulates per image token in the linear layers that read only image tokens
+    text_macs: int  # ... only text tokens
+    joint_macs: int  # ... the joint sequence (single-stream blocks)
 
 
-def parameter_shapes(dims: FluxDims, family: str = "flux1") -> dict[str, tuple[int, ...]]:
-    return flux2_parameter_shapes(dims) if family == "flux2" else flux_parameter_shapes(dims)
+@functools.lru_cache(maxsize=32)
+def model_facts(family: str, dims: FluxDims) -> ModelFacts:
+    """The facts of `family`'s model with `dims` (built once on the meta device per family and dims)."""
+    import torch
+    from torch import nn
+
+    from ..parallel.tensor import Gathered, PackedRow, Row, resolve_plan
+
+    fam = get_family(family)
+    config = fam.config_from_dims(dims)
+    model = fam.build(config, device="meta")
+    splits = resolve_plan(model, fam.tp.plan)
+    parameters = tuple(
+        (name, tuple(p.shape), splits.get(name.rpartition(".")[0])) for name, p in model.named_parameters()
+    )
+    modulation = sum(
+        model.get_submodule(m).out_features for m, s in splits.items() if isinstance(s, Gathered)
+    )
+    reducing = sum(isinstance(s, PackedRow) or (isinstance(s, Row) and s.reduce) for s in splits.values())
+    blocks = resolve_plan(model, fam.tp.block_forwards)
+    all_reduces = reducing + sum(b.reductions for b in blocks.values())
+
+    image = math.prod(_PROBE_IMAGE_PATCHES)
+    macs = {image: 0, _PROBE_TEXT: 0, image + _PROBE_TEXT: 0}
+    attentions = 0
+
+    def linear(module: nn.Linear, args: tuple[Any, ...]) -> None:
+        x = args[0] if args else None
+        if (
+            x is not None and x.dim() == 3
+        ):  # [batch, tokens, features]; [batch, features] reads one vector per image
+            macs[x.shape[1]] += module.in_features * module.out_features
+
+    def attention(module: nn.Module, args: tuple[Any, ...]) -> None:
+        nonlocal attentions
+        attentions += 1
+
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            module.register_forward_pre_hook(linear)
+        elif hasattr(module, "processor"):
+            module.register_forward_pre_hook(attention)
+    rows, cols = (n * fam.patch for n in _PROBE_IMAGE_PATCHES)
+    x = torch.empty(1, fam.input_channels(config), rows, cols, device="meta")
+    context = torch.empty(1, _PROBE_TEXT, dims.text_dim, device="meta")
+    pooled = torch.empty(1, dims.pooled_dim, device="meta") if fam.text.pooled else None
+    step = torch.empty(1, device="meta")
+    with torch.no_grad():
+        fam.call(fam.model_fn(model), x, step, context, pooled, step if dims.guidance else None)
+    return ModelFacts(
+        parameters=parameters,
+        modulation_width=modulation,
+        tp_all_reduces=all_reduces,
+        attentions=attentions,
+        image_macs=macs[image],
+        text_macs=macs[_PROBE_TEXT],
+        joint_macs=macs[image + _PROBE_TEXT],
+    )
 
 
 def weight_bytes(
@@ -127,22 +114,19 @@ def weight_bytes(
     `family`: the model family whose shapes and TP plan count ("flux1", "flux2"). `linear_bytes`: bytes
     per element of the linear weights (the 2-D parameters) when they are held in another dtype than the
     rest (fp8 weights: 1); biases and norm scales always take `dtype_bytes`, as in the loader
-    (load.resident_dtype).
+    (checkpoint/load.py resident_dtype).
     """
-    linear = dtype_bytes if linear_bytes is None else linear_bytes
-    from ..parallel.tensor import FLUX2_TP_PLAN, FLUX_TP_PLAN, _pattern, shard_pieces
+    from ..parallel.tensor import shard_pieces
 
-    shapes = parameter_shapes(dims, family)
-    if layout.tp == 1:
-        return sum((linear if len(s) == 2 else dtype_bytes) * math.prod(s) for s in shapes.values())
-    tp_plan = FLUX2_TP_PLAN if family == "flux2" else FLUX_TP_PLAN
-    patterns = [(_pattern(k), split) for k, split in tp_plan.items()]
+    linear = dtype_bytes if linear_bytes is None else linear_bytes
     total = 0
-    for name, shape in shapes.items():
-        module, _, param = name.rpartition(".")
-        split = next((s for rx, s in patterns if rx.match(module)), None)
-        pieces = None if split is None else shard_pieces(split, param, shape, rank, layout.tp, dims)
-        total += (linear if len(shape) == 2 else dtype_bytes) * math.prod(
-            shape if pieces is None else pieces.shape(shape)
-        )
+    for name, shape, split in model_facts(family, dims).parameters:
+        pieces = None
+        if layout.tp > 1 and split is not None:
+            pieces = shard_pieces(split, name.rpartition(".")[2], shape, rank, layout.tp, dims)
+        held = shape if pieces is None else pieces.shape(shape)
+        total += (linear if len(shape) == 2 else dtype_bytes) * math.prod(held)
     return total
+
+
+__all__ = ["ModelFacts", "model_facts", "weight_bytes"]

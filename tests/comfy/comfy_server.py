@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import save_file
 from test_sampling import META, flux_model
 
-from rocm_parallel.backend.flux.convert import diffusers_to_bfl
+from rocm_parallel.backend.checkpoint import diffusers_to_bfl
 
 COMFYUI_PATH = os.environ.get("COMFYUI_PATH")
 FLUX2_CHECKPOINT = "tiny-flux2.safetensors"
@@ -145,9 +145,9 @@ def running_comfy(base: Path) -> Iterator[Comfy]:
             sys.path.insert(0, str(TESTS_DIR / "tools"))
         from make_comfy_references import flux2_model
 
-        from rocm_parallel.backend.flux2.convert import save_flux2_checkpoint
+        from rocm_parallel.backend.checkpoint import save_checkpoint
 
-        save_flux2_checkpoint(flux2_model("flux2"), models / FLUX2_CHECKPOINT)
+        save_checkpoint(flux2_model("flux2"), models / FLUX2_CHECKPOINT)
     before = _tree_state(COMFYUI_PATH)
 
     port = _free_port()

@@ -27,8 +27,8 @@ from test_sampling import ALL_CASES as CASES
 from test_sampling import META, MODELS, flux_model, reference
 
 from rocm_parallel.backend.api import ParallelFlux
+from rocm_parallel.backend.checkpoint import save_checkpoint
 from rocm_parallel.backend.config import ParallelLayout
-from rocm_parallel.backend.flux.convert import save_bfl_checkpoint
 from rocm_parallel.nodes import logic
 
 pytestmark = [pytest.mark.comfy, pytest.mark.timeout(3000)]
@@ -68,7 +68,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     out = {}
     for variant in MODELS:
         out[variant] = str(folder / f"tiny-{variant}.safetensors")
-        save_bfl_checkpoint(flux_model(variant), out[variant])
+        save_checkpoint(flux_model(variant), out[variant])
     return out
 
 
@@ -124,8 +124,8 @@ def test_comfyuis_samplers_on_the_parallel_model_match_comfyui(comfy, checkpoint
 
 
 def _lora_file(folder: Path, name: str) -> str:
-    from rocm_parallel.backend.flux.model import tiny_flux_config
-    from rocm_parallel.testing.helpers import write_random_lora
+    from rocm_parallel.testing.models import tiny_flux_config
+    from rocm_parallel.testing.writers import write_random_lora
 
     spec = CASES[name]["lora"]
     config = tiny_flux_config(**MODELS[CASES[name]["variant"]]["config"])
@@ -217,7 +217,7 @@ def test_fp8_weights_match_comfyuis_own_fp8_model(comfy, registries, tmp_path_fa
     from make_comfy_references import load_in_comfy
     from safetensors.torch import save_file
 
-    from rocm_parallel.backend.flux.convert import diffusers_to_bfl
+    from rocm_parallel.backend.checkpoint import diffusers_to_bfl
     from rocm_parallel.nodes import comfy_model
 
     reference_model = flux_model("dev")
@@ -258,7 +258,7 @@ def test_scaled_fp8_matches_comfyuis_own_scaled_fp8_model(comfy, registries, tmp
     from make_comfy_references import load_in_comfy
     from safetensors.torch import save_file
 
-    from rocm_parallel.backend.flux.convert import diffusers_to_bfl
+    from rocm_parallel.backend.checkpoint import diffusers_to_bfl
     from rocm_parallel.nodes import comfy_model
 
     reference_model = flux_model("dev")
@@ -366,11 +366,11 @@ def _needs_flux2() -> None:
 def flux2_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     from make_comfy_references import FLUX2_MODELS, flux2_model
 
-    from rocm_parallel.backend.flux2.convert import save_flux2_checkpoint
+    from rocm_parallel.testing.writers import save_mixed_checkpoint
 
     folder = tmp_path_factory.mktemp("flux2")
     return {
-        variant: save_flux2_checkpoint(flux2_model(variant), folder / f"tiny-{variant}.safetensors")
+        variant: save_mixed_checkpoint(flux2_model(variant), folder / f"tiny-{variant}.safetensors")
         for variant in FLUX2_MODELS
     }
 
@@ -467,13 +467,13 @@ def test_flux2_fp8_mixed_matches_comfyuis_own_fp8_mixed_model(comfy, registries,
     from make_comfy_references import FLUX2_MODELS, flux2_model, load_flux2_in_comfy
     from safetensors.torch import load_file, save_file
 
-    from rocm_parallel.backend.flux2.convert import save_flux2_checkpoint
     from rocm_parallel.nodes import comfy_model
+    from rocm_parallel.testing.writers import save_mixed_checkpoint
 
     _needs_flux2()
     reference_model = flux2_model("flux2")
     path = tmp_path_factory.mktemp("flux2-fp8") / "tiny-flux2-fp8mixed.safetensors"
-    save_flux2_checkpoint(reference_model, path, fp8_mixed=True)
+    save_mixed_checkpoint(reference_model, path, fp8_mixed=True)
     state = load_file(str(path))
     layers = {
         key.removesuffix(".comfy_quant"): json.loads(bytes(value.tolist()).decode())
@@ -525,7 +525,7 @@ def test_flux2_parallel_lora_matches_comfyuis_lora_loader_on_its_own_flux2(
     from make_comfy_references import flux2_model, load_flux2_in_comfy
     from safetensors.torch import load_file
 
-    from rocm_parallel.testing.helpers import write_random_lora
+    from rocm_parallel.testing.writers import write_random_lora
 
     _needs_flux2()
     name = "flux2_4steps"

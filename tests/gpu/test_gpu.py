@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from rocm_parallel.backend.config import FluxDims
-from rocm_parallel.backend.flux.model import FLUX_DEV, build_flux, random_inputs, tiny_flux_config
-from rocm_parallel.backend.parallel.fake import fake_process_group
+from rocm_parallel.backend.flux.model import FLUX_DEV, build_flux
 from rocm_parallel.backend.parallel.tensor import apply_tensor_parallel, parameter_bytes
+from rocm_parallel.testing.fake import fake_process_group
+from rocm_parallel.testing.models import random_inputs, tiny_flux_config
 
 TESTS_DIR = str(Path(__file__).resolve().parents[1])  # on the workers' sys.path: model_methods lives there
 
@@ -145,7 +146,7 @@ def test_comfyui_references_on_one_gpu(dtype: str, tolerance: float, layout: str
     from test_sampling import CASES, flux_model, reference
 
     from rocm_parallel.backend.api import ParallelFlux
-    from rocm_parallel.backend.flux.convert import diffusers_to_bfl
+    from rocm_parallel.backend.checkpoint import diffusers_to_bfl
 
     path = tmp_path / "tiny-flux-dev.safetensors"
     save_file(diffusers_to_bfl(flux_model("dev").state_dict()), str(path))

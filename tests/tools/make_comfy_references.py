@@ -19,7 +19,7 @@ else (model class dev vs schnell, sampling settings, latent format) is ComfyUI's
 
 FLUX.2 (ComfyUI >= 0.3.75; stored under the metadata keys `flux2_models` / `flux2_cases`, so the FLUX.1
 readers never see them): small random Flux2Transformer2DModels written in the BFL / ComfyUI single-file
-layout (`flux2_diffusers_to_bfl`), loaded by ComfyUI's own loader, which detects FLUX.2 from
+layout (`diffusers_to_bfl`), loaded by ComfyUI's own loader, which detects FLUX.2 from
 `double_stream_modulation_img.lin.weight` (comfy/model_detection.py) and builds `model_base.Flux2`
 (supported_models.Flux2, latent_formats.Flux2: 128 channels at 1/16). Detection hard-codes [dev]'s 48
 heads and RoPE axes 32/32/32/32 (hidden width and text width it reads from img_in / txt_in), so those two
@@ -194,7 +194,8 @@ def load_flux2_in_comfy(
 
 def flux2_model(variant: str) -> torch.nn.Module:
     """The diffusers Flux2Transformer2DModel of a FLUX.2 variant (random weights from its seed)."""
-    from rocm_parallel.backend.flux2.model import build_flux2, tiny_flux2_config
+    from rocm_parallel.backend.flux2.model import build_flux2
+    from rocm_parallel.testing.models import tiny_flux2_config
 
     spec = FLUX2_MODELS[variant]
     return build_flux2(tiny_flux2_config(**spec["config"]), seed=spec["seed"])
@@ -391,8 +392,8 @@ def case_inputs(name: str, case: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 def with_lora(comfy, model, spec: dict[str, Any], folder: Path):
     """ComfyUI's own LoraLoaderModelOnly with a random LoRA file (testing.helpers.write_random_lora)."""
-    from rocm_parallel.backend.flux.model import tiny_flux_config
-    from rocm_parallel.testing.helpers import write_random_lora
+    from rocm_parallel.testing.models import tiny_flux_config
+    from rocm_parallel.testing.writers import write_random_lora
 
     name = f"lora-{spec['format']}-{spec['seed']}.safetensors"
     config = tiny_flux_config(**MODELS["dev"]["config"])
@@ -516,8 +517,9 @@ def main() -> None:
     torch.set_num_threads(1)
     comfy = import_comfy(path)
 
-    from rocm_parallel.backend.flux.convert import diffusers_to_bfl
-    from rocm_parallel.backend.flux.model import build_flux, tiny_flux_config
+    from rocm_parallel.backend.checkpoint import diffusers_to_bfl
+    from rocm_parallel.backend.flux.model import build_flux
+    from rocm_parallel.testing.models import tiny_flux_config
 
     models = {}
     for variant, spec in MODELS.items():
@@ -525,11 +527,11 @@ def main() -> None:
         flux = build_flux(config, seed=spec["seed"])
         models[variant] = load_in_comfy(comfy, config, diffusers_to_bfl(flux.state_dict()))
 
-    from rocm_parallel.backend.flux2.convert import flux2_diffusers_to_bfl
+    from rocm_parallel.backend.checkpoint import diffusers_to_bfl
 
     for variant in FLUX2_MODELS:
         flux2 = flux2_model(variant)
-        models[variant] = load_flux2_in_comfy(comfy, dict(flux2.config), flux2_diffusers_to_bfl(flux2))
+        models[variant] = load_flux2_in_comfy(comfy, dict(flux2.config), diffusers_to_bfl(flux2.state_dict()))
 
     import folder_paths
 

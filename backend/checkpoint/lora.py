@@ -15,7 +15,7 @@ difference: ComfyUI rounds bf16/fp16 results stochastically, this rounds to near
 
 Why deltas are mapped to diffusers *parameters* with row ranges of `up`: the model is diffusers', and a
 fused BFL target (`qkv`, `linear1 = [q|k|v|mlp]`, the final AdaLN's swapped (shift, scale)) feeds several
-diffusers parameters, each from some rows of the BFL tensor (the family's `bfl_sources`, the one mapping).
+diffusers parameters, each from some rows of the BFL tensor (the family's `KeyLayout`, the one mapping).
 FLUX.2 files are read the same way through FLUX.2's sources and TP plan: ComfyUI maps its LoRA keys as
 FLUX.1's (comfy/model_base.py `Flux2` is a `Flux`, so comfy/lora.py's `diffusion_model.*` keys and the
 `linear1_qkv` partial key apply), and `linear1` there is [q|k|v|gate|up].
@@ -26,7 +26,7 @@ on the resident weights: adding then subtracting a delta in bf16 does not give t
 each change would drift further. Re-reading the affected slices (the loader's own `read_parameter`) and
 applying the whole new set makes "no LoRA" bit-identical to a fresh load, whatever was applied before.
 
-fp8-resident weights (load_flux(weight_dtype=...)): a patched weight is held in the compute dtype, not
+fp8-resident weights (load_model(weight_dtype=...)): a patched weight is held in the compute dtype, not
 cast back to fp8. fp8 keeps 3 (e4m3fn) or 2 (e5m2) mantissa bits, far coarser than a LoRA delta (ComfyUI
 keeps fp8 and rounds stochastically, which is right only on average). So a patched tensor equals the
 same LoRA on an upcast-at-load model bit for bit, and costs the compute dtype's bytes: a LoRA touching
@@ -54,16 +54,9 @@ from torch import nn
 from ..config import ConfigError
 from ..parallel.tensor import Pieces, parameter_pieces, resolve_plan
 from ..parallel.weights import compute_dtype, is_fp8
-from .load import (
-    CheckpointInfo,
-    _compose,
-    _full_shape,
-    _listing,
-    _starts_like_safetensors,
-    _truncation_detail,
-    parameter_dtype,
-    read_parameter,
-)
+from .files import listing, starts_like_safetensors, truncation_detail
+from .info import CheckpointInfo
+from .load import compose, full_shape, parameter_dtype, read_parameter
 
 
 class LoraError(ConfigError):
@@ -144,10 +137,10 @@ class LoraInfo:
 def _name_table(info: CheckpointInfo) -> dict[str, tuple[str, tuple[LoraTarget, ...], tuple[int, int]]]:
     """LoRA module key -> (format, targets, the (out, in) shape its delta must have), for this checkpoint."""
     dims = info.dims
-    shapes = {name: _full_shape(stored, rows) for name, (stored, rows) in info.sources.items()}
+    shapes = {name: full_shape(stored, rows) for name, (stored, rows) in info.sources.items()}
     # BFL module -> [(diffusers param, rows of the BFL tensor)], from the one BFL <-> diffusers mapping.
     by_bfl: dict[str, list[tuple[str, tuple[tuple[int, int], ...] | None]]] = {}
-    for param, source in info.model_family.bfl_sources(info.config).items():
+    for param, source in info.model_family.sources(info.config).items():
         if param.endswith(".weight") and len(shapes[param]) == 2:
             by_bfl.setdefault(source.key.removesuffix(".weight"), []).append((param, source.rows))
     table: dict[str, tuple[str, tuple[LoraTarget, ...], tuple[int, int]]] = {}
@@ -198,7 +191,7 @@ def _check_file(path: Path) -> None:
     if not path.exists():
         parent = path.parent
         where = (
-            f"'{parent}' has: {_listing(parent)}. Pick one of those, or put the LoRA into that folder"
+            f"'{parent}' has: {listing(parent)}. Pick one of those, or put the LoRA into that folder"
             if parent.is_dir()
             else f"nor does its folder '{parent}'; check the path"
         )
@@ -207,9 +200,9 @@ def _check_file(path: Path) -> None:
         raise LoraError(f"LoRA '{path}' is a folder; pass the LoRA's .safetensors file")
     with open(path, "rb") as f:
         head = f.read(9)
-    if not _starts_like_safetensors(head, path.stat().st_size):
+    if not starts_like_safetensors(head, path.stat().st_size):
         raise LoraError(
-            f"LoRA '{path}' is not a safetensors file ({_truncation_detail(path)}); LoRAs are read from "
+            f"LoRA '{path}' is not a safetensors file ({truncation_detail(path)}); LoRAs are read from "
             ".safetensors files only. Download it again, or convert it with safetensors.torch.save_file"
         )
 
@@ -227,7 +220,7 @@ def inspect_lora(path: str | os.PathLike[str], info: CheckpointInfo) -> LoraInfo
             alphas = {k[: -len(ALPHA_SUFFIX)]: f.get_tensor(k) for k in shapes if k.endswith(ALPHA_SUFFIX)}
     except SafetensorError as err:
         raise LoraError(
-            f"LoRA '{path}' is truncated or corrupt: {_truncation_detail(path)}. Download or copy it again"
+            f"LoRA '{path}' is truncated or corrupt: {truncation_detail(path)}. Download or copy it again"
         ) from err
     skipped = tuple(sorted(k for k in shapes if k.startswith(TEXT_ENCODER_PREFIXES)))
     table = _name_table(info)
@@ -306,7 +299,7 @@ def _unknown_key(path: Path, key: str, info: CheckpointInfo) -> None:
         )
     raise LoraError(
         f"LoRA '{path}': '{key}' targets '{split[0]}', which this checkpoint "
-        f"({info.config['num_layers']} double + {info.config['num_single_layers']} single blocks, "
+        f"({info.dims.double_blocks} double + {info.dims.single_blocks} single blocks, "
         f"hidden {info.dims.hidden}) does not have; the LoRA was made for a different FLUX model"
     )
 
@@ -357,7 +350,7 @@ def delta_slice(
     """
     up_rows = target.up_rows
     if pieces is not None and pieces.dim == 0:
-        up_rows = tuple(_compose(up_rows, pieces.ranges))
+        up_rows = tuple(compose(up_rows, pieces.ranges))
     up_slice, down_slice = f.get_slice(module.up), f.get_slice(module.down)
     up = _cat([up_slice[a:b].to(device, torch.float32) for a, b in up_rows], 0)
     if pieces is not None and pieces.dim == 1:
@@ -409,7 +402,7 @@ def _apply(
     degree: int,
     progress: Callable[[int, int], None] | None,
 ) -> None:
-    resolved = resolve_plan(model, info.model_family.tp_plan)
+    resolved = resolve_plan(model, info.model_family.tp.plan)
     params = dict(model.named_parameters())
     dims = info.dims
     compute = compute_dtype(model)
@@ -421,7 +414,7 @@ def _apply(
     for done, name in enumerate(todo, 1):
         param = params[name]
         stored, rows = info.sources[name]
-        pieces = parameter_pieces(resolved, name, _full_shape(stored, rows), rank, degree, dims)
+        pieces = parameter_pieces(resolved, name, full_shape(stored, rows), rank, degree, dims)
         patches = by_param.get(name, [])
         resident = parameter_dtype(model, stored, name, compute)
         if not patches:  # back to exactly what the loader read

@@ -1,0 +1,54 @@
+"""What every model family loads through: checkpoint files, key layouts, quantized formats, loading, LoRA.
+
+A family brings only data (its `KeyLayout`, header detection, config from shapes: backend/family.py);
+everything here works for any registered family.
+
+* files.py  safetensors headers, file-kind and truncation checks (`CheckpointError`)
+* keys.py   `KeyLayout` (BFL <-> diffusers as data), converters and the one writer `save_checkpoint`
+* quant.py  ComfyUI's scaled fp8 / quantized "mixed" files
+* info.py   `inspect_checkpoint` -> `CheckpointInfo` (headers only) and the dtype rules
+* load.py   `load_model`: each rank reads only its shard
+* lora.py   LoRA files: inspect in the caller, apply per rank
+"""
+
+from .files import COMFY_PREFIX, CheckpointError, StoredTensor
+from .info import (
+    CheckpointInfo,
+    check_weight_dtype,
+    default_dtype,
+    describe_keys,
+    inspect_checkpoint,
+    planned_weight_dtype,
+    resolve_dtype,
+)
+from .keys import Blocks, Fused, KeyLayout, Source, bfl_to_diffusers, diffusers_to_bfl, save_checkpoint
+from .load import load_model, read_parameter, resident_dtype
+from .lora import LoraError, LoraInfo, apply_loras, check_loras, inspect_lora
+
+__all__ = [
+    "COMFY_PREFIX",
+    "Blocks",
+    "CheckpointError",
+    "CheckpointInfo",
+    "Fused",
+    "KeyLayout",
+    "LoraError",
+    "LoraInfo",
+    "Source",
+    "StoredTensor",
+    "apply_loras",
+    "bfl_to_diffusers",
+    "check_loras",
+    "check_weight_dtype",
+    "default_dtype",
+    "describe_keys",
+    "diffusers_to_bfl",
+    "inspect_checkpoint",
+    "inspect_lora",
+    "load_model",
+    "planned_weight_dtype",
+    "read_parameter",
+    "resident_dtype",
+    "resolve_dtype",
+    "save_checkpoint",
+]

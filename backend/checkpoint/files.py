@@ -1,0 +1,136 @@
+"""Safetensors files as the loaders see them: headers, file-kind and truncation checks, listings.
+
+Everything here reads headers and the first bytes only, so the caller's process can check a path before
+any worker starts. `CheckpointError` is the error every checkpoint message comes in; it is a ConfigError,
+so callers that catch bad input catch it too.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors import SafetensorError, safe_open
+
+from ..config import ConfigError
+
+# ComfyUI's full checkpoints (and some diffusion_models files) put the transformer under this prefix.
+COMFY_PREFIX = "model.diffusion_model."
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be loaded; the message names the path, what was found and the fix."""
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor in a safetensors file."""
+
+    file: str
+    key: str
+    shape: tuple[int, ...]
+    dtype: str  # safetensors' name, e.g. "BF16", "F8_E4M3"
+
+
+def listing(folder: Path, limit: int = 12) -> str:
+    """What `folder` holds, for messages: its first `limit` names (folders marked with '/')."""
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
+    if not names:
+        return "nothing (it is empty)"
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def missing_checkpoint(path: Path) -> CheckpointError:
+    """The error for a checkpoint path that does not exist, naming what its folder has instead."""
+    parent = path.parent
+    if parent.is_dir():
+        return CheckpointError(
+            f"checkpoint '{path}' does not exist; '{parent}' has: {listing(parent)}. "
+            "Pick one of those, or put the FLUX file into that folder"
+        )
+    return CheckpointError(
+        f"checkpoint '{path}' does not exist, nor does its folder '{parent}'; check the path"
+    )
+
+
+def starts_like_safetensors(head: bytes, size: int) -> bool:
+    """8-byte little-endian header length that fits the file, then the header's JSON '{'.
+
+    The length's first byte can be anything (0x80 for a 8320-byte header), so a pickle's 0x80 magic
+    alone proves nothing: only a file that is not shaped like safetensors is judged by its magic.
+    """
+    return len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") <= size - 8
+
+
+def check_file_kind(path: Path) -> None:
+    """Recognize the formats people mistake for safetensors by their first bytes."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if starts_like_safetensors(head, path.stat().st_size):
+        return
+    if head[:4] == b"GGUF" or path.suffix.lower() == ".gguf":
+        raise CheckpointError(
+            f"'{path}' is a GGUF file; this loader reads safetensors. Use a .safetensors FLUX checkpoint "
+            "(bf16, fp16 or fp8), or load GGUF in ComfyUI with ComfyUI-GGUF's 'Unet Loader (GGUF)'"
+        )
+    if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":
+        raise CheckpointError(
+            f"'{path}' is a PyTorch pickle (torch.save / .ckpt / .bin), not safetensors; convert it with "
+            "safetensors.torch.save_file(torch.load(path, weights_only=True), 'model.safetensors')"
+        )
+
+
+def truncation_detail(path: Path) -> str:
+    """How many bytes the header promises against what is on disk, when the header itself is readable."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > size - 8:
+                return f"its header length field says {n} bytes but the file has only {size}"
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        return f"its header promises {8 + n + end} bytes but the file has {size}"
+    except (ValueError, KeyError, TypeError, struct.error):
+        return f"its {size} bytes do not start with a safetensors header"
+
+
+def read_header(path: Path) -> tuple[dict[str, StoredTensor], dict[str, str]]:
+    """(key -> stored tensor, the header's `__metadata__` strings) of a safetensors file."""
+    check_file_kind(path)
+    try:
+        with safe_open(str(path), "pt") as f:
+            out = {}
+            for key in f.keys():
+                s = f.get_slice(key)
+                out[key] = StoredTensor(str(path), key, tuple(s.get_shape()), s.get_dtype())
+            return out, dict(f.metadata() or {})
+    except SafetensorError as err:
+        raise CheckpointError(
+            f"'{path}' is truncated or corrupt: {truncation_detail(path)}. Download or copy it again"
+        ) from err
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    """Elements of a tensor of `shape` (from a header: no tensor needed)."""
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+__all__ = [
+    "COMFY_PREFIX",
+    "CheckpointError",
+    "StoredTensor",
+    "check_file_kind",
+    "listing",
+    "missing_checkpoint",
+    "numel",
+    "read_header",
+    "starts_like_safetensors",
+    "truncation_detail",
+]

@@ -1,0 +1,309 @@
+"""Checkpoint key layouts as data: the BFL / ComfyUI single-file layout <-> diffusers parameters.
+
+A family describes its layout once (`KeyLayout`: diffusers module -> BFL module, and which rows of a fused
+BFL tensor it is). Everything else reads that one description: the sharded loader (a rank's slice of a
+fused `qkv` or `linear1` straight from disk), the LoRA key table, the converters below and the one writer,
+`save_checkpoint`, that the demo, the tests and the benchmarks use.
+
+Why not diffusers' converters: they hard-code the released widths (3072 for FLUX.1), so they cannot convert
+the small random models the tests use, and they have no inverse. Every width here is inferred from shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..config import FluxDims
+from .files import COMFY_PREFIX, CheckpointError
+from .quant import QUANT_SUFFIXES, dequantize
+
+if TYPE_CHECKING:
+    from ..family import ModelFamily
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where one diffusers tensor lives in a BFL checkpoint.
+
+    The diffusers tensor is the concatenation along dim 0 of `rows` of the BFL tensor `key`;
+    `rows=None` means the whole BFL tensor, unchanged.
+    """
+
+    key: str
+    rows: tuple[tuple[int, int], ...] | None = None
+
+
+@dataclass(frozen=True)
+class Fused:
+    """A diffusers module reading some of the stacked outputs of one BFL linear, in the order `take`."""
+
+    parts: tuple[str, ...]  # widths of the BFL output blocks, by FluxDims attribute name
+    take: tuple[int, ...]
+
+    def rows(self, dims: FluxDims) -> tuple[tuple[int, int], ...]:
+        bounds, offset = [], 0
+        for part in self.parts:
+            width = getattr(dims, part)
+            bounds.append((offset, offset + width))
+            offset += width
+        return tuple(bounds[i] for i in self.take)
+
+
+# diffusers module -> (BFL module, fused part or None)
+KeyTable = Mapping[str, tuple[str, "Fused | None"]]
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Numbered blocks: diffusers `<diffusers>N.<module>` is BFL `<bfl>N.<table[module]>`."""
+
+    diffusers: str  # e.g. "transformer_blocks."
+    bfl: str  # e.g. "double_blocks."
+    table: KeyTable
+
+
+@dataclass(frozen=True)
+class KeyLayout:
+    """A family's BFL <-> diffusers key mapping as data: the top-level modules (embedders, guidance, final
+    layer) and each kind of numbered block.
+
+    Parameter names follow the modules (`weight`, and `bias` where the model has one), except that BFL's
+    RMS norms (modules ending in `_norm`) store diffusers' `weight` as `scale` when `norm_scale` is set.
+    Which parameters exist is the model's business: `sources` maps the names it is given.
+    """
+
+    top: KeyTable
+    blocks: tuple[Blocks, ...]
+    norm_scale: bool = True
+
+    def source(self, name: str, dims: FluxDims) -> Source | None:
+        """Where diffusers parameter `name` lives in a BFL file (no key prefix); None when nowhere."""
+        module, _, param = name.rpartition(".")
+        table, inner, prefix = self.top, module, ""
+        for blocks in self.blocks:
+            index, _, rest = module.removeprefix(blocks.diffusers).partition(".")
+            if module.startswith(blocks.diffusers) and index.isdigit():
+                table, inner, prefix = blocks.table, rest, f"{blocks.bfl}{index}."
+                break
+        if inner not in table:
+            return None
+        bfl_module, fused = table[inner]
+        if self.norm_scale and bfl_module.endswith("_norm") and param == "weight":
+            param = "scale"
+        return Source(f"{prefix}{bfl_module}.{param}", None if fused is None else fused.rows(dims))
+
+    def sources(
+        self, dims: FluxDims, params: Iterable[str], *, known_only: bool = False
+    ) -> dict[str, Source]:
+        """diffusers parameter name -> where it lives in a BFL checkpoint, for every name in `params`.
+
+        A name the layout has no place for is a CheckpointError, or skipped with `known_only` (a file's
+        keys, whose strays the shape check reports with the file's path).
+        """
+        out: dict[str, Source] = {}
+        for name in params:
+            source = self.source(name, dims)
+            if source is not None:
+                out[name] = source
+            elif not known_only:
+                raise CheckpointError(f"diffusers parameter '{name}' has no place in this BFL key layout")
+        return out
+
+    def bfl_shapes(self, dims: FluxDims, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        """BFL key -> shape of the file that stores diffusers parameters of these `shapes`."""
+        return bfl_view(self.sources(dims, shapes), shapes)
+
+
+# --------------------------------------------------------------------------------------------------
+# Shapes and keys
+
+
+def shapes_of(keys_and_shapes: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """{key: shape} from {key: shape} or {key: tensor}."""
+    return {k: tuple(v.shape) if hasattr(v, "shape") else tuple(v) for k, v in keys_and_shapes.items()}
+
+
+def strip_prefix(keys_and_shapes: Mapping[str, Any]) -> dict[str, Any]:
+    """Drop ComfyUI's `model.diffusion_model.` prefix; in a full checkpoint keep only the transformer."""
+    if any(k.startswith(COMFY_PREFIX) for k in keys_and_shapes):
+        return {k[len(COMFY_PREFIX) :]: v for k, v in keys_and_shapes.items() if k.startswith(COMFY_PREFIX)}
+    return dict(keys_and_shapes)
+
+
+def block_count(shapes: Mapping[str, tuple[int, ...]], prefix: str) -> int:
+    """How many numbered blocks `prefix`N.* there are; CheckpointError naming the gaps."""
+    indices = {int(k.split(".")[1]) for k in shapes if k.startswith(prefix) and k.split(".")[1].isdigit()}
+    if indices != set(range(len(indices))):
+        missing = sorted(set(range(max(indices) + 1)) - indices)
+        raise CheckpointError(f"'{prefix}*' blocks {missing} are missing; the checkpoint is incomplete")
+    return len(indices)
+
+
+def require(shapes: Mapping[str, tuple[int, ...]], key: str, title: str) -> tuple[int, ...]:
+    """The shape of `key`; CheckpointError saying the `title` checkpoint is incomplete otherwise."""
+    if key not in shapes:
+        raise CheckpointError(f"tensor '{key}' is missing; the checkpoint is incomplete or not {title}")
+    return shapes[key]
+
+
+def bfl_view(
+    sources: Mapping[str, Source], shapes: Mapping[str, tuple[int, ...]]
+) -> dict[str, tuple[int, ...]]:
+    """BFL key -> shape of the tensors the diffusers `shapes` are stored in (a fused tensor has as many
+    rows as its parts' last row)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for name, source in sources.items():
+        shape = tuple(shapes[name])
+        if source.rows is not None:
+            rows = max(max(b for _, b in source.rows), out.get(source.key, (0,))[0])
+            shape = (rows, *shape[1:])
+        out[source.key] = shape
+    return out
+
+
+def diffusers_config_via_bfl(
+    layout: KeyLayout, dims: FluxDims, shapes: Mapping[str, tuple[int, ...]], config_from_bfl: Any
+) -> dict[str, Any]:
+    """The config of a diffusers-keyed file: its shapes seen through `layout` as the BFL file they would
+    be, read by the family's one shape reader `config_from_bfl`. `dims` (from the diffusers shapes) give
+    the widths of the fused parts; keys the layout does not know are left to the loader's shape check."""
+    return config_from_bfl(bfl_view(layout.sources(dims, shapes, known_only=True), shapes))
+
+
+# --------------------------------------------------------------------------------------------------
+# Converters
+
+
+def take_rows(tensor: torch.Tensor, rows: tuple[tuple[int, int], ...] | None) -> torch.Tensor:
+    """The `rows` of a stored tensor, concatenated (the whole tensor for None)."""
+    if rows is None:
+        return tensor
+    parts = [tensor[a:b] for a, b in rows]
+    return parts[0].clone() if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def assemble_bfl(
+    sources: Mapping[str, Source], state_dict: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The BFL tensors of a diffusers state dict, given where each diffusers tensor lives (`sources`):
+    fused tensors are the row blocks of their parts in file order; unfused ones are passed through."""
+    pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for name, source in sources.items():
+        tensor = state_dict[name]
+        if source.rows is None:
+            pieces.setdefault(source.key, []).append((0, tensor))
+            continue
+        offset = 0
+        for a, b in source.rows:  # the diffusers rows [offset, offset + b - a) came from BFL rows [a, b)
+            pieces.setdefault(source.key, []).append((a, tensor[offset : offset + b - a]))
+            offset += b - a
+    out = {}
+    for key, parts in pieces.items():
+        parts.sort(key=lambda p: p[0])
+        out[key] = parts[0][1] if len(parts) == 1 else torch.cat([t for _, t in parts], dim=0)
+    return out
+
+
+def _family(family: ModelFamily | str | None, detect: Any, keys: Iterable[str], what: str) -> ModelFamily:
+    from ..family import get_family
+
+    if isinstance(family, str):
+        return get_family(family)
+    found = family if family is not None else detect(set(keys))
+    if found is None:
+        raise CheckpointError(f"{what} is not a layout of any registered model family")
+    return found
+
+
+def bfl_to_diffusers(
+    state_dict: Mapping[str, torch.Tensor],
+    family: ModelFamily | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> dict[str, torch.Tensor]:
+    """A BFL / ComfyUI state dict (prefix optional; ComfyUI's fp8 + weight_scale dequantized) in diffusers'
+    keys. `family` (default: detected from the keys) says whose layout it is; `dtype` casts every tensor
+    (default: as stored, a scaled weight in float32)."""
+    from ..family import detect_bfl
+
+    bfl = strip_prefix(state_dict)
+    fam = _family(family, detect_bfl, bfl, "this BFL state dict")
+    config = fam.config_from_bfl(shapes_of(bfl))
+    sources = fam.sources(config)
+    known = {s.key for s in sources.values()}
+    unknown = sorted(k for k in bfl if k not in known and not k.endswith(QUANT_SUFFIXES))
+    if unknown:
+        raise CheckpointError(f"{len(unknown)} tensors are not part of {fam.title}, e.g. {unknown[:3]}")
+    out = {}
+    for name, source in sources.items():
+        require(bfl, source.key, fam.title)
+        out[name] = take_rows(dequantize(bfl, source.key, dtype), source.rows)
+    return out
+
+
+def diffusers_to_bfl(
+    state_dict: Mapping[str, torch.Tensor], family: ModelFamily | str | None = None
+) -> dict[str, torch.Tensor]:
+    """A diffusers state dict in its family's BFL layout (fused qkv, linear1, final AdaLN (shift, scale)).
+
+    `family` defaults to the one whose diffusers keys these are. Every tensor is contiguous.
+    """
+    from ..family import detect_diffusers
+
+    fam = _family(family, detect_diffusers, state_dict, "this diffusers state dict")
+    config = fam.config_from_diffusers(shapes_of(state_dict))
+    expected = fam.parameter_shapes(config)
+    missing, unknown = sorted(set(expected) - set(state_dict)), sorted(set(state_dict) - set(expected))
+    if missing or unknown:
+        raise ValueError(
+            f"not a {fam.diffusers_class} state dict: missing {missing[:3]}, unknown {unknown[:3]}"
+        )
+    sources = fam.keys.sources(fam.dims(config), state_dict)
+    return {key: tensor.contiguous() for key, tensor in assemble_bfl(sources, state_dict).items()}
+
+
+def save_checkpoint(
+    model_or_state: torch.nn.Module | Mapping[str, torch.Tensor],
+    path: str | Path,
+    family: ModelFamily | str | None = None,
+    prefix: bool = False,
+) -> str:
+    """Write a diffusers model (or its state dict) as its family's BFL / ComfyUI single file; returns the path.
+
+    `family` defaults to the model's (or the one whose diffusers keys the state dict has); `prefix` puts
+    every key under ComfyUI's `model.diffusion_model.` (a full checkpoint's layout).
+    """
+    from safetensors.torch import save_file
+
+    from ..family import family_of
+
+    if isinstance(model_or_state, torch.nn.Module):
+        family = family if family is not None else family_of(model_or_state)
+        model_or_state = model_or_state.state_dict()
+    bfl = diffusers_to_bfl(model_or_state, family)
+    save_file({(COMFY_PREFIX if prefix else "") + k: v for k, v in bfl.items()}, str(path))
+    return str(path)
+
+
+__all__ = [
+    "Blocks",
+    "Fused",
+    "KeyLayout",
+    "KeyTable",
+    "Source",
+    "assemble_bfl",
+    "bfl_to_diffusers",
+    "bfl_view",
+    "block_count",
+    "diffusers_config_via_bfl",
+    "diffusers_to_bfl",
+    "require",
+    "save_checkpoint",
+    "shapes_of",
+    "strip_prefix",
+    "take_rows",
+]

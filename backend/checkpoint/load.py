@@ -1,0 +1,233 @@
+"""Load a checkpoint's model onto a device, each rank reading only the bytes it keeps: `load_model`.
+
+How: the model is built on the meta device (no weights), sharded there with the family's tensor-parallel
+plan, and every parameter is then filled from the file with safetensors' lazy slicing, reading the rows and
+columns this rank keeps out of the (possibly fused) stored tensor. Four ranks sharing a 24 GB file
+therefore hold 1/4 of it each instead of 24 GB each.
+
+Weight dtype vs compute dtype (`load_model(weight_dtype=...)`, names in dtypes.WEIGHT_DTYPES): the linear
+weights either stay fp8 on the device and are upcast per layer at compute time (parallel/weights.py), or
+are upcast slice by slice while reading. Everything else is held in the compute dtype. ComfyUI's scaled
+fp8 and quantized "mixed" files become the same thing: one scale per weight, applied per layer (fp8
+resident) or while reading (upcast).
+
+`read_parameter` is also what the LoRA code (lora.py) re-reads weights with, so "no LoRA" is bit-identical
+to a fresh load.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from torch import nn
+
+from ..dtypes import WEIGHT_DTYPES, stored_dtype
+from ..parallel.tensor import Pieces, apply_tensor_parallel, parameter_pieces, resolve_plan
+from ..parallel.weights import is_fp8, keep_fp8_resident
+from .files import CheckpointError, StoredTensor
+from .info import CheckpointInfo, check_weight_dtype, inspect_checkpoint, resolve_dtype
+
+# Attribute of a loaded model: its canonical weight dtype name (LoRA re-reads use the same rule).
+WEIGHT_DTYPE_ATTR = "_rp_weight_dtype"
+
+
+def resident_dtype(
+    stored: StoredTensor, linear_weight: bool, weight_dtype: str, compute: torch.dtype
+) -> torch.dtype:
+    """The dtype a parameter is held in: fp8 for linear weights when `weight_dtype` says so (or, for
+    'default', when the file stores them in fp8), the compute dtype for everything else."""
+    if not linear_weight or weight_dtype == "compute":
+        return compute
+    if weight_dtype == "default":
+        kept = stored_dtype(stored.dtype).torch
+        return kept if is_fp8(kept) else compute
+    return WEIGHT_DTYPES[weight_dtype].torch
+
+
+def parameter_dtype(model: nn.Module, stored: StoredTensor, name: str, compute: torch.dtype) -> torch.dtype:
+    """`resident_dtype` of parameter `name` of a model `load_model` built (its weight dtype is recorded)."""
+    module_name, _, param = name.rpartition(".")
+    linear = isinstance(model.get_submodule(module_name), nn.Linear) and param == "weight"
+    return resident_dtype(stored, linear, getattr(model, WEIGHT_DTYPE_ATTR, "compute"), compute)
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading a rank's slices
+
+
+def compose(rows: tuple[tuple[int, int], ...], wanted: tuple[tuple[int, int], ...]) -> list[tuple[int, int]]:
+    """File row ranges of the `wanted` rows of a tensor stored as the concatenation of file `rows`."""
+    out = []
+    for start, stop in wanted:
+        offset = 0
+        for a, b in rows:
+            lo, hi = max(start, offset), min(stop, offset + b - a)
+            if lo < hi:
+                out.append((a + lo - offset, a + hi - offset))
+            offset += b - a
+    return out
+
+
+def _read(
+    stored: StoredTensor,
+    rows: tuple[tuple[int, int], ...] | None,
+    pieces: Pieces | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    scale: StoredTensor | None = None,
+) -> torch.Tensor:
+    """Read the `pieces` of the diffusers tensor held in `rows` of `stored` into a new tensor on `device`.
+
+    `scale` (a scaled fp8 weight's scalar): the result is `weight.to(dtype) * scale.to(dtype)`, the
+    arithmetic of the per-layer upcast, so upcast-at-load and fp8-resident models compute alike. Converting
+    into an fp8 dtype checks the range: values beyond it would saturate or become inf silently.
+
+    safetensors' slices are views of the file's memory map (no copy): each is copied, and upcast, into
+    its place in one preallocated tensor, so nothing but the result is ever allocated and the result
+    owns its memory. The file is opened per tensor so that the map, whose touched pages count as
+    resident memory, never spans more than one tensor's pages.
+    """
+    file_rows = rows if rows is not None else ((0, stored.shape[0]),)
+    cols: tuple[tuple[int, int], ...] | None = None
+    if pieces is not None and pieces.dim == 0:
+        file_rows = tuple(compose(file_rows, pieces.ranges))
+    elif pieces is not None:
+        cols = pieces.ranges
+    shape = (sum(b - a for a, b in file_rows), *stored.shape[1:])
+    if cols is not None:
+        shape = (shape[0], sum(d - c for c, d in cols), *shape[2:])
+    out = torch.empty(shape, dtype=dtype, device=device)
+    check = is_fp8(dtype) and stored_dtype(stored.dtype).torch != dtype
+
+    def put(target: torch.Tensor, piece: torch.Tensor) -> None:
+        if check:
+            _check_fp8_range(stored, piece, dtype)
+        target.copy_(piece)
+
+    with safe_open(stored.file, "pt") as f:
+        sl = f.get_slice(stored.key)
+        row = 0
+        for a, b in file_rows:
+            if cols is None:
+                put(out[row : row + b - a], sl[a:b])
+            else:
+                col = 0
+                for c, d in cols:
+                    put(out[row : row + b - a, col : col + d - c], sl[a:b, c:d])
+                    col += d - c
+            row += b - a
+    if scale is not None:
+        out.mul_(read_scale(scale).to(dtype))
+    return out
+
+
+def _check_fp8_range(stored: StoredTensor, piece: torch.Tensor, dtype: torch.dtype) -> None:
+    limit = torch.finfo(dtype).max
+    peak = float(piece.float().abs().amax()) if piece.numel() else 0.0
+    if not peak <= limit:
+        name = str(dtype).removeprefix("torch.").replace("float8", "fp8")
+        raise CheckpointError(
+            f"'{stored.file}': tensor '{stored.key}' holds values up to {peak:g}, beyond {name}'s range "
+            f"(+-{limit:g}); converting would clip them. Use weight_dtype='fp8_e5m2', 'default' or 'compute'"
+        )
+
+
+def read_scale(scale: StoredTensor) -> torch.Tensor:
+    """The float32 scalar of a scaled fp8 weight."""
+    with safe_open(scale.file, "pt") as f:
+        return f.get_tensor(scale.key).reshape(()).to(torch.float32)
+
+
+def read_parameter(
+    info: CheckpointInfo, name: str, pieces: Pieces | None, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """This rank's `pieces` of diffusers parameter `name` as `dtype`: scaled fp8 weights are multiplied
+    by their scale unless `dtype` is fp8 (then the raw fp8 values come back; the layer applies the scale)."""
+    stored, rows = info.sources[name]
+    scale = info.scales.get(stored.key)
+    return _read(stored, rows, pieces, dtype, device, None if is_fp8(dtype) else scale)
+
+
+def full_shape(stored: StoredTensor, rows: tuple[tuple[int, int], ...] | None) -> tuple[int, ...]:
+    if rows is None:
+        return stored.shape
+    return (sum(b - a for a, b in rows), *stored.shape[1:])
+
+
+def load_model(
+    path: str | os.PathLike[str] | CheckpointInfo,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype | None = None,
+    weight_dtype: str | None = None,
+    group: Any = None,
+    tp: int = 1,
+    progress: Callable[[int, int], None] | None = None,
+) -> nn.Module:
+    """Build the checkpoint's model (its family's diffusers class) holding only this rank's weights on `device`.
+
+    `dtype` is the compute dtype; `weight_dtype` how linear weights are held: 'default' (None: the
+    file's fp8 weights stay fp8), 'fp8_e4m3fn', 'fp8_e5m2' (converted while reading) or 'compute'
+    (upcast at load). fp8 weights are upcast layer by layer (parallel/weights.py), which gives the same
+    outputs as upcasting at load bit for bit, at half the resident bytes of bf16.
+
+    tp=1: the whole model (single device, or one full copy per rank for context parallelism).
+    tp>1: this rank's tensor-parallel shard over `group` (default: the world, whose size must be tp),
+    equal to `apply_tensor_parallel(full model, group)` on this rank.
+    `progress(done, total)` runs after each parameter is read (workers report it and stop on cancel).
+    """
+    info = path if isinstance(path, CheckpointInfo) else inspect_checkpoint(path)
+    device = torch.device(device)
+    dtype = resolve_dtype(dtype, device)
+    weight = check_weight_dtype(weight_dtype, info)
+    family = info.model_family
+    model = family.build(info.config, device="meta", dtype=dtype)
+    resolved = resolve_plan(model, family.tp.plan)
+    rank, degree = 0, 1
+    if tp > 1:
+        if not dist.is_initialized() or dist.get_world_size(group) != tp:
+            size = dist.get_world_size(group) if dist.is_initialized() else "no process group"
+            raise CheckpointError(f"load_model(tp={tp}) needs a process group of {tp} ranks, got {size}")
+        apply_tensor_parallel(model, group, family.tp)
+        rank, degree = dist.get_rank(group), tp
+    dims = info.dims
+    parameters = list(model.named_parameters())
+    with torch.no_grad():
+        for done, (name, meta) in enumerate(parameters, 1):
+            stored, rows = info.sources[name]
+            pieces = parameter_pieces(resolved, name, full_shape(stored, rows), rank, degree, dims)
+            module_name, _, param = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            target = resident_dtype(
+                stored, isinstance(module, nn.Linear) and param == "weight", weight, dtype
+            )
+            tensor = read_parameter(info, name, pieces, target, device)
+            if tensor.shape != meta.shape:  # the plan and the meta model disagree: a bug, not bad input
+                raise RuntimeError(
+                    f"{name}: read {tuple(tensor.shape)} but the model expects {tuple(meta.shape)}"
+                )
+            setattr(module, param, nn.Parameter(tensor, requires_grad=False))
+            if is_fp8(target) and stored.key in info.scales:
+                module.register_buffer("scale_weight", read_scale(info.scales[stored.key]).to(device), False)
+            if progress is not None:
+                progress(done, len(parameters))
+    keep_fp8_resident(model, dtype)
+    setattr(model, WEIGHT_DTYPE_ATTR, weight)
+    return model.eval()
+
+
+__all__ = [
+    "WEIGHT_DTYPE_ATTR",
+    "compose",
+    "full_shape",
+    "load_model",
+    "parameter_dtype",
+    "read_parameter",
+    "read_scale",
+    "resident_dtype",
+]
