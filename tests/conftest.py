@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import subprocess
@@ -19,6 +20,10 @@ from rocm_parallel.backend.flux.convert import save_bfl_checkpoint
 TESTS_DIR = str(Path(__file__).resolve().parent)
 # Test-only worker methods, imported by the workers from tests/ (see WorkerGroup(methods=...)).
 TEST_METHODS = ("worker_jobs", "model_methods", "cp_checks", "load_checks", "flux2_methods")
+# Their request and reply records travel by name: this process must know them too (a session group's
+# status can name a test's resident record whichever test file asks).
+for _module in TEST_METHODS:
+    importlib.import_module(_module)
 
 # The suite runs several worker processes on a 2-core machine: one thread each keeps them from
 # fighting over cores (and keeps float results reproducible).
@@ -63,6 +68,21 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         save_bfl_checkpoint(flux_model(variant), path)
         paths[variant] = str(path)
     return paths
+
+
+@pytest.fixture(scope="session")
+def flux2_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The FLUX.2 reference models (tests/data/comfy_references.safetensors) as ComfyUI single files:
+    `ParallelFlux.sample` plans from a checkpoint's header."""
+    from test_sampling import FLUX2_MODELS, flux2_model
+
+    from rocm_parallel.backend.flux2.convert import save_flux2_checkpoint
+
+    folder = tmp_path_factory.mktemp("flux2")
+    return {
+        v: save_flux2_checkpoint(flux2_model(v), folder / f"tiny-{v}.safetensors", comfy_prefix=True)
+        for v in FLUX2_MODELS
+    }
 
 
 @pytest.fixture(scope="session")
