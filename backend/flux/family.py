@@ -25,7 +25,7 @@ from ..parallel.tensor import FLUX_TP_PLAN, apply_tensor_parallel
 from .convert import bfl_sources, diffusers_to_bfl, flux_config_from_bfl
 from .forward import PATCH, REF_METHODS, flux_call
 from .model import build_flux
-from .sampling import SCALE_FACTOR, SHIFT_FACTOR, diffusers_model_fn
+from .sampling import SCALE_FACTOR, SHIFT_FACTOR, diffusers_model_fn, plan_for
 
 # comfy/supported_models.py FluxInpaint: the Fill model's channels per latent pixel (16 latent + 16 masked
 # image + 64 mask, the 8x8 mask pixels under each latent pixel).
@@ -136,6 +136,7 @@ FLUX1 = register(
         comfy_model=comfy_model,
         call=flux_call,
         model_fn=diffusers_model_fn,
+        sampling=plan_for,  # KSampler(euler, simple) on the dev / schnell table (flux/sampling.py)
     )
 )
 

@@ -20,6 +20,7 @@ from ..parallel.tensor import FLUX2_TP_PLAN, apply_tensor_parallel
 from .convert import FLUX2_MARKERS, flux2_config_from_bfl, flux2_sources
 from .forward import flux2_call, flux2_model_fn
 from .model import build_flux2
+from .sampling import plan_for
 
 LATENT = LatentFormat(
     comfy_name="Flux2", channels=128, scale=1.0, shift=0.0, downscale=16,
@@ -149,6 +150,7 @@ FLUX2 = register(
         comfy_model=comfy_model,
         call=flux2_call,
         model_fn=flux2_model_fn,
+        sampling=plan_for,  # Flux2Scheduler + euler, as ComfyUI's FLUX.2 template (flux2/sampling.py)
     )
 )
 
