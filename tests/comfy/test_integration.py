@@ -254,7 +254,7 @@ def test_lora_loader_model_only_on_the_parallel_model_names_the_pack_node(comfy:
     from test_sampling import MODELS
 
     from rocm_parallel.backend.flux.model import tiny_flux_config
-    from rocm_parallel.nodes.logic import LORA_ON_MODEL_MESSAGE
+    from rocm_parallel.nodes.checks import LORA_ON_MODEL_MESSAGE
     from rocm_parallel.testing.helpers import write_random_lora
 
     loras = comfy.base / "models" / "loras"
