@@ -441,6 +441,32 @@ def test_ring_sampler_auto_plans_a_context_layout_for_the_latent(
     assert runner.layout.tp == 1 and runner.layout.describe() == state["layout"]
 
 
+def test_a_run_reads_the_checkpoint_header_once(
+    comfy: FakeComfy, shared_registry: Registry, dev_checkpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The header a node's run read (the Model node, a sampler) is carried through the planner's 'auto',
+    check_load and load to the workers' LoadRequest: nothing in this process reads it again (it used to be
+    read 4-5 times). Mutation tried: `ensure_loaded` given None instead of the runner's info read it twice."""
+    from rocm_parallel.backend import api, resident
+    from rocm_parallel.backend.flux import load
+
+    reads: list[str] = []
+    inspect = load.inspect_checkpoint
+
+    def counting(path):
+        reads.append(str(path))
+        return inspect(path)
+
+    for module in (load, api, resident):
+        monkeypatch.setattr(module, "inspect_checkpoint", counting)
+    handle = ParallelHandle(str(comfy.models / dev_checkpoint), dev_checkpoint, ("cpu", "cpu"), "float32")
+    runner = ModelRunner(shared_registry, handle, LayoutRequest(None))  # 'auto': planned from the header
+    assert runner.comfy_model().config_class == "Flux"
+    flux = runner.prepare((1, 16, 8, 8))
+    assert reads == [handle.checkpoint]
+    assert flux.resident.info is runner.info  # what the workers were sent
+
+
 def test_cancel_during_a_load_stops_it(
     comfy: FakeComfy, shared_registry: Registry, dev_checkpoint: str
 ) -> None:
