@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
                 ok &= diff <= tolerance
                 r = flux.resident.layout
                 rows.append([f"{layout} (tp={r.tp}, ring={r.ring}, ulysses={r.ulysses})",
-                             f"{reports[0]['parameter_bytes'] / MB:.1f}", f"{t1 - t0:.2f}", f"{t2 - t1:.2f}",
+                             f"{reports[0].parameter_bytes / MB:.1f}", f"{t1 - t0:.2f}", f"{t2 - t1:.2f}",
                              f"{(t2 - t1) / args.steps * 1e3:.0f}", f"{diff:.1e} (<= {tolerance:g})"])  # fmt: skip
 
     print()

@@ -10,6 +10,7 @@ shows the same text.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -20,6 +21,7 @@ from typing import Any
 
 from .client import WorkerError, WorkerGroup
 from .config import ConfigError
+from .messages import HealthRequest, LinkRequest
 from .platforms import (
     AOTRITON_FLAG,
     build_kind,
@@ -109,19 +111,22 @@ def check_group(
             group = WorkerGroup(devices, health_timeout=timeout, start_timeout=max(timeout, 120.0))
         result["start_s"] = time.perf_counter() - started
         result["warnings"] = list(group.warnings)
-        health = group.call_all("health_check", timeout=timeout)
-        result["world_size"] = health[0]["world_size"]
-        result["backend"] = health[0]["backend"]
-        result["threads"] = [h["threads"] for h in health]
-        result["correct"] = all(h["correct"] for h in health)
-        result["all_reduce_ms"] = max(h["all_reduce_s"] for h in health) * 1e3
-        result["all_gather_ms"] = max(h["all_gather_s"] for h in health) * 1e3
-        result["worker_env"] = health[0]["env"]
-        link = group.call_all("measure_link", {"megabytes": 8.0, "repeats": 3}, timeout=timeout)
+        health = group.call_all("health_check", HealthRequest(), timeout=timeout)
+        result["world_size"] = health[0].world_size
+        result["backend"] = health[0].backend
+        result["threads"] = [h.threads for h in health]
+        result["correct"] = all(h.correct for h in health)
+        result["all_reduce_ms"] = max(h.all_reduce_s for h in health) * 1e3
+        result["all_gather_ms"] = max(h.all_gather_s for h in health) * 1e3
+        result["worker_env"] = health[0].env
+        link = group.call_all("measure_link", LinkRequest(megabytes=8.0, repeats=3), timeout=timeout)
         for key in ("gbps", "latency_us", "tflops"):
-            if key in link[0]:
-                result[key] = min(r[key] for r in link)
-        result["attention"] = group.call_all("attention_kernels", timeout=timeout)
+            if getattr(link[0], key) is not None:
+                result[key] = min(getattr(r, key) for r in link)
+        # the report is plain data (`--json` prints it)
+        result["attention"] = [
+            dataclasses.asdict(r) for r in group.call_all("attention_kernels", timeout=timeout)
+        ]
     except (WorkerError, ConfigError) as exc:
         result["error"] = str(exc)
     finally:

@@ -130,6 +130,11 @@ class ModelFamily:
     - `call(model_fn, x, timestep, context, pooled, guidance, ref_latents=(), ref_method=...)`: one model
       call with ComfyUI's semantics (pad, patchify, ids, crop); `model_fn(model)` adapts the diffusers
       model to the `model_fn` contract `call` takes.
+    Sampling
+    - `sampling(info, latent, positive, *, seed, steps, denoise, sigmas, noise_mask, batch_index,
+      shift_mu)`: the `flux.sampling.SamplingPlan` `ParallelFlux.sample` runs (its Euler loop) for a
+      checkpoint of this family: ComfyUI's default graph for it (FLUX.1: KSampler euler/simple on the
+      dev/schnell table; FLUX.2: Flux2Scheduler).
     """
 
     name: str
@@ -158,6 +163,7 @@ class ModelFamily:
     comfy_model: Callable[[Mapping[str, Any]], ComfyModel]
     call: Callable[..., Any]
     model_fn: Callable[[Any], Callable[..., Any]]
+    sampling: Callable[..., Any]
     aliases: Mapping[str, str] = field(default_factory=dict)
 
     def image_tokens(self, height: int, width: int) -> int:

@@ -1,6 +1,7 @@
-"""Worker method `measure_link`: what the planner's cost model needs about this machine, measured once.
+"""Worker methods that measure the machine: `measure_link` (what the planner's cost model needs, measured
+once per group), `health_check` (the start-up check of the collectives) and `attention_kernels`.
 
-Times all-reduces over the group (bus bandwidth from a few MB, latency from a few bytes), a bf16 matmul
+`measure_link` times all-reduces over the group (bus bandwidth from a few MB, latency from a few bytes), a bf16 matmul
 on the device (sustained TFLOPS) and reads the device's memory. nccl-tests' definition of bus
 bandwidth: an all-reduce of P bytes on N ranks moves 2(N-1)/N x P per rank.
 """
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .messages import AttentionReport, HealthReport, HealthRequest, LinkReport, LinkRequest
 from .parallel.comm import synchronize
 from .worker import WorkerContext, handler
 
@@ -38,36 +40,37 @@ def _device_memory(ctx: WorkerContext) -> int:
     return psutil.virtual_memory().total // ctx.world_size  # CPU workers share the host's memory
 
 
-@handler("measure_link")
-def measure_link(ctx: WorkerContext, megabytes: float = 8.0, repeats: int = 5) -> dict[str, Any]:
+@handler("measure_link", LinkRequest)
+def measure_link(ctx: WorkerContext, request: LinkRequest) -> LinkReport:
     """Every rank runs this together (it all-reduces); each returns its own figures."""
     device = ctx.device
     n = ctx.world_size
-    result: dict[str, Any] = {"rank": ctx.rank, "device": str(device), "world_size": n}
+    link: dict[str, float] = {}
     if n > 1:
-        big = torch.ones(int(megabytes * 1e6) // 4, dtype=torch.float32, device=device)
+        big = torch.ones(int(request.megabytes * 1e6) // 4, dtype=torch.float32, device=device)
         tiny = torch.ones(1, dtype=torch.float32, device=device)
-        latency = _timed(lambda: dist.all_reduce(tiny), device, repeats)
-        seconds = _timed(lambda: dist.all_reduce(big), device, repeats)
+        latency = _timed(lambda: dist.all_reduce(tiny), device, request.repeats)
+        seconds = _timed(lambda: dist.all_reduce(big), device, request.repeats)
         moved = 2 * (n - 1) / n * big.numel() * 4
-        result.update(gbps=moved / max(seconds - latency, 1e-9) / 1e9, latency_us=latency * 1e6)
+        link = {"gbps": moved / max(seconds - latency, 1e-9) / 1e9, "latency_us": latency * 1e6}
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     side = 4096 if device.type == "cuda" else 512
     a = torch.randn(side, side, dtype=dtype, device=device)
-    seconds = _timed(lambda: a @ a, device, repeats)
-    result["tflops"] = 2 * side**3 / seconds / 1e12
-    result["memory_bytes"] = _device_memory(ctx)
-    return result
+    seconds = _timed(lambda: a @ a, device, request.repeats)
+    return LinkReport(
+        rank=ctx.rank, device=str(device), world_size=n, tflops=2 * side**3 / seconds / 1e12,
+        memory_bytes=_device_memory(ctx), **link,
+    )  # fmt: skip
 
 
-@handler("health_check")
-def health_check(ctx: WorkerContext, elements: int = 1024) -> dict[str, Any]:
+@handler("health_check", HealthRequest)
+def health_check(ctx: WorkerContext, request: HealthRequest) -> HealthReport:
     """A small all-reduce and all-gather on every rank, checked and timed (seconds, first call included).
 
     Run by `WorkerGroup` right after start-up under a short watchdog (a broken peer-to-peer path hangs
     here, in the first collective) and by `doctor`. `correct` is False when a result is wrong.
     """
-    device, n = ctx.device, ctx.world_size
+    device, n, elements = ctx.device, ctx.world_size, request.elements
     started = time.perf_counter()
     ones = torch.full((elements,), float(ctx.rank + 1), dtype=torch.float32, device=device)
     dist.all_reduce(ones)
@@ -90,20 +93,18 @@ def health_check(ctx: WorkerContext, elements: int = 1024) -> dict[str, Any]:
             f"all-gather gave {[g[0].item() for g in gathered]} (expected {list(range(n))})"
         )
     )
-    return {
-        "rank": ctx.rank,
-        "device": str(device),
-        "world_size": n,
-        "backend": dist.get_backend(),
-        "threads": torch.get_num_threads(),
-        "correct": reduce_ok and gather_ok,
-        "detail": detail,
-        "all_reduce_s": all_reduce_s,
-        "all_gather_s": all_gather_s,
-        "env": {
-            k: os.environ.get(k) for k in ("NCCL_P2P_DISABLE", "TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL")
-        },
-    }
+    return HealthReport(
+        rank=ctx.rank,
+        device=str(device),
+        world_size=n,
+        backend=dist.get_backend(),
+        threads=torch.get_num_threads(),
+        correct=reduce_ok and gather_ok,
+        detail=detail,
+        all_reduce_s=all_reduce_s,
+        all_gather_s=all_gather_s,
+        env={k: os.environ.get(k) for k in ("NCCL_P2P_DISABLE", "TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL")},
+    )
 
 
 def _sdpa_backends() -> dict[str, Any]:
@@ -115,7 +116,7 @@ def _sdpa_backends() -> dict[str, Any]:
 
 
 @handler("attention_kernels")
-def attention_kernels(ctx: WorkerContext) -> dict[str, Any]:
+def attention_kernels(ctx: WorkerContext) -> AttentionReport:
     """Which SDPA kernels run on this rank's device (FLUX's head size, bf16 on GPUs), and which one
     PyTorch picks when left alone: on a GPU, only `math` working means the ~10x slower fallback."""
     import torch.nn.functional as F
@@ -143,4 +144,6 @@ def attention_kernels(ctx: WorkerContext) -> dict[str, Any]:
             "math": torch.backends.cuda.math_sdp_enabled(),
         }
     fast = [name for name in ("flash", "efficient", "cudnn") if works.get(name) == "ok"]
-    return {"rank": ctx.rank, "device": str(device), "kernels": works, "enabled": enabled, "fast": fast}
+    return AttentionReport(
+        rank=ctx.rank, device=str(device), kernels=works, enabled=enabled, fast=tuple(fast)
+    )

@@ -1,47 +1,58 @@
 """The worker protocol: typed records over an authenticated socket, big tensors through tmpfs files.
 
-Records (`Request`, `Progress`, `Reply` and the start-up `Hello` / `StorePort` / `Ready`) are frozen
-dataclasses, sent as a kind tag plus plain data and rebuilt on arrival: the client (inside ComfyUI the
-pack's modules have other names) and the workers never need to share class identities. Every job
-record carries the job id, so a reply from another job is never taken for this one's.
+Two kinds of record, both frozen dataclasses:
+
+- envelopes (`Request`, `Progress`, `Reply` and the start-up `Hello` / `StorePort` / `Ready`): how a job
+  travels. Every job envelope carries the job id, so a reply from another job is never taken for this one's.
+- payloads (backend/messages.py, and the tests' own in their worker modules): what a job carries. A
+  `Request` holds one payload record or none, a `Reply` one or none. A payload class is registered with
+  `@record`; on arrival only registered classes are rebuilt, by name, and a name this process does not
+  know is refused (`UnknownRecord`). The client (inside ComfyUI the pack's modules have other names) and
+  the workers never need to share class identities, only names.
+
+On the wire everything is plain data: `pack` turns records into tagged dicts and tensors into raw bytes,
+and `recv` unpickles with an unpickler that refuses every class, so no bytes from a peer can name code to
+run (and the peer is authenticated by the HMAC challenge before anything is read at all).
 
 Tensors above a few KiB are written as raw bytes into files in a private directory on tmpfs
 (/dev/shm: shared memory, no disk I/O) and replaced in the message by a small reference naming the
-file, the dtype (from a fixed list) and the shape. A file holds only the tensor's bytes, so reading it
-never runs code. (Raw bytes rather than safetensors: a sampler step sends a latent and gets one back,
-and the header and the extra copy cost about a millisecond per tensor on each side.)
+file, the dtype (from a fixed list) and the shape; smaller ones travel inline as bytes. A file holds
+only the tensor's bytes, so reading it never runs code. (Raw bytes rather than safetensors: a sampler
+step sends a latent and gets one back, and the header and the extra copy cost about a millisecond per
+tensor on each side.)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import itertools
 import os
 import pickle
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-INLINE_LIMIT = 64 * 1024  # bytes; smaller tensors are cheaper to pickle than to put in a file
+from .dtypes import DTYPES
+
+INLINE_LIMIT = 64 * 1024  # bytes; smaller tensors travel inside the message
 PREFIX = "rocm-parallel-"
-_REF = "__rocm_parallel_tensor__"
-# The dtypes a tensor file may hold, by name (a reference names one of these; nothing else is accepted).
-_DTYPES = {
-    str(dtype).removeprefix("torch."): dtype
-    for dtype in (
-        torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
-        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-    )
-}  # fmt: skip
+_REF = "__rocm_parallel_tensor__"  # a tensor in a file: {_REF: path, "dtype": name, "shape": [...]}
+_BYTES = "__rocm_parallel_bytes__"  # a small tensor inline: {_BYTES: raw bytes, "dtype": ..., "shape": ...}
+_RECORD = "__rocm_parallel_record__"  # a payload record: {_RECORD: class name, "fields": {...}}
+# The dtypes a tensor may cross the wire in, by name (the one table, backend/dtypes.py); a reference naming
+# anything else is refused.
+_DTYPES = {d.name: d.torch for d in DTYPES}
 _counter = itertools.count()
+R = TypeVar("R")
 
 
 # --------------------------------------------------------------------------------------------------
-# Records
+# Envelopes
 
 
 @dataclass(frozen=True)
@@ -70,12 +81,13 @@ class Ready:
 
 @dataclass(frozen=True)
 class Request:
-    """Run `method(**kwargs)` on a rank. `method == "shutdown"` leaves the group. `reuse_files`: tensor
-    files in the request and the reply keep fixed names and are rewritten in place (see `pack`)."""
+    """Run `method(payload)` on a rank (`payload`: one packed record, or None). `method == "shutdown"`
+    leaves the group. `reuse_files`: tensor files in the request and the reply keep fixed names and are
+    rewritten in place (see `pack`)."""
 
     job: int
     method: str
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    payload: Any = None
     reuse_files: bool = False
 
 
@@ -92,7 +104,8 @@ class Progress:
 
 @dataclass(frozen=True)
 class Reply:
-    """The end of a job on one rank: its result, or its error with the worker's traceback."""
+    """The end of a job on one rank: its result (one packed record, or None), or its error with the
+    worker's traceback."""
 
     job: int
     rank: int
@@ -104,20 +117,82 @@ class Reply:
     seconds: float = 0.0
 
 
-RECORDS = {cls.__name__: cls for cls in (Hello, StorePort, Ready, Request, Progress, Reply)}
-Record = Hello | StorePort | Ready | Request | Progress | Reply
+ENVELOPES = {cls.__name__: cls for cls in (Hello, StorePort, Ready, Request, Progress, Reply)}
+Envelope = Hello | StorePort | Ready | Request | Progress | Reply
 
 
-def send(conn: Connection, record: Record) -> None:
-    """Plain pickle of plain data (a kind and a dict): never torch.multiprocessing's fd-passing reductions."""
-    data = {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
-    conn.send_bytes(pickle.dumps((type(record).__name__, data), protocol=pickle.HIGHEST_PROTOCOL))
+class ProtocolError(RuntimeError):
+    """A message that is not what the protocol allows (a class named in a pickle, an unknown envelope)."""
 
 
-def recv(conn: Connection) -> Record:
-    """The next record; only ever called on connections authenticated by the HMAC challenge."""
-    kind, data = pickle.loads(conn.recv_bytes())
-    return RECORDS[kind](**data)
+class _PlainUnpickler(pickle.Unpickler):
+    """Plain data only (dicts, lists, tuples, strings, bytes, numbers, None): every class is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise ProtocolError(f"a worker message names {module}.{name}; only plain data is accepted")
+
+
+def send(conn: Connection, envelope: Envelope) -> None:
+    """An envelope as (kind, fields) of plain data; its payload is packed already (see `pack`)."""
+    data = {f.name: getattr(envelope, f.name) for f in dataclasses.fields(envelope)}
+    conn.send_bytes(pickle.dumps((type(envelope).__name__, data), protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def recv(conn: Connection) -> Envelope:
+    """The next envelope; only ever called on connections authenticated by the HMAC challenge."""
+    kind, data = _PlainUnpickler(io.BytesIO(conn.recv_bytes())).load()
+    if kind not in ENVELOPES:
+        raise ProtocolError(f"a worker sent a {kind!r} envelope; known: {', '.join(ENVELOPES)}")
+    return ENVELOPES[kind](**data)
+
+
+# --------------------------------------------------------------------------------------------------
+# Payload records
+
+_RECORDS: dict[str, type] = {}
+
+
+class UnknownRecord(ProtocolError):
+    """A message names a payload record this process has not registered: it is refused, not guessed."""
+
+
+def record(cls: type[R]) -> type[R]:
+    """Class decorator (over `@dataclass(frozen=True)`): register `cls` as a payload record.
+
+    The registry is keyed by the class name, so names must be unique among the records a process
+    imports (a second class of the same name is refused at import time)."""
+    register(cls)
+    return cls
+
+
+def register(*classes: type) -> None:
+    """Register frozen dataclasses defined elsewhere (ParallelLayout, CheckpointInfo) as payload records."""
+    for cls in classes:
+        if not (dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen):
+            raise TypeError(f"{cls.__qualname__} must be a frozen dataclass to travel to the workers")
+        held = _RECORDS.get(cls.__name__)
+        # The same class imported again (a module reloaded) replaces itself; another class may not.
+        if held is not None and (held.__module__, held.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise ValueError(
+                f"two payload records are named {cls.__name__}: {held.__module__}.{held.__qualname__} "
+                f"and {cls.__module__}.{cls.__qualname__}; rename one"
+            )
+        _RECORDS[cls.__name__] = cls
+
+
+def is_record(obj: Any) -> bool:
+    """`obj` is an instance of a registered payload record."""
+    return _RECORDS.get(type(obj).__name__) is type(obj)
+
+
+def _record_class(name: str) -> type:
+    cls = _RECORDS.get(name)
+    if cls is None:
+        raise UnknownRecord(
+            f"a worker message carries a {name!r} record, which this process does not know; import the "
+            "module that defines it (e.g. the test module named in WorkerGroup(methods=...))"
+        )
+    return cls
 
 
 # --------------------------------------------------------------------------------------------------
@@ -176,12 +251,14 @@ def remove_stale_dirs() -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Tensors through files
+# Payloads as plain data, tensors through files
 
 
 def pack(obj: Any, directory: str, tag: str, *, reuse: bool = False) -> Any:
-    """Replace large CPU-copyable tensors in a nested structure by references to files in `directory`.
+    """`obj` (a payload record, or plain data holding records and tensors) as plain data for `send`.
 
+    Records become tagged dicts, tensors above INLINE_LIMIT files in `directory`, smaller ones inline
+    bytes; anything else but plain data (numbers, strings, bytes, None, lists, tuples, dicts) is refused.
     `reuse`: the files are named `tag` plus the tensor's position in `obj` and rewritten in place on the
     next call with the same tag (the forward service sends a latent of the same size every step, and
     rewriting tmpfs pages costs a quarter of creating and removing a file). The reader then must not
@@ -190,25 +267,56 @@ def pack(obj: Any, directory: str, tag: str, *, reuse: bool = False) -> Any:
     return _pack(obj, directory, tag, reuse, itertools.count())
 
 
+_PLAIN = (bool, int, float, str, bytes, type(None))  # bool first: it is an int too
+
+
 def _pack(obj: Any, directory: str, tag: str, reuse: bool, position: itertools.count) -> Any:
-    if isinstance(obj, torch.Tensor) and obj.numel() * obj.element_size() > INLINE_LIMIT:
-        tensor = obj.detach().to("cpu").contiguous()
-        name = str(tensor.dtype).removeprefix("torch.")
-        if name not in _DTYPES:
-            raise TypeError(f"cannot send a {tensor.dtype} tensor to or from a worker")
-        if reuse:
-            path = os.path.join(directory, f"{tag}-{next(position)}.bin")
-            _rewrite(path, _bytes(tensor).numpy())
-        else:
-            path = os.path.join(directory, f"{tag}-{os.getpid()}-{next(_counter)}.bin")
-            with open(path, "wb") as f:
-                f.write(_bytes(tensor).numpy().data)
-        return {_REF: path, "dtype": name, "shape": list(tensor.shape)}
+    if type(obj) in _PLAIN:
+        return obj
+    if isinstance(obj, _PLAIN):  # numpy's float64, an IntEnum...: their pickles name a class
+        return next(base(obj) for base in _PLAIN if isinstance(obj, base))
+    if isinstance(obj, torch.Tensor):
+        return _pack_tensor(obj, directory, tag, reuse, position)
     if isinstance(obj, dict):
+        bad = [k for k in obj if not isinstance(k, str | int)]
+        if bad:
+            raise TypeError(f"cannot send a dict keyed by {type(bad[0]).__name__} to or from a worker")
         return {k: _pack(v, directory, tag, reuse, position) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(_pack(v, directory, tag, reuse, position) for v in obj)
-    return obj
+    if isinstance(obj, list):
+        return [_pack(v, directory, tag, reuse, position) for v in obj]
+    if isinstance(obj, tuple):  # torch.Size and named tuples too, as plain tuples
+        return tuple(_pack(v, directory, tag, reuse, position) for v in obj)
+    if is_record(obj):
+        fields = {
+            f.name: _pack(getattr(obj, f.name), directory, tag, reuse, position)
+            for f in dataclasses.fields(obj)
+            if f.init
+        }
+        return {_RECORD: type(obj).__name__, "fields": fields}
+    raise TypeError(
+        f"cannot send a {type(obj).__qualname__} to or from a worker: payloads are registered records "
+        "(transport.record) of plain data and tensors"
+    )
+
+
+def _pack_tensor(obj: torch.Tensor, directory: str, tag: str, reuse: bool, position: itertools.count) -> Any:
+    if obj.is_meta:
+        raise TypeError("cannot send a tensor on the meta device to or from a worker: it holds no values")
+    tensor = obj.detach().to("cpu").contiguous()
+    name = str(tensor.dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise TypeError(f"cannot send a {tensor.dtype} tensor to or from a worker")
+    shape = list(tensor.shape)
+    if tensor.numel() * tensor.element_size() <= INLINE_LIMIT:
+        return {_BYTES: _bytes(tensor).numpy().tobytes(), "dtype": name, "shape": shape}
+    if reuse:
+        path = os.path.join(directory, f"{tag}-{next(position)}.bin")
+        _rewrite(path, _bytes(tensor).numpy())
+    else:
+        path = os.path.join(directory, f"{tag}-{os.getpid()}-{next(_counter)}.bin")
+        with open(path, "wb") as f:
+            f.write(_bytes(tensor).numpy().data)
+    return {_REF: path, "dtype": name, "shape": shape}
 
 
 def _rewrite(path: str, data: Any) -> None:
@@ -228,9 +336,16 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
+def _empty(ref: dict[str, Any]) -> torch.Tensor:
+    if ref["dtype"] not in _DTYPES:
+        raise ProtocolError(
+            f"a worker message holds a tensor of dtype {ref['dtype']!r}; known: {', '.join(_DTYPES)}"
+        )
+    return torch.empty([int(n) for n in ref["shape"]], dtype=_DTYPES[ref["dtype"]])
+
+
 def _read_tensor(ref: dict[str, Any]) -> torch.Tensor:
-    dtype = _DTYPES[ref["dtype"]]
-    out = torch.empty([int(n) for n in ref["shape"]], dtype=dtype)
+    out = _empty(ref)
     view = _bytes(out).numpy()
     with open(ref[_REF], "rb", buffering=0) as f:
         got = f.readinto(view.data)
@@ -239,14 +354,29 @@ def _read_tensor(ref: dict[str, Any]) -> torch.Tensor:
     return out
 
 
+def _inline_tensor(ref: dict[str, Any]) -> torch.Tensor:
+    out = _empty(ref)
+    view = _bytes(out).numpy()
+    if len(ref[_BYTES]) != view.nbytes:
+        raise ProtocolError(f"an inline tensor holds {len(ref[_BYTES])} bytes; expected {view.nbytes}")
+    view[:] = memoryview(ref[_BYTES])
+    return out
+
+
 def unpack(obj: Any, remove: bool = True) -> Any:
-    """Inverse of `pack`; deletes each file once read unless `remove` is False."""
+    """Inverse of `pack`: registered records rebuilt by name (UnknownRecord for any other name), tensors
+    read back; deletes each tensor file once read unless `remove` is False."""
     if isinstance(obj, dict):
         if _REF in obj:
             tensor = _read_tensor(obj)
             if remove:
                 os.unlink(obj[_REF])
             return tensor
+        if _BYTES in obj:
+            return _inline_tensor(obj)
+        if _RECORD in obj:
+            cls = _record_class(obj[_RECORD])
+            return cls(**{k: unpack(v, remove) for k, v in obj["fields"].items()})
         return {k: unpack(v, remove) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
         return type(obj)(unpack(v, remove) for v in obj)

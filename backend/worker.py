@@ -6,8 +6,10 @@ Started by `client.WorkerGroup` (never imported by ComfyUI itself). Life of a wo
    dies, stdin reaches EOF and the worker exits at once (no orphan holding GPU memory);
 2. connect to the parent's Unix socket (HMAC-authenticated before anything is unpickled);
 3. rendezvous: rank 0 opens a TCPStore on 127.0.0.1 (free port), the parent relays the port;
-4. report Ready, then serve `transport.Request` records until "shutdown", answering each with a `Reply`
-   (and `Progress` records on the way) that carry the request's job id;
+4. report Ready, then serve `transport.Request` envelopes until "shutdown": `_run` finds the method
+   (`HANDLERS`, filled by `@handler` in jobs.py, serve.py, probe.py and the modules the group names),
+   checks the request record's type and calls it; a `Reply` (and `Progress` on the way) carries the
+   request's job id back;
 5. leave the group cleanly (barrier, destroy_process_group, os._exit) — gloo can abort at interpreter
    exit after correct results otherwise.
 """
@@ -31,17 +33,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .messages import RankInfo
 from .parallel.comm import synchronize
-from .transport import Hello, Progress, Ready, Reply, Request, StorePort, pack, recv, send, unpack
-
-HANDLERS: dict[str, Callable[..., Any]] = {}
+from .transport import Hello, Progress, Ready, Reply, Request, StorePort, is_record, pack, recv, send, unpack
 
 
-def handler(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Register a worker method callable by name from the client."""
+@dataclass(frozen=True)
+class Handler:
+    """A worker method: `fn(ctx)` or `fn(ctx, request)` with `request` an instance of `request_type`."""
+
+    fn: Callable[..., Any]
+    request_type: type | None
+
+
+HANDLERS: dict[str, Handler] = {}
+
+
+def handler(name: str, request: type | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register a worker method callable by name from the client. `request`: the payload record it takes
+    (backend/messages.py, or a test module's own), None when it takes none. It returns a payload record or
+    None."""
 
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
-        HANDLERS[name] = fn
+        HANDLERS[name] = Handler(fn, request)
         return fn
 
     return register
@@ -53,18 +67,18 @@ class JobCancelled(RuntimeError):
 
 @dataclass
 class Resident:
-    """The one owner of the model this rank keeps between jobs, and what it is (`key`: checkpoint,
-    layout, dtype... or a description of a random model). Set and cleared only through `set`/`clear`,
-    so the record can never describe another model than the one held."""
+    """The one owner of the model this rank keeps between jobs, and what it is (`key`: a record such as
+    messages.Loaded, or a test's record describing random weights). Set and cleared only through
+    `set`/`clear`, so the record can never describe another model than the one held."""
 
     model: torch.nn.Module | None = None
-    key: dict[str, Any] | None = None
+    key: Any = None
     # What jobs keep on the device for this model between calls (the forward service's conditioning);
     # emptied with the model, so nothing computed for one model is used with another.
     caches: dict[str, Any] = field(default_factory=dict)
 
-    def set(self, model: torch.nn.Module, key: dict[str, Any]) -> None:
-        self.model, self.key = model, dict(key)
+    def set(self, model: torch.nn.Module, key: Any) -> None:
+        self.model, self.key = model, key
         self.caches.clear()
 
     def clear(self) -> bool:
@@ -138,8 +152,8 @@ class WorkerContext:
 
 
 @handler("ping")
-def _ping(ctx: WorkerContext) -> dict[str, Any]:
-    return {"rank": ctx.rank, "pid": os.getpid(), "device": str(ctx.device), "backend": ctx.backend}
+def _ping(ctx: WorkerContext) -> RankInfo:
+    return RankInfo(rank=ctx.rank, pid=os.getpid(), device=str(ctx.device), backend=ctx.backend)
 
 
 def _load_methods() -> None:
@@ -148,7 +162,7 @@ def _load_methods() -> None:
     The built-in ones first, then the modules the group was started with (`WorkerGroup(methods=...)`,
     e.g. tests' and benchmarks' own methods): product code carries no method that only they use.
     """
-    for module in ("jobs", "service", "probe"):
+    for module in ("jobs", "serve", "probe"):
         importlib.import_module(f"{__package__}.{module}")
     for module in filter(None, os.environ.get("RP_METHODS", "").split(",")):
         importlib.import_module(module)
@@ -234,6 +248,31 @@ def _describe_failure(ctx: WorkerContext, exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _run(request: Request, ctx: WorkerContext) -> Any:
+    """The handler's result for `request`, packed for the reply. Only a registered record (or None) goes
+    in and out: a request that does not match the method's declared type is refused before it runs."""
+    entry = HANDLERS.get(request.method)
+    if entry is None:
+        raise KeyError(f"unknown worker method {request.method!r}; known: {', '.join(sorted(HANDLERS))}")
+    payload = unpack(request.payload, remove=False)
+    wanted = entry.request_type
+    if wanted is None and payload is not None:
+        raise TypeError(f"worker method {request.method!r} takes no request; got a {type(payload).__name__}")
+    if wanted is not None and not isinstance(payload, wanted):
+        raise TypeError(
+            f"worker method {request.method!r} takes a {wanted.__name__}; got a {type(payload).__name__}"
+        )
+    result = entry.fn(ctx) if wanted is None else entry.fn(ctx, payload)
+    if result is not None and not is_record(result):
+        raise TypeError(
+            f"worker method {request.method!r} returned a {type(result).__name__}; a method returns a "
+            "registered record (transport.record) or None"
+        )
+    if request.reuse_files:
+        return pack(result, ctx.shm_dir, f"result-{ctx.rank}", reuse=True)
+    return pack(result, ctx.shm_dir, f"result-{ctx.job}-{ctx.rank}")
+
+
 def _serve(conn: Connection, ctx: WorkerContext) -> bool:
     """Answer requests until shutdown; True when asked to shut down (vs. the parent closing the socket)."""
     while True:
@@ -248,16 +287,7 @@ def _serve(conn: Connection, ctx: WorkerContext) -> bool:
             return True
         started = time.perf_counter()
         try:
-            fn = HANDLERS.get(request.method)
-            if fn is None:
-                known = ", ".join(sorted(HANDLERS))
-                raise KeyError(f"unknown worker method {request.method!r}; known: {known}")
-            result = fn(ctx, **unpack(request.kwargs, remove=False))
-            if request.reuse_files:
-                packed = pack(result, ctx.shm_dir, f"result-{ctx.rank}", reuse=True)
-            else:
-                packed = pack(result, ctx.shm_dir, f"result-{ctx.job}-{ctx.rank}")
-            reply = Reply(job=ctx.job, rank=ctx.rank, ok=True, result=packed)
+            reply = Reply(job=ctx.job, rank=ctx.rank, ok=True, result=_run(request, ctx))
         except BaseException as exc:  # report every failure to the caller at once; the worker stays up
             reply = Reply(
                 job=ctx.job,

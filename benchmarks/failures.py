@@ -5,9 +5,10 @@ watchdog, injects one fault on rank 1 in the middle of a job, and measures the t
 the error the caller gets; then it runs the next job and checks it against the image sampled before
 the fault (bit for bit: same workers count, same layout, same seed).
 
-Faults come from the test suite's worker methods (tests/worker_jobs.py: `arm_failure`, `hang_at`), so a
-checkout is needed, as for every benchmark. A hung rank (alive, silent) is caught by the watchdog's
-`floor` once steps are fast, so its row shows that limit.
+Faults come from the test suite's worker methods (tests/worker_jobs.py: `arm_failure`, which fails a
+rank's forward in the given step, and `hang_at`), so a checkout is needed, as for every benchmark. A
+hung rank (alive, silent) is caught by the watchdog's `floor` once steps are fast, so its row shows
+that limit.
 """
 
 from __future__ import annotations
@@ -40,6 +41,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", type=int, default=128, help="image side in pixels (default 128)")
     parser.add_argument("--steps", type=int, default=8, help="steps per job (default 8)")
     parser.add_argument("--json", help="also write the results to this JSON file")
+
+
+def _fault_methods() -> Any:
+    """tests/worker_jobs.py, imported here too: its requests travel by name, so this process must know them."""
+    if str(TESTS) not in sys.path:
+        sys.path.insert(0, str(TESTS))
+    import worker_jobs
+
+    return worker_jobs
 
 
 def _group() -> WorkerGroup:
@@ -87,7 +97,7 @@ def _scenario(
 
 def _arm(kind: str) -> Callable[[ParallelFlux], None]:
     def inject(flux: ParallelFlux) -> None:
-        flux.group.call("arm_failure", {"rank": 1, "at_step": FAULT_STEP, "kind": kind})
+        flux.group.call("arm_failure", _fault_methods().OnRank(rank=1, at_step=FAULT_STEP, kind=kind))
 
     return inject
 
@@ -120,12 +130,12 @@ def _ctrl_c_at_fault(flux: ParallelFlux) -> Callable[[int, int], None]:
 
 def _hang() -> dict[str, Any]:
     """A rank alive but silent (stuck in a driver call): only the watchdog can tell."""
-    group = _group()
+    group, jobs = _group(), _fault_methods()
     started = time.perf_counter()
     try:
-        group.call("steps", {"n": 4, "seconds": 0.05})
+        group.call("steps", jobs.Steps(n=4, seconds=0.05))
         started = time.perf_counter()
-        group.call("hang_at", {"rank": 1, "at_step": FAULT_STEP})
+        group.call("hang_at", jobs.OnRank(rank=1, at_step=FAULT_STEP))
         message = "no error"
     except BaseException as exc:
         message = f"{type(exc).__name__}: {exc}".splitlines()[0]

@@ -2,8 +2,9 @@
 
 The overhead of a job is measured against the same model and the same sampling in this one process:
 both run one thread, one step per job on a small latent, so the difference is the group's own cost
-(request, tensor files, progress messages, agreement check, reply). A one-worker group isolates it from
-any parallel speed-up; two workers (TP=2) are shown for reference.
+(each step is one forward request: the latent through a tensor file, the conditioning sent once per
+prompt, the reply). A one-worker group isolates it from any parallel speed-up; two workers (TP=2) are
+shown for reference.
 """
 
 from __future__ import annotations

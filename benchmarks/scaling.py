@@ -114,7 +114,7 @@ def measure(flux: Any, checkpoint: str, layout: ParallelLayout, args: argparse.N
     status = flux.status()
     per_step = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else latency
     if gpu:
-        peaks = [r.get("peak_gb", 0.0) * GB for r in status]
+        peaks = [(r.memory.peak_gb if r.memory else 0.0) * GB for r in status]
         growth = peaks
     else:
         peaks = [a["hwm"] for a in after]
@@ -127,7 +127,7 @@ def measure(flux: Any, checkpoint: str, layout: ParallelLayout, args: argparse.N
         "peak_bytes": max(peaks),
         "growth_bytes": max(growth),
         "all_active": all(a["cpu"] > b["cpu"] for a, b in zip(after, before, strict=True)),
-        "parameter_bytes": status[0]["parameter_bytes"],
+        "parameter_bytes": status[0].parameter_bytes,
     }
 
 

@@ -1,4 +1,8 @@
-"""ComfyUI node classes: thin wrappers over `logic` (plain Python) and, through it, the backend.
+"""ComfyUI node classes (classes.py): thin wrappers over plain-Python modules, one per job, and through
+them the backend: inputs.py (widgets, the handle between nodes), registry.py (the resident worker groups
+and the panel's state), loading.py (start, load, 'auto', LoRAs), checks.py (what is refused, and why),
+runner.py (the parallel MODEL's plain side), status.py (the Status node); comfy_model.py is the one
+module touching ComfyUI's model internals.
 
 Display names live here, in one place. `comfy_model` (the parallel MODEL) is imported only when a node
 runs inside ComfyUI.

@@ -1,4 +1,5 @@
-"""The ComfyUI node classes (V1 schema): inputs, outputs, and a call into `logic`. Nothing else.
+"""The ComfyUI node classes (V1 schema): inputs, outputs, and a call into the plain-Python modules next to
+them (inputs, loading, checks, status; the parallel MODEL in comfy_model). Nothing else.
 
 ComfyUI modules (`folder_paths`, `comfy.*`) are imported inside the methods, so this module imports
 outside ComfyUI too (the tests read INPUT_TYPES with stand-ins for those modules).
@@ -8,21 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import logic
-from .logic import CATEGORY, HANDLE_TYPE, REGISTRY
+from . import checks, inputs, loading
+from .inputs import CATEGORY, HANDLE_TYPE, LayoutRequest, ParallelHandle
+from .registry import REGISTRY
+from .status import status_text
 
 SEED_MAX = 0xFFFFFFFFFFFFFFFF  # ComfyUI's KSampler seed range
 
 _HANDLE_TOOLTIP = "The worker group and checkpoint from a ROCm Parallel Loader."
-
-
-def _free_comfy_models(devices: tuple[str, ...]) -> None:
-    """Give the GPUs to the workers: ComfyUI's own resident models would otherwise hold their memory."""
-    import comfy.model_management as mm
-
-    if logic.needs_gpu_memory(devices):
-        mm.unload_all_models()
-        mm.soft_empty_cache()
 
 
 def _interrupted() -> None:
@@ -146,13 +140,13 @@ class RocmParallelLoader:
                 "devices": (
                     "STRING",
                     {
-                        "default": logic.DEVICES_ALL,
+                        "default": inputs.DEVICES_ALL,
                         "tooltip": "'all' visible GPUs, a list of GPU indices such as '0,1,2,3', or CPU "
                         "workers for testing such as 'cpu x2'.",
                     },
                 ),
                 "dtype": (
-                    list(logic.DTYPES),
+                    list(inputs.DTYPES),
                     {
                         "default": "default",
                         "tooltip": "Compute dtype on the workers; default is bfloat16 on GPUs, float32 on "
@@ -160,7 +154,7 @@ class RocmParallelLoader:
                     },
                 ),
                 "preload": (
-                    list(logic.PRELOAD_LAYOUTS),
+                    list(inputs.PRELOAD_LAYOUTS),
                     {
                         "default": "none",
                         "tooltip": "Load the weights now in this layout (tp = tensor parallel, context = ring "
@@ -169,7 +163,7 @@ class RocmParallelLoader:
                     },
                 ),
                 "weight_dtype": (
-                    list(logic.WEIGHT_DTYPES),
+                    list(inputs.WEIGHT_DTYPES),
                     {
                         "default": "default",
                         "tooltip": "How the weights stay on the GPUs, as in ComfyUI's Load Diffusion Model: "
@@ -188,28 +182,30 @@ class RocmParallelLoader:
         from ..backend.config import ConfigError
 
         try:
-            validate_devices(logic.parse_devices(devices))
+            validate_devices(inputs.parse_devices(devices))
         except ConfigError as exc:
             return str(exc)
         return True
 
     def load(
         self, checkpoint: str, devices: str, dtype: str, preload: str, weight_dtype: str = "default"
-    ) -> tuple[logic.ParallelHandle]:
+    ) -> tuple[ParallelHandle]:
         import folder_paths
 
         from ..backend.client import validate_devices
 
-        handle = logic.ParallelHandle(
+        handle = ParallelHandle(
             checkpoint=folder_paths.get_full_path_or_raise("diffusion_models", checkpoint),
             name=checkpoint,
-            devices=validate_devices(logic.parse_devices(devices)),
-            dtype=logic.compute_dtype(dtype),
-            weight_dtype=logic.weight_dtype(weight_dtype),
+            devices=validate_devices(inputs.parse_devices(devices)),
+            dtype=inputs.compute_dtype(dtype),
+            weight_dtype=inputs.weight_dtype(weight_dtype),
         )
         if preload != "none":
-            _free_comfy_models(handle.devices)
-        logic.load(REGISTRY, handle, preload, interrupted=_interrupted)
+            from . import comfy_model  # imports torch: only once a node runs
+
+            comfy_model.free_comfy_models(handle.devices)
+        loading.load(REGISTRY, handle, preload, interrupted=_interrupted)
         return (handle,)
 
 
@@ -221,8 +217,8 @@ class _ParallelSampler:
 
     def _run(
         self,
-        request: logic.LayoutRequest,
-        parallel_flux: logic.ParallelHandle,
+        request: LayoutRequest,
+        parallel_flux: ParallelHandle,
         positive: Any,
         latent_image: dict[str, Any],
         seed: int,
@@ -235,12 +231,12 @@ class _ParallelSampler:
         sigmas: Any = None,
     ) -> tuple[dict[str, Any]]:
         # Before any worker starts, any weight loads or ComfyUI's models are moved.
-        logic.check_sampler_inputs(
+        info = checks.check_sampler_inputs(
             REGISTRY, parallel_flux, request, positive, negative, latent_image, cfg=cfg, sigmas=sigmas
         )
         from . import comfy_model
 
-        model = comfy_model.parallel_model(parallel_flux, request, REGISTRY)
+        model = comfy_model.parallel_model(parallel_flux, request, REGISTRY, info)
         # At cfg 1.0 ComfyUI never evaluates the negative (checked above that cfg is 1.0 when it is absent).
         negative = negative if negative is not None else []
         if sigmas is None:
@@ -267,7 +263,7 @@ class RocmParallelTPSampler(_ParallelSampler):
 
     def sample(
         self,
-        parallel_flux: logic.ParallelHandle,
+        parallel_flux: ParallelHandle,
         positive: Any,
         latent_image: dict[str, Any],
         seed: int,
@@ -279,7 +275,7 @@ class RocmParallelTPSampler(_ParallelSampler):
         negative: Any = None,
         sigmas: Any = None,
     ) -> tuple[dict[str, Any]]:
-        request = logic.LayoutRequest(logic.tp_layout(len(parallel_flux.devices)))
+        request = LayoutRequest(inputs.tp_layout(len(parallel_flux.devices)))
         return self._run(
             request, parallel_flux, positive, latent_image, seed, steps, cfg, sampler_name, scheduler, denoise,
             negative, sigmas,
@@ -317,7 +313,7 @@ class RocmParallelRingSampler(_ParallelSampler):
 
     def sample(
         self,
-        parallel_flux: logic.ParallelHandle,
+        parallel_flux: ParallelHandle,
         positive: Any,
         latent_image: dict[str, Any],
         seed: int,
@@ -331,8 +327,8 @@ class RocmParallelRingSampler(_ParallelSampler):
         negative: Any = None,
         sigmas: Any = None,
     ) -> tuple[dict[str, Any]]:
-        layout = logic.context_layout(ring_degree, ulysses_degree, len(parallel_flux.devices))
-        request = logic.LayoutRequest(layout, context_only=True)
+        layout = inputs.context_layout(ring_degree, ulysses_degree, len(parallel_flux.devices))
+        request = LayoutRequest(layout, context_only=True)
         return self._run(
             request, parallel_flux, positive, latent_image, seed, steps, cfg, sampler_name, scheduler, denoise,
             negative, sigmas,
@@ -360,7 +356,7 @@ class RocmParallelModel:
             "required": {
                 "parallel_flux": (HANDLE_TYPE, {"tooltip": _HANDLE_TOOLTIP}),
                 "layout": (
-                    list(logic.MODEL_LAYOUTS),
+                    list(inputs.MODEL_LAYOUTS),
                     {
                         "default": "tp",
                         "tooltip": "tp = weights split over the devices (fits big models); context = image "
@@ -383,17 +379,17 @@ class RocmParallelModel:
         }
 
     def model(
-        self, parallel_flux: logic.ParallelHandle, layout: str, ring_degree: int, ulysses_degree: int
+        self, parallel_flux: ParallelHandle, layout: str, ring_degree: int, ulysses_degree: int
     ) -> tuple[Any]:
         from . import comfy_model
 
-        request = logic.model_layout(layout, ring_degree, ulysses_degree, len(parallel_flux.devices))
+        request = inputs.model_layout(layout, ring_degree, ulysses_degree, len(parallel_flux.devices))
+        info = loading.read_checkpoint(parallel_flux)  # once: the MODEL carries it to every load
         if request.layout is not None:  # a layout the checkpoint cannot take fails here, not mid-sampling
             REGISTRY.flux_for(parallel_flux.devices).check_load(
-                parallel_flux.checkpoint, layout=request.layout, dtype=parallel_flux.dtype,
-                **logic.load_kwargs(parallel_flux),
-            )  # fmt: skip
-        return (comfy_model.parallel_model(parallel_flux, request, REGISTRY),)
+                info, layout=request.layout, dtype=parallel_flux.dtype, **loading.load_kwargs(parallel_flux)
+            )
+        return (comfy_model.parallel_model(parallel_flux, request, REGISTRY, info),)
 
 
 class RocmParallelLoRA:
@@ -434,12 +430,12 @@ class RocmParallelLoRA:
         }
 
     def add_lora(
-        self, parallel_flux: logic.ParallelHandle, lora_name: str, strength_model: float
-    ) -> tuple[logic.ParallelHandle]:
+        self, parallel_flux: ParallelHandle, lora_name: str, strength_model: float
+    ) -> tuple[ParallelHandle]:
         import folder_paths
 
         path = folder_paths.get_full_path_or_raise("loras", lora_name)
-        return (logic.add_lora(parallel_flux, path, strength_model),)
+        return (loading.add_lora(parallel_flux, path, strength_model),)
 
 
 class RocmParallelStatus:
@@ -460,7 +456,7 @@ class RocmParallelStatus:
         return {
             "required": {
                 "action": (
-                    list(logic.STATUS_ACTIONS),
+                    list(inputs.STATUS_ACTIONS),
                     {
                         "default": "report",
                         "tooltip": "report; unload the model (workers stay); close the workers; doctor: check the "
@@ -480,7 +476,7 @@ class RocmParallelStatus:
     def IS_CHANGED(cls, **kwargs: Any) -> float:
         return float("nan")  # never cached: the group's state changes between runs
 
-    def status(self, action: str, parallel_flux: logic.ParallelHandle | None = None) -> dict[str, Any]:
+    def status(self, action: str, parallel_flux: ParallelHandle | None = None) -> dict[str, Any]:
         devices = parallel_flux.devices if parallel_flux is not None else None
-        text = logic.status_text(REGISTRY, action, devices)
+        text = status_text(REGISTRY, action, devices)
         return {"ui": {"text": [text]}, "result": (text,)}

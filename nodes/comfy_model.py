@@ -17,11 +17,18 @@ one fails with a RuntimeError naming the ComfyUI version and what is missing.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import logic
+from . import checks
+from .inputs import LayoutRequest, ParallelHandle
+from .loading import needs_gpu_memory
+from .registry import REGISTRY, Registry
+from .runner import ModelRunner, step_of
+
+if TYPE_CHECKING:
+    from ..backend.checkpoint import CheckpointInfo
 
 # The ComfyUI the parallel MODEL was last checked against (tests/comfy, tests/data/comfy_references).
 TESTED_COMFYUI = "0.3.75"
@@ -85,7 +92,7 @@ class ParallelDiffusionModel(torch.nn.Module):
 
     def __init__(
         self,
-        runner: logic.ModelRunner,
+        runner: ModelRunner,
         dtype: torch.dtype,
         guidance_embed: bool,
         patch_size: int = 2,
@@ -116,7 +123,7 @@ class ParallelDiffusionModel(torch.nn.Module):
         **kwargs: Any,
     ) -> torch.Tensor:
         options = transformer_options or {}
-        refused = logic.unsupported_forward_inputs(control, options, kwargs)
+        refused = checks.unsupported_forward_inputs(control, options, kwargs)
         if refused is not None:
             raise RuntimeError(refused)
         # Kontext: ComfyUI's Flux.extra_conds hands the reference latents (after process_in) and their
@@ -134,7 +141,7 @@ class ParallelDiffusionModel(torch.nn.Module):
             context,
             y,
             guidance if self.guidance_embed else None,
-            logic.step_of(options),
+            step_of(options),
             ref_latents=ref_latents,
             ref_method=kwargs.get("ref_latents_method", self.default_ref_method),
         )
@@ -149,7 +156,7 @@ def _parallel_patcher_class() -> type:
         (`clone()` builds `self.__class__`, so every clone keeps this.)"""
 
         def add_patches(self, patches: Any, strength_patch: float = 1.0, strength_model: float = 1.0) -> Any:
-            raise RuntimeError(logic.LORA_ON_MODEL_MESSAGE)
+            raise RuntimeError(checks.LORA_ON_MODEL_MESSAGE)
 
     return ParallelModelPatcher
 
@@ -157,7 +164,7 @@ def _parallel_patcher_class() -> type:
 _PATCHER_CLASS: type | None = None
 
 
-def _outer_sample(runner: logic.ModelRunner):
+def _outer_sample(runner: ModelRunner):
     """The OUTER_SAMPLE wrapper: the model is made resident (planned for this latent) before ComfyUI's
     sampling starts, and the panel shows the run and how it ended (a Cancel as such)."""
 
@@ -167,7 +174,7 @@ def _outer_sample(runner: logic.ModelRunner):
         # The guider (comfy/samplers.py CFGGuider.sample builds this executor around its outer_sample)
         # holds the run's conds: ReferenceLatent's latents there ride along in every model call.
         conds = getattr(getattr(executor, "class_obj", None), "conds", None)
-        references = logic.reference_shapes(conds)
+        references = checks.reference_shapes(conds)
         with runner.sampling(tuple(noise.shape), max(int(sigmas.shape[-1]) - 1, 0), references):
             return executor(noise, latent_image, sampler, sigmas, *args, **kw)
 
@@ -175,11 +182,13 @@ def _outer_sample(runner: logic.ModelRunner):
 
 
 def parallel_model(
-    handle: logic.ParallelHandle,
-    request: logic.LayoutRequest,
-    registry: logic.Registry | None = None,
+    handle: ParallelHandle,
+    request: LayoutRequest,
+    registry: Registry | None = None,
+    info: CheckpointInfo | None = None,
 ) -> Any:
-    """The ComfyUI MODEL for `handle` in `request`'s layout (nothing loads until ComfyUI samples)."""
+    """The ComfyUI MODEL for `handle` in `request`'s layout (nothing loads until ComfyUI samples); `info`:
+    the checkpoint's header as the node's run read it (read here when not given)."""
     global _PATCHER_CLASS
     require_internals()
     import comfy.model_base
@@ -187,10 +196,11 @@ def parallel_model(
     import comfy.patcher_extension
     import comfy.supported_models
 
-    runner = logic.ModelRunner(
-        registry if registry is not None else logic.REGISTRY,
+    runner = ModelRunner(
+        registry if registry is not None else REGISTRY,
         handle,
         request,
+        info,
         interrupted=mm.throw_exception_if_processing_interrupted,
         make_room=lambda: free_comfy_models(handle.devices),
     )
@@ -228,7 +238,7 @@ def free_comfy_models(devices: tuple[str, ...]) -> None:
     """Give the GPUs to the workers: ComfyUI's own resident models would otherwise hold their memory."""
     import comfy.model_management as mm
 
-    if logic.needs_gpu_memory(devices):
+    if needs_gpu_memory(devices):
         mm.unload_all_models()
         mm.soft_empty_cache()
 

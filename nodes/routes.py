@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from .logic import REGISTRY
+from .registry import REGISTRY
 
 ROUTE = "/rocm_parallel/status"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import subprocess
@@ -19,6 +20,10 @@ from rocm_parallel.backend.client import WorkerGroup
 TESTS_DIR = str(Path(__file__).resolve().parent)
 # Test-only worker methods, imported by the workers from tests/ (see WorkerGroup(methods=...)).
 TEST_METHODS = ("worker_jobs", "model_methods", "cp_checks", "load_checks", "flux2_methods")
+# Their request and reply records travel by name: this process must know them too (a session group's
+# status can name a test's resident record whichever test file asks).
+for _module in TEST_METHODS:
+    importlib.import_module(_module)
 
 # The suite runs several worker processes on a 2-core machine: one thread each keeps them from
 # fighting over cores (and keeps float results reproducible).
@@ -66,6 +71,21 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
+def flux2_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The FLUX.2 reference models (tests/data/comfy_references.safetensors) as ComfyUI single files:
+    `ParallelFlux.sample` plans from a checkpoint's header."""
+    from test_sampling import FLUX2_MODELS, flux2_model
+
+    from rocm_parallel.backend.checkpoint import save_checkpoint
+
+    folder = tmp_path_factory.mktemp("flux2")
+    return {
+        v: save_checkpoint(flux2_model(v), folder / f"tiny-{v}.safetensors", prefix=True)
+        for v in FLUX2_MODELS
+    }
+
+
+@pytest.fixture(scope="session")
 def built_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The pack's wheel, built once per session from a copy of this checkout (pip writes build/ and
     *.egg-info next to the sources), with the machine's pip configuration but no PYTHONPATH."""
@@ -77,6 +97,7 @@ def built_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ignore=shutil.ignore_patterns(
             ".git", "build", "dist", "*.egg-info", "__pycache__", ".*cache", ".venv*"
         ),
+        symlinks=True,  # a link in a developer's checkout (e.g. to the checkout itself) is copied as a link
     )
     env = {**os.environ, "PIP_CONSTRAINT": "/dev/null", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     env.pop("PYTHONPATH", None)

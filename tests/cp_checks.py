@@ -2,21 +2,33 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+from rocm_parallel.backend.transport import record
 from rocm_parallel.backend.worker import handler
 
 
+@record
+@dataclass(frozen=True)
+class ContextState:
+    rank: int
+    kernel: str
+    lse_shape: Any
+    processors: tuple[str, ...]
+    padding_left: bool
+
+
 @handler("context_state")
-def context_state(ctx: Any) -> dict[str, Any]:
+def context_state(ctx: Any) -> ContextState:
     """What apply_context_parallel chose on this rank: kernel, LSE guard layout, processors installed."""
     model = ctx.resident.require()
     state = model._rp_context_state
     processors = {type(m.processor).__name__ for m in model.modules() if getattr(m, "processor", None)}
-    return {
-        "rank": ctx.rank,
-        "kernel": state.kernel.name,
-        "lse_shape": state.lse_shape,
-        "processors": sorted(processors),
-        "padding_left": state.padding is not None,
-    }
+    return ContextState(
+        rank=ctx.rank,
+        kernel=state.kernel.name,
+        lse_shape=state.lse_shape,
+        processors=tuple(sorted(processors)),
+        padding_left=state.padding is not None,
+    )

@@ -10,12 +10,13 @@ from __future__ import annotations
 import os
 import time
 
+from rocm_parallel.backend.messages import HealthReport, HealthRequest
 from rocm_parallel.backend.probe import health_check
 from rocm_parallel.backend.worker import WorkerContext, handler
 
 
-@handler("health_check")
-def hangs_unless_p2p_disabled(ctx: WorkerContext, **kwargs: object) -> dict:
+@handler("health_check", HealthRequest)
+def hangs_unless_p2p_disabled(ctx: WorkerContext, request: HealthRequest) -> HealthReport:
     if os.environ.get("NCCL_P2P_DISABLE") != "1" and ctx.rank == 0:
         time.sleep(3600)  # the others block in health_check's all-reduce, waiting for rank 0
-    return health_check(ctx, **kwargs)
+    return health_check(ctx, request)

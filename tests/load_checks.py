@@ -2,24 +2,46 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
+
+import torch
+from model_methods import Built
 
 from rocm_parallel.backend.checkpoint import load_model
 from rocm_parallel.backend.parallel.tensor import parameter_bytes
+from rocm_parallel.backend.transport import record
 from rocm_parallel.backend.worker import handler
 
 
-@handler("load_shards")
-def load_shards(ctx: Any, path: str, dtype: str, tp: int) -> dict[str, Any]:
+@record
+@dataclass(frozen=True)
+class LoadShards:
+    """Load this rank's shard of the checkpoint at `path` (also the resident key)."""
+
+    path: str
+    dtype: str
+    tp: int
+
+
+@record
+@dataclass(frozen=True)
+class ResidentState:
+    rank: int
+    state: dict[str, torch.Tensor]
+
+
+@handler("load_shards", LoadShards)
+def load_shards(ctx: Any, request: LoadShards) -> Built:
     """What a worker will do: load its own shard onto its device and keep it resident for `forward`."""
     ctx.resident.clear()
-    model = load_model(path, device=ctx.device, dtype=dtype, tp=tp)
-    ctx.resident.set(model, {"checkpoint": path, "dtype": dtype, "tp": tp})
-    return {"rank": ctx.rank, "parameter_bytes": parameter_bytes(model)}
+    model = load_model(request.path, device=ctx.device, dtype=request.dtype, tp=request.tp)
+    ctx.resident.set(model, request)
+    return Built(ctx.rank, parameter_bytes(model))
 
 
 @handler("resident_state")
-def resident_state(ctx: Any) -> dict[str, Any]:
+def resident_state(ctx: Any) -> ResidentState:
     """This rank's resident weights (its shard), on the CPU: what the LoRA tests compare bit for bit."""
     model = ctx.resident.require()
-    return {"rank": ctx.rank, "state": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}}
+    return ResidentState(ctx.rank, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()})

@@ -1,13 +1,14 @@
 """Model methods the parallelism tests run inside the workers (`WorkerGroup(methods=["model_methods"])`):
 build a (tensor- or context-parallel) random FLUX and run forwards on it. Test-only: not in the package.
 
-Arguments and results are plain data (dicts, numbers, CPU tensors) so the client and the worker need
-not share class identities: inside ComfyUI the pack's module names differ from the worker's.
+Requests and replies are this module's own records: the test process and the workers both import it, and
+records travel by name, so the two need not share class identities.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,26 +19,58 @@ from rocm_parallel.backend.flux.model import build_flux
 from rocm_parallel.backend.parallel.context import apply_context_parallel
 from rocm_parallel.backend.parallel.tensor import apply_tensor_parallel, parameter_bytes
 from rocm_parallel.backend.parallel.weights import compute_dtype
+from rocm_parallel.backend.transport import record
 from rocm_parallel.backend.worker import WorkerContext, handler
 from rocm_parallel.testing.models import ModelInputs
 
 
-@handler("build_random")
-def build_random(
-    ctx: WorkerContext,
-    config: dict[str, Any],
-    seed: int,
-    dtype: str,
-    tp: int = 1,
-    ring: int = 1,
-    ulysses: int = 1,
-    attention: str | None = None,
-) -> dict[str, Any]:
-    """Build a FLUX with random weights drawn from `seed` (identical on every rank) and parallelise it.
+@record
+@dataclass(frozen=True)
+class BuildRandom:
+    """A FLUX with random weights drawn from `seed` (identical on every rank), parallelised: `tp` shards
+    the weights (tensor parallelism); `ring` x `ulysses` split the tokens (context parallelism,
+    `attention` overrides its kernel). Their product must be the group's size. Also the resident key."""
 
-    `tp` shards the weights (tensor parallelism); `ring` x `ulysses` split the tokens (context
-    parallelism, `attention` overrides its kernel). Their product must be the group's size.
-    """
+    config: dict[str, Any]
+    seed: int
+    dtype: str
+    tp: int = 1
+    ring: int = 1
+    ulysses: int = 1
+    attention: str | None = None
+
+
+@record
+@dataclass(frozen=True)
+class Built:
+    rank: int
+    parameter_bytes: int
+    seconds: float = 0.0
+
+
+@record
+@dataclass(frozen=True)
+class Inputs:
+    """A transformer forward's keyword inputs (FluxInputs.as_kwargs(), or Flux2Inputs')."""
+
+    inputs: dict[str, Any]
+    return_dict: bool = False
+
+
+@record
+@dataclass(frozen=True)
+class Output:
+    rank: int
+    output: torch.Tensor | None  # rank 0: the full output; the others: None
+    seconds: float = 0.0
+    type: str = ""  # the class the forward returned
+
+
+@handler("build_random", BuildRandom)
+def build_random(ctx: WorkerContext, request: BuildRandom) -> Built:
+    """Build the random FLUX the request describes and keep it resident."""
+    config, seed, dtype = request.config, request.seed, request.dtype
+    tp, ring, ulysses, attention = request.tp, request.ring, request.ulysses, request.attention
     if dtype not in (d.name for d in COMPUTE_DTYPES):
         raise ConfigError(
             f"dtype={dtype!r} is not supported; use {', '.join(d.name for d in COMPUTE_DTYPES)}"
@@ -54,25 +87,20 @@ def build_random(
         apply_tensor_parallel(model)
         model.to(ctx.device)
     ctx.synchronize()
-    key = {"random": config, "seed": seed, "dtype": dtype, "tp": tp, "ring": ring, "ulysses": ulysses}
-    ctx.resident.set(model, {**key, "attention": attention})
-    return {
-        "rank": ctx.rank,
-        "parameter_bytes": parameter_bytes(model),
-        "seconds": time.perf_counter() - started,
-    }
+    ctx.resident.set(model, request)
+    return Built(ctx.rank, parameter_bytes(model), time.perf_counter() - started)
 
 
-@handler("forward")
-def forward(ctx: WorkerContext, inputs: dict[str, Any]) -> dict[str, Any]:
+@handler("forward", Inputs)
+def forward(ctx: WorkerContext, request: Inputs) -> Output:
     """One timed transformer forward on every rank; rank 0 returns the (full) output."""
     model = ctx.resident.require()
     dtype = compute_dtype(model)
-    args = ModelInputs(inputs).to(ctx.device, dtype).as_kwargs()
+    args = ModelInputs(request.inputs).to(ctx.device, dtype).as_kwargs()
     with torch.inference_mode():
         ctx.synchronize()
         started = time.perf_counter()
         out = model(**args, return_dict=False)[0]
         ctx.synchronize()
     seconds = time.perf_counter() - started
-    return {"rank": ctx.rank, "seconds": seconds, "output": out.float().cpu() if ctx.rank == 0 else None}
+    return Output(ctx.rank, out.float().cpu() if ctx.rank == 0 else None, seconds)

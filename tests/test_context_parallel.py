@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from diffusers.utils import is_torch_version
+from model_methods import BuildRandom, Inputs
 
 from rocm_parallel.backend.client import WorkerError, WorkerGroup
 from rocm_parallel.backend.config import ConfigError, FluxDims, ParallelLayout
@@ -60,47 +61,39 @@ def reference(config: dict, **shape) -> tuple[dict, torch.Tensor]:
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 def test_cp_matches_single_process(groups: WorkerGroup, ring: int, ulysses: int, shape: dict) -> None:
     inputs, expected = reference(CONFIG, **shape)
-    built = groups.call_all(
-        "build_random",
-        {"config": CONFIG, "seed": 7, "dtype": "float32", "tp": 1, "ring": ring, "ulysses": ulysses},
-    )
-    assert len({b["parameter_bytes"] for b in built}) == 1  # every rank holds the whole model
-    out = groups.call("forward", {"inputs": inputs})["output"]
+    built = groups.call_all("build_random", BuildRandom(CONFIG, 7, "float32", ring=ring, ulysses=ulysses))
+    assert len({b.parameter_bytes for b in built}) == 1  # every rank holds the whole model
+    out = groups.call("forward", Inputs(inputs)).output
     assert out.shape == expected.shape  # rank 0 returns the whole gathered output, padding removed
     assert (out - expected).abs().max().item() <= 1e-5
     states = groups.call_all("context_state")
     for state in states:
-        assert state["kernel"] == "cpu_flash"
-        assert state["processors"] == ["ContextParallelFluxAttnProcessor"]
-        assert not state["padding_left"]  # the per-forward padding plan is cleared after the forward
+        assert state.kernel == "cpu_flash"
+        assert state.processors == ("ContextParallelFluxAttnProcessor",)
+        assert not state.padding_left  # the per-forward padding plan is cleared after the forward
         # diffusers 0.42.1 merges both LSE layouts itself: the guard found nothing to do
-        assert state["lse_shape"] == ANY
+        assert state.lse_shape == ANY
 
 
 def test_worker_reports_bad_ulysses_degree_before_building(group2: WorkerGroup) -> None:
     config = tiny_flux_config(heads=3, head_dim=16)
     with pytest.raises(WorkerError) as err:
-        group2.call(
-            "build_random",
-            {"config": config, "seed": 0, "dtype": "float32", "tp": 1, "ring": 1, "ulysses": 2},
-        )
+        group2.call("build_random", BuildRandom(config, 0, "float32", ulysses=2))
     assert "ulysses_degree=2 does not divide 3 attention heads; use 3" in str(err.value)
     assert err.value.remote_type == "ConfigError"
 
 
 def test_worker_reports_short_sequence(group4: WorkerGroup) -> None:
-    group4.call_all(
-        "build_random", {"config": CONFIG, "seed": 7, "dtype": "float32", "tp": 1, "ring": 2, "ulysses": 2}
-    )
+    group4.call_all("build_random", BuildRandom(CONFIG, 7, "float32", ring=2, ulysses=2))
     inputs = random_inputs(
         FluxDims.from_diffusers_config(CONFIG), height=48, width=16
     ).as_kwargs()  # 3 tokens
     with pytest.raises(WorkerError) as err:
-        group4.call("forward", {"inputs": inputs})
+        group4.call("forward", Inputs(inputs))
     assert "an image of 3 tokens is too short for ring=2 x ulysses=2 = 4 devices" in str(err.value)
     # every rank failed before any collective: the group still works
     inputs, expected = reference(CONFIG, **SHAPES["even"])
-    assert (group4.call("forward", {"inputs": inputs})["output"] - expected).abs().max().item() <= 1e-5
+    assert (group4.call("forward", Inputs(inputs)).output - expected).abs().max().item() <= 1e-5
 
 
 # --------------------------------------------------------------------------------------------------

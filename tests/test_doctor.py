@@ -13,8 +13,9 @@ import torch
 from rocm_parallel.backend import doctor
 from rocm_parallel.backend.api import ParallelFlux
 from rocm_parallel.backend.client import WorkerGroup
-from rocm_parallel.nodes import logic
-from rocm_parallel.nodes.logic import Registry
+from rocm_parallel.nodes.inputs import STATUS_ACTIONS
+from rocm_parallel.nodes.registry import Registry
+from rocm_parallel.nodes.status import status_text
 
 
 def _doctor(*args: str) -> subprocess.CompletedProcess[str]:
@@ -97,8 +98,8 @@ def test_status_node_doctor_runs_over_the_resident_group(
 ) -> None:
     registry = Registry(factory=lambda devices: ParallelFlux(group=group2))
     registry.flux_for(("cpu", "cpu"))
-    text = logic.status_text(registry, "doctor")
+    text = status_text(registry, "doctor")
     assert text.splitlines()[0] == "ROCm Parallel doctor"
     assert "group:   2 workers on cpu, cpu, gloo, world size 2" in text
     assert group2.alive  # the resident group was used, not closed
-    assert "doctor" in logic.STATUS_ACTIONS
+    assert "doctor" in STATUS_ACTIONS

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from flux2_methods import BuildRandomFlux2
+from model_methods import Inputs
 
 from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import FluxDims
@@ -39,11 +41,11 @@ def reference(config: dict, shape: dict) -> tuple[dict, torch.Tensor]:
 
 def _parity(group: WorkerGroup, config: dict, shape: dict, **layout: int) -> None:
     inputs, expected = reference(config, shape)
-    built = group.call_all("build_random_flux2", {"config": config, "seed": 7, **layout})
-    assert len({b["parameter_bytes"] for b in built}) == 1  # every rank holds an equal share
-    result = group.call("forward_flux2", {"inputs": inputs})
-    assert result["output"].shape == expected.shape
-    assert (result["output"] - expected).abs().max().item() <= 1e-5
+    built = group.call_all("build_random_flux2", BuildRandomFlux2(config, seed=7, **layout))
+    assert len({b.parameter_bytes for b in built}) == 1  # every rank holds an equal share
+    result = group.call("forward_flux2", Inputs(inputs))
+    assert result.output.shape == expected.shape
+    assert (result.output - expected).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("groups", [2, 4], indirect=True)
@@ -72,10 +74,10 @@ def test_flux2_context_parallel_matches_single_process(
 
 def test_flux2_context_parallel_returns_flux2_output(group2: WorkerGroup) -> None:
     inputs, expected = reference(CONFIG, SHAPES["odd"])
-    group2.call_all("build_random_flux2", {"config": CONFIG, "seed": 7, "ring": 2})
-    result = group2.call("forward_flux2", {"inputs": inputs, "return_dict": True})
-    assert result["type"] == "Flux2Transformer2DModelOutput"
-    assert (result["output"] - expected).abs().max().item() <= 1e-5
+    group2.call_all("build_random_flux2", BuildRandomFlux2(CONFIG, seed=7, ring=2))
+    result = group2.call("forward_flux2", Inputs(inputs, return_dict=True))
+    assert result.type == "Flux2Transformer2DModelOutput"
+    assert (result.output - expected).abs().max().item() <= 1e-5
 
 
 def test_packed_column_takes_each_part() -> None:

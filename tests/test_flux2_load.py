@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_methods import Inputs
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -199,7 +200,7 @@ def test_workers_fp8_mixed_tp_and_ring_equal_dequantized(
             for weights in ("default", "compute"):
                 flux.unload()
                 flux.load(path, layout=layout, dtype="float32", weight_dtype=weights)
-                outs[weights] = group2.call("forward_flux2", {"inputs": inputs})["output"]
+                outs[weights] = group2.call("forward_flux2", Inputs(inputs)).output
             assert torch.equal(outs["default"], outs["compute"]), layout
             assert (outs["default"] - expected).abs().max().item() <= 1e-5, layout
     finally:

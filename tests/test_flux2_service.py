@@ -21,7 +21,9 @@ from rocm_parallel.backend.config import ConfigError, FluxDims, ParallelLayout
 from rocm_parallel.backend.flux2.forward import flux2_call, flux2_model_fn
 from rocm_parallel.backend.flux2.model import FLUX2_DEV, build_flux2
 from rocm_parallel.backend.plan import Setup, plan
-from rocm_parallel.nodes import logic
+from rocm_parallel.nodes.inputs import LayoutRequest, ParallelHandle
+from rocm_parallel.nodes.registry import Registry
+from rocm_parallel.nodes.runner import ModelRunner
 from rocm_parallel.testing.models import tiny_flux2_config
 from rocm_parallel.testing.writers import lora_targets, save_mixed_checkpoint, write_random_lora
 
@@ -141,20 +143,6 @@ def _refusals(flux: ParallelFlux, inputs: dict) -> None:
         flux.forward(**{**call_inputs(), "ref_latents": [torch.randn(2, 16, 4, 4)]}, y=None)
 
 
-def test_sample_refuses_flux2_and_names_the_way_to_sample_it(flux2_file: tuple[str, torch.nn.Module]) -> None:
-    path, _ = flux2_file
-    positive = [[torch.randn(1, 9, 24), {}]]
-    with pytest.raises(ConfigError) as err:
-        ParallelFlux.check_sample(
-            positive, {"samples": torch.zeros(1, 32, 4, 4)}, checkpoint=path, seed=0, steps=4
-        )
-    assert str(err.value) == (
-        "sample() runs FLUX.1's euler/simple loop; FLUX.2 (8 heads, 2+2 blocks) is sampled by ComfyUI's own "
-        "samplers on the ROCm Parallel Model (Flux2Scheduler + SamplerCustomAdvanced), or step by step with "
-        "forward()"
-    )
-
-
 def test_the_planner_prices_flux2_text_and_reference_tokens() -> None:
     dims = FluxDims.from_diffusers_config(FLUX2_DEV)
     plain = Setup(
@@ -175,9 +163,9 @@ def test_auto_plans_flux2_latents_and_their_references(
     group2: WorkerGroup, flux2_file: tuple[str, torch.nn.Module], tmp_path: Path
 ) -> None:
     path, _ = flux2_file
-    registry = logic.Registry(factory=lambda devices: ParallelFlux(group=group2))
-    handle = logic.ParallelHandle(path, "flux2-tiny.safetensors", ("cpu", "cpu"), "float32")
-    runner = logic.ModelRunner(registry, handle, logic.LayoutRequest(None))
+    registry = Registry(factory=lambda devices: ParallelFlux(group=group2))
+    handle = ParallelHandle(path, "flux2-tiny.safetensors", ("cpu", "cpu"), "float32")
+    runner = ModelRunner(registry, handle, LayoutRequest(None))
     with mock.patch.object(
         ParallelFlux, "auto_layout", autospec=True, side_effect=ParallelFlux.auto_layout
     ) as spy:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from load_checks import LoadShards
+from model_methods import Inputs
 from safetensors.torch import save_file
 from torch import nn
 
@@ -401,9 +403,9 @@ def test_workers_load_their_shards_and_match_one_process(tmp_path: Path, group2:
     inputs = random_inputs(FluxDims.from_diffusers_config(CONFIG)).as_kwargs()
     with torch.no_grad():
         expected = load_model(path, dtype="float32")(**inputs, return_dict=False)[0]
-    loaded = group2.call_all("load_shards", {"path": str(path), "dtype": "float32", "tp": 2})
+    loaded = group2.call_all("load_shards", LoadShards(str(path), "float32", 2))
     full_bytes = 4 * sum(p.numel() for p in build_flux(CONFIG, device="meta").parameters())
-    assert [r["rank"] for r in loaded] == [0, 1]
-    assert loaded[0]["parameter_bytes"] == loaded[1]["parameter_bytes"] < 0.6 * full_bytes
-    out = group2.call("forward", {"inputs": inputs})["output"]
+    assert [r.rank for r in loaded] == [0, 1]
+    assert loaded[0].parameter_bytes == loaded[1].parameter_bytes < 0.6 * full_bytes
+    out = group2.call("forward", Inputs(inputs)).output
     assert (out - expected).abs().max().item() <= 1e-5

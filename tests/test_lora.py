@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_methods import Inputs
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
+from worker_jobs import OnRank
 
 from rocm_parallel.backend.api import ParallelFlux
 from rocm_parallel.backend.checkpoint import (
@@ -225,7 +227,7 @@ def test_workers_apply_change_and_remove_loras(files: dict[str, str], group2: Wo
         expected = reference(**inputs, return_dict=False)[0]
 
     def states() -> list[dict]:
-        return [r["state"] for r in group2.call_all("resident_state")]
+        return [r.state for r in group2.call_all("resident_state")]
 
     try:
         for layout, degree in (("tp", 2), ("context", 1)):
@@ -233,16 +235,16 @@ def test_workers_apply_change_and_remove_loras(files: dict[str, str], group2: Wo
             flux.load(ck, layout=layout, dtype="float32")
             fresh = states()
             reports = flux.load(ck, layout=layout, dtype="float32", loras=[(files["peft"], 0.7)])
-            assert [r["reused"] for r in reports] == [True, True]
-            assert [r["lora_tensors"] for r in reports] == [56, 56]
+            assert [r.reused for r in reports] == [True, True]
+            assert [r.lora_tensors for r in reports] == [56, 56]
             assert flux.resident.loras == ((files["peft"], 0.7),)
             for rank, state in enumerate(states()):
                 assert_close(state, shard(merged, degree, rank % degree), 1e-5, f"{layout} rank {rank}")
-            out = group2.call("forward", {"inputs": inputs})["output"]
+            out = group2.call("forward", Inputs(inputs)).output
             assert (out - expected).abs().max().item() <= 1e-5, layout
             flux.load(ck, layout=layout, dtype="float32", loras=[(files["peft"], 0.2)])
             changed = states()
-            assert flux.load(ck, layout=layout, dtype="float32", loras=[])[0]["lora_tensors"] == 56
+            assert flux.load(ck, layout=layout, dtype="float32", loras=[])[0].lora_tensors == 56
             assert_equal_ranks(states(), fresh, f"{layout}: removed vs fresh load")
             flux.unload()
             flux.load(ck, layout=layout, dtype="float32", loras=[(files["peft"], 0.2)])
@@ -261,13 +263,13 @@ def test_failed_lora_apply_leaves_no_rank_half_patched(files: dict[str, str], gr
     ck = files["checkpoint"]
     try:
         flux.load(ck, layout="tp", dtype="float32")
-        group2.call("arm_load_failure", {"rank": 1, "at_tensor": 3})
+        group2.call("arm_load_failure", OnRank(rank=1, at_step=3))
         with pytest.raises(WorkerError, match=r"^rank 1 \(cpu\): out of memory"):
             flux.load(ck, layout="tp", dtype="float32", loras=[(files["bfl"], 1.0)])
         assert group2.alive and flux.resident is None
-        assert [r["loaded"] for r in flux.status()] == [None, None]
+        assert [r.loaded for r in flux.status()] == [None, None]
         reports = flux.load(ck, layout="tp", dtype="float32", loras=[(files["bfl"], 1.0)])
-        assert [r["lora_tensors"] for r in reports] == [56, 56]
+        assert [r.lora_tensors for r in reports] == [56, 56]
     finally:
         flux.unload()
 

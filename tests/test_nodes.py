@@ -25,8 +25,13 @@ from rocm_parallel.backend.api import ParallelFlux
 from rocm_parallel.backend.checkpoint import save_checkpoint
 from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError, ParallelLayout
-from rocm_parallel.nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS, logic
-from rocm_parallel.nodes.logic import ParallelHandle, Registry
+from rocm_parallel.backend.messages import RankStatus
+from rocm_parallel.nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS, checks, inputs, loading
+from rocm_parallel.nodes import registry as registry_module
+from rocm_parallel.nodes.inputs import LayoutRequest, ParallelHandle
+from rocm_parallel.nodes.registry import Registry
+from rocm_parallel.nodes.runner import ModelRunner, step_of
+from rocm_parallel.nodes.status import format_state, status_text
 
 PACK_ROOT = Path(rocm_parallel.__file__).parent
 
@@ -103,7 +108,7 @@ def test_samplers_offer_all_of_comfyuis_samplers_and_schedulers(comfy: FakeComfy
     ],
 )
 def test_parse_devices(text: str, devices: tuple[str, ...]) -> None:
-    assert logic.parse_devices(text, visible_gpus=lambda: 3) == devices
+    assert inputs.parse_devices(text, visible_gpus=lambda: 3) == devices
 
 
 def test_all_devices_without_gpus_is_an_error_naming_the_build(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -116,7 +121,7 @@ def test_all_devices_without_gpus_is_an_error_naming_the_build(monkeypatch: pyte
     monkeypatch.setattr(platforms, "build_kind", lambda: "cpu")
 
     with pytest.raises(ConfigError) as err:
-        logic.parse_devices("all", visible_gpus=lambda: 0)
+        inputs.parse_devices("all", visible_gpus=lambda: 0)
     assert str(err.value) == (
         f"devices='all' but no GPU is visible: torch {torch.__version__} is a CPU-only build. Install the "
         "ROCm or CUDA build of torch (README, section 'Platforms'); or use 'cpu x2' to test on CPU workers"
@@ -137,7 +142,7 @@ def test_all_devices_without_gpus_is_an_error_naming_the_build(monkeypatch: pyte
 )
 def test_bad_devices(text: str, message: str) -> None:
     with pytest.raises(ConfigError) as err:
-        logic.parse_devices(text)
+        inputs.parse_devices(text)
     assert str(err.value).startswith(message)
 
 
@@ -159,7 +164,7 @@ def test_loader_rejects_bad_devices_at_queue_time(comfy: FakeComfy) -> None:
     ],
 )
 def test_context_layout(ring: int, ulysses: int, devices: int, layout: ParallelLayout | None) -> None:
-    assert logic.context_layout(ring, ulysses, devices) == layout
+    assert inputs.context_layout(ring, ulysses, devices) == layout
 
 
 @pytest.mark.parametrize(
@@ -184,30 +189,30 @@ def test_context_layout(ring: int, ulysses: int, devices: int, layout: ParallelL
 )
 def test_bad_context_degrees(ring: int, ulysses: int, devices: int, message: str) -> None:
     with pytest.raises(ConfigError) as err:
-        logic.context_layout(ring, ulysses, devices)
+        inputs.context_layout(ring, ulysses, devices)
     assert str(err.value) == message
 
 
 def test_dtype_choices() -> None:
-    assert logic.compute_dtype("default") is None
-    assert logic.compute_dtype("bfloat16") == "bfloat16"
+    assert inputs.compute_dtype("default") is None
+    assert inputs.compute_dtype("bfloat16") == "bfloat16"
     with pytest.raises(ConfigError, match="dtype='fp8' is not offered; use one of default, bfloat16"):
-        logic.compute_dtype("fp8")
+        inputs.compute_dtype("fp8")
 
 
 def test_weight_dtype_choices() -> None:
-    assert logic.WEIGHT_DTYPES == ("default", "fp8_e4m3fn", "fp8_e5m2")  # ComfyUI UNETLoader's names
-    assert logic.weight_dtype("default") is None and logic.weight_dtype("fp8_e5m2") == "fp8_e5m2"
+    assert inputs.WEIGHT_DTYPES == ("default", "fp8_e4m3fn", "fp8_e5m2")  # ComfyUI UNETLoader's names
+    assert inputs.weight_dtype("default") is None and inputs.weight_dtype("fp8_e5m2") == "fp8_e5m2"
     with pytest.raises(ConfigError) as err:
-        logic.weight_dtype("bfloat16")
+        inputs.weight_dtype("bfloat16")
     assert (
         str(err.value) == "weight_dtype='bfloat16' is not offered; use one of default, fp8_e4m3fn, fp8_e5m2"
     )
 
 
 def test_only_gpu_workers_evict_comfyui_models() -> None:
-    assert logic.needs_gpu_memory(("cuda:0", "cuda:1"))
-    assert not logic.needs_gpu_memory(("cpu", "cpu"))
+    assert loading.needs_gpu_memory(("cuda:0", "cuda:1"))
+    assert not loading.needs_gpu_memory(("cpu", "cpu"))
 
 
 # --- the registry ----------------------------------------------------------------------------------
@@ -228,7 +233,7 @@ class RecordingFlux:
 def test_status_shows_what_start_up_changed() -> None:
     registry = Registry(factory=RecordingFlux)
     registry.flux_for(("cpu", "cpu")).warnings.append("started again with NCCL_P2P_DISABLE=1")
-    text = logic.status_text(registry, "report")
+    text = status_text(registry, "report")
     assert text.splitlines()[-1] == "warning: started again with NCCL_P2P_DISABLE=1"
 
 
@@ -241,7 +246,7 @@ def test_registry_keeps_one_group_per_device_set() -> None:
     other = registry.flux_for(("cpu",) * 4)  # another device set closes the old group first
     assert first.closed and not other.closed
     assert [f.devices for f in made] == [("cpu", "cpu"), ("cpu",) * 4]
-    assert logic.status_text(registry, "close") == "ROCm Parallel: no worker group is running"
+    assert status_text(registry, "close") == "ROCm Parallel: no worker group is running"
     assert other.closed and registry.current is None
 
 
@@ -259,7 +264,7 @@ def test_handle_is_plain_hashable_data() -> None:
 def shared_registry(group2: WorkerGroup, monkeypatch: pytest.MonkeyPatch) -> Registry:
     """The nodes' registry, serving 'cpu x2' from the session's worker group."""
     registry = Registry(factory=lambda devices: ParallelFlux(group=group2))
-    monkeypatch.setattr(logic, "REGISTRY", registry)
+    monkeypatch.setattr(registry_module, "REGISTRY", registry)
     monkeypatch.setattr("rocm_parallel.nodes.classes.REGISTRY", registry)
     yield registry
     registry.current.unload()
@@ -303,7 +308,7 @@ def test_loader_weight_dtype_keeps_fp8_on_the_workers(
 
     loader = NODE_CLASS_MAPPINGS["RocmParallelLoader"]
     spec = loader.INPUT_TYPES()["required"]
-    assert list(spec)[-1] == "weight_dtype" and spec["weight_dtype"][0] == list(logic.WEIGHT_DTYPES)
+    assert list(spec)[-1] == "weight_dtype" and spec["weight_dtype"][0] == list(inputs.WEIGHT_DTYPES)
     (handle,) = loader().load(
         checkpoint=dev_checkpoint, devices="cpu x2", dtype="float32", preload="tp", weight_dtype="fp8_e4m3fn"
     )
@@ -343,7 +348,7 @@ def test_ring_degrees_are_checked_before_anything_starts(
         )
     three = Registry(factory=lambda devices: ParallelFlux(list(devices), threads=1))
     with pytest.raises(ConfigError, match="tp_degree=3 does not divide 4 attention heads"):
-        logic.load(three, ParallelHandle(handle.checkpoint, "x", ("cpu",) * 3, None), "tp")
+        loading.load(three, ParallelHandle(handle.checkpoint, "x", ("cpu",) * 3, None), "tp")
     assert not three.current.started  # refused before any worker process started
     assert started == [] and comfy.progress == []
 
@@ -358,12 +363,12 @@ def test_unload_frees_the_devices(comfy: FakeComfy, shared_registry: Registry, d
 
 
 def test_threads_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(logic.THREADS_ENV, "1")
-    flux = logic._default_factory(("cpu", "cpu"))
+    monkeypatch.setenv(registry_module.THREADS_ENV, "1")
+    flux = registry_module._default_factory(("cpu", "cpu"))
     assert flux.threads == 1 and not flux.started  # workers start on first use, not here
-    monkeypatch.delenv(logic.THREADS_ENV)
-    assert logic._default_factory(("cpu",)).threads is None
-    assert os.environ.get(logic.THREADS_ENV) is None
+    monkeypatch.delenv(registry_module.THREADS_ENV)
+    assert registry_module._default_factory(("cpu",)).threads is None
+    assert os.environ.get(registry_module.THREADS_ENV) is None
 
 
 def test_loader_auto_preload_explains_its_choice(
@@ -403,7 +408,7 @@ def test_a_rejected_checkpoint_is_never_shown_as_the_model(
         "tensor parallel tp=2",
         None,
     )
-    assert [r["loaded"] is not None for r in shared_registry.current.status()] == [True, True]
+    assert [r.loaded is not None for r in shared_registry.current.status()] == [True, True]
     assert state["error"].startswith("CheckpointError: ") and "not-flux.safetensors" in state["error"]
     assert str(comfy.models) not in state["error"]  # a file name, never the absolute path
 
@@ -414,19 +419,17 @@ def test_the_auto_line_is_cleared_when_a_fixed_layout_runs(
     loader = NODE_CLASS_MAPPINGS["RocmParallelLoader"]()
     (handle,) = loader.load(checkpoint=dev_checkpoint, devices="cpu x2", dtype="float32", preload="auto")
     assert shared_registry.snapshot()["auto"].startswith("auto: ")
-    logic.ModelRunner(shared_registry, handle, logic.LayoutRequest(ParallelLayout(tp=2))).prepare(
-        (1, 16, 8, 8)
-    )
+    ModelRunner(shared_registry, handle, LayoutRequest(ParallelLayout(tp=2))).prepare((1, 16, 8, 8))
     state = shared_registry.snapshot()
     assert state["auto"] is None and state["layout"] == "tensor parallel tp=2"
-    assert "auto:" not in logic.format_state(state)
+    assert "auto:" not in format_state(state)
 
 
 def test_ring_sampler_auto_plans_a_context_layout_for_the_latent(
     comfy: FakeComfy, shared_registry: Registry, dev_checkpoint: str
 ) -> None:
     handle = ParallelHandle(str(comfy.models / dev_checkpoint), dev_checkpoint, ("cpu", "cpu"), "float32")
-    runner = logic.ModelRunner(shared_registry, handle, logic.LayoutRequest(None, context_only=True))
+    runner = ModelRunner(shared_registry, handle, LayoutRequest(None, context_only=True))
     runner.prepare((1, 16, 8, 8))
     state = shared_registry.snapshot()
     chosen = {
@@ -436,6 +439,32 @@ def test_ring_sampler_auto_plans_a_context_layout_for_the_latent(
     assert state["layout"] in chosen  # the planner picked a context layout, never TP, for this sampler
     assert state["auto"].startswith(f"auto: {chosen[state['layout']]} — fits ")
     assert runner.layout.tp == 1 and runner.layout.describe() == state["layout"]
+
+
+def test_a_run_reads_the_checkpoint_header_once(
+    comfy: FakeComfy, shared_registry: Registry, dev_checkpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The header a node's run read (the Model node, a sampler) is carried through the planner's 'auto',
+    check_load and load to the workers' LoadRequest: nothing in this process reads it again (it used to be
+    read 4-5 times). Mutation tried: `ensure_loaded` given None instead of the runner's info read it twice."""
+    from rocm_parallel.backend import api, checkpoint, resident
+    from rocm_parallel.backend.checkpoint import info, load
+
+    reads: list[str] = []
+    inspect = info.inspect_checkpoint
+
+    def counting(path):
+        reads.append(str(path))
+        return inspect(path)
+
+    for module in (checkpoint, info, load, api, resident):
+        monkeypatch.setattr(module, "inspect_checkpoint", counting)
+    handle = ParallelHandle(str(comfy.models / dev_checkpoint), dev_checkpoint, ("cpu", "cpu"), "float32")
+    runner = ModelRunner(shared_registry, handle, LayoutRequest(None))  # 'auto': planned from the header
+    assert runner.comfy_model().config_class == "Flux"
+    flux = runner.prepare((1, 16, 8, 8))
+    assert reads == [handle.checkpoint]
+    assert flux.resident.info is runner.info  # what the workers were sent
 
 
 def test_cancel_during_a_load_stops_it(
@@ -454,7 +483,7 @@ def test_cancel_during_a_load_stops_it(
         None,
     )
     assert 0 < state["step"] < state["total"]  # stopped part-way through the tensors
-    assert [r["loaded"] for r in shared_registry.current.status()] == [None, None]
+    assert [r.loaded for r in shared_registry.current.status()] == [None, None]
 
 
 def test_workers_starting_are_shown_as_such() -> None:
@@ -472,7 +501,7 @@ def test_workers_starting_are_shown_as_such() -> None:
             phases.append("start() called")
 
     registry = Recording(factory=lambda devices: Slow())
-    logic.load(registry, ParallelHandle("/m/x.safetensors", "x.safetensors", ("cpu", "cpu"), None), "none")
+    loading.load(registry, ParallelHandle("/m/x.safetensors", "x.safetensors", ("cpu", "cpu"), None), "none")
     assert phases[phases.index("start() called") - 1] == "starting workers"
     assert phases[-1] == "idle"
 
@@ -495,7 +524,7 @@ def test_workers_starting_are_shown_as_such() -> None:
 def test_public_error_names_files_not_paths(message: str, shown: str) -> None:
     from rocm_parallel.backend.checkpoint import CheckpointError
 
-    assert logic.public_error(CheckpointError(message)) == shown
+    assert registry_module.public_error(CheckpointError(message)) == shown
 
 
 # --- the samplers and the parallel MODEL: what is decided before ComfyUI's sampling runs -------------
@@ -506,7 +535,7 @@ def recording_registry(monkeypatch: pytest.MonkeyPatch) -> tuple[Registry, list]
     """The nodes' registry; records every worker group it would start (none must start here)."""
     started: list[tuple[str, ...]] = []
     registry = Registry(factory=lambda devices: started.append(devices) or ParallelFlux(list(devices)))
-    monkeypatch.setattr(logic, "REGISTRY", registry)
+    monkeypatch.setattr(registry_module, "REGISTRY", registry)
     monkeypatch.setattr("rocm_parallel.nodes.classes.REGISTRY", registry)
     return registry, started
 
@@ -556,9 +585,9 @@ def _bad_inputs(name: str) -> dict:
             "negative: pooled_output is [1, 1280] but FLUX.1-dev takes [batch, 24] (CLIP-L); encode the "
             "prompt with a FLUX DualCLIPLoader (clip_l + t5xxl, type flux)",
         ),
-        ("controlnet", logic.CONTROLNET_MESSAGE),
-        ("kontext", logic.KONTEXT_MESSAGE),
-        ("attention_mask", logic.ATTENTION_MASK_MESSAGE),
+        ("controlnet", checks.CONTROLNET_MESSAGE),
+        ("kontext", checks.KONTEXT_MESSAGE),
+        ("attention_mask", checks.ATTENTION_MASK_MESSAGE),
     ],
 )
 def test_samplers_validate_before_starting_or_loading(
@@ -593,7 +622,7 @@ def test_samplers_refuse_a_fill_checkpoint_pointing_to_the_parallel_model(
 
 
 def test_kontext_message_names_the_way_that_works() -> None:
-    assert "sample with the ROCm Parallel Model and ComfyUI's KSampler" in logic.KONTEXT_MESSAGE
+    assert "sample with the ROCm Parallel Model and ComfyUI's KSampler" in checks.KONTEXT_MESSAGE
 
 
 @pytest.mark.parametrize(("height", "width"), [(25, 25), (7, 8), (1, 3), (64, 9)])
@@ -606,8 +635,8 @@ def test_any_latent_size_comfyui_accepts_passes_the_checks(
     handle = ParallelHandle(str(comfy.models / dev_checkpoint), dev_checkpoint, ("cpu", "cpu"), None)
     ref = reference("dev_4steps")
     for samples in (torch.randn(2, 16, height, width), torch.zeros(1, 4, height, width)):
-        logic.check_sampler_inputs(
-            registry, handle, logic.LayoutRequest(ParallelLayout(tp=2)), positive(ref["cond"], ref["pooled"]),
+        checks.check_sampler_inputs(
+            registry, handle, LayoutRequest(ParallelLayout(tp=2)), positive(ref["cond"], ref["pooled"]),
             None, {"samples": samples}, cfg=1.0,
         )  # fmt: skip
     assert started == [("cpu", "cpu")] and not registry.current.started  # made, never started
@@ -616,8 +645,8 @@ def test_any_latent_size_comfyui_accepts_passes_the_checks(
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"control": {"output": []}}, logic.CONTROLNET_MESSAGE),
-        ({"extra": {"attention_mask": torch.zeros(1)}}, logic.ATTENTION_MASK_MESSAGE),
+        ({"control": {"output": []}}, checks.CONTROLNET_MESSAGE),
+        ({"extra": {"attention_mask": torch.zeros(1)}}, checks.ATTENTION_MASK_MESSAGE),
         (
             {"extra": {"pulid": torch.zeros(1)}},
             "ComfyUI passed 'pulid' to the FLUX model; the ROCm Parallel Model does not implement it and "
@@ -629,16 +658,19 @@ def test_any_latent_size_comfyui_accepts_passes_the_checks(
             "run in the ROCm Parallel workers and cannot be patched from ComfyUI; remove the node that adds it "
             "(e.g. a PAG, attention-couple or block-patch node) from the ROCm Parallel Model's path",
         ),
-        ({"options": {"patches": {"post_input": [print]}}}, logic.patches_message("patches", ["post_input"])),
+        (
+            {"options": {"patches": {"post_input": [print]}}},
+            checks.patches_message("patches", ["post_input"]),
+        ),
         (
             {"options": {"wrappers": {"diffusion_model": {"cache": [print]}}}},
-            logic.patches_message("diffusion_model wrappers", ["cache"]),
+            checks.patches_message("diffusion_model wrappers", ["cache"]),
         ),
     ],
 )
 def test_the_proxy_refuses_what_it_would_otherwise_ignore(kwargs: dict, message: str) -> None:
     args = {"control": None, "options": {}, "extra": {}} | kwargs
-    got = logic.unsupported_forward_inputs(args["control"], args["options"], args["extra"])
+    got = checks.unsupported_forward_inputs(args["control"], args["options"], args["extra"])
     assert got == message
 
 
@@ -652,8 +684,8 @@ def test_the_proxy_runs_what_comfyui_always_passes() -> None:
         "cond_or_uncond": [0, 1],
     }
     extra = {"ref_latents_method": None, "attention_mask": None}
-    assert logic.unsupported_forward_inputs(None, options, extra) is None
-    assert logic.unsupported_forward_inputs(None, options, {"ref_latents_method": "index"}) is None
+    assert checks.unsupported_forward_inputs(None, options, extra) is None
+    assert checks.unsupported_forward_inputs(None, options, {"ref_latents_method": "index"}) is None
 
 
 @pytest.mark.parametrize(
@@ -667,7 +699,7 @@ def test_the_proxy_runs_what_comfyui_always_passes() -> None:
 )
 def test_the_panel_step_comes_from_comfyuis_sigmas(now, run, step) -> None:
     options = {"sample_sigmas": torch.tensor(run)} | ({} if now is None else {"sigmas": torch.tensor(now)})
-    assert logic.step_of(options) == step
+    assert step_of(options) == step
 
 
 class ForwardFlux:
@@ -679,13 +711,13 @@ class ForwardFlux:
         self.checks: list[dict] = []
         self.forwards: list[tuple] = []
 
-    def check_load(self, checkpoint: str, **kwargs) -> None:
+    def check_load(self, checkpoint: SimpleNamespace, **kwargs) -> None:
         self.checks.append(kwargs)
 
-    def load(self, checkpoint: str, **kwargs) -> list:
+    def load(self, checkpoint: SimpleNamespace, **kwargs) -> list:
         self.loads.append(kwargs)
-        self.resident = SimpleNamespace(checkpoint=checkpoint, layout=kwargs["layout"])
-        return [{"rank": 0, "device": "cpu", "parameter_bytes": 1}]
+        self.resident = SimpleNamespace(checkpoint=checkpoint.path, layout=kwargs["layout"])
+        return [RankStatus(rank=0, device="cpu", parameter_bytes=1)]
 
     def forward(self, x, timestep, context, y, guidance, ref_latents=None, ref_method=None):
         self.forwards.append((x.shape, timestep, guidance))
@@ -696,10 +728,15 @@ class ForwardFlux:
         pass
 
 
+# What a ModelRunner carries from the node's run to every load (the header, read once): the stand-in
+# above only needs its path.
+FAKE_INFO = SimpleNamespace(path="/m/dev.safetensors")
+
+
 def test_the_runner_loads_once_then_forwards_and_shows_the_step() -> None:
     registry = Registry(factory=ForwardFlux)
     handle = ParallelHandle("/m/dev.safetensors", "dev.safetensors", ("cpu", "cpu"), "float32")
-    runner = logic.ModelRunner(registry, handle, logic.LayoutRequest(ParallelLayout(tp=2)))
+    runner = ModelRunner(registry, handle, LayoutRequest(ParallelLayout(tp=2)), FAKE_INFO)
     x = torch.ones(2, 16, 25, 25)
     with runner.sampling(x.shape, total=3):
         assert registry.snapshot()["phase"] == "sampling"
@@ -721,7 +758,7 @@ def test_the_runner_loads_once_then_forwards_and_shows_the_step() -> None:
 def test_a_cancel_during_comfyuis_sampling_is_shown_as_such() -> None:
     registry = Registry(factory=ForwardFlux)
     handle = ParallelHandle("/m/dev.safetensors", "dev.safetensors", ("cpu", "cpu"), None)
-    runner = logic.ModelRunner(registry, handle, logic.LayoutRequest(ParallelLayout(tp=2)))
+    runner = ModelRunner(registry, handle, LayoutRequest(ParallelLayout(tp=2)), FAKE_INFO)
     with pytest.raises(InterruptProcessingException), runner.sampling((1, 16, 8, 8), total=4):
         raise InterruptProcessingException()
     state = registry.snapshot()
@@ -801,7 +838,7 @@ def test_loras_reach_the_backends_check_and_load() -> None:
     handle = ParallelHandle(
         "/m/dev.safetensors", "dev.safetensors", ("cpu", "cpu"), None, (("/l/a.safetensors", 0.5),)
     )
-    logic.ModelRunner(registry, handle, logic.LayoutRequest(ParallelLayout(tp=2))).prepare((1, 16, 8, 8))
+    ModelRunner(registry, handle, LayoutRequest(ParallelLayout(tp=2)), FAKE_INFO).prepare((1, 16, 8, 8))
     flux = registry.current
     assert flux.checks[0]["loras"] == [("/l/a.safetensors", 0.5)] == flux.loads[0]["loras"]
 
@@ -848,6 +885,6 @@ def test_reference_shapes_are_one_calls_references() -> None:
         "positive": [{"cross_attn": torch.zeros(1, 8, 32), "reference_latents": kontext}],
         "negative": [{"cross_attn": torch.zeros(1, 8, 32), "reference_latents": kontext[1:]}],
     }
-    assert logic.reference_shapes(conds) == [(1, 16, 5, 7), (1, 16, 3, 3)]
-    assert logic.reference_shapes({"positive": [{"cross_attn": torch.zeros(1, 8, 32)}]}) == []
-    assert logic.reference_shapes(None) == []
+    assert checks.reference_shapes(conds) == [(1, 16, 5, 7), (1, 16, 3, 3)]
+    assert checks.reference_shapes({"positive": [{"cross_attn": torch.zeros(1, 8, 32)}]}) == []
+    assert checks.reference_shapes(None) == []

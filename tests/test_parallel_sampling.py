@@ -1,21 +1,26 @@
 """The whole job through the public API: checkpoint file → worker group → ComfyUI-exact sampling.
 
-Parity is against the latents a real ComfyUI produced (tests/data/comfy_references.safetensors) for the
-same weights, for tensor parallelism, ring, Ulysses and ring x Ulysses alike.
+`sample` is the Euler loop in the caller over `forward` (one request to every rank per step). Parity is
+against the latents a real ComfyUI produced (tests/data/comfy_references.safetensors) for the same
+weights, FLUX.1 and FLUX.2, for tensor parallelism, ring, Ulysses and ring x Ulysses alike, and for FLUX.2
+also against the same loop in one process.
 """
 
 from __future__ import annotations
 
 import re
+import time
+from functools import partial
 
 import pytest
 import torch
-from test_sampling import CASES, positive, reference
+from test_sampling import CASES, FLUX2_CASES, flux2_job, flux2_model, positive, reference
 
 from rocm_parallel.backend.api import ParallelFlux
 from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError, ParallelLayout
-from rocm_parallel.backend.flux.sampling import resolution_mu
+from rocm_parallel.backend.flux.sampling import euler, resolution_mu
+from rocm_parallel.backend.flux2.forward import flux2_call, flux2_model_fn
 
 LAYOUTS = {
     2: [ParallelLayout(tp=2), ParallelLayout(ring=2), ParallelLayout(ulysses=2)],
@@ -71,13 +76,13 @@ def test_model_stays_resident_between_jobs(group2: WorkerGroup, checkpoints: dic
     flux = ParallelFlux(group=group2)
     first = flux.load(checkpoints["dev"], layout="tp", dtype="float32")
     again = flux.load(checkpoints["dev"], layout="tp", dtype="float32")
-    assert [r["reused"] for r in first] == [False, False]
-    assert [r["reused"] for r in again] == [True, True]
+    assert [r.reused for r in first] == [False, False]
+    assert [r.reused for r in again] == [True, True]
     other = flux.load(checkpoints["dev"], layout="context", dtype="float32")  # a new layout re-shards
-    assert [r["reused"] for r in other] == [False, False]
-    assert [r["loaded"]["ring"] for r in flux.status()] == [2, 2]
+    assert [r.reused for r in other] == [False, False]
+    assert [r.loaded.layout.ring for r in flux.status()] == [2, 2]
     flux.unload()
-    assert [r["parameter_bytes"] for r in flux.status()] == [0, 0]
+    assert [r.parameter_bytes for r in flux.status()] == [0, 0]
 
 
 def test_progress_after_every_step(group2: WorkerGroup, checkpoints: dict[str, str]) -> None:
@@ -159,14 +164,29 @@ def test_a_killed_worker_fails_the_job_and_the_next_job_recovers(checkpoints: di
 
 
 def test_cancel_mid_sampling_keeps_the_model_resident(
-    group2: WorkerGroup, checkpoints: dict[str, str]
+    group2: WorkerGroup, checkpoints: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A cancel raised from `progress` after step 3 ends the loop there: every rank ran exactly three
+    forwards, each to the end (a step is one forward, so no rank is left mid-step), and the model stays.
+    Mutation tried: `euler` catching the callback's exception and going on → 300 forwards ran."""
+
     class Interrupted(Exception):
         pass
 
     flux = ParallelFlux(group=group2)
     flux.load(checkpoints["dev"], layout="context", dtype="float32")
     steps: list[int] = []
+    forwards: list[dict] = []
+    call_all = group2.call_all
+
+    def spy(method: str, *args, **kwargs):
+        try:
+            return call_all(method, *args, **kwargs)
+        finally:
+            if method == "flux_forward":
+                forwards.append(dict(group2.last_replies))
+
+    monkeypatch.setattr(group2, "call_all", spy)
 
     def cancel_at_three(step: int, total: int) -> None:
         steps.append(step)
@@ -177,12 +197,62 @@ def test_cancel_mid_sampling_keeps_the_model_resident(
     with pytest.raises(Interrupted):
         flux.sample(positive(ref["cond"], ref["pooled"]), {"samples": ref["latent"]}, seed=0, steps=300,
                     progress=cancel_at_three)  # fmt: skip
-    assert steps[-1] <= 4
-    # every rank stopped at the agreed step (mutation tried: `step_done` never raising JobCancelled)
-    errors = [r.error for r in group2.last_replies.values()]
-    assert errors[0] == errors[1] and errors[0] in (
-        f"JobCancelled: cancelled after step {s} of 300" for s in (3, 4)
-    )
-    assert all(r["loaded"] is not None for r in flux.status())
+    assert steps == [1, 2, 3]
+    # what the ranks did: three forwards, each answered by every rank, nothing after the cancel
+    assert len(forwards) == 3 and all(r.ok for replies in forwards for r in replies.values())
+    assert all(len(replies) == 2 for replies in forwards)
+    monkeypatch.undo()
+    assert all(r.loaded is not None for r in flux.status())
     out = run_case(flux, "dev_4steps")
     assert (out - ref["output"]).abs().max().item() <= 1e-4
+
+
+def test_timeout_bounds_the_whole_job_and_keeps_the_group(
+    group2: WorkerGroup, checkpoints: dict[str, str]
+) -> None:
+    """`timeout=` is the job's, not one step's: 300 steps of tens of milliseconds stop at 1 s, between two
+    steps or in one, with the message the worker job gave. Mutation tried: each forward given `timeout`
+    itself (no deadline for the job) ran all 300 steps."""
+    from rocm_parallel.backend.client import JobTimeout
+
+    flux = ParallelFlux(group=group2)
+    flux.load(checkpoints["dev"], layout="tp", dtype="float32")
+    ref = reference("dev_4steps")
+    started = time.monotonic()
+    with pytest.raises(JobTimeout, match=r"^'sample' ran past its time limit of 1 s and was cancelled$"):
+        flux.sample(
+            positive(ref["cond"], ref["pooled"]), {"samples": ref["latent"]}, seed=0, steps=300, timeout=1.0
+        )
+    assert time.monotonic() - started < 5
+    assert group2.alive
+    assert (run_case(flux, "dev_4steps") - ref["output"]).abs().max().item() <= 1e-4
+
+
+# --- FLUX.2: ComfyUI's template (Flux2Scheduler, euler) through the workers --------------------------
+
+
+@pytest.mark.parametrize("groups", [2, 4], indirect=True)
+def test_flux2_sample_matches_one_process_and_comfyui(
+    groups: WorkerGroup, flux2_checkpoints: dict[str, str]
+) -> None:
+    """Every layout: the same latent as the same loop in one process around the same transformer, and as
+    ComfyUI's own FLUX.2 template (tests/test_sampling.py checks the one-process loop against it)."""
+    flux = ParallelFlux(group=groups)
+    for name, case in sorted(FLUX2_CASES.items()):
+        job = flux2_job(name)
+        plan = ParallelFlux.check_sample(
+            job["positive"], job["latent"], checkpoint=flux2_checkpoints[case["variant"]], seed=job["seed"],
+            steps=job["steps"],
+        )  # fmt: skip
+        one_process = euler(partial(flux2_call, flux2_model_fn(flux2_model(case["variant"]))), plan)
+        for layout in LAYOUTS[groups.world_size]:
+            flux.load(flux2_checkpoints[case["variant"]], layout=layout, dtype="float32")
+            seen: list[tuple[int, int]] = []
+            out = flux.sample(
+                job["positive"], job["latent"], seed=job["seed"], steps=job["steps"],
+                progress=lambda s, t, seen=seen: seen.append((s, t)),
+            )["samples"]  # fmt: skip
+            assert (out - one_process).abs().max().item() <= 1e-5, f"{layout} {name} vs one process"
+            assert (out - reference(name)["output"]).abs().max().item() <= 1e-4, f"{layout} {name} vs ComfyUI"
+            assert seen == [(i, case["steps"]) for i in range(1, case["steps"] + 1)]
+    flux.unload()

@@ -227,8 +227,8 @@ def test_make_layout_auto() -> None:
 def test_auto_layout_measures_the_group(group2: WorkerGroup) -> None:
     flux = ParallelFlux(group=group2)
     machine = flux.machine()
-    assert machine["gbps"] > 0 and machine["latency_us"] > 0 and machine["tflops"] > 0
-    assert machine["memory_bytes"] > 0
+    assert machine.gbps > 0 and machine.latency_us > 0 and machine.tflops > 0
+    assert machine.memory_bytes > 0
     assert flux.machine() is machine  # measured once per group
     choice = flux.auto_layout(TINY, 256, 256)
     choice.layout.validate(TINY, devices=2)

@@ -65,7 +65,7 @@ def test_bad_backend_is_refused() -> None:
 
 def test_one_gpu_twice_needs_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr("rocm_parallel.backend.client.check_platform", lambda *a, **k: None)
+    monkeypatch.setattr("rocm_parallel.backend.launch.check_platform", lambda *a, **k: None)
     with pytest.raises(
         ConfigError, match=r"names a GPU twice; each worker needs its own GPU \(backend='gloo'"
     ):
@@ -83,16 +83,14 @@ def test_aotriton_flag_per_arch(arch: str | None, flag: bool) -> None:
 
 
 def test_worker_env_sets_aotriton_only_for_rdna(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The one place the flag is set: client.WorkerGroup._worker_env, per rank's GPU arch."""
-    from rocm_parallel.backend import client
+    """The one place the flag is set: launch.worker_env, per rank's GPU arch."""
+    from rocm_parallel.backend import launch
 
     monkeypatch.delenv(platforms.AOTRITON_FLAG, raising=False)
-    group = object.__new__(WorkerGroup)  # the env only; no processes
-    group.devices, group.threads, group.backend = ("cuda:0", "cuda:1"), None, None
-    group._env, group._extra_sys_path, group._methods, group._shm = {}, (), (), "/tmp"
+    devices = ("cuda:0", "cuda:1")  # the env only; no processes
     archs = {"cuda:0": "gfx1100", "cuda:1": "gfx942"}
-    monkeypatch.setattr(client, "gpu_arch", archs.get)
-    assert group._worker_env(0, "sock")[platforms.AOTRITON_FLAG] == "1"
-    assert platforms.AOTRITON_FLAG not in group._worker_env(1, "sock")
+    monkeypatch.setattr(launch, "gpu_arch", archs.get)
+    assert launch.worker_env(devices, 0, "sock", "/tmp")[platforms.AOTRITON_FLAG] == "1"
+    assert platforms.AOTRITON_FLAG not in launch.worker_env(devices, 1, "sock", "/tmp")
     monkeypatch.setenv(platforms.AOTRITON_FLAG, "0")  # a user's value wins
-    assert group._worker_env(0, "sock")[platforms.AOTRITON_FLAG] == "0"
+    assert launch.worker_env(devices, 0, "sock", "/tmp")[platforms.AOTRITON_FLAG] == "0"

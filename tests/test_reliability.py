@@ -21,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from test_sampling import flux_model, positive, reference
+from worker_jobs import Load, OnRank, Scale, Steps, Value
 
 from rocm_parallel.backend.api import ParallelFlux
 from rocm_parallel.backend.checkpoint import diffusers_to_bfl
@@ -72,7 +73,7 @@ def test_one_rank_out_of_memory_fails_fast_with_its_own_message() -> None:
     timeout and this test timed out."""
     group = _group()
     with pytest.raises(WorkerError) as err:
-        group.call("fail_in_collective", {"rank": 1, "at_step": 3})
+        group.call("fail_in_collective", OnRank(rank=1, at_step=3))
     assert str(err.value) == (
         "rank 1 (cpu): out of memory on cpu (rank 1 of 2): HIP out of memory. Tried to allocate 2.00 GiB. "
         "To fit: use more GPUs, use tensor parallelism (it splits the weights; context parallelism keeps a "
@@ -89,7 +90,7 @@ def test_a_failure_on_every_rank_keeps_the_group(group2: WorkerGroup) -> None:
     with pytest.raises(WorkerError, match="unknown worker method 'nope'"):
         group2.call("nope")
     assert group2.alive
-    assert group2.call("ping")["rank"] == 0
+    assert group2.call("ping").rank == 0
 
 
 def test_api_recovers_after_a_rank_runs_out_of_memory_mid_sampling(checkpoint: str) -> None:
@@ -97,7 +98,7 @@ def test_api_recovers_after_a_rank_runs_out_of_memory_mid_sampling(checkpoint: s
     with ParallelFlux(group=_group()) as flux:
         flux.load(checkpoint, layout="tp", dtype="float32")
         expected = _sample(flux)
-        flux.group.call("arm_failure", {"rank": 1, "at_step": 2})
+        flux.group.call("arm_failure", OnRank(rank=1, at_step=2))
         with pytest.raises(WorkerError, match=r"^rank 1 \(cpu\): out of memory on cpu \(rank 1 of 2\)"):
             _sample(flux, seed=5)
         assert not flux.started
@@ -105,17 +106,17 @@ def test_api_recovers_after_a_rank_runs_out_of_memory_mid_sampling(checkpoint: s
 
 
 def test_a_stopped_rank_is_caught_by_the_watchdog_and_the_next_job_is_correct(checkpoint: str) -> None:
-    """Rank 1 stops itself (SIGSTOP) at step 2. Mutation tried: with `_watch` returning at once the
-    call never returned (pytest-timeout)."""
+    """Rank 1 stops itself (SIGSTOP) at step 2, in that step's forward. Mutation tried: with `Job._watch`
+    returning at once the call never returned (pytest-timeout)."""
     with ParallelFlux(group=_group()) as flux:
         flux.load(checkpoint, layout="context", dtype="float32")
         expected = _sample(flux)
-        flux.group.call("arm_failure", {"rank": 1, "at_step": 2, "kind": "stop"})
+        flux.group.call("arm_failure", OnRank(rank=1, at_step=2, kind="stop"))
         victim = flux.group.pids[1]
         with pytest.raises(WorkerError) as err:
             _sample(flux, seed=5)
         assert str(err.value).startswith(
-            f"worker rank 1 (cpu, pid {victim}) is stopped (SIGSTOP or a debugger) while running 'sample'"
+            f"worker rank 1 (cpu, pid {victim}) is stopped (SIGSTOP or a debugger) while running 'flux_forward'"
         )
         assert _gone([victim])
         assert torch.equal(_sample(flux), expected)
@@ -129,8 +130,8 @@ def test_silence_past_the_watchdog_fails_the_job() -> None:
     started = time.monotonic()
     with pytest.raises(WorkerError) as err:
         # steps of 0.05 s, then rank 1 sleeps in step 5 for far longer than 3 x the longest gap
-        group.call("steps", {"n": 4, "seconds": 0.05}, watchdog=hang)  # warm: the job itself is fine
-        group.call("hang_at", {"rank": 1, "at_step": 5}, watchdog=hang)
+        group.call("steps", Steps(n=4, seconds=0.05), watchdog=hang)  # warm: the job itself is fine
+        group.call("hang_at", OnRank(rank=1, at_step=5), watchdog=hang)
     # rank 1 sleeps; rank 0 waits for it in the all-reduce: both fall silent within milliseconds
     assert re.search(
         r"no progress or reply from rank\(s\) \[(0, 1|0|1)\] \((cpu, cpu|cpu)\) for ", str(err.value)
@@ -146,8 +147,8 @@ def test_a_slower_rank_that_keeps_reporting_is_not_taken_for_a_hung_one(group2: 
     healthy job as 'no progress or reply from rank(s) [1] (cpu) for 1 s'. Either fix alone passes it;
     the next test pins per-rank reporting."""
     watch = Watchdog(first=30.0, floor=1.0, factor=1.0)
-    results = group2.call_all("uneven_load", {"tensors": 8, "seconds": 0.4}, watchdog=watch)
-    assert [r["rank"] for r in results] == [0, 1]
+    results = group2.call_all("uneven_load", Load(tensors=8, seconds=0.4), watchdog=watch)
+    assert [r.rank for r in results] == [0, 1]
     assert group2.alive
 
 
@@ -159,7 +160,7 @@ def test_a_rank_that_hangs_after_its_peer_finished_is_caught_at_its_own_pace() -
     watch = Watchdog(first=30.0, floor=1.0, factor=1.0)
     started = time.monotonic()
     with pytest.raises(WorkerError) as err:
-        group.call_all("uneven_load", {"tensors": 8, "seconds": 0.1, "hang_after": 3}, watchdog=watch)
+        group.call_all("uneven_load", Load(tensors=8, seconds=0.1, hang_after=3), watchdog=watch)
     assert str(err.value).startswith("no progress or reply from rank(s) [1] (cpu) for ")
     assert "last progress: tensor 8 of 8" in str(err.value)  # rank 0's: it had finished
     assert time.monotonic() - started < 10
@@ -179,7 +180,7 @@ def test_cancel_stops_the_workers_not_just_the_progress(group2: WorkerGroup, tmp
             raise InterruptedError("user pressed Cancel")
 
     with pytest.raises(InterruptedError):
-        group2.call("steps_logged", {"n": 50, "log": log, "seconds": 0.05}, progress=interrupt_at_two)
+        group2.call("steps", Steps(n=50, seconds=0.05, log=log), progress=interrupt_at_two)
     done = [int(Path(f"{log}.rank{r}").read_text()) for r in range(2)]
     assert all(2 <= d <= 4 for d in done), done
     assert all(r.error_type == "JobCancelled" for r in group2.last_replies.values())
@@ -199,21 +200,21 @@ def test_interrupt_while_waiting_cancels_and_the_next_call_gets_its_own_result(
     try:
         signal.setitimer(signal.ITIMER_REAL, 0.5)
         with pytest.raises(KeyboardInterrupt):
-            group2.call("steps_logged", {"n": 200, "log": log, "seconds": 0.02})
+            group2.call("steps", Steps(n=200, seconds=0.02, log=log))
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     done = [int(Path(f"{log}.rank{r}").read_text()) for r in range(2)]
     assert max(done) < 200, done
     assert group2.alive
-    assert group2.call("steps", {"n": 3})["steps"] == 3  # its own reply, not the interrupted job's
+    assert group2.call("steps", Steps(n=3)).steps == 3  # its own reply, not the interrupted job's
     big = torch.randn(256, 1024)
-    assert torch.equal(group2.call("scale", {"tensor": big})["scaled"], big)  # request files intact
+    assert torch.equal(group2.call("scale", Scale(big)).scaled, big)  # request files intact
 
 
 def test_a_reply_from_another_job_is_never_accepted(group2: WorkerGroup) -> None:
-    """Mutation tried: without the job-id check in `_collect` the call returned {'value': -1}."""
-    assert group2.call("send_stale_reply", {"value": 7}) == {"value": 7}
+    """Mutation tried: without the job-id check in `Job.collect` the call returned Value(value=-1)."""
+    assert group2.call("send_stale_reply", Value(7)) == Value(7)
 
 
 def test_cancel_during_a_load_stops_between_tensors(checkpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -246,7 +247,7 @@ def test_cancel_during_a_load_stops_between_tensors(checkpoint: str, monkeypatch
         assert load_replies[0].error_type == "JobCancelled"
         assert load_replies[0].error.startswith("JobCancelled: load cancelled after ")
         assert flux.resident is None
-        assert [r["loaded"] for r in flux.status()] == [None, None]
+        assert [r.loaded for r in flux.status()] == [None, None]
         flux.load(checkpoint, layout="tp", dtype="float32")
         assert torch.equal(_sample(flux), _sample(flux))
 
@@ -255,11 +256,11 @@ def test_a_load_that_fails_on_one_rank_leaves_no_rank_holding_a_model(checkpoint
     """Rank 1 runs out of memory at its 3rd tensor, rank 0 finishes its load. Mutation tried: without
     the unload in `ParallelFlux._load_resident`'s except clause, rank 0 still held the model."""
     with ParallelFlux(group=_group()) as flux:
-        flux.group.call("arm_load_failure", {"rank": 1, "at_tensor": 3})
+        flux.group.call("arm_load_failure", OnRank(rank=1, at_step=3))
         with pytest.raises(WorkerError, match=r"^rank 1 \(cpu\): out of memory on cpu \(rank 1 of 2\)"):
             flux.load(checkpoint, layout="tp", dtype="float32")
         assert flux.group.last_replies[0].ok  # the cleanup's unload answered on both ranks
-        assert [r["loaded"] for r in flux.status()] == [None, None]
+        assert [r.loaded for r in flux.status()] == [None, None]
         assert flux.resident is None
 
 
@@ -275,13 +276,13 @@ def test_two_threads_share_a_group(group2: WorkerGroup) -> None:
     def poll() -> None:
         try:
             for _ in range(20):
-                results.append(group2.call("ping")["rank"])
+                results.append(group2.call("ping").rank)
         except BaseException as exc:
             errors.append(exc)
 
     thread = threading.Thread(target=poll)
     thread.start()
-    out = [group2.call("steps", {"n": 5, "seconds": 0.01})["sum"] for _ in range(5)]
+    out = [group2.call("steps", Steps(n=5, seconds=0.01)).sum for _ in range(5)]
     thread.join()
     assert not errors, errors
     assert results == [0] * 20 and out == [10.0] * 5
@@ -301,8 +302,8 @@ def test_status_does_not_wait_for_a_running_job(checkpoint: str, group2: WorkerG
             reports.append(box[0])
 
     _sample(flux, progress=poll)
-    assert [r["busy"] for r in reports[0]] == [True, True]
-    assert [r["loaded"]["tp"] for r in reports[0]] == [2, 2]
+    assert [r.busy for r in reports[0]] == [True, True]
+    assert [r.loaded.layout.tp for r in reports[0]] == [2, 2]
 
 
 # ------------------------------------------------------------------------------------------ start-up
@@ -326,32 +327,36 @@ def test_start_timeout_is_reported_as_such() -> None:
     assert "FileNotFoundError" not in repr(err.value)
 
 
-def test_stray_connections_do_not_stop_the_start() -> None:
+def test_stray_connections_do_not_stop_the_start(monkeypatch: pytest.MonkeyPatch) -> None:
     """A connection with the wrong key, and one that never speaks, while the workers connect."""
     from multiprocessing.connection import Client
 
-    class Probed(WorkerGroup):
-        def _handshake(self, listener):
-            address = os.path.join(self._tmp, "control.sock")
+    from rocm_parallel.backend import launch
 
-            def wrong_key() -> None:
-                try:
-                    Client(address, family="AF_UNIX", authkey=b"wrong")
-                except Exception:
-                    pass
+    handshake = launch.Workers._handshake
 
-            import socket
+    def probed(self: launch.Workers, listener) -> None:
+        address = os.path.join(self.tmp, "control.sock")
 
-            silent = socket.socket(socket.AF_UNIX)
-            silent.connect(address)
-            threading.Thread(target=wrong_key, daemon=True).start()
+        def wrong_key() -> None:
             try:
-                super()._handshake(listener)
-            finally:
-                silent.close()
+                Client(address, family="AF_UNIX", authkey=b"wrong")
+            except Exception:
+                pass
 
-    with Probed(["cpu", "cpu"], threads=1) as group:
-        assert [group.call_all("ping")[r]["rank"] for r in range(2)] == [0, 1]
+        import socket
+
+        silent = socket.socket(socket.AF_UNIX)
+        silent.connect(address)
+        threading.Thread(target=wrong_key, daemon=True).start()
+        try:
+            handshake(self, listener)
+        finally:
+            silent.close()
+
+    monkeypatch.setattr(launch.Workers, "_handshake", probed)
+    with WorkerGroup(["cpu", "cpu"], threads=1) as group:
+        assert [group.call_all("ping")[r].rank for r in range(2)] == [0, 1]
 
 
 @pytest.mark.parametrize(
@@ -385,7 +390,7 @@ def test_directories_of_dead_parents_are_removed_at_the_next_start() -> None:
     script = (
         "from rocm_parallel.backend.client import WorkerGroup\n"
         "g = WorkerGroup(['cpu'], threads=1)\n"
-        "print(g._tmp, g._shm, flush=True)\n"
+        "print(g._workers.tmp, g._workers.shm, flush=True)\n"
         "import sys; sys.stdin.read()\n"
     )
     parent = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -407,7 +412,7 @@ def test_exit_without_close_ends_the_workers() -> None:
     script = (
         "from rocm_parallel.backend.client import WorkerGroup\n"
         "g = WorkerGroup(['cpu', 'cpu'], threads=1)\n"
-        "print(*g.pids, g._tmp, g._shm, flush=True)\n"
+        "print(*g.pids, g._workers.tmp, g._workers.shm, flush=True)\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     *pids, tmp, shm = done.stdout.split()
@@ -502,18 +507,21 @@ def test_a_bad_dtype_leaves_the_resident_model_alone(checkpoint: str, group2: Wo
     with pytest.raises(Exception, match="dtype='int8' is not a compute dtype"):
         flux.load(checkpoint, layout="tp", dtype="int8")
     assert flux.resident is not None and flux.resident.dtype == "float32"
-    assert [r["loaded"]["dtype"] for r in flux.status()] == ["float32", "float32"]
+    assert [r.loaded.dtype for r in flux.status()] == ["float32", "float32"]
 
 
 def test_nan_from_a_step_is_an_error_naming_the_step(checkpoint: str, group2: WorkerGroup) -> None:
-    """A finite input can still overflow inside the model (float16): the step that did it is named."""
+    """A finite input can still overflow inside the model (float16): the step that did it is named, and
+    the loop (in the caller) stops there. Mutation tried: without the check in `euler` the job returned a
+    NaN latent."""
     flux = ParallelFlux(group=group2)
     flux.load(checkpoint, layout="tp", dtype="float32")
     ref = reference("dev_4steps")
     huge = positive(ref["cond"] * 1e30, ref["pooled"] * 1e30)
-    with pytest.raises(WorkerError, match=r"step 1 of 2 produced NaN or inf values \(sigma 1\)"):
-        flux.sample(huge, {"samples": ref["latent"]}, seed=0, steps=2)
-    assert group2.alive
+    seen: list[int] = []
+    with pytest.raises(FloatingPointError, match=r"^step 1 of 2 produced NaN or inf values \(sigma 1\)"):
+        flux.sample(huge, {"samples": ref["latent"]}, seed=0, steps=2, progress=lambda s, t: seen.append(s))
+    assert seen == [] and group2.alive
 
 
 def test_private_dirs_carry_their_owner() -> None:
@@ -531,6 +539,6 @@ def test_a_failing_rank_stops_its_peers_load_and_keeps_the_group(group2: WorkerG
     cancelled, not torn down with the group, and the error is rank 0's. Mutation tried: without the
     cancel on the first error, rank 1 loaded all 40 tensors (its reply was ok)."""
     with pytest.raises(WorkerError, match=r"^rank 0 \(cpu\): out of memory on cpu \(rank 0 of 2\)"):
-        group2.call_all("load_then_fail", {"failing": 0, "tensors": 40, "seconds": 0.1})
+        group2.call_all("load_then_fail", Load(tensors=40, seconds=0.1, failing=0))
     assert group2.last_replies[1].error_type == "JobCancelled"
     assert group2.alive

@@ -8,19 +8,21 @@ from __future__ import annotations
 
 import json
 import math
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 
+from rocm_parallel.backend.api import ParallelFlux
 from rocm_parallel.backend.config import ConfigError
 from rocm_parallel.backend.flux.forward import patchify, unpatchify
 from rocm_parallel.backend.flux.model import build_flux
 from rocm_parallel.backend.flux.sampling import (
     denoise_schedule,
     diffusers_model_fn,
+    euler,
     flux_sigma_table,
     prepare_noise,
     resolution_mu,
@@ -28,7 +30,10 @@ from rocm_parallel.backend.flux.sampling import (
     schnell_sigma_table,
     simple_schedule,
 )
-from rocm_parallel.testing.models import tiny_flux_config
+from rocm_parallel.backend.flux2.forward import flux2_call, flux2_model_fn
+from rocm_parallel.backend.flux2.model import build_flux2
+from rocm_parallel.backend.flux2.sampling import flux2_schedule
+from rocm_parallel.testing.models import tiny_flux2_config, tiny_flux_config
 
 REFERENCES = Path(__file__).parent / "data" / "comfy_references.safetensors"
 with safe_open(str(REFERENCES), "pt") as _f:
@@ -46,6 +51,28 @@ CASES = {
     and not {"lora", "guider", "record_calls", "negative", "refs"} & set(case)
 }
 MODELS = json.loads(META["models"])
+# FLUX.2 (ComfyUI 0.3.75's template: EmptyFlux2LatentImage, Flux2Scheduler, euler, SamplerCustomAdvanced);
+# the cases `ParallelFlux.sample` reproduces are the ones without ReferenceLatent's latents.
+FLUX2_MODELS = json.loads(META["flux2_models"])
+FLUX2_CASES = {
+    n: c for n, c in json.loads(META["flux2_cases"]).items() if not {"refs", "record_calls"} & set(c)
+}
+
+
+@cache
+def flux2_model(variant: str) -> torch.nn.Module:
+    spec = FLUX2_MODELS[variant]
+    return build_flux2(tiny_flux2_config(**spec["config"]), seed=spec["seed"])
+
+
+def flux2_job(name: str) -> dict:
+    """A FLUX.2 case as `ParallelFlux.sample` takes it: CLIPTextEncode's CONDITIONING (FluxGuidance's value
+    for [dev]) and EmptyFlux2LatentImage's latent."""
+    case, ref = FLUX2_CASES[name], reference(name)
+    extras = {"pooled_output": None} | ({"guidance": case["guidance"]} if "guidance" in case else {})
+    latent = torch.zeros(1, 128, case["height"] // 16, case["width"] // 16)
+    return {"positive": [[ref["cond"], extras]], "latent": {"samples": latent}, "seed": case["seed"],
+            "steps": case["steps"]}  # fmt: skip
 
 
 @cache
@@ -128,6 +155,65 @@ def test_guidance_matters_for_dev_and_is_ignored_for_schnell():
     }
     assert (run["dev"](1.0) - run["dev"](5.0)).abs().max() > 1e-3
     assert torch.equal(run["schnell"](1.0), run["schnell"](5.0))
+
+
+# --- FLUX.2: ComfyUI's template, one process ------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(FLUX2_CASES))
+def test_flux2_schedule_is_comfyuis_flux2scheduler(name: str) -> None:
+    """The sigmas ComfyUI's Flux2Scheduler gave for the case's size and steps, bit for bit."""
+    case = FLUX2_CASES[name]
+    assert torch.equal(
+        flux2_schedule(case["steps"], case["width"], case["height"]), reference(name)["sigmas"]
+    )
+
+
+@pytest.mark.parametrize("name", sorted(FLUX2_CASES))
+def test_flux2_sampling_matches_comfyui(name: str, flux2_checkpoints: dict[str, str]) -> None:
+    """`sample()`'s plan and loop in one process (the family's schedule, conditioning padded to 512 tokens,
+    the identity latent format) around the same transformer ComfyUI sampled."""
+    case, job = FLUX2_CASES[name], flux2_job(name)
+    plan = ParallelFlux.check_sample(
+        job["positive"], job["latent"], checkpoint=flux2_checkpoints[case["variant"]], seed=job["seed"],
+        steps=job["steps"],
+    )  # fmt: skip
+    assert torch.equal(plan.sigmas, reference(name)["sigmas"])
+    assert plan.cond.encoder_hidden_states.shape[1] == 512 and (plan.cond.guidance is None) == (
+        "guidance" not in case
+    )
+    steps_seen: list[tuple[int, int]] = []
+    call = partial(flux2_call, flux2_model_fn(flux2_model(case["variant"])))
+    out = euler(call, plan, lambda i, n: steps_seen.append((i, n)))
+    diff = (out - reference(name)["output"]).abs().max().item()
+    assert diff <= 1e-4, f"{name}: max abs diff {diff:.3g} vs ComfyUI"
+    assert steps_seen == [(i, case["steps"]) for i in range(1, case["steps"] + 1)]
+
+
+def test_flux2_refuses_flux1s_shift_and_names_what_applies(flux2_checkpoints: dict[str, str]) -> None:
+    job = flux2_job("flux2_4steps")
+    with pytest.raises(ConfigError) as err:
+        ParallelFlux.check_sample(
+            job["positive"],
+            job["latent"],
+            checkpoint=flux2_checkpoints["flux2"],
+            seed=0,
+            steps=4,
+            shift_mu=1.15,
+        )
+    assert str(err.value) == (
+        "shift_mu is FLUX.1's ModelSamplingFlux shift; FLUX.2 (4 heads, 2+2 blocks) samples with Flux2Scheduler's "
+        "schedule, which sets its own shift from the image size and steps: leave shift_mu unset, or pass sigmas"
+    )
+    with pytest.raises(ConfigError) as err:
+        ParallelFlux.check_sample(
+            job["positive"], {"samples": torch.ones(1, 16, 4, 6)}, checkpoint=flux2_checkpoints["flux2"], seed=0,
+            steps=4,
+        )  # fmt: skip
+    assert str(err.value) == (
+        "latent has 16 channels; FLUX.2 (4 heads, 2+2 blocks) latents have 128: encode the image with the FLUX.2 "
+        "VAE (flux2-vae.safetensors) or start from EmptyFlux2LatentImage"
+    )
 
 
 # --- schedules --------------------------------------------------------------------------------------

@@ -7,6 +7,10 @@ call in one process, for every layout.
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
 import torch
 from test_parallel_sampling import LAYOUTS
@@ -125,7 +129,7 @@ def test_a_lookalike_prompt_is_caught_by_the_full_check(
     """Two prompts equal in every sampled word but one: the step is sent under the held key at once, the
     full comparison (made while the ranks compute) fails, and the step is redone with the new prompt.
     Mutation tried: with `Match.verify` always True, the output is the first prompt's."""
-    from rocm_parallel.backend.service import SAMPLED_WORDS
+    from rocm_parallel.backend.forward_client import SAMPLED_WORDS
 
     flux = ParallelFlux(group=group2)
     flux.load(checkpoints["dev"], layout="tp", dtype="float32")
@@ -163,8 +167,9 @@ def test_forward_after_a_worker_died_restarts_the_group_and_reloads(checkpoints:
         inputs = call_inputs(seed=3)
         first = flux.forward(**inputs)
         old = flux.group
-        old._procs[1].kill()
-        old._procs[1].wait()
+        os.kill(old.pids[1], signal.SIGKILL)
+        while old.alive:
+            time.sleep(0.02)
         again = flux.forward(**inputs)
         assert flux.group is not old and flux.resident is not None
         assert torch.equal(again, first)

@@ -23,9 +23,9 @@ def test_start_checks_collectives_and_shares_cpu_cores_out() -> None:
     """No `threads` given: each CPU worker runs cores // workers torch threads (at least one)."""
     cores = len(os.sched_getaffinity(0))
     with WorkerGroup(["cpu", "cpu"]) as group:
-        assert [h["threads"] for h in group.health] == [max(1, cores // 2)] * 2
-        assert [h["correct"] for h in group.health] == [True, True]
-        assert [h["world_size"] for h in group.health] == [2, 2]
+        assert [h.threads for h in group.health] == [max(1, cores // 2)] * 2
+        assert [h.correct for h in group.health] == [True, True]
+        assert [h.world_size for h in group.health] == [2, 2]
         assert group.warnings == []
         assert group.threads == max(1, cores // 2)
 
@@ -55,8 +55,8 @@ def test_a_hung_first_collective_is_retried_without_p2p_and_reported(monkeypatch
     )
     try:
         assert time.monotonic() - started >= 4.0  # it did wait for the first check
-        assert [h["env"]["NCCL_P2P_DISABLE"] for h in group.health] == ["1", "1"]
-        assert [h["correct"] for h in group.health] == [True, True]
+        assert [h.env["NCCL_P2P_DISABLE"] for h in group.health] == ["1", "1"]
+        assert [h.correct for h in group.health] == [True, True]
         (warning,) = group.warnings
         assert warning.startswith(
             "the first collective over cpu, cpu failed with peer-to-peer transfers enabled"
@@ -64,7 +64,7 @@ def test_a_hung_first_collective_is_retried_without_p2p_and_reported(monkeypatch
         assert "no progress or reply from rank(s) [0, 1]" in warning
         assert "started again with NCCL_P2P_DISABLE=1 and now works" in warning
         assert "start ComfyUI with NCCL_P2P_DISABLE=1 in its environment" in warning
-        assert group.call("ping")["backend"] == "gloo"
+        assert group.call("ping").backend == "gloo"
     finally:
         group.close()
     assert not _alive(group.pids)

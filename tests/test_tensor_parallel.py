@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_methods import BuildRandom, Inputs
 
 from rocm_parallel.backend.client import WorkerError, WorkerGroup
 from rocm_parallel.backend.config import ConfigError, FluxDims
@@ -46,11 +47,9 @@ def reference(config: dict, **shape) -> tuple[dict, torch.Tensor]:
 def test_tp_matches_single_process(groups: WorkerGroup, guidance: bool, shape: dict) -> None:
     config = {**CONFIG, "guidance_embeds": guidance}
     inputs, expected = reference(config, **shape)
-    built = groups.call_all(
-        "build_random", {"config": config, "seed": 7, "dtype": "float32", "tp": groups.world_size}
-    )
-    assert len({b["parameter_bytes"] for b in built}) == 1  # every rank holds an equal share
-    out = groups.call("forward", {"inputs": inputs})["output"]
+    built = groups.call_all("build_random", BuildRandom(config, 7, "float32", tp=groups.world_size))
+    assert len({b.parameter_bytes for b in built}) == 1  # every rank holds an equal share
+    out = groups.call("forward", Inputs(inputs)).output
     assert out.shape == expected.shape
     assert (out - expected).abs().max().item() <= 1e-5
 
@@ -66,7 +65,7 @@ def test_packed_row_split_is_not_contiguous() -> None:
 def test_worker_reports_bad_degree_before_building(group2: WorkerGroup) -> None:
     config = tiny_flux_config(heads=3, head_dim=16)
     with pytest.raises(WorkerError) as err:
-        group2.call("build_random", {"config": config, "seed": 0, "dtype": "float32", "tp": 2})
+        group2.call("build_random", BuildRandom(config, 0, "float32", tp=2))
     assert "tp_degree=2 does not divide 3 attention heads; use 3" in str(err.value)
     assert err.value.remote_type == "ConfigError"
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_methods import Inputs
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -163,14 +164,14 @@ def test_workers_fp8_resident_tp_and_ring_equal_upcast(files: dict[str, str], gr
                 flux.unload()
                 reports = flux.load(files["e4m3fn"], layout=layout, dtype="float32", weight_dtype=weights)
                 assert flux.resident.weight_dtype == weights
-                bytes_[weights] = [r["parameter_bytes"] for r in reports]
-                outs[weights] = group2.call("forward", {"inputs": inputs})["output"]
+                bytes_[weights] = [r.parameter_bytes for r in reports]
+                outs[weights] = group2.call("forward", Inputs(inputs)).output
             assert torch.equal(outs["fp8_e4m3fn"], outs["compute"]), layout
             tp = 2 if layout == "tp" else 1
             assert bytes_["fp8_e4m3fn"] == [
                 weight_bytes(DIMS, ParallelLayout(tp=tp), 4, rank=r % tp, linear_bytes=1) for r in range(2)
             ]
-            assert reports[0]["parameter_bytes_by_dtype"] == {"float32": bytes_["compute"][0]}
+            assert reports[0].parameter_bytes_by_dtype == {"float32": bytes_["compute"][0]}
     finally:
         flux.unload()
 

@@ -14,9 +14,11 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from worker_jobs import OnRank, Scale, Scaled, Steps
 
 from rocm_parallel.backend.client import JobTimeout, WorkerError, WorkerGroup, validate_devices
 from rocm_parallel.backend.config import ConfigError
+from rocm_parallel.backend.transport import UnknownRecord
 
 TESTS_DIR = str(Path(__file__).resolve().parent)  # on the workers' sys.path: worker_jobs lives here
 
@@ -35,9 +37,9 @@ def _gone(pids: list[int], within: float = 10.0) -> bool:
 
 def test_progress_reaches_the_caller(group2: WorkerGroup) -> None:
     seen: list[tuple[int, int]] = []
-    results = group2.call_all("steps", {"n": 4}, progress=lambda s, t: seen.append((s, t)))
+    results = group2.call_all("steps", Steps(n=4), progress=lambda s, t: seen.append((s, t)))
     assert seen == [(1, 4), (2, 4), (3, 4), (4, 4)]
-    assert [r["sum"] for r in results] == [8.0, 8.0]  # 4 steps x all-reduce of 1 over 2 ranks
+    assert [r.sum for r in results] == [8.0, 8.0]  # 4 steps x all-reduce of 1 over 2 ranks
 
 
 class Interrupted(Exception):
@@ -53,37 +55,89 @@ def test_cancel_stops_every_rank_within_a_step(group2: WorkerGroup) -> None:
             raise Interrupted("user pressed Cancel")
 
     with pytest.raises(Interrupted, match="user pressed Cancel"):
-        group2.call("steps", {"n": 50, "seconds": 0.05}, progress=interrupt_at_two)
+        group2.call("steps", Steps(n=50, seconds=0.05), progress=interrupt_at_two)
     assert seen == [2] or seen[:2] == [1, 2]
     assert len(seen) <= 3  # stopped at the next step boundary
     # what the workers did, not the client's progress filter: every rank stopped with the agreed cancel
     # (mutation tried: `step_done` never raising JobCancelled made every rank reply ok after 50 steps)
     assert all(r.error_type == "JobCancelled" for r in group2.last_replies.values())
     # the group is still usable
-    assert group2.call("steps", {"n": 2})["sum"] == 4.0
+    assert group2.call("steps", Steps(n=2)).sum == 4.0
 
 
 def test_timeout_cancels_and_keeps_the_group(group2: WorkerGroup) -> None:
     started = time.monotonic()
     with pytest.raises(JobTimeout, match=r"'steps' ran past its time limit of 1 s and was cancelled"):
-        group2.call("steps", {"n": 100, "seconds": 0.1}, timeout=1.0)
+        group2.call("steps", Steps(n=100, seconds=0.1), timeout=1.0)
     assert time.monotonic() - started < 5
     assert group2.alive
-    assert group2.call("ping")["rank"] == 0
+    assert group2.call("ping").rank == 0
 
 
 def test_large_tensors_travel_through_shared_files(group2: WorkerGroup) -> None:
     big = torch.randn(512, 1024)  # 2 MiB: above the inline limit
-    results = group2.call_all("scale", {"tensor": big})
-    assert torch.equal(results[0]["scaled"], big)
-    assert torch.equal(results[1]["scaled"], big * 2)
-    assert any(name.startswith("request-") for name in results[0]["files"])  # it was a file, not a pickle
-    assert os.listdir(group2._shm) == []  # and every file is gone after the call
+    results = group2.call_all("scale", Scale(big))
+    assert torch.equal(results[0].scaled, big)
+    assert torch.equal(results[1].scaled, big * 2)
+    assert any(name.startswith("request-") for name in results[0].files)  # it was a file, not a pickle
+    assert os.listdir(group2._workers.shm) == []  # and every file is gone after the call
+
+
+def test_a_request_is_its_methods_record_and_nothing_else(group2: WorkerGroup) -> None:
+    """Every method declares the record it takes and returns one (or none); the rest is refused, on
+    either side, before anything runs. Mutation tried: without the type check in `worker._run` the
+    `steps` handler ran with a Scale and failed with an AttributeError deep inside."""
+    with pytest.raises(TypeError, match=r"^'steps': a request is a registered record or None; got dict$"):
+        group2.call("steps", {"n": 1})
+    with pytest.raises(WorkerError, match=r"worker method 'steps' takes a Steps; got a Scale\n"):
+        group2.call("steps", Scale(torch.zeros(1)))
+    with pytest.raises(WorkerError, match=r"worker method 'ping' takes no request; got a Steps\n"):
+        group2.call("ping", Steps(n=1))
+    with pytest.raises(
+        WorkerError, match=r"worker method 'returns_a_dict' returned a dict; a method returns a"
+    ):
+        group2.call("returns_a_dict")
+    assert group2.alive and group2.call("steps", Steps(n=1)).steps == 1
+
+
+def test_a_record_the_caller_does_not_know_is_refused(group2: WorkerGroup) -> None:
+    """Only registered records are rebuilt, by name: a reply naming another is an error, not a guess.
+    Mutation tried: `_record_class` answering an unknown name with a SimpleNamespace returned the reply's
+    data as if it were a record."""
+    with pytest.raises(
+        UnknownRecord, match=r"carries a 'OnlyOnTheWorkers' record, which this process does not know"
+    ):
+        group2.call("returns_an_unknown_record")
+    assert group2.alive
+
+
+def test_messages_are_plain_data_and_a_class_in_one_is_refused() -> None:
+    """What a peer sends is unpickled with every class refused: bytes cannot name code to run (a tensor
+    travels as raw bytes, a record as a tagged dict). Mutation tried: the plain `pickle.loads` ran
+    `os.system` here."""
+    import pickle
+    from multiprocessing import Pipe
+
+    from rocm_parallel.backend.transport import ProtocolError, Reply, pack, recv, send
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, ("touch /tmp/rocm-parallel-should-not-exist",))
+
+    a, b = Pipe()
+    a.send_bytes(pickle.dumps(("Reply", {"job": 1, "rank": 0, "ok": True, "result": Exploit()})))
+    with pytest.raises(ProtocolError, match=r"names posix.system; only plain data is accepted"):
+        recv(b)
+    assert not os.path.exists("/tmp/rocm-parallel-should-not-exist")
+    packed = pack(Scaled(0, torch.arange(6.0).reshape(2, 3), ("x",)), "/nonexistent", "t")
+    send(a, Reply(job=2, rank=0, ok=True, result=packed))  # small tensors inline: no file at all
+    got = recv(b)
+    assert isinstance(got, Reply) and got.result["fields"]["files"] == ("x",)
 
 
 def test_out_of_memory_names_the_device_and_the_remedy(group2: WorkerGroup) -> None:
     with pytest.raises(WorkerError) as err:
-        group2.call("out_of_memory", {"rank": 1})
+        group2.call("out_of_memory", OnRank(rank=1))
     assert str(err.value) == (
         "rank 1 (cpu): out of memory on cpu (rank 1 of 2): CUDA out of memory. Tried to allocate 20.00 GiB. "
         "To fit: use more GPUs, use tensor parallelism (it splits the weights; context parallelism keeps a "
@@ -132,13 +186,13 @@ def test_killed_worker_is_reported_and_a_new_group_works() -> None:
     threading.Timer(1.0, os.kill, (victim, signal.SIGKILL)).start()
     started = time.monotonic()
     with pytest.raises(WorkerError) as err:
-        group.call("steps", {"n": 1000, "seconds": 0.02})
+        group.call("steps", Steps(n=1000, seconds=0.02))
     assert time.monotonic() - started < 10
     assert f"worker rank 1 (cpu, pid {victim}) exited with code -9 while running 'steps'" in str(err.value)
     assert err.value.rank == 1
     assert _gone(group.pids)
     with WorkerGroup(["cpu", "cpu"], threads=1, extra_sys_path=[TESTS_DIR], methods=["worker_jobs"]) as fresh:
-        assert fresh.call("steps", {"n": 2})["sum"] == 4.0
+        assert fresh.call("steps", Steps(n=2)).sum == 4.0
 
 
 def test_workers_exit_when_the_parent_dies(tmp_path) -> None:
@@ -160,13 +214,15 @@ def test_workers_exit_when_the_parent_dies(tmp_path) -> None:
 
 
 def test_clean_exit_after_a_parallel_forward() -> None:
+    from model_methods import BuildRandom, Inputs
+
     from rocm_parallel.backend.config import FluxDims
     from rocm_parallel.testing.models import random_inputs, tiny_flux_config
 
     config = tiny_flux_config(heads=4, head_dim=16)
     group = WorkerGroup(["cpu", "cpu"], threads=1, extra_sys_path=[TESTS_DIR], methods=["model_methods"])
-    group.call_all("build_random", {"config": config, "seed": 0, "dtype": "float32", "tp": 2})
-    group.call("forward", {"inputs": random_inputs(FluxDims.from_diffusers_config(config)).as_kwargs()})
+    group.call_all("build_random", BuildRandom(config, seed=0, dtype="float32", tp=2))
+    group.call("forward", Inputs(random_inputs(FluxDims.from_diffusers_config(config)).as_kwargs()))
     group.close()
     assert group.exit_codes == [0, 0]
     for output in group.final_output:

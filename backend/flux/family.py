@@ -23,7 +23,7 @@ from ..parallel.context import ContextParallelSpec
 from . import keys
 from .forward import PATCH, REF_METHODS, flux_call
 from .model import FLUX_DEV, FLUX_SCHNELL, build_flux
-from .sampling import SCALE_FACTOR, SHIFT_FACTOR, diffusers_model_fn
+from .sampling import SCALE_FACTOR, SHIFT_FACTOR, diffusers_model_fn, plan_for
 from .tp import FLUX_TP
 
 # comfy/supported_models.py FluxInpaint: the Fill model's channels per latent pixel (16 latent + 16 masked
@@ -128,6 +128,7 @@ FLUX1 = register(
         comfy_model=comfy_model,
         call=flux_call,
         model_fn=diffusers_model_fn,
+        sampling=plan_for,  # KSampler(euler, simple) on the dev / schnell table (flux/sampling.py)
     )
 )
 

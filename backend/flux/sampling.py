@@ -6,9 +6,11 @@ order and dtype (comfy/model_sampling.py, comfy/samplers.py, comfy/sample.py, co
 at ComfyUI 0.3.64). It is written by hand because ComfyUI is not a dependency of the backend, and
 diffusers' FlowMatchEulerDiscreteScheduler uses a different table and noise.
 
-The loop is a pure function of a `model_fn` callable and plain tensors, so the same code runs in one
-process or inside every rank of a worker group: `plan_sampling` validates the input and decides
-everything (noise, sigmas, conditioning) once; `run_euler` only calls `model_fn`.
+The loop is a pure function of a model call and plain tensors: `make_plan` validates the input and
+decides everything (noise, sigmas, conditioning) once; `euler` only calls the model. `ParallelFlux.sample`
+runs it in the caller with `ParallelFlux.forward` as the model call (one request to every rank per step);
+`sample_flux` / `run_euler` run it in one process around a diffusers model. FLUX.2 (flux2/sampling.py)
+uses the same plan and loop with its own schedule, conditioning and latent format.
 
 "Sampling plan" (`SamplingPlan`) is one job's decided inputs; it is unrelated to the TP plan
 (`parallel.tensor.FLUX_TP_PLAN`) and to the planner (`backend/plan/`, layout costs and `auto`).
@@ -19,13 +21,18 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from ..config import ConfigError
+from ..family import LatentFormat, get_family
 from .forward import ModelFn, flux_call
+
+if TYPE_CHECKING:
+    from ..checkpoint import CheckpointInfo
 
 # comfy/latent_formats.py `Flux`.
 LATENT_CHANNELS = 16
@@ -94,13 +101,19 @@ def simple_schedule(table: torch.Tensor, steps: int) -> torch.Tensor:
     return torch.tensor([*sigs, 0.0], dtype=torch.float32)
 
 
-def denoise_schedule(table: torch.Tensor, steps: int, denoise: float) -> torch.Tensor:
-    """comfy/samplers.py `KSampler.set_steps`: with denoise < 1, schedule steps/denoise, keep the tail."""
+def with_denoise(schedule: Callable[[int], torch.Tensor], steps: int, denoise: float) -> torch.Tensor:
+    """comfy/samplers.py `KSampler.set_steps` for any scheduler (`schedule(n)`: its n-step sigmas): with
+    denoise < 1, schedule steps/denoise steps and keep the tail."""
     if denoise > 0.9999:
-        return simple_schedule(table, steps)
+        return schedule(steps)
     if denoise <= 0.0:
         return torch.zeros(0)
-    return simple_schedule(table, int(steps / denoise))[-(steps + 1) :]
+    return schedule(int(steps / denoise))[-(steps + 1) :]
+
+
+def denoise_schedule(table: torch.Tensor, steps: int, denoise: float) -> torch.Tensor:
+    """The `simple` schedule of `table` with KSampler's denoise rule."""
+    return with_denoise(lambda n: simple_schedule(table, n), steps, denoise)
 
 
 # --- noise, mask, conditioning ---------------------------------------------------------------------
@@ -150,22 +163,59 @@ class FluxConditioning:
     """One ComfyUI CONDITIONING entry as the transformer's inputs, repeated to the latent batch."""
 
     encoder_hidden_states: torch.Tensor  # [B, T, text_dim]
-    pooled_projections: torch.Tensor  # [B, pooled_dim]
-    guidance: torch.Tensor | None  # [B], None for schnell
+    pooled_projections: torch.Tensor  # [B, pooled_dim] (FLUX.2, which takes none: [B, 0])
+    guidance: torch.Tensor | None  # [B], None without a guidance embedder (schnell, FLUX.2 [klein])
 
 
-def _finite(name: str, tensor: torch.Tensor, fix: str) -> None:
+def check_finite(name: str, tensor: torch.Tensor, fix: str) -> None:
     """NaN or inf in an input makes every step NaN: refuse it, naming the input."""
     if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
         bad = "NaN" if bool(torch.isnan(tensor).any()) else "inf"
         raise ConfigError(f"{name} contains {bad} values; {fix}")
 
 
-def _real_tensor(name: str, tensor: torch.Tensor) -> None:
+def check_real(name: str, tensor: torch.Tensor) -> None:
     if tensor.is_meta or tensor.device.type not in ("cpu", "cuda"):
         raise ConfigError(
             f"{name} is on the '{tensor.device}' device and holds no values; give a CPU or GPU tensor"
         )
+
+
+def single_entry(
+    positive: Any, supported: Sequence[str] = SUPPORTED_COND_KEYS
+) -> tuple[Any, Mapping[str, Any]]:
+    """The one `[cond, extras]` entry of a CONDITIONING; extras outside `supported` are refused (areas,
+    masks, strengths, hooks, ControlNets, reference latents change ComfyUI's result)."""
+    if not isinstance(positive, (list, tuple)) or len(positive) != 1:
+        n = len(positive) if isinstance(positive, (list, tuple)) else type(positive).__name__
+        raise ConfigError(
+            f"positive conditioning has {n} entries; this sampler supports exactly 1 "
+            "(no Conditioning Combine / Set Area / Concat yet): encode one prompt with CLIPTextEncode"
+        )
+    entry = positive[0]
+    if not isinstance(entry, (list, tuple)) or len(entry) != 2 or not isinstance(entry[1], Mapping):
+        raise ConfigError("positive conditioning entry must be [cond tensor, {'pooled_output': ...}]")
+    cond, extras = entry
+    unsupported = sorted(k for k in extras if k not in supported)
+    if unsupported:
+        raise ConfigError(
+            f"positive conditioning sets {', '.join(unsupported)}, which this sampler does not support yet "
+            f"(supported: {', '.join(supported)}); remove the node that adds them"
+        )
+    return cond, extras
+
+
+def guidance_tensor(extras: Mapping[str, Any], batch: int, model: str = "FLUX.1-dev") -> torch.Tensor:
+    """comfy/model_base.py Flux.extra_conds: the conditioning's guidance (3.5 when FluxGuidance set none),
+    one per latent."""
+    value = extras.get("guidance", DEFAULT_GUIDANCE)
+    if value is None:
+        raise ConfigError(f"conditioning guidance is None; {model} needs one (FluxGuidance, e.g. 3.5)")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(
+            f"conditioning guidance={value!r} is not a finite number; set it with FluxGuidance (e.g. 3.5)"
+        )
+    return repeat_to_batch_size(torch.tensor([float(value)], dtype=torch.float32), batch)
 
 
 def convert_conditioning(
@@ -179,22 +229,7 @@ def convert_conditioning(
 
     `text_dim` / `pooled_dim` are the checkpoint's (FluxDims.text_dim / pooled_dim): the widths the
     text encoders must have produced (T5-XXL 4096, CLIP-L 768 for FLUX.1); None accepts any width."""
-    if not isinstance(positive, (list, tuple)) or len(positive) != 1:
-        n = len(positive) if isinstance(positive, (list, tuple)) else type(positive).__name__
-        raise ConfigError(
-            f"positive conditioning has {n} entries; this sampler supports exactly 1 "
-            "(no Conditioning Combine / Set Area / Concat yet): encode one prompt with CLIPTextEncode"
-        )
-    entry = positive[0]
-    if not isinstance(entry, (list, tuple)) or len(entry) != 2 or not isinstance(entry[1], Mapping):
-        raise ConfigError("positive conditioning entry must be [cond tensor, {'pooled_output': ...}]")
-    cond, extras = entry
-    unsupported = sorted(k for k in extras if k not in SUPPORTED_COND_KEYS)
-    if unsupported:
-        raise ConfigError(
-            f"positive conditioning sets {', '.join(unsupported)}, which this sampler does not support yet "
-            f"(supported: {', '.join(SUPPORTED_COND_KEYS)}); remove the node that adds them"
-        )
+    cond, extras = single_entry(positive)
     width = lambda t, want: want is None or t.shape[-1] == want  # noqa: E731
     if not torch.is_tensor(cond) or cond.ndim != 3 or not width(cond, text_dim) or cond.shape[0] < 1:
         shape = tuple(cond.shape) if torch.is_tensor(cond) else type(cond).__name__
@@ -210,22 +245,12 @@ def convert_conditioning(
             "DualCLIPLoader (clip_l + t5xxl) and CLIPTextEncode"
         )
     for name, tensor in (("conditioning tensor", cond), ("pooled_output", pooled)):
-        _real_tensor(name, tensor)
-        _finite(name, tensor, "re-encode the prompt (a broken text encoder or a bad upstream node)")
-    guidance = None
-    if variant == "dev":
-        value = extras.get("guidance", DEFAULT_GUIDANCE)
-        if value is None:
-            raise ConfigError("conditioning guidance is None; FLUX.1-dev needs one (FluxGuidance, e.g. 3.5)")
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise ConfigError(
-                f"conditioning guidance={value!r} is not a finite number; set it with FluxGuidance (e.g. 3.5)"
-            )
-        guidance = repeat_to_batch_size(torch.tensor([float(value)], dtype=torch.float32), batch)
+        check_real(name, tensor)
+        check_finite(name, tensor, "re-encode the prompt (a broken text encoder or a bad upstream node)")
     return FluxConditioning(
         encoder_hidden_states=repeat_to_batch_size(cond.to(torch.float32), batch),
         pooled_projections=repeat_to_batch_size(pooled.to(torch.float32), batch),
-        guidance=guidance,
+        guidance=guidance_tensor(extras, batch) if variant == "dev" else None,
     )
 
 
@@ -234,39 +259,99 @@ def convert_conditioning(
 
 @dataclass(frozen=True)
 class SamplingPlan:
-    """Everything the Euler loop needs, decided once (on one rank) from the user's input."""
+    """Everything the Euler loop needs, decided once, in the caller, from the user's input."""
 
-    noise: torch.Tensor  # [B, 16, H, W]
+    noise: torch.Tensor  # [B, C, H, W]
     latent_image: torch.Tensor  # process_in(latent), or the zero latent as is
     sigmas: torch.Tensor  # float32 [steps + 1]
     cond: FluxConditioning
-    mask: torch.Tensor | None  # [B, 16, H, W] in [0, 1]: 1 = regenerate, 0 = keep latent_image
+    mask: torch.Tensor | None  # [B, C, H, W] in [0, 1]: 1 = regenerate, 0 = keep latent_image
     original: torch.Tensor  # the caller's latent, returned as is when there is nothing to do
+    latent: LatentFormat  # the family's: process_out turns the result back into a VAE latent
 
     @property
     def steps(self) -> int:
         return max(len(self.sigmas) - 1, 0)
 
 
-def _checked_latent(latent: torch.Tensor) -> torch.Tensor:
+def checked_latent(
+    latent: torch.Tensor, fmt: LatentFormat, model: str = "FLUX", channels: int | None = None
+) -> torch.Tensor:
+    """A LATENT's samples in `model`'s latent format (`channels`: the model's own, when they differ from
+    the format's, as in a small test model), or ConfigError naming the shape and the fix."""
+    c, scale = channels or fmt.channels, fmt.downscale
     if not torch.is_tensor(latent) or latent.ndim != 4 or 0 in latent.shape:
         shape = tuple(latent.shape) if torch.is_tensor(latent) else type(latent).__name__
         raise ConfigError(
-            f"latent samples have shape {shape}; expected [batch, 16, height/8, width/8] with at least one "
-            "image (batch >= 1)"
+            f"latent samples have shape {shape}; expected [batch, {c}, height/{scale}, width/{scale}] with at "
+            "least one image (batch >= 1)"
         )
-    _real_tensor("latent samples", latent)
-    _finite("latent samples", latent, "encode the image again or start from EmptySD3LatentImage")
-    c = latent.shape[1]
-    if c != LATENT_CHANNELS:
+    check_real("latent samples", latent)
+    check_finite("latent samples", latent, f"encode the image again or start from {fmt.empty_node}")
+    if latent.shape[1] != c:
         if torch.count_nonzero(latent) > 0:
             raise ConfigError(
-                f"latent has {c} channels; FLUX latents have {LATENT_CHANNELS}: encode the image with the "
-                "FLUX VAE (ae.safetensors) or start from EmptySD3LatentImage"
+                f"latent has {latent.shape[1]} channels; {model} latents have {c}: encode the image with "
+                f"{fmt.vae} or start from {fmt.empty_node}"
             )
-        # comfy/sample.py fix_empty_latent_channels: an empty SD latent becomes a 16-channel one.
-        latent = repeat_to_batch_size(latent, LATENT_CHANNELS, dim=1)
+        # comfy/sample.py fix_empty_latent_channels: an empty latent of another width becomes this one's.
+        latent = repeat_to_batch_size(latent, c, dim=1)
     return latent
+
+
+def make_plan(
+    latent: torch.Tensor,
+    seed: int,
+    steps: int,
+    denoise: float,
+    sigmas: Sequence[float] | torch.Tensor | None,
+    noise_mask: torch.Tensor | None,
+    batch_index: Sequence[int] | None,
+    *,
+    fmt: LatentFormat,
+    schedule: Callable[[int, Sequence[int]], torch.Tensor],
+    conditioning: Callable[[int], FluxConditioning],
+    model: str = "FLUX",
+    channels: int | None = None,
+) -> SamplingPlan:
+    """Validate a job and decide noise, schedule and conditioning exactly as ComfyUI would, for any family:
+    `schedule(n, latent_shape)` gives its n-step sigmas, `conditioning(batch)` its model inputs, `fmt` its
+    latent format (`channels`: the model's latent channels when not the format's), `model` its name. `sigmas` (a SIGMAS input, as SamplerCustom takes it)
+    overrides steps/denoise."""
+    check_seed(seed)
+    latent = checked_latent(latent, fmt, model, channels).to(torch.float32)
+    batch = latent.shape[0]
+    if sigmas is not None:
+        sigmas = checked_sigmas(sigmas)
+    else:
+        if int(steps) < 1:
+            raise ConfigError(f"steps={steps} must be at least 1")
+        if not 0.0 <= denoise <= 1.0:
+            raise ConfigError(f"denoise={denoise} must be between 0 and 1")
+        sigmas = with_denoise(lambda n: schedule(n, latent.shape), int(steps), float(denoise))
+    if batch_index is not None:
+        batch_index = [int(i) for i in batch_index]
+        if len(batch_index) != batch or min(batch_index) < 0:
+            raise ConfigError(
+                f"batch_index {batch_index} must list one index >= 0 for each of the {batch} latents"
+            )
+    cond = conditioning(batch)
+    mask = None
+    if noise_mask is not None:
+        if not torch.is_tensor(noise_mask) or noise_mask.ndim < 2:
+            raise ConfigError("noise_mask must be a tensor [..., height, width] (SetLatentNoiseMask output)")
+        mask = latent_mask(noise_mask, latent.shape)
+    # CFGGuider.inner_sample: an all-zero latent (EmptyLatentImage) is deliberately NOT shifted.
+    image = (latent - fmt.shift) * fmt.scale if torch.count_nonzero(latent) > 0 else latent
+    return SamplingPlan(
+        noise=prepare_noise(latent.shape, int(seed), batch_index),
+        latent_image=image,
+        sigmas=sigmas,
+        cond=cond,
+        mask=mask,
+        original=latent,
+        latent=fmt,
+    )
 
 
 def plan_sampling(
@@ -283,62 +368,56 @@ def plan_sampling(
     text_dim: int | None = None,
     pooled_dim: int | None = None,
 ) -> SamplingPlan:
-    """Validate the input and decide noise, schedule and conditioning exactly as ComfyUI would.
+    """FLUX.1's plan: KSampler(euler, simple) on the variant's sigma table (`shift_mu`: ModelSamplingFlux).
 
-    `sigmas` (a SIGMAS input, as SamplerCustom takes it) overrides steps/denoise/shift_mu.
     `text_dim` / `pooled_dim`: the checkpoint's conditioning widths (see convert_conditioning).
     """
     if variant not in VARIANTS:
         raise ConfigError(f"variant={variant!r} is not a FLUX.1 variant; use 'dev' or 'schnell'")
-    _check_seed(seed)
-    latent = _checked_latent(latent).to(torch.float32)
-    batch = latent.shape[0]
-    if sigmas is not None:
-        schedule = _checked_sigmas(sigmas)
-    else:
-        if int(steps) < 1:
-            raise ConfigError(f"steps={steps} must be at least 1")
-        if not 0.0 <= denoise <= 1.0:
-            raise ConfigError(f"denoise={denoise} must be between 0 and 1")
-        schedule = denoise_schedule(sigma_table(variant, shift_mu), int(steps), float(denoise))
-    if batch_index is not None:
-        batch_index = [int(i) for i in batch_index]
-        if len(batch_index) != batch or min(batch_index) < 0:
-            raise ConfigError(
-                f"batch_index {batch_index} must list one index >= 0 for each of the {batch} latents"
-            )
-    cond = convert_conditioning(positive, batch, variant, text_dim, pooled_dim)
-    mask = None
-    if noise_mask is not None:
-        if not torch.is_tensor(noise_mask) or noise_mask.ndim < 2:
-            raise ConfigError("noise_mask must be a tensor [..., height, width] (SetLatentNoiseMask output)")
-        mask = latent_mask(noise_mask, latent.shape)
-    # CFGGuider.inner_sample: an all-zero latent (EmptyLatentImage) is deliberately NOT shifted.
-    image = process_in(latent) if torch.count_nonzero(latent) > 0 else latent
-    return SamplingPlan(
-        noise=prepare_noise(latent.shape, int(seed), batch_index),
-        latent_image=image,
-        sigmas=schedule,
-        cond=cond,
-        mask=mask,
-        original=latent,
-    )
+    table = sigma_table(variant, shift_mu) if sigmas is None else None
+    return make_plan(
+        latent, seed, steps, denoise, sigmas, noise_mask, batch_index,
+        fmt=get_family("flux1").latent,
+        schedule=lambda n, shape: simple_schedule(table, n),
+        conditioning=lambda batch: convert_conditioning(positive, batch, variant, text_dim, pooled_dim),
+    )  # fmt: skip
+
+
+def plan_for(
+    info: CheckpointInfo,
+    latent: torch.Tensor,
+    positive: Any,
+    *,
+    seed: int,
+    steps: int,
+    denoise: float = 1.0,
+    sigmas: Sequence[float] | torch.Tensor | None = None,
+    noise_mask: torch.Tensor | None = None,
+    batch_index: Sequence[int] | None = None,
+    shift_mu: float | None = None,
+) -> SamplingPlan:
+    """FLUX.1's `ModelFamily.sampling`: `plan_sampling` for the checkpoint `info` describes."""
+    dims = info.dims
+    return plan_sampling(
+        latent, positive, seed, steps, denoise, sigmas, noise_mask, batch_index, info.variant, shift_mu,
+        dims.text_dim, dims.pooled_dim,
+    )  # fmt: skip
 
 
 SEED_LIMIT = 2**64  # ComfyUI's seed widgets: 0 .. 0xffffffffffffffff
 
 
-def _check_seed(seed: Any) -> None:
+def check_seed(seed: Any) -> None:
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
         raise ConfigError(
             f"seed={seed!r} must be an integer from 0 to {SEED_LIMIT - 1} (2**64 - 1), as in ComfyUI"
         )
 
 
-def _checked_sigmas(sigmas: Sequence[float] | torch.Tensor) -> torch.Tensor:
+def checked_sigmas(sigmas: Sequence[float] | torch.Tensor) -> torch.Tensor:
     """A SIGMAS input: finite, never increasing (noise goes down step by step), at least one step."""
     schedule = torch.as_tensor(sigmas, dtype=torch.float32).flatten().cpu()
-    _finite("sigmas", schedule, "check the scheduler node that made them")
+    check_finite("sigmas", schedule, "check the scheduler node that made them")
     rising = [i for i in range(len(schedule) - 1) if schedule[i + 1] > schedule[i]]
     if rising:
         i = rising[0]
@@ -363,9 +442,16 @@ def _batch_sigma(sigma: torch.Tensor, ndim: int) -> torch.Tensor:
     return sigma.view(sigma.shape[:1] + (1,) * (ndim - 1))
 
 
+# (x, sigma per latent, context, pooled, guidance) -> velocity: ComfyUI's `diffusion_model(x, timestep,
+# context, y, guidance)`, e.g. `partial(flux_call, model_fn)` in one process or `ParallelFlux.forward`.
+ModelCall = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor
+]
+
+
 @torch.no_grad()
-def run_euler(
-    model_fn: ModelFn,
+def euler(
+    call: ModelCall,
     plan: SamplingPlan,
     callback: Callable[[int, int], None] | None = None,
     model_dtype: torch.dtype | None = None,
@@ -375,6 +461,7 @@ def run_euler(
     The arithmetic keeps ComfyUI's order (denoised = x - v*sigma; d = (x - denoised)/sigma) rather than
     the shorter x + v*dt, so results agree bit for bit up to the network itself. `model_dtype` casts the
     network inputs as ComfyUI does (x, text, pooled, guidance); the output is used in float32.
+    `callback(step, total)` runs after each step; an exception from it ends the loop there.
     """
     sigmas = plan.sigmas
     if len(sigmas) == 0:
@@ -396,13 +483,13 @@ def run_euler(
         x_in = x
         if mask is not None:
             x_in = x * mask + _noise_scaling(sigma_b.view(b, 1, 1, 1), noise, image) * keep
-        v = flux_call(model_fn, cast(x_in), sigma_b, ehs, pooled, guidance).float()
+        v = call(cast(x_in), sigma_b, ehs, pooled, guidance).float()
         denoised = x_in - v * _batch_sigma(sigma_b, v.ndim)
         if mask is not None:
             denoised = denoised * mask + image * keep
         d = (x - denoised) / sigma
         x = x + d * (sigmas[i + 1] - sigma)
-        if not bool(torch.isfinite(x).all()):  # identical on every rank: all stop at the same step
+        if not bool(torch.isfinite(x).all()):
             raise FloatingPointError(
                 f"step {i + 1} of {total} produced NaN or inf values (sigma {sigma.item():g}); the model's "
                 "output overflowed: try dtype='bfloat16' or 'float32' instead of float16, or check the inputs"
@@ -410,7 +497,17 @@ def run_euler(
         if callback is not None:
             callback(i + 1, total)
     x = x / (1.0 - sigmas[-1])  # CONST.inverse_noise_scaling; a no-op when the schedule ends at 0
-    return process_out(x.to(torch.float32))
+    return (x.to(torch.float32) / plan.latent.scale) + plan.latent.shift  # the latent format's process_out
+
+
+def run_euler(
+    model_fn: ModelFn,
+    plan: SamplingPlan,
+    callback: Callable[[int, int], None] | None = None,
+    model_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """`euler` in this process around a diffusers-style FLUX.1 `model_fn` (ComfyUI's model call around it)."""
+    return euler(partial(flux_call, model_fn), plan, callback, model_dtype)
 
 
 def sample_flux(

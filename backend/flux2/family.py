@@ -19,6 +19,7 @@ from ..parallel.context import ContextParallelSpec
 from . import keys
 from .forward import flux2_call, flux2_model_fn
 from .model import FLUX2_DEV, FLUX2_KLEIN_4B, FLUX2_KLEIN_9B, build_flux2
+from .sampling import plan_for
 from .tp import FLUX2_TP
 
 LATENT = LatentFormat(
@@ -132,6 +133,7 @@ FLUX2 = register(
         comfy_model=comfy_model,
         call=flux2_call,
         model_fn=flux2_model_fn,
+        sampling=plan_for,  # Flux2Scheduler + euler, as ComfyUI's FLUX.2 template (flux2/sampling.py)
     )
 )
 

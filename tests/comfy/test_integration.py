@@ -253,7 +253,7 @@ def test_tp_sampler_with_cfg_and_negative_through_the_prompt_api(comfy: Comfy) -
 def test_lora_loader_model_only_on_the_parallel_model_names_the_pack_node(comfy: Comfy) -> None:
     from test_sampling import MODELS
 
-    from rocm_parallel.nodes.logic import LORA_ON_MODEL_MESSAGE
+    from rocm_parallel.nodes.checks import LORA_ON_MODEL_MESSAGE
     from rocm_parallel.testing.models import tiny_flux_config
     from rocm_parallel.testing.writers import write_random_lora
 

@@ -29,7 +29,9 @@ from test_sampling import META, MODELS, flux_model, reference
 from rocm_parallel.backend.api import ParallelFlux
 from rocm_parallel.backend.checkpoint import save_checkpoint
 from rocm_parallel.backend.config import ParallelLayout
-from rocm_parallel.nodes import logic
+from rocm_parallel.nodes.checks import LORA_ON_MODEL_MESSAGE
+from rocm_parallel.nodes.inputs import LayoutRequest, ParallelHandle
+from rocm_parallel.nodes.registry import Registry
 
 pytestmark = [pytest.mark.comfy, pytest.mark.timeout(3000)]
 
@@ -73,9 +75,9 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def registries() -> Iterator[dict[int, logic.Registry]]:
+def registries() -> Iterator[dict[int, Registry]]:
     """One registry (one worker group) per device count, one thread per worker."""
-    made = {n: logic.Registry(factory=lambda devices: ParallelFlux(list(devices), threads=1)) for n in (2, 4)}
+    made = {n: Registry(factory=lambda devices: ParallelFlux(list(devices), threads=1)) for n in (2, 4)}
     yield made
     for registry in made.values():
         registry.close()
@@ -85,10 +87,10 @@ def parallel_model(comfy, checkpoints, registries, variant: str, layout: str, lo
     from rocm_parallel.nodes import comfy_model
 
     devices, parallel = LAYOUTS[layout]
-    handle = logic.ParallelHandle(
+    handle = ParallelHandle(
         checkpoints[variant], Path(checkpoints[variant]).name, ("cpu",) * devices, "float32", tuple(loras)
     )
-    return comfy_model.parallel_model(handle, logic.LayoutRequest(parallel), registries[devices])
+    return comfy_model.parallel_model(handle, LayoutRequest(parallel), registries[devices])
 
 
 def conditioning(ref: dict[str, torch.Tensor], prefix: str, guidance: float | None) -> list:
@@ -159,7 +161,7 @@ def test_comfyuis_lora_loader_on_the_parallel_model_fails_pointing_to_the_pack_n
     lora = comfy.utils.load_torch_file(_lora_file(tmp_path, "lora_bfl"), safe_load=True)
     with pytest.raises(RuntimeError) as err:
         comfy.sd.load_lora_for_models(model, None, lora, 0.8, 0)  # what LoraLoaderModelOnly does
-    assert str(err.value) == logic.LORA_ON_MODEL_MESSAGE
+    assert str(err.value) == LORA_ON_MODEL_MESSAGE
     assert "'ROCm Parallel LoRA'" in str(err.value)
     # Clones (every ComfyUI model node clones) keep the refusal.
     with pytest.raises(RuntimeError, match="ROCm Parallel LoRA"):
@@ -236,12 +238,12 @@ def test_fp8_weights_match_comfyuis_own_fp8_model(comfy, registries, tmp_path_fa
     own = load_in_comfy(comfy, dict(reference_model.config), bfl)
     monkeypatch.undo()
     assert own.model.diffusion_model.img_in.weight.dtype == torch.float8_e4m3fn
-    handle = logic.ParallelHandle(str(path), path.name, ("cpu", "cpu"), "float32", (), None)
-    ours = comfy_model.parallel_model(handle, logic.LayoutRequest(ParallelLayout(tp=2)), registries[2])
+    handle = ParallelHandle(str(path), path.name, ("cpu", "cpu"), "float32", (), None)
+    ours = comfy_model.parallel_model(handle, LayoutRequest(ParallelLayout(tp=2)), registries[2])
     want, got = run_case(comfy, own, "dev_4steps"), run_case(comfy, ours, "dev_4steps")
     flux = registries[2].flux_for(handle.devices)
     assert flux.resident.weight_dtype == "default"
-    assert "float8_e4m3fn" in flux.status()[0]["parameter_bytes_by_dtype"]
+    assert "float8_e4m3fn" in flux.status()[0].parameter_bytes_by_dtype
     assert (got - want).abs().max().item() <= 1e-4  # measured 1.4e-6
     # not vacuous: fp8 rounding moves ComfyUI's own result by 0.17 from its float32 model's
     assert (want - reference("dev_4steps")["output"]).abs().max().item() > 0.1
@@ -278,8 +280,8 @@ def test_scaled_fp8_matches_comfyuis_own_scaled_fp8_model(comfy, registries, tmp
     own = load_in_comfy(comfy, dict(reference_model.config), bfl)
     assert own.model.diffusion_model.img_in.weight.dtype == torch.float8_e4m3fn
     assert own.model.diffusion_model.img_in.scale_weight.item() == bfl["img_in.scale_weight"].item()
-    handle = logic.ParallelHandle(str(path), path.name, ("cpu", "cpu"), "float32", (), None)
-    ours = comfy_model.parallel_model(handle, logic.LayoutRequest(ParallelLayout(tp=2)), registries[2])
+    handle = ParallelHandle(str(path), path.name, ("cpu", "cpu"), "float32", (), None)
+    ours = comfy_model.parallel_model(handle, LayoutRequest(ParallelLayout(tp=2)), registries[2])
     want, got = run_case(comfy, own, "dev_4steps"), run_case(comfy, ours, "dev_4steps")
     assert (got - want).abs().max().item() <= 1e-4  # measured 9.5e-7
 
@@ -322,8 +324,8 @@ def test_auto_plans_for_the_reference_latents_in_comfyuis_conds(comfy, checkpoin
     name = "kontext_calls"
     case = CASES[name]
     path = checkpoints[case["variant"]]
-    handle = logic.ParallelHandle(path, Path(path).name, ("cpu", "cpu"), "float32")
-    model = comfy_model.parallel_model(handle, logic.LayoutRequest(None), registries[2])
+    handle = ParallelHandle(path, Path(path).name, ("cpu", "cpu"), "float32")
+    model = comfy_model.parallel_model(handle, LayoutRequest(None), registries[2])
     spy = mock.patch.object(ParallelFlux, "auto_layout", autospec=True, side_effect=ParallelFlux.auto_layout)
     with spy as planned, torch.no_grad():
         got = reference_run_case(comfy, {case["variant"]: model}, name, case, tmp_path)
@@ -398,7 +400,7 @@ def test_the_samplers_run_flux2_with_flux2_scheduler_sigmas(
     case = FLUX2_CASES[name]
     monkeypatch.setattr(classes, "REGISTRY", registries[2])
     path = flux2_checkpoints[case["variant"]]
-    handle = logic.ParallelHandle(path, Path(path).name, ("cpu", "cpu"), "float32")
+    handle = ParallelHandle(path, Path(path).name, ("cpu", "cpu"), "float32")
     conditioning = flux2_conditioning(comfy, case, flux2_inputs(name, case))
     flux_nodes = comfy["flux_nodes"]
     latent = flux_nodes.EmptyFlux2LatentImage.execute(case["width"], case["height"], 1)[0]
@@ -499,13 +501,13 @@ def test_flux2_fp8_mixed_matches_comfyuis_own_fp8_mixed_model(comfy, registries,
     assert (
         type(qkv).__name__ == "QuantizedTensor" and qkv.dtype == torch.float8_e4m3fn
     )  # really fp8 in ComfyUI
-    handle = logic.ParallelHandle(str(path), path.name, ("cpu", "cpu"), "float32", (), None)
-    ours = comfy_model.parallel_model(handle, logic.LayoutRequest(ParallelLayout(tp=2)), registries[2])
+    handle = ParallelHandle(str(path), path.name, ("cpu", "cpu"), "float32", (), None)
+    ours = comfy_model.parallel_model(handle, LayoutRequest(ParallelLayout(tp=2)), registries[2])
     name = "flux2_4steps"
     want = run_flux2_case(comfy, own, name)[f"{name}.output"]
     got = run_flux2_case(comfy, ours, name)[f"{name}.output"]
     flux = registries[2].flux_for(handle.devices)
-    assert "float8_e4m3fn" in flux.status()[0]["parameter_bytes_by_dtype"]
+    assert "float8_e4m3fn" in flux.status()[0].parameter_bytes_by_dtype
     diff = (got - want).abs().max().item()
     print(f"{name} fp8 mixed tp2: max |diff| {diff:.2e}")
     assert diff <= 1e-5

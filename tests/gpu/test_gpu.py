@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_methods import BuildRandom, Inputs
 
 from rocm_parallel.backend.config import FluxDims
 from rocm_parallel.backend.flux.model import FLUX_DEV, build_flux
@@ -52,8 +53,8 @@ def test_parallel_forward_matches_one_gpu(layout: dict) -> None:
 
     config, inputs, expected = _one_gpu_reference()
     with WorkerGroup(["cuda:0", "cuda:1"], extra_sys_path=[TESTS_DIR], methods=["model_methods"]) as group:
-        group.call_all("build_random", {"config": config, "seed": 3, "dtype": "bfloat16", **layout})
-        out = group.call("forward", {"inputs": inputs.as_kwargs()})["output"]
+        group.call_all("build_random", BuildRandom(config, 3, "bfloat16", **layout))
+        out = group.call("forward", Inputs(inputs.as_kwargs())).output
     # bf16 with a different reduction order: compare relative to the output's scale
     assert (out - expected).abs().max().item() <= 2e-2 * expected.abs().max().item()
 
@@ -90,7 +91,7 @@ def test_gpu_sdpa_is_not_the_math_fallback() -> None:
     slower: doctor reports it; here it fails the tier."""
     with one_gpu_group(1) as group:
         (report,) = group.call_all("attention_kernels")
-    assert report["fast"], f"only the math SDPA kernel runs on {report['device']}: {report['kernels']}"
+    assert report.fast, f"only the math SDPA kernel runs on {report.device}: {report.kernels}"
 
 
 def one_gpu_group(workers: int):
@@ -111,9 +112,9 @@ def test_two_workers_on_one_gpu_match_one_process(layout: dict) -> None:
     on a machine with one GPU: two workers share cuda:0 and talk through gloo over GPU tensors."""
     config, inputs, expected = _one_gpu_reference()
     with one_gpu_group(2) as group:
-        assert [h["backend"] for h in group.health] == ["gloo", "gloo"]
-        group.call_all("build_random", {"config": config, "seed": 3, "dtype": "bfloat16", **layout})
-        out = group.call("forward", {"inputs": inputs.as_kwargs()})["output"]
+        assert [h.backend for h in group.health] == ["gloo", "gloo"]
+        group.call_all("build_random", BuildRandom(config, 3, "bfloat16", **layout))
+        out = group.call("forward", Inputs(inputs.as_kwargs())).output
     assert (out - expected).abs().max().item() <= 2e-2 * expected.abs().max().item()
 
 

@@ -1,0 +1,71 @@
+"""layout='auto': the planner's choice of layout for an image on a worker group, from measured figures.
+
+`measure_machine(group)` runs `probe.measure_link` on every rank once (link bandwidth and latency, device
+TFLOPS and memory); `choose_layout` prices every layout for the image with those figures (backend/plan/)
+and returns the planner's `Choice`, whose `.explanation` the nodes show.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .checkpoint import resolve_dtype
+from .client import WorkerGroup
+from .config import FluxDims, ParallelLayout
+from .family import get_family
+from .messages import LinkReport, LinkRequest
+from .plan import Choice, Link, Setup, choose
+
+
+def make_layout(
+    kind: str | ParallelLayout,
+    devices: int,
+    ring: int | None = None,
+    ulysses: int | None = None,
+    setup: Setup | None = None,
+) -> ParallelLayout:
+    """`ParallelLayout.make(kind, devices, ring, ulysses)`, plus 'auto' → the planner's choice for `setup`
+    (see ParallelFlux.auto_layout, which also explains it)."""
+    if isinstance(kind, ParallelLayout):
+        return kind
+    if kind == "auto" and setup is not None:
+        return choose(setup).layout
+    return ParallelLayout.make(kind, devices, ring, ulysses)
+
+
+def measure_machine(group: WorkerGroup) -> LinkReport:
+    """Rank 0's link and speed figures, with the least memory any rank has (the layout must fit it)."""
+    reports: list[LinkReport] = group.call_all("measure_link", LinkRequest())
+    return dataclasses.replace(reports[0], memory_bytes=min(r.memory_bytes for r in reports))
+
+
+def choose_layout(
+    machine: LinkReport,
+    devices: tuple[str, ...],
+    dims: FluxDims,
+    width: int,
+    height: int,
+    batch: int,
+    *,
+    dtype: str | None,
+    context_only: bool,
+    weight_dtype: str,
+    family: str,
+    reference_tokens: int,
+) -> Choice:
+    """The planner's layout for this image on these devices (ParallelFlux.auto_layout documents the
+    arguments)."""
+    cpu = devices[0].startswith("cpu")
+    link = Link(
+        machine.gbps if machine.gbps is not None else 1.0,
+        machine.latency_us if machine.latency_us is not None else 0.0,
+        measured=machine.gbps is not None,
+        name="gloo (CPU)" if cpu else "link",
+    )
+    compute = str(resolve_dtype(dtype, devices[0])).removeprefix("torch.")
+    setup = Setup(
+        dims, width, height, batch, dtype=compute, devices=len(devices), memory_gb=machine.memory_bytes / 1e9,
+        link=link, tflops=machine.tflops, device_word="CPU worker" if cpu else "GPU", weight_dtype=weight_dtype,
+        family=family, text_tokens=get_family(family).text.tokens, reference_tokens=reference_tokens,
+    )  # fmt: skip
+    return choose(setup, allow=(lambda lay: lay.tp == 1) if context_only else None)

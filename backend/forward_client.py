@@ -1,0 +1,205 @@
+"""The caller's side of the forward service: one model call on every rank (serve.py is the workers' side).
+
+`ForwardClient.call` is what `ParallelFlux.forward` runs for each model call: the conditioning goes under
+a key the ranks hold (sent along when they do not), the latent through a reused tensor file, and the
+ranks' own time sets the next call's watchdog. `ForwardClient.sample` is `ParallelFlux.sample`'s Euler
+loop (flux/sampling.py `euler`) with `call` as the model: one sampling path, in the caller.
+
+The client finds a key by content (tensor equality), because ComfyUI builds new tensors with the same
+values for each step. Both sides keep the same least-recently-used set of keys
+(`messages.ConditioningSlots`: they see the same sequence of uses), and a rank that lacks a key says so
+and gets the tensors again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .client import DEFAULT_WATCHDOG, JobTimeout, ProgressCallback, Watchdog, WorkerError, WorkerGroup
+from .flux.sampling import SamplingPlan, euler
+from .messages import Conditioning, ConditioningSlots, ForwardReply, ForwardRequest
+
+# A forward has no step boundary to report from: its watchdog limit follows the slowest forward seen
+# so far (a first one that compiles kernels gets the default), never below the step watchdog's floor.
+PACE_FACTOR = 5.0
+
+
+_keys = itertools.count(1)
+
+
+@dataclass
+class ConditioningSender:
+    """The client's side: which conditioning the ranks hold, found by content.
+
+    Comparing a prompt bit for bit (8 MB for 512 T5 tokens in float32, 31 MB for FLUX.2 [dev]) costs about as much as the rest of
+    a step's messaging, so it is taken off the step's path: `key_for` picks the held entry whose shape,
+    dtype and a strided sample of words match (microseconds), the step is sent under that key at once,
+    and the full comparison (`Match.verify`) runs while the ranks compute. In the rare case it fails,
+    the caller discards that step's output and sends the step again with the conditioning.
+    """
+
+    slots: ConditioningSlots = field(default_factory=ConditioningSlots)
+    sent_bytes: int = 0  # conditioning bytes sent to the ranks so far (the benchmark and tests read it)
+
+    def key_for(
+        self, context: torch.Tensor, pooled: torch.Tensor, refs: Sequence[torch.Tensor] = ()
+    ) -> Match:
+        """The held entry this conditioning (a prompt and its reference latents, Kontext) probably is (to
+        verify), or a new key to send it under."""
+        given = tuple(t.detach().cpu().contiguous() for t in (context, pooled, *refs))
+        for key, held in reversed(self.slots.entries.items()):  # the latest first: the usual hit
+            if len(held) == len(given) and all(_similar(h, t) for h, t in zip(held, given, strict=True)):
+                self.slots.get(key)
+                return Match(key, held=True, expected=held, given=given)
+        return self.add(context, pooled, refs)
+
+    def add(self, context: torch.Tensor, pooled: torch.Tensor, refs: Sequence[torch.Tensor] = ()) -> Match:
+        """A new key for this conditioning; the ranks get the tensors with the next call. The copy kept
+        here is what later steps' freshly built tensors are compared with."""
+        key = next(_keys)
+        wanted = (context, pooled, *refs)
+        self.slots.put(key, tuple(t.detach().cpu().clone() for t in wanted))
+        self.sent_bytes += sum(_nbytes(t) for t in wanted)
+        return Match(key, held=False)
+
+    def forget(self, key: int) -> None:
+        self.slots.forget(key)
+
+
+@dataclass
+class Match:
+    """`key_for`'s answer: the key, whether the ranks hold it, and what to compare to be sure."""
+
+    key: int
+    held: bool
+    expected: tuple[torch.Tensor, ...] = ()
+    given: tuple[torch.Tensor, ...] = ()
+
+    def verify(self) -> bool:
+        """Bit-for-bit equality of the held entry and the given tensors (True for a new key)."""
+        return all(torch.equal(_words(a), _words(b)) for a, b in zip(self.expected, self.given, strict=True))
+
+
+SAMPLED_WORDS = 1024  # words `_similar` compares: enough to tell prompts apart, cheap at any size
+
+
+def _similar(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, dtype and a strided sample of the bits: the cheap test before `Match.verify`."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    wa, wb = _words(a), _words(b)
+    stride = max(1, wa.numel() // SAMPLED_WORDS)
+    return torch.equal(wa[::stride], wb[::stride]) and torch.equal(wa[-1:], wb[-1:])
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """The bits of a contiguous tensor as 8-byte words (several times faster to compare than floats, and
+    NaN equals itself, which a cache wants), or bytes when the size is not a multiple of 8."""
+    flat = t.reshape(-1).view(torch.uint8)
+    return flat.view(torch.int64) if flat.numel() % 8 == 0 else flat
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass
+class ForwardPace:
+    """The longest forward so far, for the next forward's watchdog."""
+
+    longest: float | None = None
+
+    def watchdog(self) -> Watchdog:
+        if self.longest is None:
+            return DEFAULT_WATCHDOG
+        return Watchdog(first=max(DEFAULT_WATCHDOG.floor, PACE_FACTOR * self.longest))
+
+    def record(self, seconds: float) -> None:
+        self.longest = max(self.longest or 0.0, seconds)
+
+
+class ForwardClient:
+    """What the caller keeps for the forward service of one resident model: the conditioning the ranks
+    hold, the pace of their forwards, the latest forward's time."""
+
+    def __init__(self) -> None:
+        self.sender = ConditioningSender()
+        self.pace = ForwardPace()
+        self.last_seconds = 0.0  # the ranks' own time for the latest call (rank 0)
+
+    def call(
+        self,
+        group: WorkerGroup,
+        x: torch.Tensor,
+        timestep: torch.Tensor,
+        context: torch.Tensor,
+        pooled: torch.Tensor,
+        guidance: torch.Tensor | None,
+        refs: Sequence[torch.Tensor] = (),
+        ref_method: str = "offset",
+        timeout: float | None = None,
+    ) -> torch.Tensor:
+        """One `flux_forward` job on `group`; rank 0's output. The key's full check runs while the ranks
+        compute; a lookalike prompt that fails it has its output discarded and the step sent again with
+        its own conditioning."""
+        match = self.sender.key_for(context, pooled, refs)
+        checked: list[bool] = []
+        for attempt in range(3):
+            cond = None if match.held else Conditioning(context, pooled, tuple(refs))
+            request = ForwardRequest(x, timestep, match.key, guidance, cond, ref_method)
+            try:
+                reply: ForwardReply = group.call(
+                    "flux_forward", request, timeout=timeout, watchdog=self.pace.watchdog(),
+                    reuse_files=True, while_waiting=lambda m=match: checked.append(m.verify()),
+                )  # fmt: skip
+            except WorkerError as exc:
+                self.sender.forget(match.key)  # whatever happened, no rank is assumed to hold it
+                # A rank without the key (a restarted worker, an eviction out of step) gets the tensors
+                # once more; anything else ends the call.
+                if exc.remote_type != "ConditioningMissing" or attempt or not group.alive:
+                    raise
+                match = self.sender.add(context, pooled, refs)
+                continue
+            if checked.pop():
+                self.pace.record(reply.seconds)
+                self.last_seconds = reply.seconds
+                return reply.out
+            match = self.sender.add(context, pooled, refs)
+        raise AssertionError("unreachable: a new key always verifies")
+
+    def sample(
+        self,
+        group: WorkerGroup,
+        plan: SamplingPlan,
+        checked: Callable[..., tuple[Any, ...]],
+        progress: ProgressCallback | None,
+        timeout: float | None,
+        model_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """`flux.sampling.euler` over this service: every step one `call` on `group`, its arguments from
+        `checked(x, sigma, context, pooled, guidance)`; `timeout` bounds the whole loop."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def step(
+            x: Tensor, sigma: Tensor, context: Tensor, pooled: Tensor, guidance: Tensor | None
+        ) -> Tensor:
+            left = None if deadline is None else deadline - time.monotonic()
+            try:
+                if left is not None and left <= 0:
+                    raise JobTimeout("no time left for the next step")
+                return self.call(group, *checked(x, sigma, context, pooled, guidance), timeout=left)
+            except JobTimeout as exc:
+                if not group.alive:  # a rank did not stop when cancelled: its own message says so
+                    raise
+                raise JobTimeout(
+                    f"'sample' ran past its time limit of {timeout:g} s and was cancelled"
+                ) from exc
+
+        return euler(step, plan, progress, model_dtype)

@@ -1,0 +1,254 @@
+"""What the client and the workers say to each other: one frozen record per request and per reply.
+
+Every worker method takes one of these (or nothing) and answers with one (or None); `transport.pack`
+sends them as plain data and rebuilds only registered classes on arrival. Both sides import this module.
+The tests' own worker methods define their records next to them (tests/worker_jobs.py, ...).
+
+| method (module)                 | request          | reply                                   |
+|---------------------------------|------------------|-----------------------------------------|
+| ping (worker.py)                | -                | RankInfo                                |
+| load (jobs.py)                  | LoadRequest      | LoadReport (a RankStatus plus the load) |
+| status, unload (jobs.py)        | -                | RankStatus, Unloaded                    |
+| flux_forward (serve.py)         | ForwardRequest   | ForwardReply                            |
+| measure_link (probe.py)         | LinkRequest      | LinkReport                              |
+| health_check (probe.py)         | HealthRequest    | HealthReport                            |
+| attention_kernels (probe.py)    | -                | AttentionReport                         |
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from .checkpoint import CheckpointInfo, StoredTensor
+from .config import ParallelLayout
+from .transport import record, register
+
+# The layout and the checkpoint's header travel as they are: the workers neither rebuild the layout from
+# numbers nor read the header again.
+register(ParallelLayout, CheckpointInfo, StoredTensor)
+
+Lora = tuple[str, float]  # (path, strength), applied in order
+
+
+@record
+@dataclass(frozen=True)
+class RankInfo:
+    """`ping`: who answered."""
+
+    rank: int
+    pid: int
+    device: str
+    backend: str
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading and status
+
+
+@record
+@dataclass(frozen=True)
+class Loaded:
+    """What a rank holds, as its status reports it (and what it compares to decide a reload)."""
+
+    checkpoint: str  # the path as the caller named it
+    layout: ParallelLayout
+    dtype: str | None
+    weight_dtype: str
+    attention: str | None = None
+    loras: tuple[Lora, ...] = ()
+
+    def same_weights(self, other: Any) -> bool:
+        """The same model in the same layout, whatever the LoRAs: a LoRA change re-reads only what they touch."""
+        return isinstance(other, Loaded) and replace(self, loras=()) == replace(other, loras=())
+
+
+@record
+@dataclass(frozen=True)
+class LoadRequest:
+    """Make `checkpoint` resident in `layout` with `loras` applied; what `ParallelFlux.resident` keeps.
+
+    `info` is the caller's reading of the checkpoint's header (read once per run and carried along);
+    `dtype` the compute dtype (None: the devices' default); `weight_dtype` how the linear weights are held
+    (config.WEIGHT_DTYPE_BYTES: 'default', 'fp8_e4m3fn', 'fp8_e5m2', 'compute').
+    """
+
+    checkpoint: str
+    info: CheckpointInfo
+    layout: ParallelLayout
+    dtype: str | None = None
+    weight_dtype: str = "default"
+    attention: str | None = None
+    loras: tuple[Lora, ...] = ()
+
+    def loaded(self) -> Loaded:
+        return Loaded(self.checkpoint, self.layout, self.dtype, self.weight_dtype, self.attention, self.loras)
+
+
+@record
+@dataclass(frozen=True)
+class DeviceMemory:
+    """A GPU's memory (CPU workers report none)."""
+
+    allocated_gb: float
+    peak_gb: float
+    free_gb: float
+    total_gb: float
+
+
+@record
+@dataclass(frozen=True)
+class RankStatus:
+    """One rank's device, resident model and memory."""
+
+    rank: int
+    device: str
+    loaded: Any = None  # a Loaded, a test's own record describing random weights, or None
+    parameter_bytes: int = 0  # resident parameter bytes (fp8 weights count 1 byte each)
+    parameter_bytes_by_dtype: dict[str, int] = field(default_factory=dict)
+    memory: DeviceMemory | None = None
+    busy: bool = False  # ParallelFlux.status() while a job runs: the last report, not a fresh one
+
+
+@record
+@dataclass(frozen=True)
+class LoadReport(RankStatus):
+    """A rank's status after a load, and what the load did."""
+
+    reused: bool = False  # the model was resident already (only the LoRAs may have changed)
+    seconds: float = 0.0  # reading the checkpoint (0 when reused)
+    lora_tensors: int = 0  # tensors the LoRA change rewrote
+    lora_seconds: float = 0.0
+
+
+@record
+@dataclass(frozen=True)
+class Unloaded:
+    rank: int
+    unloaded: bool  # a model was resident
+
+
+# --------------------------------------------------------------------------------------------------
+# The forward service (serve.py on the workers, forward_client.py in the caller)
+
+CONDITIONING_SLOTS = 4  # prompts kept per rank: a CFG batch, a second sampler, a refiner pass
+
+
+@record
+@dataclass(frozen=True)
+class Conditioning:
+    """A prompt as the model call takes it (the text features, FLUX.1's pooled vector, or an empty one for
+    FLUX.2) and the reference latents (Kontext, FLUX.2 editing): sent once, kept by every rank under a key."""
+
+    context: torch.Tensor
+    pooled: torch.Tensor
+    ref_latents: tuple[torch.Tensor, ...] = ()
+
+
+@record
+@dataclass(frozen=True)
+class ForwardRequest:
+    """One model call, ComfyUI's `Flux.forward(x, timestep, context, y, guidance, ref_latents,
+    ref_latents_method=)`: the conditioning held under `cond_key`, sent along as `cond` when the ranks lack it."""
+
+    x: torch.Tensor
+    timestep: torch.Tensor
+    cond_key: int
+    guidance: torch.Tensor | None = None
+    cond: Conditioning | None = None
+    ref_method: str = "offset"
+
+
+@record
+@dataclass(frozen=True)
+class ForwardReply:
+    rank: int
+    out: torch.Tensor | None  # rank 0: the output [B, C, H, W] in the compute dtype; other ranks: None
+    seconds: float  # the forward on this rank
+
+
+class ConditioningSlots:
+    """Least recently used key -> value, `CONDITIONING_SLOTS` long. The client and every rank make the
+    same uses in the same order, so they evict the same keys (the rule both sides of the service share)."""
+
+    def __init__(self, capacity: int = CONDITIONING_SLOTS) -> None:
+        self.capacity = capacity
+        self.entries: OrderedDict[int, Any] = OrderedDict()
+
+    def get(self, key: int) -> Any:
+        value = self.entries.get(key)
+        if value is not None:
+            self.entries.move_to_end(key)
+        return value
+
+    def put(self, key: int, value: Any) -> None:
+        self.entries[key] = value
+        self.entries.move_to_end(key)
+        while len(self.entries) > self.capacity:
+            self.entries.popitem(last=False)
+
+    def forget(self, key: int) -> None:
+        self.entries.pop(key, None)
+
+
+# --------------------------------------------------------------------------------------------------
+# Probes (probe.py): the link, the start-up health check, attention kernels
+
+
+@record
+@dataclass(frozen=True)
+class LinkRequest:
+    megabytes: float = 8.0  # the all-reduce that measures bandwidth
+    repeats: int = 5
+
+
+@record
+@dataclass(frozen=True)
+class LinkReport:
+    """What the planner needs about this machine (`ParallelFlux.machine()`: memory is the least rank's)."""
+
+    rank: int
+    device: str
+    world_size: int
+    tflops: float  # sustained matmul throughput
+    memory_bytes: int  # device memory (CPU workers: the host's, shared out)
+    gbps: float | None = None  # all-reduce bus bandwidth; None with one worker (no link)
+    latency_us: float | None = None
+
+
+@record
+@dataclass(frozen=True)
+class HealthRequest:
+    elements: int = 1024
+
+
+@record
+@dataclass(frozen=True)
+class HealthReport:
+    """A small all-reduce and all-gather, checked and timed (the first call included)."""
+
+    rank: int
+    device: str
+    world_size: int
+    backend: str
+    threads: int
+    correct: bool
+    detail: str  # what was wrong, when not correct
+    all_reduce_s: float
+    all_gather_s: float
+    env: dict[str, str | None]  # the flags that change how collectives run
+
+
+@record
+@dataclass(frozen=True)
+class AttentionReport:
+    """Which SDPA kernels run on a rank's device, and which PyTorch may pick."""
+
+    rank: int
+    device: str
+    kernels: dict[str, str]  # name -> "ok" or the error
+    enabled: dict[str, bool]
+    fast: tuple[str, ...]

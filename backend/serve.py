@@ -1,0 +1,69 @@
+"""The worker side of the forward service: one transformer forward per request, the way ComfyUI's
+samplers call a model (forward_client.py is the caller's side).
+
+Where a step runs: ComfyUI's sampler calls the proxy MODEL's diffusion model (`nodes/comfy_model.py`),
+or `ParallelFlux.sample` runs its Euler loop; either calls `ParallelFlux.forward` (backend/api.py),
+which sends one `flux_forward` request to every rank. Each rank runs its family's model call
+(`flux.forward.flux_call` for FLUX.1, `flux2.forward.flux2_call` for FLUX.2) on its shard in the
+resident layout (TP, ring, Ulysses or both) and rank 0 returns the full output.
+
+Conditioning (the text features, FLUX.1's CLIP pooled vector, and reference latents) is the same for
+every step of a job, often megabytes: the client sends it once under a key and every rank keeps it on
+its device (`messages.ConditioningSlots`: both sides evict alike), so a step moves only the latent. A
+rank that lacks a key says so (`ConditioningMissing`) and gets the tensors again.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .family import family_of
+from .messages import ConditioningSlots, ForwardReply, ForwardRequest
+from .parallel.weights import compute_dtype
+from .worker import WorkerContext, handler
+
+
+class ConditioningMissing(KeyError):
+    """A rank does not hold the conditioning the client named (evicted, or the worker restarted)."""
+
+
+def _slots(ctx: WorkerContext) -> ConditioningSlots:
+    return ctx.resident.caches.setdefault("conditioning", ConditioningSlots())
+
+
+@handler("flux_forward", ForwardRequest)
+def forward(ctx: WorkerContext, request: ForwardRequest) -> ForwardReply:
+    """One model call on the resident model: ComfyUI's Flux.forward(x, timestep, context, y, guidance,
+    ref_latents, ref_latents_method=ref_method), run by the resident model's family (backend/family.py).
+
+    Rank 0 returns the output [B, C, H, W] in the model's dtype; the others return none.
+    """
+    model = ctx.resident.require()
+    family = family_of(model)
+    dtype = compute_dtype(model)
+    slots = _slots(ctx)
+    cond = request.cond
+    if cond is not None:
+        held = (cond.context, cond.pooled, *cond.ref_latents)
+        slots.put(request.cond_key, tuple(t.to(ctx.device, dtype) for t in held))
+    conditioning = slots.get(request.cond_key)
+    if conditioning is None:
+        raise ConditioningMissing(f"conditioning {request.cond_key} is not held on rank {ctx.rank}")
+    context, pooled, *refs = conditioning
+    guidance = request.guidance
+    started = time.perf_counter()
+    with torch.inference_mode():
+        out = family.call(
+            family.model_fn(model),
+            request.x.to(ctx.device, dtype),
+            request.timestep.to(ctx.device),
+            context,
+            pooled,
+            guidance.to(ctx.device, dtype) if guidance is not None else None,
+            ref_latents=refs,
+            ref_method=request.ref_method,
+        )
+        out = out.cpu() if ctx.rank == 0 else None
+    return ForwardReply(rank=ctx.rank, out=out, seconds=time.perf_counter() - started)

@@ -1,0 +1,195 @@
+"""What the nodes refuse before anything runs, and what the parallel MODEL refuses at run time: inputs
+ComfyUI's own FLUX would use and the workers cannot (ControlNet, attention masks, model patches), bad
+conditioning widths, latents of another family. Each message names the node to change.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..backend.config import ConfigError
+from .inputs import LayoutRequest, ParallelHandle
+from .loading import load_kwargs, read_checkpoint
+from .registry import Registry
+
+if TYPE_CHECKING:
+    from ..backend.checkpoint import CheckpointInfo
+
+# What the proxy refuses: ComfyUI would pass these to its own Flux model, and ignoring them would change
+# the image without a word. Each message names the node to remove.
+CONTROLNET_MESSAGE = (
+    "ControlNet is not supported by the ROCm Parallel Model yet: remove the ControlNet apply node "
+    "(ControlNetApply / ControlNetApplyAdvanced) from the conditioning, or sample with ComfyUI's own "
+    "Load Diffusion Model"
+)
+KONTEXT_MESSAGE = (
+    "the TP / Ring Attention Sampler do not take FLUX Kontext's reference latents (the conditioning carries "
+    "ReferenceLatent's): sample with the ROCm Parallel Model and ComfyUI's KSampler instead (see the "
+    "flux1_kontext workflow), or remove the ReferenceLatent node"
+)
+FILL_MESSAGE = (
+    "{model} needs the masked image and mask in every step, which the TP / Ring Attention Sampler do not "
+    "supply: sample it with the ROCm Parallel Model, ComfyUI's InpaintModelConditioning and KSampler"
+)
+ATTENTION_MASK_MESSAGE = (
+    "attention masks in the conditioning (e.g. StyleModelApply with strength_type 'attn_bias') are not "
+    "supported by the ROCm Parallel Model: use strength_type 'multiply' or remove the node that adds the mask"
+)
+LORA_ON_MODEL_MESSAGE = (
+    "LoraLoaderModelOnly (or any node that patches weights, e.g. model merging) cannot patch the ROCm "
+    "Parallel Model: its weights live in the worker processes. Remove that node and put a 'ROCm Parallel "
+    "LoRA' node between the ROCm Parallel Loader and the ROCm Parallel Model (or the TP / Ring Attention "
+    "Sampler)"
+)
+
+
+def patches_message(kind: str, names: Sequence[str]) -> str:
+    return (
+        f"a model patch ({kind}: {', '.join(sorted(names))}) would change the FLUX transformer's blocks or "
+        "attention, which run in the ROCm Parallel workers and cannot be patched from ComfyUI; remove the node "
+        "that adds it (e.g. a PAG, attention-couple or block-patch node) from the ROCm Parallel Model's path"
+    )
+
+
+def unknown_input_message(name: str) -> str:
+    return (
+        f"ComfyUI passed '{name}' to the FLUX model; the ROCm Parallel Model does not implement it and "
+        "ignoring it would change the image. Remove the node that adds it to the conditioning or the model"
+    )
+
+
+# Keyword inputs of ComfyUI's Flux.forward the proxy receives and understands (ref_latents is an argument).
+_UNDERSTOOD = {"ref_latents_method"}  # Kontext: how reference latents are placed (passed to the workers)
+
+
+def unsupported_forward_inputs(
+    control: Any, transformer_options: dict[str, Any], extra: dict[str, Any]
+) -> str | None:
+    """Why the proxy cannot run this forward as ComfyUI's Flux would, or None when it can."""
+    if control is not None:
+        return CONTROLNET_MESSAGE
+    if extra.get("attention_mask") is not None:
+        return ATTENTION_MASK_MESSAGE
+    for name, value in extra.items():
+        if name not in _UNDERSTOOD and value is not None:
+            return unknown_input_message(name)
+    for key in ("patches", "patches_replace"):
+        patches = {k: v for k, v in (transformer_options.get(key) or {}).items() if v}
+        if patches:
+            return patches_message(key, list(patches))
+    wrappers = (transformer_options.get("wrappers") or {}).get("diffusion_model") or {}
+    if any(wrappers.values()):
+        return patches_message("diffusion_model wrappers", [str(k) for k, v in wrappers.items() if v])
+    return None
+
+
+def _conditioning_entries(name: str, conditioning: Any) -> list[tuple[Any, dict[str, Any]]]:
+    if not isinstance(conditioning, list) or not conditioning:
+        raise ConfigError(
+            f"{name} must be a CONDITIONING (a list of [tensor, dict]); got {type(conditioning).__name__}"
+        )
+    entries = []
+    for i, entry in enumerate(conditioning):
+        if not isinstance(entry, (list, tuple)) or len(entry) != 2 or not isinstance(entry[1], dict):
+            raise ConfigError(f"{name}[{i}] is not a [tensor, dict] CONDITIONING entry")
+        entries.append((entry[0], entry[1]))
+    return entries
+
+
+def check_conditioning(name: str, conditioning: Any, info: CheckpointInfo) -> None:
+    """Widths against the checkpoint `info` (a SD or SDXL text encoder is the usual mistake), and the
+    extras the proxy refuses at run time, refused here before anything starts."""
+    text, text_dim, pooled_dim = info.model_family.text, info.dims.text_dim, info.dims.pooled_dim
+    for i, (cond, extras) in enumerate(_conditioning_entries(name, conditioning)):
+        where = f"{name}[{i}]" if len(conditioning) > 1 else name
+        if getattr(cond, "ndim", 0) != 3 or cond.shape[-1] != text_dim:
+            raise ConfigError(
+                f"{where}: the text embedding is {list(getattr(cond, 'shape', []))} but {info.model_name} takes "
+                f"[batch, tokens, {text_dim}]; encode the prompt with {text.encoder} and CLIPTextEncode"
+            )
+        pooled = extras.get("pooled_output")
+        if text.pooled and pooled is not None and pooled.shape[-1] != pooled_dim:
+            raise ConfigError(
+                f"{where}: pooled_output is {list(pooled.shape)} but {info.model_name} takes [batch, "
+                f"{pooled_dim}] (CLIP-L); encode the prompt with {text.encoder}"
+            )
+        if extras.get("control") is not None:
+            raise ConfigError(CONTROLNET_MESSAGE)
+        if extras.get("reference_latents") is not None:
+            raise ConfigError(KONTEXT_MESSAGE)
+        if extras.get("attention_mask") is not None:
+            raise ConfigError(ATTENTION_MASK_MESSAGE)
+
+
+def check_latent(latent: Any, info: CheckpointInfo) -> None:
+    """A LATENT ComfyUI's sampling accepts for the checkpoint `info`: any height and width (the model pads
+    to the patch size); the family's channels, or an all-zero latent of another width that ComfyUI widens
+    itself."""
+    family = info.model_family
+    channels, scale = family.latent_channels(info.config), family.latent.downscale
+    samples = latent.get("samples") if isinstance(latent, dict) else None
+    if samples is None or getattr(samples, "ndim", 0) != 4:
+        raise ConfigError(
+            f"latent_image must be a LATENT with 'samples' [batch, {channels}, height/{scale}, width/{scale}]; "
+            f"got {list(getattr(samples, 'shape', [])) if samples is not None else type(latent).__name__}"
+        )
+    if samples.shape[1] != channels and bool(samples.any()):
+        raise ConfigError(
+            f"latent_image has {samples.shape[1]} channels but {info.model_name} latents have {channels}: "
+            f"encode the image with {family.latent.vae}, or use {family.latent.empty_node} for text-to-image"
+        )
+    if min(samples.shape[-2:]) < 1:
+        raise ConfigError(f"latent_image is empty: samples {list(samples.shape)}")
+
+
+def reference_shapes(conds: Any) -> list[tuple[int, ...]]:
+    """Shapes of the reference latents (ReferenceLatent's `reference_latents`) one model call carries: the
+    conds entry with the most reference elements (positive and negative are called separately or batched
+    side by side, never with both sets), from a guider's `conds` {"positive": [{...}], ...}."""
+    best: list[tuple[int, ...]] = []
+    for entries in (conds or {}).values() if isinstance(conds, dict) else ():
+        for entry in entries or ():
+            refs = entry.get("reference_latents") if isinstance(entry, dict) else None
+            shapes = [tuple(r.shape) for r in refs or () if hasattr(r, "shape")]
+            if sum(math.prod(s) for s in shapes) > sum(math.prod(s) for s in best):
+                best = shapes
+    return best
+
+
+def check_sampler_inputs(
+    registry: Registry,
+    handle: ParallelHandle,
+    request: LayoutRequest,
+    positive: Any,
+    negative: Any,
+    latent: Any,
+    *,
+    cfg: float,
+    sigmas: Any = None,
+) -> CheckpointInfo:
+    """Everything the TP / Ring Attention Sampler can check before a worker starts or a weight loads:
+    the checkpoint's header, the layout against it, the conditioning widths, the latent, cfg vs negative.
+    Returns the header read (the run carries it: nothing reads it again)."""
+    info = read_checkpoint(handle)
+    if info.input_channels != info.model_family.latent_channels(info.config):
+        raise ConfigError(FILL_MESSAGE.format(model=info.model_name))
+    check_latent(latent, info)
+    check_conditioning("positive", positive, info)
+    if negative is not None:
+        check_conditioning("negative", negative, info)
+    elif not math.isclose(cfg, 1.0):
+        raise ConfigError(
+            f"cfg={cfg:g} needs a negative prompt: connect a CONDITIONING to 'negative' (e.g. CLIPTextEncode "
+            "with an empty text, or ConditioningZeroOut), or set cfg to 1.0 (FLUX dev is usually run at cfg "
+            "1.0 with FluxGuidance instead)"
+        )
+    if sigmas is not None and (getattr(sigmas, "ndim", 0) != 1 or len(sigmas) < 1):
+        raise ConfigError(
+            f"sigmas must be a 1-D SIGMAS schedule; got shape {list(getattr(sigmas, 'shape', []))}"
+        )
+    if request.layout is not None:
+        flux = registry.flux_for(handle.devices)  # does not start workers
+        flux.check_load(info, layout=request.layout, dtype=handle.dtype, **load_kwargs(handle))
+    return info

@@ -1,0 +1,124 @@
+"""What the nodes' widgets mean, in plain Python: device lists, dtypes, layouts, and the handle that flows
+between the nodes. No ComfyUI and no torch at import time (the pack's entry point imports the nodes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..backend.config import ConfigError, ParallelLayout
+
+# The socket type between the loader and the samplers (ComfyUI matches custom types by string).
+HANDLE_TYPE = "PARALLEL_FLUX"
+CATEGORY = "ROCm Parallel"
+
+DEVICES_ALL = "all"
+DTYPES = ("default", "bfloat16", "float16", "float32")
+# The loader's weight_dtype choices, ComfyUI UNETLoader's names (config.WEIGHT_DTYPE_BYTES says what each does).
+WEIGHT_DTYPES = ("default", "fp8_e4m3fn", "fp8_e5m2")
+PRELOAD_LAYOUTS = ("none", "tp", "context", "auto")
+MODEL_LAYOUTS = ("tp", "context", "auto")  # the ROCm Parallel Model node's choices
+STATUS_ACTIONS = ("report", "unload", "close", "doctor")
+
+
+def parse_devices(text: str, visible_gpus: Callable[[], int] | None = None) -> tuple[str, ...]:
+    """The loader's `devices` text -> device names for the worker group (`backend.platforms.parse_devices`).
+
+    "all" (or empty): every visible GPU, an error naming the torch build when there is none. "0,1,2,3"
+    or "cuda:0, cuda:1": those GPUs. "cpu x2" (or "cpu*2", "cpu, cpu"): CPU workers, for testing.
+    """
+    from ..backend.platforms import parse_devices as parse
+
+    return parse(text, visible_gpus)
+
+
+def compute_dtype(choice: str) -> str | None:
+    """'default' -> None (bfloat16 on GPUs that support it, float32 on CPU); otherwise the name."""
+    if choice not in DTYPES:
+        raise ConfigError(f"dtype={choice!r} is not offered; use one of {', '.join(DTYPES)}")
+    return None if choice == "default" else choice
+
+
+def weight_dtype(choice: str) -> str | None:
+    """The loader's weight_dtype widget -> ParallelFlux.load's weight_dtype ('default' -> None: an fp8
+    checkpoint's weights stay fp8)."""
+    if choice not in WEIGHT_DTYPES:
+        raise ConfigError(f"weight_dtype={choice!r} is not offered; use one of {', '.join(WEIGHT_DTYPES)}")
+    return None if choice == "default" else choice
+
+
+def tp_layout(devices: int) -> ParallelLayout:
+    """Tensor parallelism over every device of the group."""
+    return ParallelLayout.make("tp", devices)
+
+
+def context_layout(ring: int, ulysses: int, devices: int) -> ParallelLayout | None:
+    """The Ring Attention Sampler's degrees: 0 fills the rest; both 0 is `None`, the planner's choice
+    for the image being sampled (see `sample`)."""
+    if ring == 0 and ulysses == 0:
+        return None
+    return ParallelLayout.make("context", devices, ring, ulysses)
+
+
+def describe_layout(layout: ParallelLayout) -> str:
+    return layout.describe()
+
+
+@dataclass(frozen=True)
+class LayoutRequest:
+    """The layout a node asks for: a fixed one, or `None` for the planner's choice for the latent being
+    sampled (`context_only`: among ring x Ulysses splits, the Ring Attention Sampler's auto)."""
+
+    layout: ParallelLayout | None
+    context_only: bool = False
+
+    def describe(self) -> str:
+        if self.layout is not None:
+            return self.layout.describe()
+        return "auto (context parallel)" if self.context_only else "auto"
+
+
+def model_layout(kind: str, ring: int, ulysses: int, devices: int) -> LayoutRequest:
+    """The ROCm Parallel Model node's layout: 'tp', 'context' (degrees, 0 = fill / both 0 = auto) or 'auto'."""
+    if kind not in MODEL_LAYOUTS:
+        raise ConfigError(f"layout={kind!r} is not offered; use one of {', '.join(MODEL_LAYOUTS)}")
+    if kind == "tp":
+        return LayoutRequest(tp_layout(devices))
+    if kind == "auto":
+        return LayoutRequest(None)
+    return LayoutRequest(context_layout(ring, ulysses, devices), context_only=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# The handle between the nodes
+
+
+@dataclass(frozen=True)
+class ParallelHandle:
+    """What flows over a PARALLEL_FLUX link: which checkpoint, on which devices, in which compute dtype
+    (`dtype`) and weight dtype (`weight_dtype`, None: the checkpoint's own fp8 stays fp8).
+
+    Plain, hashable data: the resident worker group itself stays in the registry, so a handle from a
+    cached node output still finds (or restarts) the group that serves its devices.
+    """
+
+    checkpoint: str  # absolute path
+    name: str  # as listed in ComfyUI's diffusion_models
+    devices: tuple[str, ...]
+    dtype: str | None
+    loras: tuple[tuple[str, float], ...] = ()  # (absolute path, strength), applied in this order
+    weight_dtype: str | None = None
+
+    def __repr__(self) -> str:
+        with_loras = "".join(f" + {os.path.basename(p)} x{s:g}" for p, s in self.loras)
+        return f"<{HANDLE_TYPE} {self.name}{with_loras} on {', '.join(self.devices)}>"
+
+    def with_lora(self, path: str, strength: float) -> ParallelHandle:
+        """This handle plus one LoRA (the ROCm Parallel LoRA node; chainable). Strength 0 changes nothing,
+        as with ComfyUI's LoraLoaderModelOnly."""
+        if strength == 0:
+            return self
+        return dataclasses.replace(self, loras=(*self.loras, (path, float(strength))))

@@ -1,0 +1,145 @@
+"""Starting the workers and making a checkpoint resident for the nodes: the loader's preload, the
+planner's 'auto', LoRAs, and the panel's 'loading' phase. The checkpoint's header is read once per node
+run (`CheckpointInfo`) and carried to ParallelFlux and the workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..backend.config import ConfigError, ParallelLayout
+from .inputs import PRELOAD_LAYOUTS, ParallelHandle, tp_layout
+from .registry import Registry
+
+if TYPE_CHECKING:
+    from ..backend.api import ParallelFlux
+    from ..backend.checkpoint import CheckpointInfo
+
+
+def needs_gpu_memory(devices: Sequence[str]) -> bool:
+    """ComfyUI's own models must leave the GPUs before the workers load theirs."""
+    return any(d.startswith("cuda") for d in devices)
+
+
+def read_checkpoint(handle: ParallelHandle) -> CheckpointInfo:
+    """The handle's checkpoint header: read once per node run, then carried (a file changed on disk is
+    seen by the next run)."""
+    from ..backend.checkpoint import inspect_checkpoint
+
+    return inspect_checkpoint(handle.checkpoint)
+
+
+def load(
+    registry: Registry,
+    handle: ParallelHandle,
+    preload: str,
+    ring: int = 0,
+    ulysses: int = 0,
+    interrupted: Callable[[], None] | None = None,
+) -> ParallelFlux:
+    """Start (or reuse) the group for the handle's devices and, unless preload is 'none', load the model."""
+    if preload not in PRELOAD_LAYOUTS:
+        raise ConfigError(f"preload={preload!r} is not offered; use one of {', '.join(PRELOAD_LAYOUTS)}")
+    flux = registry.flux_for(handle.devices)
+    if preload == "none":
+        start_workers(registry, flux)  # now, so the first sampler run only loads weights
+        return flux
+    info = None  # a fixed layout reads the header in the 'loading' phase, so a bad file shows there
+    if preload == "auto":
+        info = read_checkpoint(handle)
+        layout = auto_layout(registry, flux, handle, info, 1024, 1024, 1, context_only=False)
+    else:
+        registry.update(auto=None)
+        layout = (
+            tp_layout(len(handle.devices))
+            if preload == "tp"
+            else ParallelLayout.make("context", len(handle.devices), ring, ulysses)
+        )
+    ensure_loaded(registry, flux, handle, info, layout, interrupted)
+    return flux
+
+
+def start_workers(registry: Registry, flux: ParallelFlux) -> None:
+    """Start the worker processes if they are not running, showing 'starting' meanwhile."""
+    if not flux.started:
+        with registry.phase("starting workers"):
+            flux.start()
+
+
+def auto_layout(
+    registry: Registry,
+    flux: ParallelFlux,
+    handle: ParallelHandle,
+    info: CheckpointInfo,
+    width: int,
+    height: int,
+    batch: int,
+    context_only: bool,
+    reference_tokens: int = 0,
+) -> ParallelLayout:
+    """The planner's layout for this image (link and memory measured once per group); its reason is shown.
+    `reference_tokens`: the tokens of reference latents (ReferenceLatent) each step carries too."""
+    from ..backend.checkpoint import planned_weight_dtype
+
+    choice = flux.auto_layout(
+        info.dims, width, height, batch, handle.dtype, context_only=context_only,
+        weight_dtype=planned_weight_dtype(handle.weight_dtype, info), family=info.family,
+        reference_tokens=reference_tokens,
+    )  # fmt: skip
+    registry.update(auto=choice.explanation)
+    return choice.layout
+
+
+def ensure_loaded(
+    registry: Registry,
+    flux: ParallelFlux,
+    handle: ParallelHandle,
+    info: CheckpointInfo | None,
+    layout: ParallelLayout,
+    interrupted: Callable[[], None] | None = None,
+) -> None:
+    """Make the handle's checkpoint resident in `layout` (a no-op on the workers when it already is).
+    `info`: its header as this run read it (None: read here).
+
+    `interrupted()` runs between tensors and raises on a pending Cancel: the load stops there on every
+    rank. The panel names the file being loaded as such, and the resident one only once it is.
+    """
+
+    def check(done: int, total: int) -> None:
+        registry.update(step=done, total=total)
+        if interrupted is not None:
+            interrupted()
+
+    with registry.phase("loading", loading=handle.name, step=0, total=0):
+        try:
+            info = info if info is not None else read_checkpoint(handle)
+            flux.check_load(info, layout=layout, dtype=handle.dtype, **load_kwargs(handle))
+            if not flux.started:  # started only once the load is known to be valid
+                registry.update(phase="starting workers")
+                flux.start()
+                registry.update(phase="loading")
+            reports = flux.load(
+                info, layout=layout, dtype=handle.dtype, progress=check, **load_kwargs(handle)
+            )
+        finally:
+            registry.update(loading=None)
+            registry.record_resident(flux)
+    registry.record_ranks(reports)
+
+
+def add_lora(handle: ParallelHandle, path: str, strength: float) -> ParallelHandle:
+    """The ROCm Parallel LoRA node: `handle` plus this LoRA, after the backend checked from the file's
+    header against the handle's checkpoint (no worker starts) that every key fits this model."""
+    from ..backend.checkpoint import check_loras
+
+    check_loras([(path, strength)], read_checkpoint(handle))
+    return handle.with_lora(path, strength)
+
+
+def load_kwargs(handle: ParallelHandle) -> dict[str, Any]:
+    """`loras=` and `weight_dtype=` for ParallelFlux.load / check_load, passed only when set."""
+    kwargs: dict[str, Any] = {"loras": list(handle.loras)} if handle.loras else {}
+    if handle.weight_dtype is not None:
+        kwargs["weight_dtype"] = handle.weight_dtype
+    return kwargs

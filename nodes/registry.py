@@ -1,0 +1,135 @@
+"""The resident worker groups of this ComfyUI (one ParallelFlux per device set, kept between queue runs)
+and the plain snapshot of them the web panel reads. No ComfyUI and no torch at import time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from .inputs import describe_layout
+
+if TYPE_CHECKING:
+    from ..backend.api import ParallelFlux
+    from ..backend.messages import RankStatus
+
+# Worker threads per process (torch.set_num_threads); unset leaves torch's default. Tests and shared
+# CPU machines set it to 1 so that several CPU workers do not fight over the same cores.
+THREADS_ENV = "ROCM_PARALLEL_THREADS"
+
+
+# ComfyUI's Cancel raises comfy.model_management.InterruptProcessingException; matched by name because
+# this module never imports ComfyUI. A JobTimeout is not a cancel: it is shown as an error.
+_CANCELS = ("InterruptProcessingException", "KeyboardInterrupt", "JobCancelled")
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.])(?:[A-Za-z]:)?[/\\](?:[^\s'\"/\\:;,]+[/\\])*([^\s'\"/\\:;,]+)")
+_LISTING = re.compile(r"(?:; |, )?'[^']*' has: .*?(?:\.(?= [A-Z])|\.?$)")
+
+
+def is_cancel(exc: BaseException) -> bool:
+    """The user's Cancel (or Ctrl+C), as opposed to a failure."""
+    return type(exc).__name__ in _CANCELS
+
+
+def public_error(exc: BaseException) -> str:
+    """An error for the panel and the status route: absolute paths shortened to their file names and
+    folder listings dropped (the route is readable by anyone who reaches ComfyUI's port)."""
+    text = _LISTING.sub(".", str(exc).splitlines()[0] if str(exc) else "")
+    return f"{type(exc).__name__}: {_ABSOLUTE_PATH.sub(lambda m: m.group(1), text)}"
+
+
+def _default_factory(devices: tuple[str, ...]) -> ParallelFlux:
+    from ..backend.api import ParallelFlux
+
+    threads = int(os.environ[THREADS_ENV]) if os.environ.get(THREADS_ENV) else None
+    return ParallelFlux(list(devices), threads=threads)
+
+
+class Registry:
+    """One ParallelFlux per device set, kept between queue runs; asking for another set closes the old.
+
+    `state` is a plain snapshot for the web panel, updated by the nodes as they run, so the HTTP route
+    never talks to the workers (a job may be running on them from ComfyUI's execution thread).
+    """
+
+    def __init__(self, factory: Callable[[tuple[str, ...]], ParallelFlux] = _default_factory) -> None:
+        self._factory = factory
+        self._flux: ParallelFlux | None = None
+        self._lock = threading.Lock()
+        self.state: dict[str, Any] = self._idle_state()
+
+    @staticmethod
+    def _idle_state() -> dict[str, Any]:
+        return {"devices": [], "checkpoint": None, "layout": None, "phase": "stopped", "ranks": []}
+
+    @property
+    def current(self) -> ParallelFlux | None:
+        return self._flux
+
+    def flux_for(self, devices: Sequence[str]) -> ParallelFlux:
+        """The resident ParallelFlux for exactly these devices (started lazily by the backend)."""
+        key = tuple(devices)
+        if self._flux is not None and tuple(self._flux.devices) == key:
+            return self._flux
+        self.close()
+        self._flux = self._factory(key)
+        self.update(devices=list(self._flux.devices), phase="idle")
+        return self._flux
+
+    def close(self) -> None:
+        """Stop the worker group (ComfyUI's models can have the devices back)."""
+        flux, self._flux = self._flux, None
+        if flux is not None:
+            flux.close()
+        with self._lock:
+            self.state = self._idle_state()
+
+    def update(self, **fields: Any) -> None:
+        with self._lock:
+            self.state = {**self.state, **fields}
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self.state)
+
+    @contextmanager
+    def phase(self, name: str, **fields: Any) -> Iterator[None]:
+        """Show `name` (starting, loading, sampling) while the body runs, and how it ended.
+
+        A user's Cancel is shown as such ('cancelled'), not as an error; an error is shown with file
+        names only, never the absolute paths or folder listings a backend message may carry.
+        """
+        self.update(phase=name, since=time.time(), error=None, last=None, **fields)
+        try:
+            yield
+        except BaseException as exc:
+            if is_cancel(exc):
+                self.update(phase="idle", last=f"{name} cancelled by the user")
+            else:
+                self.update(phase="idle", error=public_error(exc))
+            raise
+        self.update(phase="idle")
+
+    def record_resident(self, flux: ParallelFlux) -> None:
+        """Name what the workers really hold (never a file that was asked for and rejected)."""
+        resident = flux.resident
+        self.update(
+            checkpoint=os.path.basename(resident.checkpoint) if resident is not None else None,
+            layout=describe_layout(resident.layout) if resident is not None else None,
+        )
+
+    def record_ranks(self, reports: Sequence[RankStatus]) -> None:
+        """Keep each rank's device, parameter bytes and memory for the panel (plain data: it is JSON)."""
+        ranks = []
+        for r in reports:
+            memory = dataclasses.asdict(r.memory) if r.memory is not None else {}
+            ranks.append({"rank": r.rank, "device": r.device, "parameter_bytes": r.parameter_bytes, **memory})
+        self.update(ranks=ranks)
+
+
+REGISTRY = Registry()

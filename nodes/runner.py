@@ -1,0 +1,123 @@
+"""The plain-Python side of the parallel MODEL (nodes/comfy_model.py wraps it for ComfyUI): which
+checkpoint in which layout, made resident before ComfyUI's sampling starts, then one
+`ParallelFlux.forward` per model call. No ComfyUI here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from ..backend.config import ParallelLayout
+from .inputs import LayoutRequest, ParallelHandle
+from .loading import auto_layout, ensure_loaded, read_checkpoint
+from .registry import Registry
+
+if TYPE_CHECKING:
+    from ..backend.api import ParallelFlux
+    from ..backend.checkpoint import CheckpointInfo
+
+
+class ModelRunner:
+    """The plain-Python side of the parallel MODEL: which checkpoint (and LoRAs) in which layout, made
+    resident before ComfyUI's sampling starts, then one `ParallelFlux.forward` per model call.
+
+    `comfy_model` wraps it into ComfyUI's MODEL; nothing here imports ComfyUI. `info` is the checkpoint's
+    header as the node's run read it (read here when not given), carried to every load. `interrupted()`
+    raises on a pending Cancel (checked during loads); `make_room()` frees ComfyUI's own models from the GPUs.
+    """
+
+    def __init__(
+        self,
+        registry: Registry,
+        handle: ParallelHandle,
+        request: LayoutRequest,
+        info: CheckpointInfo | None = None,
+        *,
+        interrupted: Callable[[], None] | None = None,
+        make_room: Callable[[], None] | None = None,
+    ) -> None:
+        self.registry, self.handle, self.request = registry, handle, request
+        self.info = info if info is not None else read_checkpoint(handle)
+        self.interrupted, self.make_room = interrupted, make_room
+        self.layout: ParallelLayout | None = request.layout
+        self._resident: Any = None  # what `prepare` made resident (the backend's record, by identity)
+        self.calls = 0
+
+    def comfy_model(self) -> Any:
+        """The ComfyUI model config (`backend.family.ComfyModel`) ComfyUI's own loader would pick for the
+        checkpoint: the family decides it from the header (e.g. FluxInpaint for FLUX.1 Fill)."""
+        return self.info.model_family.comfy_model(self.info.config)
+
+    def compute_dtype(self) -> Any:
+        """The workers' compute dtype (ComfyUI casts the model inputs to it, as for its own model)."""
+        from ..backend.checkpoint import resolve_dtype
+
+        return resolve_dtype(self.handle.dtype, self.handle.devices[0])
+
+    def prepare(self, shape: Sequence[int], references: Sequence[Sequence[int]] = ()) -> ParallelFlux:
+        """Make the model resident for a latent of `shape` [B, C, H, W] (auto layouts are planned for it,
+        with the tokens of the reference latents of shapes `references`, Kontext / FLUX.2 editing)."""
+        if self.make_room is not None:
+            self.make_room()
+        flux = self.registry.flux_for(self.handle.devices)
+        if self.request.layout is None:
+            b, _, h, w = shape
+            family = self.info.model_family
+            width, height = family.planned_pixels(h, w)
+            extra = sum(family.image_tokens(*ref[-2:]) for ref in references)
+            self.layout = auto_layout(
+                self.registry, flux, self.handle, self.info, width, height, b,
+                context_only=self.request.context_only, reference_tokens=extra,
+            )  # fmt: skip
+        else:
+            self.registry.update(auto=None)
+        ensure_loaded(self.registry, flux, self.handle, self.info, self.layout, self.interrupted)
+        self._resident = flux.resident
+        return flux
+
+    @contextmanager
+    def sampling(
+        self, shape: Sequence[int], total: int, references: Sequence[Sequence[int]] = ()
+    ) -> Iterator[None]:
+        """Around one ComfyUI sampling run: load first, then show 'sampling' (and how it ended)."""
+        self.prepare(shape, references)
+        with self.registry.phase("sampling", step=0, total=total):
+            yield
+
+    def forward(
+        self,
+        x: Any,
+        timestep: Any,
+        context: Any,
+        y: Any,
+        guidance: Any,
+        step: tuple[int, int] | None = None,
+        ref_latents: Any = None,
+        ref_method: str | None = None,
+    ) -> Any:
+        """One transformer forward on every rank (ComfyUI's `Flux.forward(x, timestep, context, y,
+        guidance, ref_latents, ref_latents_method=)`); `step` (done, total) is shown on the panel."""
+        flux = self.registry.flux_for(self.handle.devices)
+        if self._resident is None or flux.resident is not self._resident:
+            # Called outside ComfyUI's sampling, or another node loaded something else meanwhile.
+            self.prepare(x.shape, [r.shape for r in ref_latents or ()])
+        if step is not None:
+            self.registry.update(step=step[0], total=step[1])
+        self.calls += 1
+        return flux.forward(x, timestep, context, y, guidance, ref_latents=ref_latents, ref_method=ref_method)
+
+
+def step_of(transformer_options: dict[str, Any]) -> tuple[int, int] | None:
+    """(step, total) of the current model call from ComfyUI's transformer_options (sigmas of this call
+    and of the whole run), for the panel; None when ComfyUI did not say."""
+    run, now = transformer_options.get("sample_sigmas"), transformer_options.get("sigmas")
+    if run is None or now is None or len(run) < 2 or len(now) < 1:
+        return None
+    total = len(run) - 1
+    sigma = float(now[0])
+    for i in range(total):
+        if float(run[i]) >= sigma > float(run[i + 1]) or float(run[i]) == sigma:
+            return (i + 1, total)
+    return (total, total)

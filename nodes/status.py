@@ -1,0 +1,70 @@
+"""The Status node: report the worker group, unload, close, or run `doctor` over it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..backend.config import ConfigError
+from .inputs import STATUS_ACTIONS
+from .registry import Registry
+
+
+def status_text(registry: Registry, action: str, devices: Sequence[str] | None = None) -> str:
+    """The status node: report, or unload the model (workers stay), or close the worker group, or run
+    `doctor` (over the resident group, else over `devices` or every GPU)."""
+    if action not in STATUS_ACTIONS:
+        raise ConfigError(f"action={action!r} is not offered; use one of {', '.join(STATUS_ACTIONS)}")
+    if action == "doctor":
+        return doctor_text(registry, devices)
+    flux = registry.current
+    if action == "unload" and flux is not None:
+        flux.unload()
+        registry.record_resident(flux)
+        if flux.started:
+            registry.record_ranks(flux.status())
+    elif action == "close":
+        registry.close()
+    elif flux is not None and flux.started:
+        registry.record_ranks(flux.status())
+    flux = registry.current
+    return format_state(registry.snapshot()) + "".join(
+        f"\nwarning: {w}" for w in (flux.warnings if flux is not None else ())
+    )
+
+
+def doctor_text(registry: Registry, devices: Sequence[str] | None = None) -> str:
+    """`python -m rocm_parallel doctor`'s report; uses the resident group when one runs (its GPUs are
+    busy with it), otherwise starts a short-lived one on `devices` (default: every GPU, else 'cpu x2')."""
+    from ..backend import doctor
+
+    flux = registry.current
+    group = flux.group if flux is not None and flux.started else None
+    return doctor.format_report(doctor.collect(devices, group=group))
+
+
+def format_state(state: dict[str, Any]) -> str:
+    """Human text of a registry snapshot (the status node's STRING)."""
+    if not state.get("devices"):
+        return "ROCm Parallel: no worker group is running"
+    lines = [
+        f"ROCm Parallel: {len(state['devices'])} workers on {', '.join(state['devices'])} ({state['phase']})",
+        f"model: {state.get('checkpoint') or 'none loaded'}"
+        + (f", {state['layout']}" if state.get("layout") else ""),
+    ]
+    if state.get("loading"):
+        lines.append(f"loading: {state['loading']}")
+    for r in state.get("ranks", []):
+        line = (
+            f"  rank {r.get('rank')} {r.get('device')}: {r.get('parameter_bytes', 0) / 1e9:.3f} GB parameters"
+        )
+        if "allocated_gb" in r:
+            line += f", {r['allocated_gb']:.2f} / {r.get('total_gb', 0):.2f} GB allocated"
+        lines.append(line)
+    if state.get("auto"):
+        lines.append(state["auto"])
+    if state.get("last"):
+        lines.append(f"last job: {state['last']}")
+    if state.get("error"):
+        lines.append(f"last error: {state['error']}")
+    return "\n".join(lines)
