@@ -3,7 +3,8 @@
 * `save_mixed_checkpoint`: the layout of Comfy-Org's `flux2_dev_fp8mixed.safetensors` (fp8 block linears
   with a per-tensor `weight_scale`, declared in either form ComfyUI reads), for any family's model;
 * `quantize_fp8`: ComfyUI's per-tensor fp8 quantization;
-* `write_random_lora`: a random LoRA in the BFL, kohya or PEFT key format.
+* `write_random_lora`: a random LoRA, LoHa, LoKr, DoRA or full-difference file in the BFL, kohya, PEFT
+  or LyCORIS key format.
 
 Lives outside the shipped package (the wheel has no `testing/`).
 """
@@ -86,10 +87,16 @@ def save_mixed_checkpoint(
     return str(path)
 
 
-# LoRA key layouts `write_random_lora` writes; the names ComfyUI 0.3.64's `model_lora_keys_unet` maps for
-# FLUX (comfy/lora.py): BFL module names under `diffusion_model.`, the same with "." -> "_" under
-# `lora_unet_` (kohya / sd-scripts), and diffusers module names under `transformer.` (diffusers / PEFT).
-LORA_FORMATS = ("bfl", "kohya", "peft")
+# LoRA key layouts `write_random_lora` writes; names ComfyUI's `model_lora_keys_unet` maps for FLUX
+# (comfy/lora.py): BFL module names under `diffusion_model.`, the same with "." -> "_" under `lora_unet_`
+# (kohya / sd-scripts), diffusers module names under `transformer.` (diffusers / PEFT) and with "." -> "_"
+# under `lycoris_` (SimpleTuner's LyCORIS).
+LORA_FORMATS = ("bfl", "kohya", "peft", "lycoris")
+# Adapter kinds (ComfyUI's comfy/weight_adapter/): "lokr" stores w1 whole and w2 as two factors (LyCORIS'
+# usual layout; alpha / rank of w2), "lokr_full" both whole (ComfyUI then ignores alpha), "lokr_both"
+# both as two factors; "diff" a full weight difference.
+LORA_KINDS = ("lora", "loha", "lokr", "lokr_full", "lokr_both", "diff")
+DORA_AXES = ("output", "input")  # dora_scale [out, 1] or [1, in]
 
 
 def lora_targets(config: dict[str, Any], family: str = "flux1") -> list[str]:
@@ -98,11 +105,63 @@ def lora_targets(config: dict[str, Any], family: str = "flux1") -> list[str]:
     return sorted(k.removesuffix(".weight") for k, s in shapes.items() if len(s) == 2)
 
 
+def _small_factor(n: int) -> int:
+    """The largest divisor of n not above its square root (LyCORIS splits a LoKr dimension like this)."""
+    return max(d for d in range(1, int(n**0.5) + 1) if n % d == 0)
+
+
+def _draw(kind: str, shape: tuple[int, int], rank: int, scale: float, spread: float, g: Any) -> dict:
+    """Random tensors of one adapter (LyCORIS' suffixes without the module key; LoRA's as 'up'/'down')
+    whose delta entries have standard deviation about `spread` once ComfyUI's scale is applied."""
+    out, in_features = shape
+    a, b = _small_factor(out), _small_factor(in_features)
+    c, d = out // a, in_features // b
+
+    def randn(*size: int, std: float) -> torch.Tensor:
+        return torch.randn(*size, generator=g) * std
+
+    if kind == "lora":  # entries of up @ down: std rank**0.5 * s**2
+        s = (spread / (scale * rank**0.5)) ** 0.5
+        return {"up": randn(out, rank, std=s), "down": randn(rank, in_features, std=s)}
+    if kind == "loha":  # (w1a @ w1b) * (w2a @ w2b): std rank * s**4
+        s = (spread / (scale * rank)) ** 0.25
+        return {
+            ".hada_w1_a": randn(out, rank, std=s), ".hada_w1_b": randn(rank, in_features, std=s),
+            ".hada_w2_a": randn(out, rank, std=s), ".hada_w2_b": randn(rank, in_features, std=s),
+        }  # fmt: skip
+    if kind == "lokr":  # kron(w1, w2_a @ w2_b): std rank**0.5 * s**3
+        s = (spread / (scale * rank**0.5)) ** (1 / 3)
+        return {
+            ".lokr_w1": randn(a, b, std=s),
+            ".lokr_w2_a": randn(c, rank, std=s),
+            ".lokr_w2_b": randn(rank, d, std=s),
+        }
+    if kind == "lokr_full":  # kron(w1, w2), scale 1 whatever alpha says
+        s = spread**0.5
+        return {".lokr_w1": randn(a, b, std=s), ".lokr_w2": randn(c, d, std=s)}
+    if kind == "lokr_both":  # kron(w1_a @ w1_b, w2_a @ w2_b): std rank * s**4
+        s = (spread / (scale * rank)) ** 0.25
+        return {
+            ".lokr_w1_a": randn(a, rank, std=s), ".lokr_w1_b": randn(rank, b, std=s),
+            ".lokr_w2_a": randn(c, rank, std=s), ".lokr_w2_b": randn(rank, d, std=s),
+        }  # fmt: skip
+    if kind == "diff":
+        return {".diff": randn(out, in_features, std=spread)}
+    raise ValueError(f"kind='{kind}' is not one of {LORA_KINDS}")
+
+
+def _cycle(value: Any, i: int) -> Any:
+    return value[i % len(value)] if isinstance(value, list | tuple) else value
+
+
 def write_random_lora(
     path: str | Path,
     config: dict[str, Any],
     fmt: str,
     *,
+    kind: str | list[str] | tuple[str, ...] = "lora",
+    dora: str | list[str | None] | tuple[str | None, ...] | None = None,
+    bias: bool = False,
     rank: int = 4,
     seed: int = 0,
     alpha: float | None = 2.0,
@@ -112,62 +171,152 @@ def write_random_lora(
 ) -> str:
     """A random LoRA for the `family` model of `config` saved as safetensors in format `fmt`; returns the path.
 
-    The factors are drawn once per BFL module in BFL layout (`targets`: BFL module names such as
-    'double_blocks.0.img_attn.qkv'; default every linear) from `seed`, then written as
-    * "bfl":   `diffusion_model.<module>.lora_down.weight` / `.lora_up.weight` / `.alpha`
-    * "kohya": `lora_unet_<module with . as _>.lora_down.weight` / `.lora_up.weight` / `.alpha`
-    * "peft":  `transformer.<diffusers module>.lora_A.weight` / `.lora_B.weight`, split per diffusers
-      module (qkv -> to_q/to_k/to_v, linear1 -> to_q/to_k/to_v/proj_mlp, the final AdaLN's (shift, scale)
-      rows swapped into diffusers' (scale, shift)), with no alpha: ComfyUI then scales by 1, so
-      alpha / rank is folded into lora_B.
-    so one seed gives the same effective delta `alpha / rank * up @ down` in every format (bit for bit
-    when alpha / rank is a power of two, as the default 2 / 4 is). alpha=None writes no alpha (scale 1).
-    `relative` sizes the delta's spread against the random builders' weights (std 0.05): 0.1 changes outputs
-    visibly without swamping them.
+    `targets`: BFL module names such as 'double_blocks.0.img_attn.qkv' (default every linear). Module keys:
+    * "bfl":     `diffusion_model.<module>`, one adapter per BFL module;
+    * "kohya":   `lora_unet_<module with . as _>`, one adapter per BFL module;
+    * "peft":    `transformer.<diffusers module>` (lora_A / lora_B for LoRA);
+    * "lycoris": `lycoris_<diffusers module with . as _>`;
+    the diffusers formats hold one adapter per diffusers module of the targets (a fused qkv is three), drawn
+    per diffusers module, except plain LoRA in "peft" (below).
+    `kind` (one of LORA_KINDS, or a list cycled over the modules in sorted order) and `dora` (None, one of
+    DORA_AXES, or a list cycled likewise; a "diff" module gets none) choose each module's adapter; `alpha` is written for every factored
+    kind (alpha=None: none, scale 1); `bias` adds a `.diff_b` where the model has a bias and ComfyUI maps
+    one (every BFL module; unfused diffusers modules only).
+
+    Plain LoRA ("lora", no DoRA, no bias) in "bfl", "kohya" and "peft" is drawn once per BFL module: "peft"
+    splits `up` per diffusers module (qkv -> to_q/to_k/to_v, linear1 -> to_q/to_k/to_v/
+    proj_mlp, the final AdaLN's (shift, scale) rows swapped into diffusers' (scale, shift)) and "peft"
+    writes no alpha (ComfyUI then scales by 1, so alpha / rank is folded into lora_B): one seed gives the
+    same effective delta in every format (bit for bit when alpha / rank is a power of two, as the default
+    2 / 4 is). `relative` sizes the delta's spread against the random builders' weights (std 0.05): 0.1
+    changes outputs visibly without swamping them; DoRA's magnitudes are the builders' row or column norms
+    times 1 + `relative` x N(0, 1).
     """
     from safetensors.torch import save_file
 
     if fmt not in LORA_FORMATS:
         raise ValueError(f"fmt='{fmt}' is not one of {LORA_FORMATS}")
     fam = get_family(family)
-    shapes = fam.bfl_shapes(config)
     names = sorted(targets) if targets is not None else lora_targets(config, family)
+    plain = kind == "lora" and dora is None and not bias
+    if fmt in ("bfl", "kohya") or (fmt == "peft" and plain):
+        return _write_bfl_drawn(path, config, fmt, fam, names, rank, seed, alpha, relative, kind, dora, bias)
+    sources = fam.sources(config)
+    modules = sorted(
+        p.removesuffix(".weight")
+        for p, s in sources.items()
+        if p.endswith(".weight") and s.key.removesuffix(".weight") in names
+        and len(fam.parameter_shapes(config)[p]) == 2
+    )  # fmt: skip
+    shapes = fam.parameter_shapes(config)
+    g = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for i, module in enumerate(modules):
+        key = f"transformer.{module}" if fmt == "peft" else "lycoris_" + module.replace(".", "_")
+        unfused = sources[f"{module}.weight"].rows is None
+        has_bias = unfused and f"{module}.bias" in shapes
+        tensors.update(
+            _adapter(key, fmt, tuple(shapes[f"{module}.weight"]), _cycle(kind, i), _cycle(dora, i),
+                     bias and has_bias, rank, alpha, relative, g)
+        )  # fmt: skip
+    save_file(tensors, str(path))
+    return str(path)
+
+
+def _adapter(
+    key: str,
+    fmt: str,
+    shape: tuple[int, ...],
+    kind: str,
+    dora: str | None,
+    bias: bool,
+    rank: int,
+    alpha: float | None,
+    relative: float,
+    g: Any,
+) -> dict[str, torch.Tensor]:
+    """One module's tensors under `key` in format `fmt`."""
+    out, in_features = shape
+    factored = kind in ("lora", "loha", "lokr", "lokr_both")
+    scale = alpha / rank if alpha is not None and factored else 1.0
+    drawn = _draw(kind, (out, in_features), rank, scale, relative * 0.05, g)
+    up, down = (
+        (".lora_B.weight", ".lora_A.weight") if fmt == "peft" else (".lora_up.weight", ".lora_down.weight")
+    )
+    names = {"up": up, "down": down}
+    tensors = {key + names.get(role, role): t.contiguous() for role, t in drawn.items()}
+    if alpha is not None and kind != "diff":
+        tensors[f"{key}.alpha"] = torch.tensor(float(alpha))
+    if dora is not None and kind != "diff":  # ComfyUI applies no DoRA to a difference
+        if dora not in DORA_AXES:
+            raise ValueError(f"dora='{dora}' is not one of {DORA_AXES} or None")
+        norm = 0.05 * (in_features if dora == "output" else out) ** 0.5
+        size = (out, 1) if dora == "output" else (1, in_features)
+        tensors[f"{key}.dora_scale"] = norm * (1 + relative * torch.randn(*size, generator=g))
+    if bias:
+        tensors[f"{key}.diff_b"] = torch.randn(out, generator=g) * relative * 0.05
+    return tensors
+
+
+def _write_bfl_drawn(
+    path: str | Path,
+    config: dict[str, Any],
+    fmt: str,
+    fam: Any,
+    names: list[str],
+    rank: int,
+    seed: int,
+    alpha: float | None,
+    relative: float,
+    kind: Any,
+    dora: Any,
+    bias: bool,
+) -> str:
+    """Adapters drawn once per BFL module, written under BFL or kohya keys (or, plain LoRA, split per
+    diffusers module under `transformer.`)."""
+    from safetensors.torch import save_file
+
+    shapes = fam.bfl_shapes(config)
+    g = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    if fmt in ("bfl", "kohya"):
+        for i, name in enumerate(names):
+            key = f"diffusion_model.{name}" if fmt == "bfl" else "lora_unet_" + name.replace(".", "_")
+            has_bias = f"{name}.bias" in shapes
+            tensors.update(
+                _adapter(key, fmt, tuple(shapes[f"{name}.weight"]), _cycle(kind, i), _cycle(dora, i),
+                         bias and has_bias, rank, alpha, relative, g)
+            )  # fmt: skip
+        save_file(tensors, str(path))
+        return str(path)
     scale = 1.0 if alpha is None else alpha / rank
     # each factor entry ~ N(0, sigma^2): delta entries have std scale * sqrt(rank) * sigma^2
     sigma = (relative * 0.05 / (scale * rank**0.5)) ** 0.5
-    g = torch.Generator().manual_seed(seed)
     factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for name in names:
         out_features, in_features = shapes[f"{name}.weight"]
         up = torch.randn(out_features, rank, generator=g) * sigma
         down = torch.randn(rank, in_features, generator=g) * sigma
         factors[name] = (up, down)
-    tensors: dict[str, torch.Tensor] = {}
-    if fmt in ("bfl", "kohya"):
-        for name, (up, down) in factors.items():
-            key = f"diffusion_model.{name}" if fmt == "bfl" else "lora_unet_" + name.replace(".", "_")
-            tensors[f"{key}.lora_up.weight"] = up
-            tensors[f"{key}.lora_down.weight"] = down
-            if alpha is not None:
-                tensors[f"{key}.alpha"] = torch.tensor(float(alpha))
-    else:
-        for param, source in fam.sources(config).items():
-            module = source.key.removesuffix(".weight")
-            if not param.endswith(".weight") or module not in factors:
-                continue
-            up, down = factors[module]
-            rows = source.rows or ((0, up.shape[0]),)
-            b = torch.cat([up[r0:r1] for r0, r1 in rows]) * scale
-            key = "transformer." + param.removesuffix(".weight")
-            tensors[f"{key}.lora_B.weight"] = b.contiguous()
-            tensors[f"{key}.lora_A.weight"] = down.clone()
+    for param, source in fam.sources(config).items():
+        module = source.key.removesuffix(".weight")
+        if not param.endswith(".weight") or module not in factors:
+            continue
+        up, down = factors[module]
+        rows = source.rows or ((0, up.shape[0]),)
+        b = torch.cat([up[r0:r1] for r0, r1 in rows]) * scale
+        key = "transformer." + param.removesuffix(".weight")
+        tensors[f"{key}.lora_B.weight"] = b.contiguous()
+        tensors[f"{key}.lora_A.weight"] = down.clone()
     save_file(tensors, str(path))
     return str(path)
 
 
 __all__ = [
+    "DORA_AXES",
     "FP8_MAX",
     "LORA_FORMATS",
+    "LORA_KINDS",
     "MIXED_FORMS",
     "lora_targets",
     "quantize_fp8",

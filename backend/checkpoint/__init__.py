@@ -8,7 +8,7 @@ everything here works for any registered family.
 * quant.py  ComfyUI's scaled fp8 / quantized "mixed" files
 * info.py   `inspect_checkpoint` -> `CheckpointInfo` (headers only) and the dtype rules
 * load.py   `load_model`: each rank reads only its shard
-* lora.py   LoRA files: inspect in the caller, apply per rank
+* lora/     LoRA files (LoRA, LoHa, LoKr, DoRA, .diff): inspect and check in the caller, apply per rank
 """
 
 from .files import COMFY_PREFIX, CheckpointError, StoredTensor
