@@ -29,7 +29,7 @@ from rocm_parallel.backend.checkpoint import (
 from rocm_parallel.backend.checkpoint.lora import LoraError, apply_loras, check_loras, inspect_lora
 from rocm_parallel.backend.checkpoint.lora.values import scan_values
 from rocm_parallel.backend.client import WorkerError, WorkerGroup
-from rocm_parallel.backend.config import ConfigError, FluxDims
+from rocm_parallel.backend.config import ConfigError
 from rocm_parallel.backend.family import get_family
 from rocm_parallel.backend.parallel.tensor import apply_tensor_parallel
 from rocm_parallel.testing.fake import fake_process_group
@@ -309,10 +309,11 @@ def _case_id(case: tuple) -> str:
 def test_each_kind_and_format_on_each_rank_equals_comfyuis_merge(
     files: dict[str, str], tmp_path: Path, case: tuple
 ) -> None:
-    """Mutations tried: LoKr's shard computed as kron(w1, w2) rows with `r // w2.rows` swapped for
-    `r % w1.rows` (every LoKr case fails, diff ~0.1); DoRA's column norm taken over the shard's rows only
-    (the TP rank cases of input-axis DoRA on qkv / linear1 / AdaLN fail, ~1e-2); the diffusers norm_out's
-    dora_scale read in delta order instead of weight order (flux1-peft-output fails)."""
+    """Mutations tried: LoKr's outer factor indexed by `r % w1.rows` instead of `r // w2.rows` (all 12 LoKr
+    cases fail, e.g. diff 0.10); DoRA's column norm taken over the shard's rows only (the 8 input-axis
+    cases fail, diff 0.10-0.46); the output-axis norm of weight + delta instead of the weight before it (the
+    7 output-axis cases fail); the diffusers norm_out's dora_scale read in delta order instead of ComfyUI's
+    weight order (the peft and lycoris output-axis cases fail, diff 0.046)."""
     family, fmt, kind, dora, bias, strength = case
     path = write_random_lora(
         tmp_path / "lora.safetensors", CONFIGS[family], fmt, kind=kind, dora=dora, bias=bias, seed=11,
@@ -392,11 +393,11 @@ def test_each_tp_rank_matches_the_merged_stack_and_restores_exactly(
     """A plain LoRA, the mixed file (every kind, DoRA on both axes, bias differences) and a LoRA without
     alpha, stacked: DoRA's norms read the weight with the earlier LoRAs on it, as ComfyUI's do.
 
-    Mutations tried: (1) `apply_loras` adding the deltas to the current weight instead of a re-read from
-    the checkpoint: the s1 -> s2 == fresh s2 check fails (56 tensors differ on rank 0), and so would the
-    restore; (2) the packed `proj_out` (attention | mlp) shard read as one contiguous column range: the
-    merged-model check fails on rank 0 (diff 0.04); (3) DoRA's rebuilt rows skipping the earlier patches
-    (`_full` without its loop): rank 0 fails (~3e-3)."""
+    Mutations tried: (1) patching the resident weight instead of a re-read from the checkpoint: both cases
+    fail (the s1 -> s2 == fresh s2 and restore checks); (2) the packed `proj_out` (attention | mlp) shard's
+    columns read as one contiguous range: both cases fail (diff 0.066); (3) DoRA's rebuilt weight skipping
+    the earlier patches (`_full` without its loop): the float32 case fails (diff 0.0023).
+    """
     info = inspect_checkpoint(files[stored])
     stack = [(files["kohya"], 0.7), (files["mixed"], 0.6), (files["second"], -1.5)]
     parsed = [(inspect_lora(path, info), strength) for path, strength in stack]
@@ -751,8 +752,8 @@ def test_what_comfyui_applies_and_the_pack_refuses_by_name(files: dict[str, str]
 
 def test_non_finite_values_and_overflowing_strengths(files: dict[str, str], tmp_path: Path) -> None:
     """NaN / inf anywhere a LoRA applies (factors, dora_scale, diffs, alpha) and a strength whose change
-    could overflow are refused before any worker starts. Mutation tried: without the caller's value scan
-    (`check_loras` skipping scan_values), the NaN factor is accepted and the forward returns NaN."""
+    could overflow are refused before any worker starts. Mutation tried: `check_loras` without its value
+    scan accepts the NaN factor (this test fails)."""
     key = "diffusion_model.img_in"  # [128, 64]
     up, down = torch.full((128, 2), 0.5), torch.full((2, 64), 0.25)
     path = tmp_path / "bad.safetensors"
@@ -815,5 +816,3 @@ def test_a_patch_that_still_overflows_on_a_rank_is_named(files: dict[str, str], 
         f"the LoRAs ['{path}'] make 'x_embedder.weight' hold inf or NaN in float32 on rank 0; lower their "
         "strengths, or check that the files did not change since they were checked"
     )
-    dims = FluxDims.from_diffusers_config(TEST_CONFIG)
-    assert dims.hidden == 128

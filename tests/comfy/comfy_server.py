@@ -76,9 +76,45 @@ class RPTestReferenceLatent:
         return ({{"samples": load_file(REFERENCES)[f"{{case}}.ref{{index}}"]}},)
 
 
+class RPTestTinyUNETLoader:
+    # ComfyUI's own loader (comfy.sd.load_diffusion_model, float32) for the tests' small models: its
+    # detection hard-codes the full models' head count and RoPE axes, so it is told those two, as
+    # tests/tools/make_comfy_references.py tells it; everything else is ComfyUI's own reading.
+    CATEGORY = "_for_testing"
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "load"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {{"required": {{"unet_name": ("STRING", {{"default": ""}}), "num_heads": ("INT", {{"default": 4}}),
+                              "axes_dim": ("STRING", {{"default": "[4, 6, 6]"}})}}}}
+
+    def load(self, unet_name, num_heads, axes_dim):
+        import json
+
+        import comfy.model_detection as detection
+        import comfy.sd
+        import folder_paths
+        import torch
+
+        original = detection.detect_unet_config
+
+        def detect(state_dict, key_prefix, metadata=None):
+            config = original(state_dict, key_prefix, metadata=metadata)
+            return {{**config, "num_heads": num_heads, "axes_dim": json.loads(axes_dim)}}
+
+        detection.detect_unet_config = detect
+        try:
+            path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
+            return (comfy.sd.load_diffusion_model(path, model_options={{"dtype": torch.float32}}),)
+        finally:
+            detection.detect_unet_config = original
+
+
 NODE_CLASS_MAPPINGS = {{
     "RPTestReferenceConditioning": RPTestReferenceConditioning,
     "RPTestReferenceLatent": RPTestReferenceLatent,
+    "RPTestTinyUNETLoader": RPTestTinyUNETLoader,
 }}
 """
 
