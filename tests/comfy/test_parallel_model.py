@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 from comfy_server import ALL_CASES as CASES
-from comfy_server import COMFYUI_PATH, FLUX2_CASES, MODELS, REFERENCES, TESTS_DIR, reference
+from comfy_server import COMFYUI_PATH, COMFYUI_VERSION, FLUX2_CASES, MODELS, REFERENCES, TESTS_DIR, reference
 from test_sampling import flux_model
 
 from rocm_parallel.backend.api import ParallelFlux
@@ -456,11 +456,22 @@ def test_flux2_template_graph_on_the_parallel_model_matches_comfyuis_own_flux2(
 
 
 @pytest.mark.parametrize("layout", FLUX2_LAYOUTS)
-def test_flux2_reference_latents_match_comfyuis_own_calls(comfy, flux2_checkpoints, registries, layout):
+@pytest.mark.parametrize("name", ["flux2_ref_calls", "flux2_klein_itz_calls", "flux2_itz_calls"])
+def test_flux2_reference_latents_match_comfyuis_own_calls(comfy, flux2_checkpoints, registries, layout, name):
     """ReferenceLatent on FLUX.2 (two references, placed by FLUX.2's default 'index' method with
-    ref_index_scale 10): every recorded model call (inputs, references and ComfyUI's own output)."""
+    ref_index_scale 10; and by index_timestep_zero, ComfyUI >= 0.17's Edit Model Reference Method: [klein]
+    at batch 2 through CFG, [dev] at batch 1): every recorded model call (inputs, references and ComfyUI's
+    own output)."""
     _needs_flux2()
-    name = "flux2_ref_calls"
+    if name not in FLUX2_CASES:  # the references of a ComfyUI that cannot run the case leave it out
+        from make_comfy_references import FLUX2_CASES as TOOL_CASES
+        from make_comfy_references import ref_methods
+
+        method = TOOL_CASES[name]["ref_method"]
+        assert method not in ref_methods(comfy)
+        pytest.skip(
+            f"ComfyUI {COMFYUI_VERSION} offers no {method!r} (ComfyUI >= 0.17): no reference to match"
+        )
     model = parallel_model(comfy, flux2_checkpoints, registries, FLUX2_CASES[name]["variant"], layout)
     got = run_flux2_case(comfy, model, name)
     expected = {f"{name}.{k}": v for k, v in reference(name).items() if not k.endswith(".img_ids")}
