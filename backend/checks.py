@@ -11,7 +11,7 @@ import torch
 
 from .checkpoint import CheckpointInfo
 from .config import ConfigError
-from .flux.forward import REF_METHODS
+from .family import families
 from .flux.sampling import SamplingPlan
 from .messages import LoadRequest
 
@@ -93,20 +93,19 @@ def check_forward(
         raise ConfigError(
             f"guidance is None; {info.model_name} needs one per latent (FluxGuidance, e.g. 3.5)"
         )
-    check_refs(refs, ref_method, batch, channels, latent)
+    check_refs(refs, ref_method, batch, channels, latent, info)
     tokens = family.image_tokens(*x.shape[-2:]) + sum(family.image_tokens(*r.shape[-2:]) for r in refs)
     resident.layout.validate_sequence(tokens)
 
 
-def check_refs(refs: Sequence[torch.Tensor], method: str, batch: int, channels: int, latent: int) -> None:
-    """Reference latents (Kontext, FLUX.2): what comfy/ldm/flux/model.py `Flux._forward` can concatenate."""
+def check_refs(
+    refs: Sequence[torch.Tensor], method: str, batch: int, channels: int, latent: int, info: CheckpointInfo
+) -> None:
+    """Reference latents (Kontext, FLUX.2): what comfy/ldm/flux/model.py `Flux._forward` can concatenate,
+    placed by a method ComfyUI's own model of the checkpoint's family runs (`ModelFamily.references`)."""
     if not refs:
         return
-    if method not in REF_METHODS:
-        raise ConfigError(
-            f"ref_latents_method={method!r} is not one of {', '.join(REF_METHODS)}; use ComfyUI's "
-            "FluxKontextMultiReferenceLatentMethod node to set it"
-        )
+    check_ref_method(method, batch, info)
     if channels != latent:
         raise ConfigError(
             f"reference latents (ReferenceLatent) cannot be combined with a {channels}-channel model (FLUX.1 "
@@ -121,3 +120,39 @@ def check_refs(refs: Sequence[torch.Tensor], method: str, batch: int, channels: 
                 f"ref_latents[{i}] has shape {shape}; a reference latent is [{batch}, {latent}, height, width] "
                 "(one per latent in the batch): connect a VAE Encode of the reference image to ReferenceLatent"
             )
+
+
+# ComfyUI's node that sets ref_latents_method (comfy_extras/nodes_flux.py; its display name since 0.17)
+METHOD_NODE = "Edit Model Reference Method (FluxKontextMultiReferenceLatentMethod)"
+
+
+def check_ref_method(method: str, batch: int, info: CheckpointInfo) -> None:
+    """`method` is a placement ComfyUI's own model of `info`'s family runs, at this batch; else a
+    ConfigError naming why (the family's own reason when another family runs it) and what to set."""
+    family = info.model_family
+    refs = family.references
+    shown = ", ".join("uxo/uno" if m == "uxo" else m for m in refs.methods)
+    if method in refs.methods:
+        reason = refs.batch_one_with_guidance.get(method)
+        if reason is not None and batch > 1 and info.variant == "dev":
+            raise ConfigError(
+                f"ref_latents_method={method!r} with {info.model_name} at batch {batch}: {reason}. Sample one "
+                f"image at a time with cfg 1 ({info.model_name} is guided by FluxGuidance; cfg > 1 batches the "
+                f"negative prompt with the positive), or set the {METHOD_NODE} node to "
+                f"{family.ref_method!r}"
+            )
+        return
+    others = [f.title for f in families() if method in f.references.methods]
+    if others:
+        why = refs.refused.get(method, f"ComfyUI's own {family.title} does not run it")
+        raise ConfigError(
+            f"ref_latents_method={method!r} is a {' and '.join(others)} placement, not one of {family.title}'s "
+            f"({shown}): {why}. Set the {METHOD_NODE} node to one of {shown}, or load a "
+            f"{' or '.join(others)} checkpoint"
+        )
+    known = sorted({m for f in families() for m in f.references.methods})
+    raise ConfigError(
+        f"ref_latents_method={method!r} is not a reference placement ComfyUI's FLUX models run ({', '.join(known)}); "
+        f"it came with the conditioning (the {METHOD_NODE} node, or a custom node that sets it): set that "
+        f"node to one of {shown} for {info.model_name}"
+    )

@@ -77,6 +77,27 @@ class TextInputs:
 
 
 @dataclass(frozen=True)
+class ReferenceLatents:
+    """How the family's model takes ComfyUI's reference latents (ReferenceLatent: FLUX.1 Kontext's input
+    image, FLUX.2's reference images), placed by ComfyUI's `ref_latents_method` (its
+    FluxKontextMultiReferenceLatentMethod node, "Edit Model Reference Method" since ComfyUI 0.17).
+
+    `methods` are the placements ComfyUI's own model of the family runs in the versions the pack is checked
+    against (comfy/ldm/flux/model.py `Flux._forward`); `backend/checks.py` refuses any other before a rank
+    runs, naming why ComfyUI cannot run it either. `what` and `workflow` are for messages: the feature's
+    name and the shipped workflow (workflows/) whose graph samples this family with the ROCm Parallel Model.
+    """
+
+    methods: tuple[str, ...]
+    what: str  # e.g. "FLUX.1 Kontext's reference latents"
+    workflow: str  # e.g. "flux1_kontext_dev_ksampler_parallel_model"
+    # method another family runs -> why this family's model (ComfyUI's own included) cannot
+    refused: Mapping[str, str] = field(default_factory=dict)
+    # methods ComfyUI's own model runs only at batch 1 when it has a guidance embedder -> why
+    batch_one_with_guidance: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class ComfyModel:
     """What ComfyUI's own loader would build for a checkpoint: a `comfy.supported_models` class and the
     unet_config detected from its header (comfy/model_detection.py). The proxy MODEL is built from it
@@ -125,7 +146,8 @@ class ModelFamily:
       `cp`: what context parallelism may rebuild and returns; `planner`: the measured activation units.
     ComfyUI
     - `patch`: latent pixels per token on each side; `latent`, `text`: the latent format and text
-      conditioning; `ref_method`: ComfyUI's default placement of reference latents.
+      conditioning; `ref_method`: ComfyUI's default placement of reference latents; `references`: the
+      placements the family runs (`ReferenceLatents`), and what messages say about them.
     - `comfy_model(config)`: the ComfyUI model config the proxy MODEL is built from.
     - `call(model_fn, x, timestep, context, pooled, guidance, ref_latents=(), ref_method=...)`: one model
       call with ComfyUI's semantics (pad, patchify, ids, crop); `model_fn(model)` adapts the diffusers
@@ -160,6 +182,7 @@ class ModelFamily:
     patch: int
     text: TextInputs
     ref_method: str
+    references: ReferenceLatents
     comfy_model: Callable[[Mapping[str, Any]], ComfyModel]
     call: Callable[..., Any]
     model_fn: Callable[[Any], Callable[..., Any]]
@@ -310,6 +333,7 @@ __all__ = [
     "LatentFormat",
     "ModelFamily",
     "PlannerFacts",
+    "ReferenceLatents",
     "TextInputs",
     "build_diffusers",
     "detect_bfl",

@@ -16,6 +16,7 @@ from .registry import Registry
 
 if TYPE_CHECKING:
     from ..backend.checkpoint import CheckpointInfo
+    from ..backend.family import ModelFamily
 
 # What the proxy refuses: ComfyUI would pass these to its own Flux model, and ignoring them would change
 # the image without a word. Each message names the node to remove.
@@ -24,11 +25,25 @@ CONTROLNET_MESSAGE = (
     "(ControlNetApply / ControlNetApplyAdvanced) from the conditioning, or sample with ComfyUI's own "
     "Load Diffusion Model"
 )
-KONTEXT_MESSAGE = (
-    "the TP / Ring Attention Sampler do not take FLUX Kontext's reference latents (the conditioning carries "
-    "ReferenceLatent's): sample with the ROCm Parallel Model and ComfyUI's KSampler instead (see the "
-    "flux1_kontext workflow), or remove the ReferenceLatent node"
+KV_CACHE_MESSAGE = (
+    "ComfyUI's Flux KV Cache node (FluxKVCache) cannot patch the ROCm Parallel Model: it keeps the reference "
+    "tokens' keys and values inside the transformer's attention, which runs in the ROCm Parallel workers. "
+    "Remove the Flux KV Cache node; the Edit Model Reference Method node set to index_timestep_zero (what "
+    "the cache node sets) runs on the ROCm Parallel Model, computing the reference tokens in every step"
 )
+
+
+def references_message(family: ModelFamily) -> str:
+    """Why the TP / Ring Attention Sampler refuse the family's reference latents, and the family's own way."""
+    refs = family.references
+    return (
+        f"the TP / Ring Attention Sampler do not take {refs.what} (the conditioning carries ReferenceLatent's): "
+        "sample with the ROCm Parallel Model and ComfyUI's own sampler nodes instead (the "
+        f"{refs.workflow} workflow's graph, with ReferenceLatent on its conditioning), or remove the "
+        "ReferenceLatent node"
+    )
+
+
 FILL_MESSAGE = (
     "{model} needs the masked image and mask in every step, which the TP / Ring Attention Sampler do not "
     "supply: sample it with the ROCm Parallel Model, ComfyUI's InpaintModelConditioning and KSampler"
@@ -75,6 +90,9 @@ def unsupported_forward_inputs(
     for name, value in extra.items():
         if name not in _UNDERSTOOD and value is not None:
             return unknown_input_message(name)
+    attn1 = (transformer_options.get("patches") or {}).get("attn1_patch") or ()
+    if any(type(p).__name__ == "KV_Attn_Input" for p in attn1):  # comfy_extras/nodes_flux.py FluxKVCache
+        return KV_CACHE_MESSAGE
     for key in ("patches", "patches_replace"):
         patches = {k: v for k, v in (transformer_options.get(key) or {}).items() if v}
         if patches:
@@ -118,7 +136,7 @@ def check_conditioning(name: str, conditioning: Any, info: CheckpointInfo) -> No
         if extras.get("control") is not None:
             raise ConfigError(CONTROLNET_MESSAGE)
         if extras.get("reference_latents") is not None:
-            raise ConfigError(KONTEXT_MESSAGE)
+            raise ConfigError(references_message(info.model_family))
         if extras.get("attention_mask") is not None:
             raise ConfigError(ATTENTION_MASK_MESSAGE)
 

@@ -5,8 +5,9 @@ A real `comfy.model_patcher.ModelPatcher` around a real `comfy.model_base.Flux` 
 `FluxSchnell`, `FluxInpaint`, `Flux2`: the model family decides it from the header, backend/family.py), so
 model_sampling, the latent format, FluxGuidance, ModelSamplingFlux, ReferenceLatent (Kontext) and
 InpaintModelConditioning's `c_concat` (Fill) behave exactly as with ComfyUI's loader, with
-`disable_unet_model_creation` so no weights exist here. FLUX.2 needs ComfyUI >= 0.3.75 (the first with
-`model_base.Flux2`); FLUX.1 also runs on 0.3.64. Its `diffusion_model` is `ParallelDiffusionModel`, a small proxy whose forward is one
+`disable_unet_model_creation` so no weights exist here. Checked against the ComfyUI versions in
+`TESTED_COMFYUI` (the comfy tier, tests/comfy); FLUX.2 needs `model_base.Flux2` (ComfyUI >= 0.3.72, with fixes
+up to 0.3.75). Its `diffusion_model` is `ParallelDiffusionModel`, a small proxy whose forward is one
 `ParallelFlux.forward` on the workers. ComfyUI's samplers, schedulers, CFG, guiders and sigma nodes run
 unchanged around it.
 
@@ -30,8 +31,10 @@ from .runner import ModelRunner, step_of
 if TYPE_CHECKING:
     from ..backend.checkpoint import CheckpointInfo
 
-# The ComfyUI the parallel MODEL was last checked against (tests/comfy, tests/data/comfy_references).
-TESTED_COMFYUI = "0.3.75"
+# The ComfyUI versions the parallel MODEL is checked against (the comfy tier, tests/comfy, with each version's
+# own references tests/data/comfy_references*.safetensors): the oldest the pack claims (pyproject.toml
+# requires-comfyui) and the newest.
+TESTED_COMFYUI = ("0.3.75", "0.33.0")
 
 # (module, attribute path) this module relies on; checked once, before the first MODEL is built. The
 # config class of the checkpoint's family (supported_models.Flux2 for FLUX.2) is checked when it is picked.
@@ -78,7 +81,7 @@ def require_internals(required: tuple[tuple[str, str], ...] = _REQUIRED) -> None
     if missing:
         raise RuntimeError(
             f"ROCm Parallel Model: ComfyUI {comfyui_version()} lacks {', '.join(missing)}, which the parallel "
-            f"MODEL needs (built against ComfyUI {TESTED_COMFYUI}). Update ComfyUI, or use the TP / Ring "
+            f"MODEL needs (checked against ComfyUI {' and '.join(TESTED_COMFYUI)}). Update ComfyUI, or use the TP / Ring "
             "Attention Sampler's pack version made for this ComfyUI"
         )
 
@@ -108,6 +111,9 @@ class ParallelDiffusionModel(torch.nn.Module):
         self.pooled = pooled
         # comfy/ldm/flux/model.py Flux._forward: `kwargs.get("ref_latents_method",
         # self.params.default_ref_method)`; FLUX.2's unet_config says "index", FLUX.1's default "offset".
+        # (ComfyUI 0.33's FluxKVCache object-patches this attribute when the model has no `params`; its
+        # attention patches are refused with checks.KV_CACHE_MESSAGE.) Every method is checked against the
+        # family's `references` before a rank runs (backend/checks.py).
         self.default_ref_method = default_ref_method
 
     def forward(

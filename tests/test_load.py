@@ -225,8 +225,8 @@ def test_sdxl_unet_is_recognized(tmp_path: Path) -> None:
 def test_unknown_model_lists_keys(tmp_path: Path) -> None:
     save_file({k: torch.zeros(2) for k in ["w3", "w1", "w2", "w0", "w4"]}, str(tmp_path / "x.safetensors"))
     assert _error(tmp_path / "x.safetensors") == (
-        f"'{tmp_path}/x.safetensors' is not a FLUX.1 or FLUX.2 checkpoint: it looks like not a FLUX.1 or "
-        "FLUX.2 transformer (first keys: w0, w1, w2, w3). Pick a FLUX.1 or FLUX.2 transformer file (e.g. "
+        f"'{tmp_path}/x.safetensors' is not a FLUX.1 or FLUX.2 checkpoint: none of its keys is a FLUX.1 "
+        "or FLUX.2 transformer's (first keys: w0, w1, w2, w3). Pick a FLUX.1 or FLUX.2 transformer file (e.g. "
         "flux1-dev.safetensors, flux2-dev.safetensors) from models/diffusion_models"
     )
 

@@ -586,7 +586,13 @@ def _bad_inputs(name: str) -> dict:
             "prompt with a FLUX DualCLIPLoader (clip_l + t5xxl, type flux)",
         ),
         ("controlnet", checks.CONTROLNET_MESSAGE),
-        ("kontext", checks.KONTEXT_MESSAGE),
+        (
+            "kontext",
+            "the TP / Ring Attention Sampler do not take FLUX.1 Kontext's reference latents (the conditioning "
+            "carries ReferenceLatent's): sample with the ROCm Parallel Model and ComfyUI's own sampler nodes "
+            "instead (the flux1_kontext_dev_ksampler_parallel_model workflow's graph, with ReferenceLatent on "
+            "its conditioning), or remove the ReferenceLatent node",
+        ),
         ("attention_mask", checks.ATTENTION_MASK_MESSAGE),
     ],
 )
@@ -621,8 +627,19 @@ def test_samplers_refuse_a_fill_checkpoint_pointing_to_the_parallel_model(
     assert started == []
 
 
-def test_kontext_message_names_the_way_that_works() -> None:
-    assert "sample with the ROCm Parallel Model and ComfyUI's KSampler" in checks.KONTEXT_MESSAGE
+def test_the_reference_message_names_each_familys_own_workflow() -> None:
+    """FLUX.2's reference images are not Kontext's: each family's message names its own shipped graph."""
+    from rocm_parallel.backend.family import families
+
+    root = Path(__file__).resolve().parents[1] / "workflows"
+    for family in families():
+        message = checks.references_message(family)
+        assert family.references.what in message
+        assert f"the {family.references.workflow} workflow's graph" in message
+        assert (root / f"{family.references.workflow}.json").is_file()
+    from rocm_parallel.backend.family import get_family
+
+    assert "FLUX.2's reference images" in checks.references_message(get_family("flux2"))
 
 
 @pytest.mark.parametrize(("height", "width"), [(25, 25), (7, 8), (1, 3), (64, 9)])
@@ -640,6 +657,10 @@ def test_any_latent_size_comfyui_accepts_passes_the_checks(
             None, {"samples": samples}, cfg=1.0,
         )  # fmt: skip
     assert started == [("cpu", "cpu")] and not registry.current.started  # made, never started
+
+
+class KV_Attn_Input:  # the class name of ComfyUI's FluxKVCache attention patch, which the check reads
+    """Stands in for comfy_extras/nodes_flux.py's KV_Attn_Input (the comfy tier uses the real node)."""
 
 
 @pytest.mark.parametrize(
@@ -665,6 +686,10 @@ def test_any_latent_size_comfyui_accepts_passes_the_checks(
         (
             {"options": {"wrappers": {"diffusion_model": {"cache": [print]}}}},
             checks.patches_message("diffusion_model wrappers", ["cache"]),
+        ),
+        (  # what ComfyUI 0.33's FluxKVCache node adds (comfy_extras/nodes_flux.py)
+            {"options": {"patches": {"attn1_patch": [KV_Attn_Input()], "post_input": [print]}}},
+            checks.KV_CACHE_MESSAGE,
         ),
     ],
 )
@@ -872,8 +897,8 @@ def test_a_comfyui_without_flux2_names_the_missing_config_class(
         comfy_model.require_internals((("comfy.supported_models", "Flux2"),))
     assert str(err.value) == (
         "ROCm Parallel Model: ComfyUI 0.3.64 lacks comfy.supported_models.Flux2, which the parallel MODEL "
-        "needs (built against ComfyUI 0.3.75). Update ComfyUI, or use the TP / Ring Attention Sampler's "
-        "pack version made for this ComfyUI"
+        "needs (checked against ComfyUI 0.3.75 and 0.33.0). Update ComfyUI, or use the TP / Ring Attention "
+        "Sampler's pack version made for this ComfyUI"
     )
     comfy_model.require_internals((("comfy.supported_models", "Flux"),))  # present: no error
 

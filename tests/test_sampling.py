@@ -62,7 +62,9 @@ FLUX2_CASES = {
 @cache
 def flux2_model(variant: str) -> torch.nn.Module:
     spec = FLUX2_MODELS[variant]
-    return build_flux2(tiny_flux2_config(**spec["config"]), seed=spec["seed"])
+    return build_flux2(
+        tiny_flux2_config(**spec["config"]), seed=spec["seed"], init_scale=spec.get("init_scale", 0.05)
+    )
 
 
 def flux2_job(name: str) -> dict:

@@ -1,8 +1,8 @@
 """The shared workflows in workflows/ (UI format) and workflows/api/ (API format) against the node specs.
 
-Core node specs are in tests/data/comfy_core_nodes.json (a live ComfyUI 0.3.75's /object_info, written by
-tests/tools/dump_core_nodes.py); the integration tier (tests/comfy) checks the same files against a live
-ComfyUI's /object_info.
+Core node specs are those of every ComfyUI version the pack is checked against (tests/data/comfy_core_nodes*.json,
+each a live ComfyUI's /object_info written by tests/tools/dump_core_nodes.py): every workflow is checked
+against each; the integration tier (tests/comfy) checks the same files against a live ComfyUI's /object_info.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from workflow_check import (
     check_api,
     check_ui,
     core_object_info,
+    core_versions,
     overlapping_nodes,
     pack_object_info,
     ui_to_api,
@@ -51,11 +52,11 @@ EXPECTED = {
 }
 
 
-@pytest.fixture
-def info(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
+@pytest.fixture(params=core_versions())
+def info(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> dict:
     (tmp_path / "models").mkdir()
     FakeComfy(tmp_path / "models").install(monkeypatch)
-    return {**core_object_info(), **pack_object_info(NODE_CLASS_MAPPINGS)}
+    return {**core_object_info(request.param), **pack_object_info(NODE_CLASS_MAPPINGS)}
 
 
 def load(name: str, api: bool = False) -> dict:

@@ -1,7 +1,11 @@
 """Check ComfyUI workflows (UI format and API format) against node specs in /object_info's shape.
 
-The specs come from the pack's own node classes (`pack_object_info`) plus either the hard-coded core
-nodes in tests/data/comfy_core_nodes.json (CI) or a live ComfyUI's /object_info (tests/comfy).
+The specs come from the pack's own node classes (`pack_object_info`) plus either the core nodes of each
+ComfyUI version the pack is checked against, as that version's live /object_info reported them
+(tests/data/comfy_core_nodes*.json, `core_object_info(version)`, written by tests/tools/dump_core_nodes.py;
+the CI tier checks every workflow against every version), or a live ComfyUI's /object_info (tests/comfy,
+which also checks its version's file against it). Versions differ (0.33 offers more samplers, SaveImage and
+SaveLatent gained outputs), so no one list stands for all.
 Every check returns a list of error strings, empty when the workflow is valid.
 """
 
@@ -11,7 +15,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-CORE_NODES = Path(__file__).parent / "data" / "comfy_core_nodes.json"
+DATA = Path(__file__).parent / "data"
+CORE_NODES = DATA / "comfy_core_nodes.json"  # ComfyUI 0.3.75's, the oldest the pack claims
+BASE_VERSION = "0.3.75"
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN")
 # Inputs whose choices are the user's own model files: any file name is valid in a shared workflow.
 MODEL_FILE_INPUTS = {
@@ -25,9 +31,27 @@ MODEL_FILE_INPUTS = {
 }
 
 
-def core_object_info() -> dict[str, Any]:
-    data = json.loads(CORE_NODES.read_text())
-    data.pop("_source")
+def core_nodes_file(version: str) -> Path:
+    """Where ComfyUI `version`'s core node specs live (the naming of make_comfy_references.reference_file)."""
+    return CORE_NODES if version == BASE_VERSION else DATA / f"comfy_core_nodes-{version}.json"
+
+
+def core_versions() -> list[str]:
+    """The ComfyUI versions whose core node specs are recorded, oldest first."""
+    found = [BASE_VERSION] + [
+        p.stem.removeprefix("comfy_core_nodes-") for p in DATA.glob("comfy_core_nodes-*.json")
+    ]
+    return sorted(set(found), key=lambda v: tuple(int(x) for x in v.split(".")))
+
+
+def core_object_info(version: str = BASE_VERSION) -> dict[str, Any]:
+    """ComfyUI `version`'s core node specs, as its /object_info reported them."""
+    data = json.loads(core_nodes_file(version).read_text())
+    source = data.pop("_source")
+    if not source.startswith(f"ComfyUI {version},"):
+        raise ValueError(
+            f"{core_nodes_file(version)} was written by {source.split(',')[0]}, not ComfyUI {version}"
+        )
     return data
 
 

@@ -1,7 +1,8 @@
 """What a checkpoint holds, from its headers alone: `inspect_checkpoint` -> `CheckpointInfo`.
 
-Formats: a BFL / ComfyUI single safetensors file (`flux1-dev.safetensors`, fine-tunes; with or without
-the `model.diffusion_model.` prefix of ComfyUI's full checkpoints), a diffusers-keyed single file, and
+Formats: a BFL / ComfyUI single safetensors file (`flux1-dev.safetensors`, fine-tunes, ComfyUI's ModelSave
+output) in every key spelling ComfyUI's UNETLoader loads (the prefixes it strips, the norms' `.scale` and
+`.weight` names: resolved once here, keys.py), a diffusers-keyed single file, and
 diffusers folders (`config.json` + `diffusion_pytorch_model*.safetensors`, or a pipeline folder with
 `transformer/`), of every registered model family (backend/family.py: the header says which). Stored
 dtypes: dtypes.LOADABLE_DTYPES, ComfyUI's "scaled fp8" and quantized "mixed" files included (quant.py).
@@ -26,7 +27,6 @@ from ..config import FluxDims, weight_dtype_name
 from ..dtypes import COMPUTE_DTYPES, LOADABLE_DTYPES, WEIGHT_DTYPES, compute_dtype_named, stored_dtype
 from ..family import ModelFamily, detect_bfl, detect_diffusers, families, family_for_class, get_family
 from .files import (
-    COMFY_PREFIX,
     CheckpointError,
     StoredTensor,
     listing,
@@ -34,6 +34,7 @@ from .files import (
     numel,
     read_header,
 )
+from .keys import transformer_prefix
 from .quant import split_scales
 
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
@@ -49,7 +50,7 @@ class CheckpointInfo:
     path: str  # what the user gave
     format: str  # "bfl" (BFL / ComfyUI keys) or "diffusers" (the family's diffusers class's keys)
     files: tuple[str, ...]  # the safetensors files holding the transformer
-    prefix: str  # key prefix of the transformer inside the files ("" or "model.diffusion_model.")
+    prefix: str  # the transformer's key prefix in the files, as ComfyUI strips it ("", "model.diffusion_model.", ...)
     stored_dtypes: tuple[str, ...]  # torch names, e.g. ("bfloat16",) or ("float8_e4m3fn", "bfloat16")
     config: dict[str, Any]  # diffusers config of the family's class (FluxTransformer2DModel for FLUX.1)
     variant: str  # "dev" (guidance embedding) or "schnell" (none): the family's `variant(config)`
@@ -92,30 +93,31 @@ class CheckpointInfo:
 
 
 def describe_keys(keys: Iterable[str]) -> str:
-    """A short guess at what a non-FLUX checkpoint is, from its key prefixes."""
+    """What a non-FLUX checkpoint is, from its key prefixes, as a message's clause: 'it looks like a VAE',
+    or the first keys when it is nothing this knows."""
     keys = list(keys)
-    stripped = [k.removeprefix(COMFY_PREFIX) for k in keys]
+    prefix = transformer_prefix(keys)
+    stripped = [k.removeprefix(prefix) for k in keys]
 
     def has(*fragments: str) -> bool:
         return any(any(k.startswith(f) or f".{f}" in k for f in fragments) for k in stripped)
 
-    if has("lora_unet_", "lora_te") or any(".lora_" in k or ".lora." in k for k in keys):
-        return "a LoRA (apply it in ComfyUI on top of a base FLUX model)"
-    if has("input_blocks.", "middle_block."):
-        kind = "an SDXL UNet" if has("label_emb.") else "an SD1.x/SD2.x UNet"
-        return kind
-    if has("joint_blocks."):
-        return "an SD3 / SD3.5 MMDiT"
-    if has("distilled_guidance_layer."):
-        return "a Chroma model (FLUX-derived, different modulation)"
-    if has("encoder.block.", "shared.weight"):
-        return "a T5 text encoder"
-    if has("text_model.encoder."):
-        return "a CLIP text encoder"
-    if has("decoder.conv_in.", "encoder.conv_in.", "first_stage_model."):
-        return "a VAE"
+    kinds = (
+        (has("lora_unet_", "lora_te") or any(".lora_" in k or ".lora." in k for k in keys),
+         "a LoRA (apply it in ComfyUI on top of a base FLUX model)"),
+        (has("input_blocks.", "middle_block."),
+         "an SDXL UNet" if has("label_emb.") else "an SD1.x/SD2.x UNet"),
+        (has("joint_blocks."), "an SD3 / SD3.5 MMDiT"),
+        (has("distilled_guidance_layer."), "a Chroma model (FLUX-derived, different modulation)"),
+        (has("encoder.block.", "shared.weight"), "a T5 text encoder"),
+        (has("text_model.encoder."), "a CLIP text encoder"),
+        (has("decoder.conv_in.", "encoder.conv_in.", "first_stage_model."), "a VAE"),
+    )  # fmt: skip
+    kind = next((what for found, what in kinds if found), None)
+    if kind is not None:
+        return f"it looks like {kind}"
     sample = ", ".join(sorted(keys)[:4])
-    return f"not a {_known_families()} transformer (first keys: {sample})"
+    return f"none of its keys is a {_known_families()} transformer's (first keys: {sample})"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -163,14 +165,20 @@ def _dtype_names(tensors: Iterable[StoredTensor], path: str) -> tuple[str, ...]:
 def _bfl_info(
     path: Path,
     header: dict[str, StoredTensor],
+    prefix: str,
     family: ModelFamily,
     scales: dict[str, StoredTensor],
     quantization: str,
 ) -> CheckpointInfo:
-    prefix = COMFY_PREFIX if any(k.startswith(COMFY_PREFIX) for k in header) else ""
-    tensors = {k[len(prefix) :]: t for k, t in header.items() if k.startswith(prefix)}
+    """`header`: the file's transformer tensors under keys without `prefix`, in any spelling ComfyUI loads;
+    resolved here, once, to the family's BFL names (the StoredTensors keep the file's keys, so the readers
+    never see a spelling)."""
+    tensors = family.keys.bfl_names(header, f"'{path}'")
     shapes = {k: t.shape for k, t in tensors.items()}
-    config = family.config_from_bfl(shapes)
+    try:
+        config = family.config_from_bfl(shapes)
+    except CheckpointError as err:  # the shape readers know no path
+        raise CheckpointError(f"'{path}': {err}") from None
     if config["attention_head_dim"] % 8:
         raise CheckpointError(
             f"'{path}': head width {config['attention_head_dim']} is not a multiple of 8; "
@@ -250,18 +258,19 @@ def _known_families() -> str:
 
 def _inspect_file(path: Path) -> CheckpointInfo:
     raw, metadata = read_header(path)
-    header, scales, quantization = split_scales(str(path), raw, metadata)
-    keys = list(header)
-    prefix = COMFY_PREFIX if any(k.startswith(COMFY_PREFIX) for k in keys) else ""
-    stripped = {k.removeprefix(prefix) for k in keys if k.startswith(prefix)}
-    family = detect_bfl(stripped)
+    # The keys ComfyUI's UNETLoader looks at: under the prefix it strips (full checkpoints, ModelSave's
+    # `model.diffusion_model.`, `model.model.`, `net.`, `model.`), the rest dropped (keys.transformer_prefix).
+    prefix = transformer_prefix(raw)
+    stripped = {k[len(prefix) :]: t for k, t in raw.items() if k.startswith(prefix)}
+    header, scales, quantization = split_scales(str(path), stripped, metadata, prefix)
+    family = detect_bfl(set(header))
     if family is not None:
-        return _bfl_info(path, header, family, scales, quantization)
-    family = detect_diffusers(set(keys))
+        return _bfl_info(path, header, prefix, family, scales, quantization)
+    family = detect_diffusers(set(header))
     if family is not None:
         return _diffusers_info(path, (str(path),), header, None, family, scales, quantization)
     raise CheckpointError(
-        f"'{path}' is not a {_known_families()} checkpoint: it looks like {describe_keys(keys)}. "
+        f"'{path}' is not a {_known_families()} checkpoint: {describe_keys(raw)}. "
         f"Pick a {_known_families()} transformer file (e.g. flux1-dev.safetensors, flux2-dev.safetensors) "
         "from models/diffusion_models"
     )

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -24,6 +24,16 @@ from .quant import QUANT_SUFFIXES, dequantize
 
 if TYPE_CHECKING:
     from ..family import ModelFamily
+
+T = TypeVar("T")
+
+# The prefixes ComfyUI's loader strips (comfy/model_detection.py unet_prefix_from_state_dict): ldm/sgm full
+# checkpoints and ModelSave, audio models, Cosmos; `model.` when none has more than MIN_PREFIXED_KEYS keys.
+PREFIXES = (COMFY_PREFIX, "model.model.", "net.")
+FALLBACK_PREFIX = "model."
+MIN_PREFIXED_KEYS = 5
+# BFL's RMS norm parameter and ComfyUI >= 0.14's name for it (torch.nn.RMSNorm's).
+NORM_SCALE, NORM_WEIGHT = "_norm.scale", "_norm.weight"
 
 
 @dataclass(frozen=True)
@@ -118,6 +128,32 @@ class KeyLayout:
         """BFL key -> shape of the file that stores diffusers parameters of these `shapes`."""
         return bfl_view(self.sources(dims, shapes), shapes)
 
+    def bfl_names(self, stored: Mapping[str, T], where: str = "this state dict") -> dict[str, T]:
+        """A file's keys (prefix already stripped) under this layout's names, values unchanged.
+
+        ComfyUI >= 0.14 holds the q/k RMS norms as torch's RMSNorm, whose parameter is `weight`, and its
+        ModelSave writes them so (`*_norm.weight`, as every model merged or LoRA-baked in ComfyUI is saved);
+        its loader reads BFL's `*_norm.scale` too (comfy/supported_models.py Flux.process_unet_state_dict
+        renames one to the other). Both spellings name the same tensor here; a file holding both for one
+        norm is refused (`where` names it in the message): which one ComfyUI would use depends on its
+        version.
+        """
+        if not self.norm_scale:
+            return dict(stored)
+        out: dict[str, T] = {}
+        for key, value in stored.items():
+            name = key
+            if key.endswith(NORM_WEIGHT):
+                name = key[: -len(NORM_WEIGHT)] + NORM_SCALE
+                if name in stored:
+                    raise CheckpointError(
+                        f"{where} holds both '{name}' and '{key}', two spellings of one RMS norm's scale "
+                        "(BFL's and ComfyUI >= 0.14's); which one ComfyUI uses depends on its version. "
+                        "Keep one of them: re-save the model with ComfyUI's ModelSave, or use the original file"
+                    )
+            out[name] = value
+        return out
+
 
 # --------------------------------------------------------------------------------------------------
 # Shapes and keys
@@ -128,11 +164,38 @@ def shapes_of(keys_and_shapes: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) if hasattr(v, "shape") else tuple(v) for k, v in keys_and_shapes.items()}
 
 
-def strip_prefix(keys_and_shapes: Mapping[str, Any]) -> dict[str, Any]:
-    """Drop ComfyUI's `model.diffusion_model.` prefix; in a full checkpoint keep only the transformer."""
-    if any(k.startswith(COMFY_PREFIX) for k in keys_and_shapes):
-        return {k[len(COMFY_PREFIX) :]: v for k, v in keys_and_shapes.items() if k.startswith(COMFY_PREFIX)}
-    return dict(keys_and_shapes)
+def transformer_prefix(keys: Iterable[str]) -> str:
+    """The prefix ComfyUI's UNETLoader strips from these keys before it looks at them ("" for none).
+
+    comfy/model_detection.py `unet_prefix_from_state_dict` (0.3.75 and 0.33): of `model.diffusion_model.`
+    (full checkpoints, ModelSave), `model.model.` and `net.`, the one most keys start with if more than
+    5 do, else `model.`; comfy/sd.py `load_diffusion_model_state_dict` then keeps only the keys under it,
+    and the whole file unchanged when no key is. Written out here because the backend never imports
+    ComfyUI; the comfy tier loads every prefix through both.
+    """
+    keys = list(keys)
+    counts = dict.fromkeys(PREFIXES, 0)
+    for key in keys:
+        found = next((p for p in PREFIXES if key.startswith(p)), None)
+        if found is not None:
+            counts[found] += 1
+    top = max(counts, key=counts.__getitem__)  # the first of equals, as ComfyUI's max over its list
+    prefix = top if counts[top] > MIN_PREFIXED_KEYS else FALLBACK_PREFIX
+    return prefix if any(k.startswith(prefix) for k in keys) else ""
+
+
+def strip_prefix(keys_and_values: Mapping[str, T]) -> dict[str, T]:
+    """The keys under ComfyUI's transformer prefix (`transformer_prefix`), without it; the rest of a full
+    checkpoint (text encoders, VAE) is dropped, as ComfyUI's loader drops it."""
+    prefix = transformer_prefix(keys_and_values)
+    return {k[len(prefix) :]: v for k, v in keys_and_values.items() if k.startswith(prefix)}
+
+
+def bfl_names(
+    keys_and_values: Mapping[str, T], layout: KeyLayout, where: str = "this state dict"
+) -> dict[str, T]:
+    """A BFL / ComfyUI state dict or header under `layout`'s names: prefix stripped, norms canonical."""
+    return layout.bfl_names(strip_prefix(keys_and_values), where)
 
 
 def block_count(shapes: Mapping[str, tuple[int, ...]], prefix: str) -> int:
@@ -232,6 +295,7 @@ def bfl_to_diffusers(
 
     bfl = strip_prefix(state_dict)
     fam = _family(family, detect_bfl, bfl, "this BFL state dict")
+    bfl = fam.keys.bfl_names(bfl)
     config = fam.config_from_bfl(shapes_of(bfl))
     sources = fam.sources(config)
     known = {s.key for s in sources.values()}
@@ -296,6 +360,7 @@ __all__ = [
     "KeyTable",
     "Source",
     "assemble_bfl",
+    "bfl_names",
     "bfl_to_diffusers",
     "bfl_view",
     "block_count",
@@ -306,4 +371,5 @@ __all__ = [
     "shapes_of",
     "strip_prefix",
     "take_rows",
+    "transformer_prefix",
 ]

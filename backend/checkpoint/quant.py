@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 from ..dtypes import FP8_DTYPES, stored_dtype
-from .files import COMFY_PREFIX, CheckpointError, StoredTensor, numel
+from .files import CheckpointError, StoredTensor, numel
 
 # ComfyUI's quantized ("mixed precision") layers, e.g. Comfy-Org's flux2_dev_fp8mixed.safetensors: some
 # linears are stored quantized, each with companions `<layer>.weight_scale` (the per-tensor scale:
@@ -67,11 +67,12 @@ def read_marker(stored: StoredTensor) -> Any:
 
 
 def quantized_layers(
-    path: str, header: Mapping[str, StoredTensor], metadata: Mapping[str, str]
+    path: str, header: Mapping[str, StoredTensor], metadata: Mapping[str, str], prefix: str = ""
 ) -> dict[str, tuple[Any, str]]:
     """Layer (header key without `.weight`) -> (declared format, how it was declared) of a ComfyUI
     quantized "mixed" file, from `<layer>.comfy_quant` tensors and the header's `_quantization_metadata`
-    (the layout: checkpoint/quant.py); {} for any other file."""
+    (the layout: checkpoint/quant.py); {} for any other file. `header`'s keys are the file's without the
+    transformer `prefix` the loader stripped (the metadata may name the layers with or without it)."""
     layers: dict[str, tuple[Any, str]] = {}
     for key in (k for k in header if k.endswith(COMFY_QUANT)):
         conf = read_marker(header[key])
@@ -93,21 +94,25 @@ def quantized_layers(
             '{"format_version": ..., "layers": {"<layer>": {"format": ...}}}; the file is damaged. '
             "Download it again"
         )
-    prefix = COMFY_PREFIX if any(k.startswith(COMFY_PREFIX) for k in header) else ""
     for name, conf in declared["layers"].items():
         # ComfyUI 0.3.75 names the layers inside the diffusion model (no `model.diffusion_model.`); newer
         # ComfyUI's convert_old_quants appends `.comfy_quant` to the names as given: accept either.
-        layer = next((c for c in (name, prefix + name) if f"{c}.weight" in header), name)
+        layer = next((c for c in (name, name.removeprefix(prefix)) if f"{c}.weight" in header), name)
         # the metadata wins over a comfy_quant tensor, as in convert_old_quants
         layers[layer] = (conf.get("format") if isinstance(conf, dict) else None, "quantization_metadata")
     return layers
 
 
 def split_scales(
-    path: str, header: dict[str, StoredTensor], metadata: Mapping[str, str]
+    path: str, header: dict[str, StoredTensor], metadata: Mapping[str, str], prefix: str = ""
 ) -> tuple[dict[str, StoredTensor], dict[str, StoredTensor], str]:
-    """(the model's tensors, stored weight key -> its scale, how the scales were declared) of a ComfyUI
-    scaled fp8 or quantized "mixed" file; any other file comes back unchanged with no scales.
+    """(the model's tensors, stored weight -> its scale, how the scales were declared) of a ComfyUI scaled
+    fp8 or quantized "mixed" file; any other file comes back unchanged with no scales. `header`: the file's
+    tensors under keys without the transformer `prefix` the loader stripped; the scales are keyed by the
+    weights' keys in the file (`StoredTensor.key`), which is what the readers look them up by.
+
+    ComfyUI 0.33's ModelSave writes both layouts as the mixed one (comfy/utils.py convert_old_quants:
+    `weight_scale` + a `comfy_quant` tensor per layer, compute-dtype biases, no marker).
 
     Both layouts hold some weights as fp8 with one float scale each (weight = fp8 x scale): scaled fp8's
     `scale_weight` (comfy/ops.py scaled_fp8_ops), mixed files' `weight_scale` (comfy/quant_ops.py
@@ -116,7 +121,7 @@ def split_scales(
     arithmetic follows, ignores them as well. Anything but one scale per fp8 weight (nvfp4, block or
     per-channel scales, an unknown format) is refused here, from the header, before a worker starts.
     """
-    layers = quantized_layers(path, header, metadata)
+    layers = quantized_layers(path, header, metadata, prefix)
     for layer, (fmt, how) in sorted(layers.items()):
         if fmt not in QUANT_FORMATS:
             shown = "no format" if fmt is None else repr(fmt)
@@ -126,7 +131,7 @@ def split_scales(
                 "(e.g. flux2_dev_fp8mixed.safetensors), bf16 or fp16 version of the model, or load this file "
                 "with ComfyUI's own Load Diffusion Model"
             )
-    marker = [k for k in header if k.removeprefix(COMFY_PREFIX) == SCALED_FP8_MARKER]
+    marker = [k for k in header if k == SCALED_FP8_MARKER]
     # (scale key, weight key, how it is declared) of every scaled weight
     pairs = [
         (k, k.removesuffix(SCALE_WEIGHT) + ".weight", "scaled_fp8")
@@ -181,7 +186,7 @@ def split_scales(
                 f"'{path}': '{weight_key}' is stored as {weight.dtype} but its layer is declared {fmt} "
                 f"({_DECLARED[how]}); the file is damaged. Download it again, or use a plain fp8, bf16 or fp16 FLUX file"
             )
-        scales[weight_key] = scale
+        scales[weight.key] = scale
     return tensors, scales, "+".join(sorted({how for _, _, how in pairs}))
 
 

@@ -18,7 +18,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..family import ComfyModel, LatentFormat, ModelFamily, PlannerFacts, TextInputs, register
+from ..family import (
+    ComfyModel,
+    LatentFormat,
+    ModelFamily,
+    PlannerFacts,
+    ReferenceLatents,
+    TextInputs,
+    register,
+)
 from ..parallel.context import ContextParallelSpec
 from . import keys
 from .forward import PATCH, REF_METHODS, flux_call
@@ -60,6 +68,22 @@ CP = ContextParallelSpec(processors={"FluxAttnProcessor": "diffusers.models.tran
 #   their concatenation for the one all-reduce, the bias-added outputs and both residual streams, all at
 #   full width: 8.35 units whatever the TP degree (measured at TP 4 and 8).
 PLANNER = PlannerFacts(table_name="FLUX", attention_full=3.35, attention_sharded=14.0, block_full=8.35)
+
+
+# Kontext's placements. Not "index_timestep_zero" (ComfyUI 0.33's fourth): it needs the shared modulation of
+# FLUX.2; ComfyUI's own FLUX.1 fails on it (modulation of [2B] rows against a [B] image stream).
+REFERENCES = ReferenceLatents(
+    methods=REF_METHODS,
+    what="FLUX.1 Kontext's reference latents",
+    workflow="flux1_kontext_dev_ksampler_parallel_model",
+    refused={
+        "index_timestep_zero": (
+            "it modulates the reference tokens as at timestep 0, which takes FLUX.2's shared modulation; "
+            "FLUX.1 modulates in every block from one timestep, and ComfyUI's own FLUX.1 fails on it with a "
+            "shape error"
+        )
+    },
+)
 
 
 def variant(config: Mapping[str, Any]) -> str:
@@ -125,6 +149,7 @@ FLUX1 = register(
         patch=PATCH,
         text=TEXT,
         ref_method=REF_METHODS[0],  # "offset": comfy/ldm/flux/model.py's default for FLUX.1
+        references=REFERENCES,
         comfy_model=comfy_model,
         call=flux_call,
         model_fn=diffusers_model_fn,

@@ -16,11 +16,11 @@ from ..checkpoint.keys import (
     Blocks,
     Fused,
     KeyLayout,
+    bfl_names,
     block_count,
     diffusers_config_via_bfl,
     require,
     shapes_of,
-    strip_prefix,
 )
 from ..config import ConfigError, FluxDims
 
@@ -151,7 +151,7 @@ def config_from_dims(dims: FluxDims) -> dict[str, Any]:
 
 def dims_from_bfl(keys_and_shapes: Mapping[str, Any]) -> FluxDims:
     """The FluxDims of a BFL checkpoint (prefix optional), from its keys and shapes alone."""
-    shapes = shapes_of(strip_prefix(keys_and_shapes))
+    shapes = shapes_of(bfl_names(keys_and_shapes, FLUX1_KEYS))
     hidden, in_channels = require(shapes, "img_in.weight", TITLE)
     double_blocks = block_count(shapes, "double_blocks.")
     single_blocks = block_count(shapes, "single_blocks.")
@@ -181,10 +181,11 @@ def dims_from_bfl(keys_and_shapes: Mapping[str, Any]) -> FluxDims:
 def config_from_bfl(keys_and_shapes: Mapping[str, Any]) -> dict[str, Any]:
     """The diffusers FluxTransformer2DModel config of a BFL checkpoint, from its keys and shapes alone.
 
-    Accepts {key: shape} or {key: tensor}, with or without the `model.diffusion_model.` prefix.
+    Accepts {key: shape} or {key: tensor}, under any prefix ComfyUI's loader strips (checkpoint/keys.py
+    `transformer_prefix`), the q/k norms spelled `*_norm.scale` (BFL) or `*_norm.weight` (ComfyUI >= 0.14).
     Raises CheckpointError when a shape contradicts FLUX's structure.
     """
-    shapes = shapes_of(strip_prefix(keys_and_shapes))
+    shapes = shapes_of(bfl_names(keys_and_shapes, FLUX1_KEYS))
     found = dims_from_bfl(shapes)
     config: dict[str, Any] = {
         "patch_size": 1,

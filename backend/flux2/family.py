@@ -14,10 +14,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..family import ComfyModel, LatentFormat, ModelFamily, PlannerFacts, TextInputs, register
+from ..family import (
+    ComfyModel,
+    LatentFormat,
+    ModelFamily,
+    PlannerFacts,
+    ReferenceLatents,
+    TextInputs,
+    register,
+)
 from ..parallel.context import ContextParallelSpec
 from . import keys
-from .forward import flux2_call, flux2_model_fn
+from .forward import REF_METHODS, TIMESTEP_ZERO, flux2_call, flux2_model_fn
 from .model import FLUX2_DEV, FLUX2_KLEIN_4B, FLUX2_KLEIN_9B, build_flux2
 from .sampling import plan_for
 from .tp import FLUX2_TP
@@ -53,6 +61,23 @@ CP = ContextParallelSpec(
 # before the split: one packed projection of 3 + 2 x 3 = 9 x hidden ([q | k | v | gate | up]) where FLUX.1
 # has 3 + 4 + 4 (GELU).
 PLANNER = PlannerFacts(table_name="FLUX.2", attention_full=3.55, attention_sharded=18.0, block_full=8.25)
+
+
+# FLUX.2's reference images: index (its default), offset, uxo and, since ComfyUI 0.17, index_timestep_zero
+# (flux2/forward.py). The shipped FLUX.2 graph samples with SamplerCustomAdvanced; ReferenceLatent goes on
+# its conditioning.
+REFERENCES = ReferenceLatents(
+    methods=REF_METHODS,
+    what="FLUX.2's reference images",
+    workflow="flux2_dev_parallel_model_tp4",
+    batch_one_with_guidance={
+        TIMESTEP_ZERO: (
+            "ComfyUI's own FLUX.2 runs it only at batch 1 when the model has a guidance embedder "
+            "(comfy/ldm/flux/model.py adds the guidance embedding of the batch to the timestep embedding "
+            "of twice the batch: a shape error), so there is no result of ComfyUI's to match"
+        )
+    },
+)
 
 
 def variant(config: Mapping[str, Any]) -> str:
@@ -130,6 +155,7 @@ FLUX2 = register(
         patch=1,
         text=TEXT,
         ref_method="index",  # comfy/model_detection.py flux2 `default_ref_method`
+        references=REFERENCES,
         comfy_model=comfy_model,
         call=flux2_call,
         model_fn=flux2_model_fn,

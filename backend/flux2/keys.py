@@ -20,7 +20,8 @@ diffusers`, whose key names this table uses; ComfyUI detects FLUX.2 by the same
   single_blocks.N.linear2 over cat(attention, mlp) (diffusers: attn.to_out), .norm.{query,key}_norm.scale,
   final_layer.adaLN_modulation.1 = (shift, scale) where diffusers' norm_out.linear is (scale, shift),
   final_layer.linear.
-No biases anywhere. Every width is inferred from shapes (diffusers' converter is fixed to released
+ComfyUI >= 0.14's ModelSave names the norms `*_norm.weight` (torch's RMSNorm) and
+puts every key under `model.diffusion_model.`: checkpoint/keys.py `bfl_names` reads both. No biases anywhere. Every width is inferred from shapes (diffusers' converter is fixed to released
 configs by its callers; the tests need small random models). ComfyUI's fp8 "mixed" files are read by the
 shared loader (backend/checkpoint/quant.py).
 """
@@ -35,11 +36,11 @@ from ..checkpoint.keys import (
     Blocks,
     Fused,
     KeyLayout,
+    bfl_names,
     block_count,
     diffusers_config_via_bfl,
     require,
     shapes_of,
-    strip_prefix,
 )
 from ..config import FluxDims
 from ..flux.keys import DOUBLE_ATTENTION
@@ -128,7 +129,7 @@ def config_from_bfl(keys_and_shapes: Mapping[str, Any]) -> dict[str, Any]:
 
     RoPE has no weights: axes are head_dim / 4 each, which is [dev]'s and [klein]'s (32, 32, 32, 32).
     """
-    shapes = shapes_of(strip_prefix(keys_and_shapes))
+    shapes = shapes_of(bfl_names(keys_and_shapes, FLUX2_KEYS))
     hidden, in_channels = require(shapes, "img_in.weight", "FLUX.2")
     double_blocks, single_blocks = (
         block_count(shapes, "double_blocks."),

@@ -20,6 +20,7 @@ from ..parallel.tensor import (
     TensorParallelSpec,
     reduce_streams,
 )
+from .forward import gated_add, modulate, split_rows
 
 # FLUX.2 (diffusers' Flux2Transformer2DModel, 0.42.1). Same Megatron layout as diffusers' own `_tp_plan`
 # for the blocks, plus what diffusers leaves replicated: the three *shared* modulation linears
@@ -68,18 +69,18 @@ def fused_flux2_double_block_forward(
 
     Same arithmetic per stream as diffusers (which runs the image FF before the text residual: the
     streams are independent there, so the order does not change a value). Two all-reduces per block
-    instead of four.
+    instead of four. Under index_timestep_zero (`block.rp_rows`, flux2/forward.py) the image stream is
+    modulated by token ranges, the text stream by the step's timestep.
     """
-    from diffusers.models.transformers.transformer_flux2 import Flux2Modulation
-
-    (shift_msa, scale_msa, gate_msa), (shift_mlp, scale_mlp, gate_mlp) = Flux2Modulation.split(
-        temb_mod_img, 2
+    rows = getattr(block, "rp_rows", None)
+    ranges = None if rows is None else rows.image
+    batch = hidden_states.shape[0]
+    (shift_msa, scale_msa, gate_msa), (shift_mlp, scale_mlp, gate_mlp) = split_rows(temb_mod_img, batch, 2)
+    (c_shift_msa, c_scale_msa, c_gate_msa), (c_shift_mlp, c_scale_mlp, c_gate_mlp) = split_rows(
+        temb_mod_txt, batch, 2
     )
-    (c_shift_msa, c_scale_msa, c_gate_msa), (c_shift_mlp, c_scale_mlp, c_gate_mlp) = Flux2Modulation.split(
-        temb_mod_txt, 2
-    )
-    norm_h = (1 + scale_msa) * block.norm1(hidden_states) + shift_msa
-    norm_c = (1 + c_scale_msa) * block.norm1_context(encoder_hidden_states) + c_shift_msa
+    norm_h = modulate(block.norm1(hidden_states), shift_msa, scale_msa, ranges)
+    norm_c = modulate(block.norm1_context(encoder_hidden_states), c_shift_msa, c_scale_msa, None)
     outputs = block.attn(
         hidden_states=norm_h,
         encoder_hidden_states=norm_c,
@@ -89,18 +90,18 @@ def fused_flux2_double_block_forward(
     attn, c_attn = reduce_streams(
         list(outputs), [block.attn.to_out[0], block.attn.to_add_out], block.tp_group
     )
-    hidden_states = hidden_states + gate_msa * attn
-    encoder_hidden_states = encoder_hidden_states + c_gate_msa * c_attn
+    hidden_states = gated_add(hidden_states, gate_msa, attn, ranges)
+    encoder_hidden_states = gated_add(encoder_hidden_states, c_gate_msa, c_attn, None)
 
-    norm_h = block.norm2(hidden_states) * (1 + scale_mlp) + shift_mlp
-    norm_c = block.norm2_context(encoder_hidden_states) * (1 + c_scale_mlp) + c_shift_mlp
+    norm_h = modulate(block.norm2(hidden_states), shift_mlp, scale_mlp, ranges)
+    norm_c = modulate(block.norm2_context(encoder_hidden_states), c_shift_mlp, c_scale_mlp, None)
     ff, c_ff = reduce_streams(
         [block.ff(norm_h), block.ff_context(norm_c)],
         [block.ff.linear_out, block.ff_context.linear_out],
         block.tp_group,
     )
-    hidden_states = hidden_states + gate_mlp * ff
-    encoder_hidden_states = encoder_hidden_states + c_gate_mlp * c_ff
+    hidden_states = gated_add(hidden_states, gate_mlp, ff, ranges)
+    encoder_hidden_states = gated_add(encoder_hidden_states, c_gate_mlp, c_ff, None)
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
     return encoder_hidden_states, hidden_states

@@ -3,7 +3,8 @@
 ComfyUI runs from COMFYUI_PATH with --base-directory / --output-directory in a temporary folder and an
 in-memory database, so nothing is written into the checkout (checked before and after), and with this
 checkout symlinked into its custom_nodes/. The model is a tiny random FLUX.1-dev in BFL format (the
-weights the committed ComfyUI references were made with). No real CLIP/VAE exists here, so prompts take
+weights the committed ComfyUI references were made with). The references are the running version's own
+(`REFERENCES`, `reference`). No real CLIP/VAE exists here, so prompts take
 their CONDITIONING from a test-only node (a reference prompt embedding from tests/data) through ComfyUI's
 own FluxGuidance, and save the LATENT with ComfyUI's core SaveLatent.
 """
@@ -26,8 +27,9 @@ from typing import Any
 
 import psutil
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
-from test_sampling import META, flux_model
+from test_sampling import flux_model
 
 from rocm_parallel.backend.checkpoint import diffusers_to_bfl
 
@@ -37,7 +39,42 @@ PACK_ROOT = Path(__file__).resolve().parents[2]
 TESTS_DIR = PACK_ROOT / "tests"
 PACK_DIR_NAME = "rocm_parallel_pack"  # any folder name must work
 START_TIMEOUT = 300.0
+if str(TESTS_DIR / "tools") not in sys.path:
+    sys.path.insert(0, str(TESTS_DIR / "tools"))
+from make_comfy_references import comfy_version, reference_file  # noqa: E402
+
+# The running ComfyUI's version and the references its own models made (tests/tools/make_comfy_references.py
+# run with that version): every comparison in the tier reads these, so each version is checked against itself
+# (ComfyUI's CPU ancestral noise changed in 0.7.0, its RMSNorm / RoPE rounding in 0.14).
+COMFYUI_VERSION = comfy_version(COMFYUI_PATH) if COMFYUI_PATH else None
+REFERENCES = reference_file(COMFYUI_VERSION) if COMFYUI_VERSION else reference_file("0.3.75")
+
+
+def _metadata() -> dict[str, str]:
+    if not REFERENCES.is_file():
+        return {}
+    with safe_open(str(REFERENCES), "pt") as f:
+        return dict(f.metadata())
+
+
+META = _metadata()
+ALL_CASES: dict[str, Any] = json.loads(META.get("cases", "{}"))
+MODELS: dict[str, Any] = json.loads(META.get("models", "{}"))
 FLUX2_CASES: dict[str, Any] = json.loads(META.get("flux2_cases", "{}"))  # made by ComfyUI >= 0.3.75
+
+
+def reference(name: str) -> dict[str, torch.Tensor]:
+    """Reference case `name` as the running ComfyUI version recorded it (its tensors, without the prefix)."""
+    assert REFERENCES.is_file(), (
+        f"no references made by ComfyUI {COMFYUI_VERSION}: run tests/tools/make_comfy_references.py with it "
+        f"(it writes {REFERENCES})"
+    )
+    assert META["comfyui_version"] == COMFYUI_VERSION, (REFERENCES, META["comfyui_version"], COMFYUI_VERSION)
+    with safe_open(str(REFERENCES), "pt") as f:
+        found = {k.split(".", 1)[1]: f.get_tensor(k) for k in f.keys() if k.startswith(name + ".")}
+    assert found, f"{REFERENCES} has no case {name!r}"
+    return found
+
 
 # A test-only custom node: the prompt embedding of a committed reference case as CONDITIONING.
 REFERENCE_NODE = """
@@ -170,15 +207,11 @@ def running_comfy(base: Path) -> Iterator[Comfy]:
     """Start ComfyUI on a free loopback port; on exit stop it and check nothing is left behind."""
     (base / "custom_nodes").mkdir()
     (base / "custom_nodes" / PACK_DIR_NAME).symlink_to(PACK_ROOT, target_is_directory=True)
-    (base / "custom_nodes" / "rp_test_nodes.py").write_text(
-        REFERENCE_NODE.format(references=str(TESTS_DIR / "data" / "comfy_references.safetensors"))
-    )
+    (base / "custom_nodes" / "rp_test_nodes.py").write_text(REFERENCE_NODE.format(references=str(REFERENCES)))
     models = base / "models" / "diffusion_models"
     models.mkdir(parents=True)
     save_file(diffusers_to_bfl(flux_model("dev").state_dict()), str(models / "tiny-flux-dev.safetensors"))
     if FLUX2_CASES:  # the reference tool's random FLUX.2, in the BFL single-file layout
-        if str(TESTS_DIR / "tools") not in sys.path:
-            sys.path.insert(0, str(TESTS_DIR / "tools"))
         from make_comfy_references import flux2_model
 
         from rocm_parallel.backend.checkpoint import save_checkpoint
@@ -287,8 +320,6 @@ def sampling_prompt(
 def model_prompt(case: str, seed_offset: int = 0) -> dict[str, Any]:
     """Reference `case` (zeros latent) with ComfyUI's own KSampler on the ROCm Parallel Model (node '6'),
     saved with SaveLatent under 'model/<case>'."""
-    from test_sampling import ALL_CASES
-
     c = ALL_CASES[case]
     guidance = c.get("guidance", 3.5)
     prompt: dict[str, Any] = {

@@ -304,8 +304,10 @@ def test_shipped_workflows_load_without_overlapping_nodes(comfy: Comfy, browser:
             await tools.evaluate(f"app.loadGraphData({json.dumps(loader_workflow(name))})")
             await close_dialogs(tools)
             await asyncio.sleep(1.0)  # drawn at least once: the loader's panel has its rows
+            # The graph on screen: the canvas's (each loadGraphData opens a workflow tab since frontend 1.49,
+            # ComfyUI 0.33's).
             seen[name] = await tools.evaluate(
-                "app.graph._nodes.map(n => ({id: n.id, type: n.type, box: Array.from(n.getBounding()),"
+                "app.canvas.graph._nodes.map(n => ({id: n.id, type: n.type, box: Array.from(n.getBounding()),"
                 " pos: Array.from(n.pos), size: Array.from(n.size), rows: n.rocmParallelRows || 0}))"
             )
             if name in WIDE_SHOTS:  # the whole graph on a wide screen, titles readable
@@ -318,12 +320,12 @@ def test_shipped_workflows_load_without_overlapping_nodes(comfy: Comfy, browser:
                 )
                 await asyncio.sleep(1.0)
                 await tools.evaluate(
-                    "(() => { const b = app.graph._nodes.map(n => n.getBounding());"
+                    "(() => { const b = app.canvas.graph._nodes.map(n => n.getBounding());"
                     " const x0 = Math.min(...b.map(r => r[0])), y0 = Math.min(...b.map(r => r[1]));"
                     " const x1 = Math.max(...b.map(r => r[0] + r[2])), y1 = Math.max(...b.map(r => r[1] + r[3]));"
                     " const s = Math.min(2100 / (x1 - x0 + 80), 800 / (y1 - y0 + 200));"
                     " app.canvas.ds.scale = s; app.canvas.ds.offset = [60 / s - x0, 100 / s - y0];"
-                    " app.graph.setDirtyCanvas(true, true); })()"
+                    " app.canvas.setDirty(true, true); })()"
                 )
                 await screenshot(tools, comfy, f"workflow_{name.removesuffix('.json')}.png")
                 await tools.send("Emulation.clearDeviceMetricsOverride")
@@ -332,9 +334,9 @@ def test_shipped_workflows_load_without_overlapping_nodes(comfy: Comfy, browser:
     seen = in_page(browser, comfy, scenario)
     for name, nodes in seen.items():
         saved = json.loads((PACK_ROOT / "workflows" / name).read_text())["nodes"]
-        assert sorted((n["id"], n["type"]) for n in nodes) == sorted((n["id"], n["type"]) for n in saved), (
-            name
-        )
+        # node ids as text: frontend 1.49 (ComfyUI 0.33) holds them as strings, 1.32 (0.3.75) as numbers
+        drawn = sorted((str(n["id"]), n["type"]) for n in nodes)
+        assert drawn == sorted((str(n["id"]), n["type"]) for n in saved), name
         for i, a in enumerate(nodes):
             for b in nodes[i + 1 :]:
                 assert not _overlaps(a["box"], b["box"]), (name, a["type"], b["type"])

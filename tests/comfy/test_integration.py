@@ -1,7 +1,7 @@
 """The pack inside a real ComfyUI server (opt-in: COMFYUI_PATH=/path/to/ComfyUI; see comfy_server.py).
 
 The prompts use both samplers on 2 CPU workers (one thread each) and must equal ComfyUI's own KSampler
-(tests/data/comfy_references.safetensors); a long run is cancelled through /interrupt.
+(the running version's tests/data/comfy_references*.safetensors); a long run is cancelled through /interrupt.
 
     COMFYUI_PATH=<ComfyUI 0.3.75 checkout> PYTHONPATH=<pack parent>:<comfy shims>:<comfy deps> \\
         python -m pytest -q -m comfy tests/comfy
@@ -19,7 +19,9 @@ import psutil
 import pytest
 import torch
 from comfy_server import (
+    COMFYUI_VERSION,
     FLUX2_CASES,
+    MODELS,
     PACK_DIR_NAME,
     PACK_ROOT,
     Comfy,
@@ -27,13 +29,13 @@ from comfy_server import (
     flux2_prompt,
     loader_node,
     model_prompt,
+    reference,
     rejected_checkpoint,
     sampling_prompt,
     status_prompt,
 )
 from safetensors.torch import load_file
-from test_sampling import reference
-from workflow_check import check_api, check_ui, core_object_info, input_kind
+from workflow_check import check_api, check_ui, core_object_info, core_versions, input_kind
 
 pytestmark = [pytest.mark.comfy, pytest.mark.timeout(1200)]
 
@@ -82,8 +84,12 @@ def test_workflows_against_the_live_object_info(comfy: Comfy) -> None:
     for path in sorted((PACK_ROOT / "workflows").glob("*.json")):
         assert check_ui(json.loads(path.read_text()), info) == [], path.name
         assert check_api(json.loads((path.parent / "api" / path.name).read_text()), info) == [], path.name
-    # The hard-coded core specs of the CI tier are what this ComfyUI reports (model file lists aside).
-    for class_type, spec in core_object_info().items():
+    # The CI tier's core specs of this ComfyUI version are what it reports (model file lists aside): each
+    # version is checked against its own (tests/data/comfy_core_nodes*.json, tests/tools/dump_core_nodes.py).
+    assert COMFYUI_VERSION in core_versions(), (
+        f"no core node specs of ComfyUI {COMFYUI_VERSION}: run tests/tools/dump_core_nodes.py with it"
+    )
+    for class_type, spec in core_object_info(COMFYUI_VERSION).items():
         live = info[class_type]
         assert live["output"] == spec["output"], class_type
         for section, inputs in spec["input"].items():
@@ -251,8 +257,6 @@ def test_tp_sampler_with_cfg_and_negative_through_the_prompt_api(comfy: Comfy) -
 
 
 def test_lora_loader_model_only_on_the_parallel_model_names_the_pack_node(comfy: Comfy) -> None:
-    from test_sampling import MODELS
-
     from rocm_parallel.nodes.checks import LORA_ON_MODEL_MESSAGE
     from rocm_parallel.testing.models import tiny_flux_config
     from rocm_parallel.testing.writers import write_random_lora

@@ -2,8 +2,8 @@
 
 For speed the layout sweep drives ComfyUI's `common_ksampler`, `SamplerCustom` and
 `SamplerCustomAdvanced` + `CFGGuider` directly (as tests/tools/make_comfy_references.py does) with the
-pack's MODEL (nodes/comfy_model.py) over real CPU workers; the results must equal what ComfyUI sampled
-with its own model (tests/data/comfy_references.safetensors) within 1e-4, in TP 2, ring 2, Ulysses 2 and
+pack's MODEL (nodes/comfy_model.py) over real CPU workers; the results must equal what this ComfyUI version
+sampled with its own model (its tests/data/comfy_references*.safetensors) within 1e-4, in TP 2, ring 2, Ulysses 2 and
 ring 2 x Ulysses 2. The /prompt path with the nodes is in test_integration.py.
 
     COMFYUI_PATH=<ComfyUI 0.3.75 checkout> PYTHONPATH=<pack parent>:<comfy shims>:<comfy deps> \\
@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 import torch
-from comfy_server import COMFYUI_PATH, TESTS_DIR
-from test_sampling import ALL_CASES as CASES
-from test_sampling import META, MODELS, flux_model, reference
+from comfy_server import ALL_CASES as CASES
+from comfy_server import COMFYUI_PATH, COMFYUI_VERSION, FLUX2_CASES, MODELS, REFERENCES, TESTS_DIR, reference
+from test_sampling import flux_model
 
 from rocm_parallel.backend.api import ParallelFlux
 from rocm_parallel.backend.checkpoint import save_checkpoint
@@ -91,6 +91,20 @@ def parallel_model(comfy, checkpoints, registries, variant: str, layout: str, lo
         checkpoints[variant], Path(checkpoints[variant]).name, ("cpu",) * devices, "float32", tuple(loras)
     )
     return comfy_model.parallel_model(handle, LayoutRequest(parallel), registries[devices])
+
+
+def storage_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype ComfyUI really holds a weight in: a QuantizedTensor (0.3.75's mixed layers, every fp8 layer
+    in 0.33) reports its logical dtype as `.dtype` in 0.33 (the compute dtype) and keeps the stored values in
+    `_qdata`, in both versions."""
+    return weight._qdata.dtype if type(weight).__name__ == "QuantizedTensor" else weight.dtype
+
+
+def weight_scale(layer: torch.nn.Module) -> float:
+    """A ComfyUI fp8 layer's per-tensor scale: `scale_weight` (0.3.75's scaled fp8 ops) or `weight_scale`
+    (0.33's quantized layers, ComfyUI's state dict of them)."""
+    state = layer.state_dict()
+    return next(state[k] for k in ("weight_scale", "scale_weight") if k in state).item()
 
 
 def conditioning(ref: dict[str, torch.Tensor], prefix: str, guidance: float | None) -> list:
@@ -237,7 +251,7 @@ def test_fp8_weights_match_comfyuis_own_fp8_model(comfy, registries, tmp_path_fa
     )
     own = load_in_comfy(comfy, dict(reference_model.config), bfl)
     monkeypatch.undo()
-    assert own.model.diffusion_model.img_in.weight.dtype == torch.float8_e4m3fn
+    assert storage_dtype(own.model.diffusion_model.img_in.weight) == torch.float8_e4m3fn
     handle = ParallelHandle(str(path), path.name, ("cpu", "cpu"), "float32", (), None)
     ours = comfy_model.parallel_model(handle, LayoutRequest(ParallelLayout(tp=2)), registries[2])
     want, got = run_case(comfy, own, "dev_4steps"), run_case(comfy, ours, "dev_4steps")
@@ -278,8 +292,8 @@ def test_scaled_fp8_matches_comfyuis_own_scaled_fp8_model(comfy, registries, tmp
     path = tmp_path_factory.mktemp("scaled") / "tiny-dev-scaled-fp8.safetensors"
     save_file(bfl, str(path))
     own = load_in_comfy(comfy, dict(reference_model.config), bfl)
-    assert own.model.diffusion_model.img_in.weight.dtype == torch.float8_e4m3fn
-    assert own.model.diffusion_model.img_in.scale_weight.item() == bfl["img_in.scale_weight"].item()
+    assert storage_dtype(own.model.diffusion_model.img_in.weight) == torch.float8_e4m3fn
+    assert weight_scale(own.model.diffusion_model.img_in) == bfl["img_in.scale_weight"].item()
     handle = ParallelHandle(str(path), path.name, ("cpu", "cpu"), "float32", (), None)
     ours = comfy_model.parallel_model(handle, LayoutRequest(ParallelLayout(tp=2)), registries[2])
     want, got = run_case(comfy, own, "dev_4steps"), run_case(comfy, ours, "dev_4steps")
@@ -351,15 +365,12 @@ def test_a_fill_checkpoint_becomes_comfyuis_flux_inpaint(comfy, checkpoints, reg
 # Flux2Scheduler + FluxGuidance + BasicGuider + KSamplerSelect + SamplerCustomAdvanced, and ReferenceLatent)
 # run by the reference tool's own code with the parallel MODEL in place of ComfyUI's own Flux2, loaded by
 # ComfyUI from the same random FLUX.2 weights in the BFL single-file layout.
-FLUX2_CASES = json.loads(META.get("flux2_cases", "{}"))
 FLUX2_LAYOUTS = ["tp2", "ring2"]
 
 
 def _needs_flux2() -> None:
     if not FLUX2_CASES:
-        pytest.fail(
-            "tests/data/comfy_references.safetensors has no FLUX.2 cases: run make_comfy_references.py"
-        )
+        pytest.fail(f"{REFERENCES} has no FLUX.2 cases: run make_comfy_references.py with this ComfyUI")
     if not hasattr(importlib.import_module("comfy.model_base"), "Flux2"):
         pytest.skip("this ComfyUI predates FLUX.2 (0.3.75)")
 
@@ -445,11 +456,22 @@ def test_flux2_template_graph_on_the_parallel_model_matches_comfyuis_own_flux2(
 
 
 @pytest.mark.parametrize("layout", FLUX2_LAYOUTS)
-def test_flux2_reference_latents_match_comfyuis_own_calls(comfy, flux2_checkpoints, registries, layout):
+@pytest.mark.parametrize("name", ["flux2_ref_calls", "flux2_klein_itz_calls", "flux2_itz_calls"])
+def test_flux2_reference_latents_match_comfyuis_own_calls(comfy, flux2_checkpoints, registries, layout, name):
     """ReferenceLatent on FLUX.2 (two references, placed by FLUX.2's default 'index' method with
-    ref_index_scale 10): every recorded model call (inputs, references and ComfyUI's own output)."""
+    ref_index_scale 10; and by index_timestep_zero, ComfyUI >= 0.17's Edit Model Reference Method: [klein]
+    at batch 2 through CFG, [dev] at batch 1): every recorded model call (inputs, references and ComfyUI's
+    own output)."""
     _needs_flux2()
-    name = "flux2_ref_calls"
+    if name not in FLUX2_CASES:  # the references of a ComfyUI that cannot run the case leave it out
+        from make_comfy_references import FLUX2_CASES as TOOL_CASES
+        from make_comfy_references import ref_methods
+
+        method = TOOL_CASES[name]["ref_method"]
+        assert method not in ref_methods(comfy)
+        pytest.skip(
+            f"ComfyUI {COMFYUI_VERSION} offers no {method!r} (ComfyUI >= 0.17): no reference to match"
+        )
     model = parallel_model(comfy, flux2_checkpoints, registries, FLUX2_CASES[name]["variant"], layout)
     got = run_flux2_case(comfy, model, name)
     expected = {f"{name}.{k}": v for k, v in reference(name).items() if not k.endswith(".img_ids")}
@@ -498,9 +520,7 @@ def test_flux2_fp8_mixed_matches_comfyuis_own_fp8_mixed_model(comfy, registries,
     finally:
         comfy["sd"].load_diffusion_model_state_dict = load
     qkv = own.model.diffusion_model.double_blocks[0].img_attn.qkv.weight
-    assert (
-        type(qkv).__name__ == "QuantizedTensor" and qkv.dtype == torch.float8_e4m3fn
-    )  # really fp8 in ComfyUI
+    assert type(qkv).__name__ == "QuantizedTensor" and storage_dtype(qkv) == torch.float8_e4m3fn  # really fp8
     handle = ParallelHandle(str(path), path.name, ("cpu", "cpu"), "float32", (), None)
     ours = comfy_model.parallel_model(handle, LayoutRequest(ParallelLayout(tp=2)), registries[2])
     name = "flux2_4steps"

@@ -1,11 +1,12 @@
-"""Write tests/data/comfy_core_nodes.json: the core node specs the shipped workflows use, as a REAL ComfyUI's
-/object_info reports them (the CI tier checks the workflows against this file; the comfy tier checks the
-file against the live /object_info again).
+"""Write a ComfyUI version's core node specs the shipped workflows use, as that REAL ComfyUI's /object_info
+reports them, to tests/data/comfy_core_nodes.json (0.3.75) or comfy_core_nodes-<version>.json (any other;
+workflow_check.core_nodes_file). The CI tier checks the workflows against every version's file; the comfy
+tier checks its version's file against the live /object_info again. Run it with each ComfyUI version.
 
     COMFYUI_PATH=/path/to/ComfyUI PYTHONPATH=<pack parent>:<comfy deps> python tests/tools/dump_core_nodes.py
 
 It starts ComfyUI the way the comfy tier does (tests/comfy/comfy_server.py: loopback, a temporary base
-directory) and keeps `input` and `output` of each node in CORE_NODES; the lists of the user's model files
+directory) and keeps `input` and `output` of each node in its file; the lists of the user's model files
 (workflow_check.MODEL_FILE_INPUTS) are emptied, since they depend on the installation.
 """
 
@@ -22,7 +23,7 @@ TESTS = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(TESTS), str(TESTS / "comfy")]
 
 from comfy_server import COMFYUI_PATH, running_comfy  # noqa: E402
-from workflow_check import CORE_NODES, MODEL_FILE_INPUTS  # noqa: E402
+from workflow_check import MODEL_FILE_INPUTS, core_nodes_file  # noqa: E402
 
 # Every core node a shipped workflow (workflows/, workflows/api/) or a comfy-tier prompt uses.
 NODES = [
@@ -62,8 +63,9 @@ def main() -> None:
         "installation).",
         **core_specs(info),
     }
-    CORE_NODES.write_text(json.dumps(data, indent=2) + "\n")
-    print(f"wrote {CORE_NODES} from ComfyUI {version} ({len(NODES)} nodes)")
+    out = core_nodes_file(version)
+    out.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"wrote {out} from ComfyUI {version} ({len(NODES)} nodes)")
 
 
 if __name__ == "__main__":

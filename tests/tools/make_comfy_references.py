@@ -1,9 +1,17 @@
 """Record what a REAL ComfyUI samples with small random FLUX models (the references of test_sampling.py).
 
 Run with a ComfyUI checkout that lives outside this repository (torchvision/torchaudio may be stubs: the
-FLUX path never calls them):
+FLUX path never calls them), once per ComfyUI version the pack is checked against:
 
     COMFYUI_PATH=/path/to/ComfyUI python tests/tools/make_comfy_references.py [--out FILE.safetensors]
+
+Each version writes its own file (`reference_file`): tests/data/comfy_references.safetensors for ComfyUI
+0.3.75 (the oldest the pack claims; the CPU suite's references) and comfy_references-<version>.safetensors for
+any other. Their outputs differ where ComfyUI changed: since 0.7.0 its ancestral samplers draw their noise from
+seed + 1 on the CPU (comfy/k_diffusion/sampling.py default_noise_sampler, upstream 1e4e342f), and since 0.14
+its q/k RMSNorm and RoPE round differently (torch's RMSNorm, comfy_kitchen's rope). Cases a version cannot
+run (`ref_method` options its Edit Model Reference Method node lacks, e.g. 0.33's index_timestep_zero on
+0.3.75) are left out of that version's file.
 
 For each case it builds the model with `build_flux(tiny_flux_config(...), seed=...)`, converts the weights to
 the BFL layout ComfyUI loads (`diffusers_to_bfl`), loads them with ComfyUI's own
@@ -46,7 +54,17 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-DEFAULT_OUT = Path(__file__).resolve().parents[1] / "data" / "comfy_references.safetensors"
+DATA = Path(__file__).resolve().parents[1] / "data"
+# The version whose references the CPU suite reads (tests/test_sampling.py): the oldest the pack claims.
+BASE_VERSION = "0.3.75"
+
+
+def reference_file(version: str) -> Path:
+    """Where the references made by ComfyUI `version` live."""
+    if version == BASE_VERSION:
+        return DATA / "comfy_references.safetensors"
+    return DATA / f"comfy_references-{version}.safetensors"
+
 
 # Small but structurally complete models: 2 double + 2 single blocks, 4 heads x 16.
 MODELS: dict[str, dict[str, Any]] = {
@@ -68,13 +86,23 @@ TEXT_TOKENS = 8
 # FLUX.2: [dev]'s structure (shared modulation, SwiGLU x3, no biases, 4 RoPE axes, patch 1, 128 latent
 # channels) with small widths (backend/flux2/model.py tiny_flux2_config); "flux2_klein" has no guidance
 # embedder, like FLUX.2 [klein].
+# The "_itz" models draw their weights 2x wider (init_scale 0.1, build_flux2's default 0.05): the timestep
+# then moves the modulation enough that index_timestep_zero differs from index by ~1, far above rounding.
 FLUX2_MODELS: dict[str, dict[str, Any]] = {
     "flux2": {"config": {"heads": 4, "head_dim": 16, "text_dim": 32, "in_channels": 128}, "seed": 5678},
     "flux2_klein": {
         "config": {"heads": 4, "head_dim": 16, "text_dim": 24, "in_channels": 128, "guidance": False},
         "seed": 8765,
     },
-}
+    "flux2_itz": {
+        "config": {"heads": 4, "head_dim": 16, "text_dim": 32, "in_channels": 128}, "seed": 5679,
+        "init_scale": 0.1,
+    },
+    "flux2_klein_itz": {
+        "config": {"heads": 4, "head_dim": 16, "text_dim": 24, "in_channels": 128, "guidance": False},
+        "seed": 8766, "init_scale": 0.1,
+    },
+}  # fmt: skip
 # Sizes in pixels (the latent is 1/16: EmptyFlux2LatentImage); refs: ReferenceLatent's latents, in pixels.
 FLUX2_CASES: dict[str, dict[str, Any]] = {
     "flux2_4steps": {"variant": "flux2", "width": 96, "height": 64, "steps": 4, "seed": 44, "guidance": 4.0},
@@ -88,6 +116,17 @@ FLUX2_CASES: dict[str, dict[str, Any]] = {
     "flux2_ref_2steps": {
         "variant": "flux2", "width": 64, "height": 48, "steps": 2, "seed": 47, "guidance": 4.0,
         "refs": [[48, 64]],
+    },
+    # index_timestep_zero (ComfyUI >= 0.17's Edit Model Reference Method): [klein] at batch 2 (CFG: the
+    # negative prompt batched with the positive, both with the references), [dev] at batch 1 (ComfyUI's own
+    # [dev] runs it at batch 1 only); two odd-sized references each, every model call recorded.
+    "flux2_klein_itz_calls": {
+        "variant": "flux2_klein_itz", "width": 80, "height": 48, "steps": 2, "seed": 48, "cfg": 2.5,
+        "negative": True, "record_calls": 2, "refs": [[48, 32], [32, 48]], "ref_method": "index_timestep_zero",
+    },
+    "flux2_itz_calls": {
+        "variant": "flux2_itz", "width": 64, "height": 80, "steps": 2, "seed": 49, "guidance": 4.0,
+        "record_calls": 2, "refs": [[48, 64], [16, 48]], "ref_method": "index_timestep_zero",
     },
 }  # fmt: skip
 
@@ -198,7 +237,9 @@ def flux2_model(variant: str) -> torch.nn.Module:
     from rocm_parallel.testing.models import tiny_flux2_config
 
     spec = FLUX2_MODELS[variant]
-    return build_flux2(tiny_flux2_config(**spec["config"]), seed=spec["seed"])
+    return build_flux2(
+        tiny_flux2_config(**spec["config"]), seed=spec["seed"], init_scale=spec.get("init_scale", 0.05)
+    )
 
 
 def flux2_inputs(name: str, case: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -209,19 +250,39 @@ def flux2_inputs(name: str, case: dict[str, Any]) -> dict[str, torch.Tensor]:
     tensors = {"cond": torch.randn(1, TEXT_TOKENS, text_dim, generator=g)}
     for j, (h_px, w_px) in enumerate(case.get("refs", ())):
         tensors[f"ref{j}"] = torch.randn(1, 128, h_px // 16, w_px // 16, generator=g) * 0.8 + 0.1
+    if case.get("negative"):  # drawn last: the cases without one keep their inputs
+        tensors["neg_cond"] = torch.randn(1, TEXT_TOKENS, text_dim, generator=g)
     return tensors
 
 
-def flux2_conditioning(comfy, case: dict[str, Any], tensors: dict[str, torch.Tensor]) -> list:
+def flux2_conditioning(
+    comfy, case: dict[str, Any], tensors: dict[str, torch.Tensor], key: str = "cond"
+) -> list:
     """CLIPTextEncode's CONDITIONING for FLUX.2 (features, pooled_output None: the Mistral encoder has no
-    pooled vector), then FluxGuidance and ReferenceLatent as the template wires them."""
+    pooled vector), then FluxGuidance and ReferenceLatent as the template wires them, and the Edit Model
+    Reference Method (FluxKontextMultiReferenceLatentMethod) when the case sets one."""
     flux_nodes = comfy["flux_nodes"]
-    conditioning: list = [[tensors["cond"], {"pooled_output": None}]]
+    conditioning: list = [[tensors[key], {"pooled_output": None}]]
     if "guidance" in case:
         conditioning = flux_nodes.FluxGuidance.execute(conditioning, case["guidance"])[0]
     for j in range(len(case.get("refs", ()))):
         conditioning = comfy["edit"].ReferenceLatent.execute(conditioning, {"samples": tensors[f"ref{j}"]})[0]
+    if "ref_method" in case:
+        method = flux_nodes.FluxKontextMultiReferenceLatentMethod
+        conditioning = method.execute(conditioning, case["ref_method"])[0]
     return conditioning
+
+
+def ref_methods(comfy) -> list[str]:
+    """The reference placements this ComfyUI's Edit Model Reference Method node offers."""
+    schema = comfy["flux_nodes"].FluxKontextMultiReferenceLatentMethod.define_schema()
+    (combo,) = [i for i in schema.inputs if getattr(i, "id", None) == "reference_latents_method"]
+    return list(combo.options)
+
+
+def runs(comfy, case: dict[str, Any]) -> bool:
+    """Whether this ComfyUI can run the case (its ref_method is one its node offers)."""
+    return "ref_method" not in case or case["ref_method"] in ref_methods(comfy)
 
 
 def run_flux2_case(comfy, models, name: str, case: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -238,9 +299,14 @@ def run_flux2_case(comfy, models, name: str, case: dict[str, Any]) -> dict[str, 
     if "record_calls" in case:
         model = model.clone()
         record_calls(model, case["record_calls"], calls, ids="refs" in case)
+    if case.get("negative"):  # CFGGuider: ComfyUI batches the negative prompt with the positive
+        negative = flux2_conditioning(comfy, case, tensors, "neg_cond")
+        guider = custom.CFGGuider().get_guider(model, conditioning, negative, case["cfg"])[0]
+    else:
+        guider = custom.BasicGuider().get_guider(model, conditioning)[0]
     out = custom.SamplerCustomAdvanced().sample(
         custom.RandomNoise().get_noise(case["seed"])[0],
-        custom.BasicGuider().get_guider(model, conditioning)[0],
+        guider,
         custom.KSamplerSelect().get_sampler(case.get("sampler", "euler"))[0],
         sigmas,
         latent,
@@ -509,13 +575,14 @@ def run_case(comfy, models, name: str, case: dict[str, Any], folder: Path) -> di
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, help="default: this version's file (reference_file)")
     args = parser.parse_args()
     path = os.environ.get("COMFYUI_PATH")
     if not path:
         sys.exit("set COMFYUI_PATH to a ComfyUI checkout")
     torch.set_num_threads(1)
     comfy = import_comfy(path)
+    out = args.out or reference_file(comfy_version(path))
 
     from rocm_parallel.backend.checkpoint import diffusers_to_bfl
     from rocm_parallel.backend.flux.model import build_flux
@@ -538,7 +605,12 @@ def main() -> None:
     loras = Path(tempfile.mkdtemp(prefix="rp-loras-"))
     folder_paths.add_model_folder_path("loras", str(loras))
     tensors: dict[str, torch.Tensor] = {}
-    for name, case in {**CASES, **FLUX2_CASES}.items():
+    flux2_cases = {n: c for n, c in FLUX2_CASES.items() if runs(comfy, c)}
+    for name in sorted(set(FLUX2_CASES) - set(flux2_cases)):
+        print(
+            f"{name}: left out, ComfyUI {comfy_version(path)} offers no {FLUX2_CASES[name]['ref_method']!r}"
+        )
+    for name, case in {**CASES, **flux2_cases}.items():
         with torch.no_grad():
             got = run_case(comfy, models, name, case, loras)
         tensors.update({k: v.contiguous() for k, v in got.items()})
@@ -552,12 +624,11 @@ def main() -> None:
         "models": json.dumps(MODELS),
         "cases": json.dumps(CASES),
         "flux2_models": json.dumps(FLUX2_MODELS),
-        "flux2_cases": json.dumps(FLUX2_CASES),
+        "flux2_cases": json.dumps(flux2_cases),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(args.out), metadata=metadata)
-    size = args.out.stat().st_size
-    print(f"wrote {args.out} ({size} bytes) from ComfyUI {metadata['comfyui_version']} {commit}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out), metadata=metadata)
+    print(f"wrote {out} ({out.stat().st_size} bytes) from ComfyUI {metadata['comfyui_version']} {commit}")
 
 
 if __name__ == "__main__":
