@@ -186,6 +186,8 @@ class ParallelLayout:
         tp x ring layout the caller did not write down). 'auto' is the planner's choice and needs the
         model and image (`auto.make_layout`, `ParallelFlux.auto_layout`).
         """
+        if isinstance(kind, str) and kind.strip().lower() in LAYOUT_KINDS:
+            kind = kind.strip().lower()
         given = {"ring": ring, "ulysses": ulysses, "batch": batch, "tp": tp}
         applies = {"tp": ("batch",), "context": ("ring", "ulysses", "batch", "tp")}.get(kind, ())
         for name, value in given.items():

@@ -293,3 +293,14 @@ def test_plan_json_reports_the_degrees(capsys: pytest.CaptureFixture[str]) -> No
     assert (only["layout"], only["tp"], only["ulysses"]) == ("tp 2 x ulysses 2", 2, 2)
     assert cli.main(["plan", "--devices", "4", "--layout", "tp2xulysses4"]) == 2
     assert "error: the layout tp 2 x ulysses 4 needs 8 devices" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("batch", "degree"), [(3, 2), (1, 2), (4, 4), (6, 4), (2, 1)])
+def test_batch_shares_are_tensor_splits(batch: int, degree: int) -> None:
+    """Each group of the batch dimension takes tensor_split's share: 3 over 2 is 2 + 1, 1 over 2 is 1 + 0
+    (the second group idles)."""
+    import torch
+
+    from rocm_parallel.backend.parallel.mesh import batch_sizes
+
+    assert batch_sizes(batch, degree) == [len(p) for p in torch.arange(batch).tensor_split(degree)]

@@ -169,8 +169,9 @@ class BatchSplit:
         return self.stop > self.start
 
     def take(self, t: Any) -> Any:
-        """This group's entries of `t` (a tensor whose first dimension is the batch); None stays None."""
-        if t is None or self.degree == 1:
+        """This group's entries of `t` (a tensor whose first dimension is the batch); None and a scalar
+        (one value for the whole batch) stay as they are."""
+        if t is None or self.degree == 1 or t.ndim == 0:
             return t
         if t.shape[0] != self.batch:
             raise ValueError(
