@@ -11,7 +11,7 @@ import dataclasses
 
 from .checkpoint import resolve_dtype
 from .client import WorkerGroup
-from .config import FluxDims, ParallelLayout
+from .config import ConfigError, FluxDims, ParallelLayout
 from .family import get_family
 from .messages import LinkReport, LinkRequest
 from .plan import Choice, Link, Setup, choose
@@ -24,11 +24,20 @@ def make_layout(
     ulysses: int | None = None,
     setup: Setup | None = None,
 ) -> ParallelLayout:
-    """`ParallelLayout.make(kind, devices, ring, ulysses)`, plus 'auto' → the planner's choice for `setup`
-    (see ParallelFlux.auto_layout, which also explains it)."""
+    """The layout a caller names: a ParallelLayout, 'tp', 'context' (with `ring` / `ulysses`), degrees
+    such as 'batch 2 x tp 2' (`ParallelLayout.make`), or 'auto': the planner's choice for `setup` (see
+    ParallelFlux.auto_layout, which also explains it). Degrees that do not apply are refused."""
     if isinstance(kind, ParallelLayout):
+        for name, value in (("ring", ring), ("ulysses", ulysses)):
+            if value:
+                raise ConfigError(
+                    f"{name}_degree={value} was given with layout={str(kind)!r}, which names its degrees "
+                    f"already; write them all in the layout, e.g. ParallelLayout(tp=2, {name}={value})"
+                )
         return kind
     if kind == "auto" and setup is not None:
+        if ring or ulysses:
+            ParallelLayout.make(kind, devices, ring, ulysses)  # raises: the degrees do not apply to 'auto'
         return choose(setup).layout
     return ParallelLayout.make(kind, devices, ring, ulysses)
 
@@ -48,13 +57,13 @@ def choose_layout(
     batch: int,
     *,
     dtype: str | None,
-    context_only: bool,
+    fixed: dict[str, int],
     weight_dtype: str,
     family: str,
     reference_tokens: int,
 ) -> Choice:
-    """The planner's layout for this image on these devices (ParallelFlux.auto_layout documents the
-    arguments)."""
+    """The planner's layout for this image on these devices, keeping the `fixed` degrees
+    (ParallelFlux.auto_layout documents the arguments)."""
     cpu = devices[0].startswith("cpu")
     link = Link(
         machine.gbps if machine.gbps is not None else 1.0,
@@ -68,4 +77,4 @@ def choose_layout(
         link=link, tflops=machine.tflops, device_word="CPU worker" if cpu else "GPU", weight_dtype=weight_dtype,
         family=family, text_tokens=get_family(family).text.tokens, reference_tokens=reference_tokens,
     )  # fmt: skip
-    return choose(setup, allow=(lambda lay: lay.tp == 1) if context_only else None)
+    return choose(setup, fixed)

@@ -70,6 +70,19 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", default="1024", help="image size in pixels: 1024 or WIDTHxHEIGHT")
     parser.add_argument("--batch", type=int, default=1, help="images per step")
     parser.add_argument(
+        "--cfg",
+        type=float,
+        default=1.0,
+        help="cfg scale: at any value but 1 the negative prompt runs too, in the same model call (the "
+        "call batch the batch degree splits is twice the images)",
+    )
+    parser.add_argument(
+        "--layout",
+        default=None,
+        help="price only this layout: degrees such as 'batch 2 x tp 2' or 'tp2xring2' (as load(layout=...) "
+        "and the ROCm Parallel Model node take them), or 'tp' / 'context'",
+    )
+    parser.add_argument(
         "--text-tokens",
         type=int,
         default=None,
@@ -95,8 +108,8 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from .config import ConfigError
-    from .plan import Link, Setup, choose, format_table, plan
+    from .config import ConfigError, ParallelLayout
+    from .plan import Link, Setup, call_batch, choose, estimate, format_table, plan
 
     family, config = plan_models()[args.model]
     text_tokens = family.text.tokens  # what ComfyUI pads a short prompt to: 256 FLUX.1, 512 FLUX.2
@@ -104,31 +117,41 @@ def _run_plan(args: argparse.Namespace) -> int:
     try:
         setup = Setup(
             family.dims(config),
-            width=int(width), height=int(height or width), batch=args.batch,
+            width=int(width), height=int(height or width), batch=call_batch(args.batch, args.cfg),
             text_tokens=text_tokens if args.text_tokens is None else args.text_tokens, dtype=args.dtype,
             weight_dtype=args.weight_dtype, devices=args.devices, memory_gb=args.memory_gb,
             link=Link(args.link_gbps, args.latency_us, name="link"), tflops=args.tflops, family=family.name,
         )  # fmt: skip
-        estimates = plan(setup)
+        if args.layout is None:
+            estimates = plan(setup)
+        else:
+            estimates = [estimate(setup, ParallelLayout.make(args.layout, args.devices))]
     except (ConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    try:
-        choice, problem = choose(setup), None
-    except ConfigError as exc:
-        choice, problem = None, str(exc)
+    if args.layout is not None:  # one layout priced: no choice to make
+        choice, problem = None, None if estimates[0].fits else f"{estimates[0].name} does not fit"
+    else:
+        try:
+            choice, problem = choose(setup), None
+        except ConfigError as exc:
+            choice, problem = None, str(exc)
     if args.json:
         print(json.dumps({
             "setup": {k: v for k, v in vars(args).items() if k not in ("command", "json")},
             "layouts": [e.as_dict() for e in estimates],
-            "auto": None if choice is None else {"layout": estimates[0].name, "explanation": choice.explanation},
+            "call_batch": setup.batch,
+            "auto": None if choice is None else {
+                "layout": str(choice.layout), **choice.layout.degrees, "explanation": choice.explanation
+            },
             "error": problem,
         }, indent=2))  # fmt: skip
     else:
         print(format_table(setup, estimates))
-        print()
-        print(choice.explanation if choice is not None else f"auto: {problem}")
-    return 0 if choice is not None else 1
+        if args.layout is None or problem is not None:
+            print()
+            print(choice.explanation if choice is not None else f"auto: {problem}")
+    return 0 if problem is None else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,8 +6,9 @@ message that names the input, the value, the limit and the fix.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .dtypes import WEIGHT_DTYPES, weight_dtype_alias
@@ -104,89 +105,197 @@ def validate_tp_degree(degree: int, dims: FluxDims) -> None:
             raise ConfigError(f"tp_degree={degree} does not divide the {name} {width}; use {_one_of(valid)}")
 
 
-def validate_ulysses_degree(degree: int, dims: FluxDims) -> None:
-    """Ulysses gives each rank whole attention heads (all-to-all from tokens to heads): they must divide."""
-    if dims.heads % degree:
+def validate_ulysses_degree(degree: int, dims: FluxDims, tp: int = 1) -> None:
+    """Ulysses gives each rank whole attention heads (all-to-all from tokens to heads): it divides the heads
+    a rank holds, all of them, or under tensor parallelism the heads / tp of the rank's shard."""
+    local = dims.heads // tp
+    if local % degree == 0:
+        return
+    if tp == 1:
         valid = [d for d in _divisors(dims.heads) if d > 1]
         raise ConfigError(
             f"ulysses_degree={degree} does not divide {dims.heads} attention heads; use {_one_of(valid)}"
         )
+    fixes = [f"ulysses_degree {_one_of([d for d in _divisors(local) if d > 1])}"] if local > 1 else []
+    tps = [t for t in _divisors(dims.heads) if t != tp and (dims.heads // t) % degree == 0]
+    if tps:
+        fixes.append(f"tp_degree {_one_of(tps)} with ulysses_degree={degree}")
+    fixes.append("ring_degree instead (ring splits no heads)")
+    raise ConfigError(
+        f"ulysses_degree={degree} does not divide the {local} attention heads a rank holds under "
+        f"tp_degree={tp} ({dims.heads} / {tp}); use " + "; or ".join(fixes)
+    )
 
 
-# What `ParallelLayout.make` and the API accept (the API resolves "auto" with the planner).
+# The degrees of a layout, in the order layouts are written ("batch 2 x tp 2"), and what each splits.
+DEGREES = ("batch", "tp", "ring", "ulysses")
+# What `ParallelLayout.make` and the API accept besides degrees (the API resolves "auto" with the planner).
 LAYOUT_KINDS = ("tp", "context", "auto")
+_DEGREE = re.compile(r"^(batch|tp|ring|ulysses)\s*=?\s*(\d+)$")
+SYNTAX = "degrees such as 'batch 2 x tp 2' or 'tp2xring2' (batch, tp, ring, ulysses; each at most once)"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ParallelLayout:
-    """How the devices of a group are used: tensor-parallel degree x ring x Ulysses degrees.
+    """How the devices of a group are used: batch x tensor-parallel x ring x Ulysses degrees.
 
-    Their product is the number of devices. TP shards the weights; ring and Ulysses (context
-    parallelism) shard the token sequence.
+    Their product is the number of devices; the devices form one mesh with these named dimensions
+    (backend/parallel/mesh.py). `batch` splits every model call's batch (cond and uncond at cfg > 1, or
+    several images) over groups of devices; inside a group `tp` shards the weights and `ring` x `ulysses`
+    (context parallelism) shard the token sequence.
+
+    Written and read as "batch 2 x tp 2" (`str`, `parse`): what the API, the nodes and the CLI take.
     """
 
+    batch: int = 1
     tp: int = 1
     ring: int = 1
     ulysses: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.ring * self.ulysses
+        return self.batch * self.tp * self.ring * self.ulysses
+
+    @property
+    def cp(self) -> int:
+        """Context-parallel degree: the ranks one sequence is split over (ring x Ulysses)."""
+        return self.ring * self.ulysses
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in DEGREES}
 
     @classmethod
     def make(
-        cls, kind: str, devices: int, ring: int | None = None, ulysses: int | None = None
+        cls,
+        kind: str,
+        devices: int,
+        ring: int | None = None,
+        ulysses: int | None = None,
+        *,
+        batch: int | None = None,
+        tp: int | None = None,
     ) -> ParallelLayout:
-        """The layout a user names: 'tp' → every device shards the weights; 'context' → ring x Ulysses =
-        devices, where None or 0 fills the rest (both: all ring).
+        """The layout a user names for `devices` devices.
 
-        'auto' is the planner's choice and needs the model and image (`api.make_layout`,
-        `ParallelFlux.auto_layout`); the API, the nodes and the benchmarks all build layouts here.
+        - 'tp': tensor parallelism over the devices `batch` (default 1) leaves;
+        - 'context': ring x Ulysses over the devices `batch` x `tp` leave, None or 0 filling the rest
+          (both: all ring);
+        - degrees ('batch 2 x tp 2', see `parse`): exactly those.
+        A degree that does not apply to `kind` is refused, never ignored (ring=2 with 'tp' would be a
+        tp x ring layout the caller did not write down). 'auto' is the planner's choice and needs the
+        model and image (`auto.make_layout`, `ParallelFlux.auto_layout`).
         """
+        if isinstance(kind, str) and kind.strip().lower() in LAYOUT_KINDS:
+            kind = kind.strip().lower()
+        given = {"ring": ring, "ulysses": ulysses, "batch": batch, "tp": tp}
+        applies = {"tp": ("batch",), "context": ("ring", "ulysses", "batch", "tp")}.get(kind, ())
+        for name, value in given.items():
+            if value and name not in applies:
+                raise ConfigError(
+                    f"{name}_degree={value} does not apply to layout={kind!r}: " + _where_degrees_go(kind)
+                )
         if kind == "tp":
-            return cls(tp=devices)
+            return cls.filling(devices, "tp", batch=batch or 1)
         if kind == "context":
-            return _split_context(ring or 0, ulysses or 0, devices)
+            return _split_context(ring or 0, ulysses or 0, devices, batch or 1, tp or 1)
         if kind == "auto":
             raise ConfigError(
                 "layout='auto' needs the model, image size and device memory; "
                 "use ParallelFlux.auto_layout(...) or pass setup=plan.Setup(...)"
             )
-        raise ConfigError(f"layout={kind!r} is not known; use one of {', '.join(LAYOUT_KINDS)}")
+        return cls.parse(kind)
+
+    @classmethod
+    def parse(cls, text: str) -> ParallelLayout:
+        """'batch 2 x tp 2', 'batch2xtp2', 'tp=2 x ring=2', 'ulysses 4 x tp 2' (any order; a degree not
+        named is 1), or 'single': the layout `str` writes. ConfigError naming the part not understood."""
+        if not isinstance(text, str):
+            raise ConfigError(f"layout={text!r} is not a layout; use {', '.join(LAYOUT_KINDS)} or {SYNTAX}")
+        words = text.strip().lower()
+        if words == "single":
+            return cls()
+        found: dict[str, int] = {}
+        for part in re.split(r"\s*[x\u00d7]\s*", words):
+            match = _DEGREE.match(part)
+            if match is None:
+                raise ConfigError(
+                    f"layout={text!r} is not a layout: {part!r} is not a degree; use "
+                    f"{', '.join(LAYOUT_KINDS)} or {SYNTAX}"
+                )
+            name, value = match.group(1), int(match.group(2))
+            if name in found:
+                raise ConfigError(f"layout={text!r} names {name} twice; name each degree once ({SYNTAX})")
+            found[name] = value
+        layout = cls(**found)
+        layout.check_degrees()
+        return layout
+
+    @classmethod
+    def filling(cls, devices: int, fill: str, fill_name: str | None = None, **fixed: int) -> ParallelLayout:
+        """The layout whose `fill` degree takes the devices the `fixed` degrees leave; ConfigError naming
+        the degrees when they do not divide the devices (`fill_name`: how the message names `fill`)."""
+        layout = cls(**fixed)
+        layout.check_degrees()
+        taken = layout.world_size
+        if devices % taken:
+            named = {f"{k}_degree": v for k, v in fixed.items() if v != 1}
+            if len(named) == 1:
+                ((name, value),) = named.items()
+                what, use = f"{name}={value}", f"{name} {_one_of(_divisors(devices))}"
+            else:
+                what = " x ".join(f"{k}={v}" for k, v in named.items()) + f" = {taken}"
+                use = f"degrees whose product divides {devices} ({_one_of(_divisors(devices))})"
+            raise ConfigError(
+                f"{what} does not divide the {devices} devices, so {fill_name or fill} cannot take the rest; "
+                f"use {use}"
+            )
+        return replace(layout, **{fill: devices // taken})
 
     def __str__(self) -> str:
-        """The short name tables and progress lines print: 'single', 'tp=4', 'ring=2 x ulysses=2'."""
-        if self.world_size == 1:
-            return "single"
-        if self.tp > 1:
-            return f"tp={self.tp}"
-        parts = [f"ring={self.ring}"] if self.ring > 1 else []
-        parts += [f"ulysses={self.ulysses}"] if self.ulysses > 1 else []
-        return " x ".join(parts)
+        """'batch 2 x tp 2', 'tp 4', 'ring 2 x ulysses 2', 'single': what tables, the panel and `parse` use."""
+        parts = [f"{name} {value}" for name, value in self.degrees.items() if value != 1]
+        return " x ".join(parts) or "single"
 
     def describe(self) -> str:
-        """The long name the loader panel shows: 'tensor parallel tp=4', 'context parallel ring=2 x ulysses=1'."""
-        if self.tp > 1 or (self.ring == 1 and self.ulysses == 1):
-            return f"tensor parallel tp={self.tp}"
-        return f"context parallel ring={self.ring} x ulysses={self.ulysses}"
+        """The name the loader panel shows: 'batch 2 x tp 2' (the same as `str`)."""
+        return str(self)
 
-    def validate(self, dims: FluxDims, devices: int | None = None) -> None:
-        for name in ("tp", "ring", "ulysses"):
-            value = getattr(self, name)
+    def shape(self, order: tuple[str, ...] = DEGREES) -> tuple[int, ...]:
+        """The degrees in `order` (the mesh's dimension order, parallel/mesh.py)."""
+        return tuple(getattr(self, name) for name in order)
+
+    def check_degrees(self) -> None:
+        """Every degree a positive integer."""
+        for name, value in self.degrees.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}_degree={value!r} must be a positive integer; use 1 to turn it off")
-        if self.tp > 1 and (self.ring > 1 or self.ulysses > 1):
-            raise ConfigError(
-                f"tp_degree={self.tp} with ring_degree={self.ring} x ulysses_degree={self.ulysses}: "
-                "tensor and context parallelism cannot be combined yet; use one of them"
-            )
-        validate_tp_degree(self.tp, dims)
-        validate_ulysses_degree(self.ulysses, dims)
+
+    def validate(self, dims: FluxDims, devices: int | None = None) -> None:
+        """Raise ConfigError unless this layout works for a model of `dims` on `devices` devices: the
+        degrees multiply to the devices, tp divides the widths, Ulysses the heads a rank holds."""
+        self.check_degrees()
         if devices is not None and self.world_size != devices:
-            raise ConfigError(
-                f"the layout tp={self.tp} x ring={self.ring} x ulysses={self.ulysses} needs "
-                f"{self.world_size} devices but {devices} were given; make the product equal the device count"
-            )
+            raise ConfigError(self._device_count_message(dims, devices))
+        validate_tp_degree(self.tp, dims)
+        validate_ulysses_degree(self.ulysses, dims, self.tp)
+
+    def _device_count_message(self, dims: FluxDims, devices: int) -> str:
+        fixes = []
+        for name, value in self.degrees.items():
+            others = self.world_size // value
+            if value > 1 and devices % others == 0:
+                candidate = replace(self, **{name: devices // others})
+                try:
+                    candidate.validate(dims, devices)
+                except ConfigError:
+                    continue
+                fixes.append(str(candidate))
+        hint = f" (e.g. {' or '.join(fixes)})" if fixes else ""
+        return (
+            f"the layout {self} needs {self.world_size} devices (batch x tp x ring x ulysses) but {devices} "
+            f"were given; make the product {devices}{hint}"
+        )
 
     def validate_sequence(self, image_tokens: int) -> None:
         """Context parallelism gives every device a slice of the image tokens: at least one each.
@@ -194,7 +303,7 @@ class ParallelLayout:
         Any length otherwise works (uneven lengths are padded and the padding masked), and the text may
         be shorter than the degree because every device then still holds a real image token.
         """
-        degree = self.ring * self.ulysses
+        degree = self.cp
         if image_tokens < degree:
             raise ConfigError(
                 f"an image of {image_tokens} tokens is too short for ring={self.ring} x "
@@ -203,26 +312,40 @@ class ParallelLayout:
             )
 
 
-def _split_context(ring: int, ulysses: int, devices: int) -> ParallelLayout:
-    """Ring x Ulysses degrees with 0 meaning 'fill the rest' (both 0: all ring); product = device count."""
+def _where_degrees_go(kind: str) -> str:
+    if kind == "tp":
+        return (
+            "tp takes every device the batch degree leaves; for tensor x context parallelism name every "
+            "degree, e.g. layout='tp 2 x ring 2'"
+        )
+    if kind == "auto":
+        return "auto chooses every degree itself; name the degrees instead, e.g. layout='batch 2 x tp 2'"
+    return f"layout={kind!r} names its degrees already; write them all there, e.g. 'batch 2 x tp 2'"
+
+
+def _split_context(ring: int, ulysses: int, devices: int, batch: int = 1, tp: int = 1) -> ParallelLayout:
+    """Ring x Ulysses over the devices `batch` x `tp` leave, 0 meaning 'fill the rest' (both 0: all ring)."""
     for name, value in (("ring_degree", ring), ("ulysses_degree", ulysses)):
         if value < 0:
             raise ConfigError(f"{name}={value} must be 0 (auto) or a positive integer")
+    outer = ParallelLayout.filling(devices, "ring", "ring x ulysses", batch=batch, tp=tp)
+    rest = outer.ring  # the devices left for ring x Ulysses
+    where = f"{devices} devices"
+    if rest != devices:
+        where = f"{rest} devices {replace(outer, ring=1)} leaves of {devices}"
     if ring == 0 and ulysses == 0:
-        ring, ulysses = devices, 1
+        ring, ulysses = rest, 1
     elif ring == 0 or ulysses == 0:
         given_name, given = ("ulysses_degree", ulysses) if ring == 0 else ("ring_degree", ring)
-        if devices % given:
-            options = ", ".join(str(d) for d in range(1, devices + 1) if devices % d == 0)
+        if rest % given:
             raise ConfigError(
-                f"{given_name}={given} does not divide the {devices} devices, so the other degree cannot "
-                f"fill the rest; use one of {options}"
+                f"{given_name}={given} does not divide the {where}, so the other degree cannot fill the rest; "
+                f"use one of {', '.join(str(d) for d in _divisors(rest))}"
             )
-        rest = devices // given
-        ring, ulysses = (rest, ulysses) if ring == 0 else (ring, rest)
-    if ring * ulysses != devices:
+        ring, ulysses = (rest // given, ulysses) if ring == 0 else (ring, rest // given)
+    if ring * ulysses != rest:
         raise ConfigError(
-            f"ring_degree={ring} x ulysses_degree={ulysses} = {ring * ulysses} but the loader has "
-            f"{devices} devices; make the product {devices}, or set one degree to 0 (auto)"
+            f"ring_degree={ring} x ulysses_degree={ulysses} = {ring * ulysses} but the loader has {where}; "
+            f"make the product {rest}, or set one degree to 0 (auto)"
         )
-    return ParallelLayout(ring=ring, ulysses=ulysses)
+    return replace(outer, ring=ring, ulysses=ulysses)

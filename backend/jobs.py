@@ -1,8 +1,10 @@
 """The jobs a worker runs for users: load a checkpoint in a layout, unload it, report status.
 
 A load takes the caller's `LoadRequest`: the checkpoint's header as the caller read it, the layout and
-the LoRAs. Sampling is not a job: the caller's loop (`ParallelFlux.sample`) sends one `flux_forward`
-request per step (serve.py).
+the LoRAs. The layout's device mesh (parallel/mesh.py) is built once per layout and kept: each rank reads
+the slices of its rank in the tp group, and context parallelism runs on the ring x ulysses sub-mesh.
+Sampling is not a job: the caller's loop (`ParallelFlux.sample`) sends one `flux_forward` request per
+step (serve.py, which splits each call's batch over the mesh's batch dimension).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch.distributed as dist
 
 from .checkpoint import CheckpointInfo, apply_loras, inspect_lora, load_model
 from .messages import DeviceMemory, LoadReport, LoadRequest, Lora, RankStatus, Unloaded
-from .parallel.context import apply_context_parallel
+from .parallel.mesh import ParallelGroups, parallel_groups, parallelize
 from .parallel.tensor import parameter_bytes
 from .parallel.weights import resident_bytes_by_dtype
 from .worker import WorkerContext, handler
@@ -64,7 +66,11 @@ def unload(ctx: WorkerContext) -> Unloaded:
 
 
 def _apply_loras(
-    ctx: WorkerContext, model: torch.nn.Module, info: CheckpointInfo, loras: tuple[Lora, ...], tp: int
+    ctx: WorkerContext,
+    model: torch.nn.Module,
+    info: CheckpointInfo,
+    loras: tuple[Lora, ...],
+    groups: ParallelGroups,
 ) -> dict[str, float | int]:
     """Set the model's weights to the checkpoint plus `loras`; undo what the previous set patched.
 
@@ -74,7 +80,8 @@ def _apply_loras(
     started = time.perf_counter()
     previous = getattr(model, LORA_PATCHED, frozenset())
     parsed = [(inspect_lora(path, info), strength) for path, strength in loras]
-    rank, degree = (dist.get_rank(), tp) if tp > 1 else (0, 1)
+    tp = groups.layout.tp
+    rank, degree = (dist.get_rank(groups.tp_group), tp) if tp > 1 else (0, 1)  # this rank's TP shard
     patched = apply_loras(
         model, info, parsed, restore=previous, rank=rank, degree=degree, progress=ctx.load_progress
     )
@@ -99,7 +106,7 @@ def load(ctx: WorkerContext, request: LoadRequest) -> LoadReport:
         model = ctx.resident.model
         ctx.resident.clear()  # until the new set is on every tensor, this rank holds no described model
         try:
-            lora = _apply_loras(ctx, model, info, request.loras, layout.tp)
+            lora = _apply_loras(ctx, model, info, request.loras, parallel_groups(layout, ctx.device))
         except BaseException:
             del model
             unload(ctx)
@@ -108,15 +115,13 @@ def load(ctx: WorkerContext, request: LoadRequest) -> LoadReport:
         return _report(ctx, reused=True, **lora)
     unload(ctx)
     started = time.perf_counter()
+    groups = parallel_groups(layout, ctx.device)
     model = load_model(
         info, device=ctx.device, dtype=request.dtype, weight_dtype=request.weight_dtype, tp=layout.tp,
-        progress=ctx.load_progress,
+        group=groups.tp_group, progress=ctx.load_progress,
     )  # fmt: skip
-    lora = _apply_loras(ctx, model, info, request.loras, layout.tp) if request.loras else {}
-    if layout.ring * layout.ulysses > 1:
-        apply_context_parallel(
-            model, ring_degree=layout.ring, ulysses_degree=layout.ulysses, attention=request.attention
-        )
+    lora = _apply_loras(ctx, model, info, request.loras, groups) if request.loras else {}
+    parallelize(model, groups, attention=request.attention)  # context parallelism; TP is the loader's
     ctx.synchronize()
     ctx.resident.set(model, wanted)
     return _report(ctx, reused=False, seconds=time.perf_counter() - started, **lora)

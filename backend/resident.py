@@ -131,17 +131,21 @@ class ResidentGroup:
         weight_dtype: str = "compute",
         family: str = "flux1",
         reference_tokens: int = 0,
+        fixed: dict[str, int] | None = None,
     ) -> Choice:
         """The planner's layout for this image on these devices; `.explanation` is one line for the node.
 
-        `context_only` chooses among ring x Ulysses splits only (the Ring Attention Sampler's auto).
+        `batch` is the model call's batch (`plan.call_batch`: the images, twice them when cond and uncond
+        run together at cfg != 1): the planner never picks a batch degree above it. `context_only` keeps
+        tp at 1 (the Ring Attention Sampler's auto); `fixed` keeps other degrees too ({"batch": 2}).
         `weight_dtype`: the planner's name ('compute', 'fp8_e4m3fn', 'fp8_e5m2'; see
         `load.planned_weight_dtype` for a checkpoint's 'default'). `family` is the checkpoint's model
         family (CheckpointInfo.family): FLUX.2's shapes and text length differ. `reference_tokens`: the
         image tokens of Kontext / FLUX.2 reference latents, which every step carries next to the image's.
         """
+        keep = {**(fixed or {}), **({"tp": 1} if context_only else {})}
         self.auto_choice = choose_layout(
-            self.machine(), self.devices, dims, width, height, batch, dtype=dtype, context_only=context_only,
+            self.machine(), self.devices, dims, width, height, batch, dtype=dtype, fixed=keep,
             weight_dtype=weight_dtype, family=family, reference_tokens=reference_tokens,
         )  # fmt: skip
         return self.auto_choice
@@ -162,7 +166,12 @@ class ResidentGroup:
         progress: ProgressCallback | None = None,
         timeout: float | None = None,
     ) -> list[LoadReport]:
-        """Make `checkpoint` resident in `layout` ('tp', 'context' or 'auto'); reuses what is already there.
+        """Make `checkpoint` resident in `layout`; reuses what is already there.
+
+        `layout`: 'tp' (every device shards the weights), 'context' (ring x Ulysses: `ring` / `ulysses`,
+        None or 0 filling the rest), degrees such as 'batch 2 x tp 2' or 'tp2xring2' (a ParallelLayout's
+        `str`; the product is the device count), a ParallelLayout, or 'auto' (the planner's choice).
+        `ring` / `ulysses` go with 'context' only: with anything else they are refused.
 
         `checkpoint`: a path, or the CheckpointInfo a caller read from it already (the header is read once
         per run and carried to the workers, which do not read it again).

@@ -5,7 +5,9 @@ Where a step runs: ComfyUI's sampler calls the proxy MODEL's diffusion model (`n
 or `ParallelFlux.sample` runs its Euler loop; either calls `ParallelFlux.forward` (backend/api.py),
 which sends one `flux_forward` request to every rank. Each rank runs its family's model call
 (`flux.forward.flux_call` for FLUX.1, `flux2.forward.flux2_call` for FLUX.2) on its shard in the
-resident layout (TP, ring, Ulysses or both) and rank 0 returns the full output.
+resident layout and rank 0 returns the full output. Under a batch degree (`batch 2 x tp 2`) each group of
+tp x ring x ulysses ranks computes its share of the call's batch (cond and uncond at cfg > 1 go to
+different groups) and the outputs are gathered over the batch dimension (parallel/mesh.py `BatchSplit`).
 
 Conditioning (the text features, FLUX.1's CLIP pooled vector, and reference latents) is the same for
 every step of a job, often megabytes: the client sends it once under a key and every rank keeps it on
@@ -21,6 +23,7 @@ import torch
 
 from .family import family_of
 from .messages import ConditioningSlots, ForwardReply, ForwardRequest
+from .parallel.mesh import BatchSplit, groups_of
 from .parallel.weights import compute_dtype
 from .worker import WorkerContext, handler
 
@@ -52,18 +55,19 @@ def forward(ctx: WorkerContext, request: ForwardRequest) -> ForwardReply:
     if conditioning is None:
         raise ConditioningMissing(f"conditioning {request.cond_key} is not held on rank {ctx.rank}")
     context, pooled, *refs = conditioning
-    guidance = request.guidance
+    x = request.x.to(ctx.device, dtype)
+    guidance = request.guidance.to(ctx.device, dtype) if request.guidance is not None else None
     started = time.perf_counter()
     with torch.inference_mode():
-        out = family.call(
-            family.model_fn(model),
-            request.x.to(ctx.device, dtype),
-            request.timestep.to(ctx.device),
-            context,
-            pooled,
-            guidance.to(ctx.device, dtype) if guidance is not None else None,
-            ref_latents=refs,
-            ref_method=request.ref_method,
-        )
+        split = BatchSplit(groups_of(model), x.shape[0])
+        out = None
+        if split.runs:  # a group without entries (a call smaller than the batch degree) only gathers
+            take = split.take
+            out = family.call(
+                family.model_fn(model), take(x), take(request.timestep.to(ctx.device)), take(context),
+                take(pooled), take(guidance), ref_latents=[take(r) for r in refs], ref_method=request.ref_method,
+            )  # fmt: skip
+        entry = (family.latent_channels(model.config), *x.shape[2:])
+        out = split.gather(out, entry, dtype, ctx.device)
         out = out.cpu() if ctx.rank == 0 else None
     return ForwardReply(rank=ctx.rank, out=out, seconds=time.perf_counter() - started)

@@ -12,6 +12,7 @@ BENCHMARKS = {
     "load": "checkpoint loading: peak host memory per rank, sharded loader vs a naive full load",
     "cp": "context parallelism (ring / Ulysses / hybrid): activations and bytes per GPU, one-rank compute",
     "planner": "the planner's weights, activations and collectives vs the engine on the meta device",
+    "layouts": "the planner's choice among every composition, 2-8 GPUs of 16-48 GB, vs cache-dit's FLUX.2 table",
     "failures": "one rank fails (OOM, stopped, killed, hung), cancel, Ctrl+C: time to the error, next job",
     "step": "one ComfyUI-driven step (a forward request) vs the same forward in one process, 1024x1024",
     "scaling": "sampling steps on 1, 2, 4 CPU workers: latency, time per step, peak memory per worker",

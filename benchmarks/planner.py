@@ -1,10 +1,12 @@
 """`bench planner`: the planner's per-GPU figures next to what the engine does on the meta device.
 
 For each layout, one rank of FLUX (FLUX.1-dev by default) is built on the meta device under the `fake`
-process group and parallelised by the engine itself (`apply_tensor_parallel` / `apply_context_parallel`):
+process group and parallelised by the engine itself (the layout's device mesh, `parallel/mesh.py`
+`parallelize`: TP on the tp group, CP on the ring x ulysses sub-mesh, the batch split around the call):
 
 * weights: the parameter bytes the rank holds (must equal the plan exactly);
-* collectives: counted during one forward by `CountCollectives` (kinds, counts, payload bytes);
+* collectives: counted during one forward by `CountCollectives` per mesh dimension (by the process group
+  each ran on: kinds, counts, payload bytes);
 * activations: torch's MemTracker peak of that forward (weights excluded; see
   `testing.meta.measure_on_meta`, the tracer the tests use too).
 """
@@ -22,22 +24,40 @@ from ..backend.text import GB
 from ..testing.helpers import markdown_row
 from ..testing.meta import measure_on_meta
 
-LAYOUTS = "1x1x1,2x1x1,4x1x1,8x1x1,1x2x1,1x4x1,1x1x2,1x1x4,1x2x2"
+LAYOUTS = (
+    "single,tp2,tp4,tp8,ring2,ring4,ulysses2,ulysses4,ring2xulysses2,"
+    "tp2xring2,tp2xulysses2,batch2xtp2,batch2xring2,tp2xring2xulysses2"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layouts", default=LAYOUTS, help="tp x ring x ulysses, comma-separated")
+    parser.add_argument(
+        "--layouts", default=LAYOUTS, help="layouts as the API takes them ('batch2xtp2'), comma-separated"
+    )
     parser.add_argument("--sizes", default="1024", help="square image sides in pixels")
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=2, help="the model call's batch (2: cond + uncond)")
     parser.add_argument("--text-tokens", type=int, default=512, help="T5 tokens (512: as bench cp)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
 
 
 def _layouts(text: str) -> list[ParallelLayout]:
-    out = []
-    for item in text.split(","):
-        tp, ring, ulysses = (int(v) for v in item.split("x"))
-        out.append(ParallelLayout(tp=tp, ring=ring, ulysses=ulysses))
+    return [ParallelLayout.parse(item) for item in text.split(",")]
+
+
+def _by_dimension(comms: list) -> dict[str, int]:
+    """'dim:kind' -> count, the planner's (a group serving two dimensions is counted under both names by
+    the engine: 'ring|cp' when ring is the only CP degree)."""
+    out: dict[str, int] = {}
+    for c in comms:
+        out[f"{c.dim}:{c.kind}"] = out.get(f"{c.dim}:{c.kind}", 0) + c.count
+    return out
+
+
+def _measured_by_dimension(measured: dict[tuple[str, str], tuple[int, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for (dim, kind), (count, _) in measured.items():
+        for name in dim.split("|")[:1]:  # a shared group: its first dimension (the collective's own)
+            out[f"{name}:{kind}"] = out.get(f"{name}:{kind}", 0) + count
     return out
 
 
@@ -47,6 +67,8 @@ def compare(layout: ParallelLayout, size: int, batch: int, text_tokens: int) -> 
     planned = estimate(setup, layout)
     measured = measure_on_meta(FLUX_DEV, layout, size, size, batch, text_tokens)
     return {
+        "planned_by_dimension": _by_dimension(planned.collectives),
+        "measured_by_dimension": _measured_by_dimension(measured["by_dimension"]),
         "layout": str(layout),
         "size": size,
         "planned_weights": planned.weights,
@@ -60,6 +82,21 @@ def compare(layout: ParallelLayout, size: int, batch: int, text_tokens: int) -> 
     }
 
 
+def _same_dims(r: dict[str, Any]) -> bool:
+    """Planner and engine agree per dimension ('cp' is counted under 'ring' or 'ulysses' when that group
+    is diffusers' flattened one too)."""
+    planned = dict(r["planned_by_dimension"])
+    measured = r["measured_by_dimension"]
+    for key in [k for k in planned if k.startswith("cp:")]:
+        if key not in measured:
+            for alias in ("ring", "ulysses"):
+                other = f"{alias}:{key[3:]}"
+                if other in planned and measured.get(other) == planned[other] + planned[key]:
+                    planned[other] += planned.pop(key)
+                    break
+    return planned == measured
+
+
 def run(args: argparse.Namespace) -> str:
     rows = []
     for size in (int(s) for s in args.sizes.split(",")):
@@ -67,12 +104,12 @@ def run(args: argparse.Namespace) -> str:
             rows.append(compare(layout, size, args.batch, args.text_tokens))
             print(f"  measured {rows[-1]['layout']} at {size}", flush=True)
     lines = [
-        f"FLUX.1-dev, bf16, batch {args.batch}, {args.text_tokens} text tokens, rank 0, one forward: planner "
+        f"FLUX.1-dev, bf16, call batch {args.batch}, {args.text_tokens} text tokens, rank 0, one forward: planner "
         "vs the engine on the meta device (fake process group; MemTracker peak, weights excluded)",
         "",
         "| image | layout | weights plan / engine (GB) | activations plan (GB) | MemTracker (GB) | error | "
-        "collectives plan = counted | payload plan = counted |",
-        "|---|---|---|---:|---:|---:|---|---|",
+        "collectives plan = counted | payload plan = counted | per mesh dimension |",
+        "|---|---|---|---:|---:|---:|---|---|---|",
     ]
     for r in rows:
         err = r["planned_activations"] / r["measured_activations"] - 1
@@ -80,10 +117,13 @@ def run(args: argparse.Namespace) -> str:
         same_c = "yes" if r["planned_counts"] == r["measured_counts"] else f"no ({r['measured_counts']})"
         same_p = "yes" if r["planned_payload"] == r["measured_payload"] else f"no ({r['measured_payload']})"
         counts = ", ".join(f"{n} {k}" for k, n in sorted(r["planned_counts"].items())) or "none"
+        dims = ", ".join(f"{k} {n}" for k, n in sorted(r["planned_by_dimension"].items())) or "-"
+        dims += "" if _same_dims(r) else f" (counted: {r['measured_by_dimension']})"
         weights = f"{r['planned_weights'] / GB:.3f} {same_w} {r['measured_weights'] / GB:.3f}"
         lines.append(
             markdown_row([f"{r['size']}x{r['size']}", r["layout"], weights, f"{r['planned_activations'] / GB:.3f}",
-                          f"{r['measured_activations'] / GB:.3f}", f"{err:+.1%}", f"{counts}: {same_c}", same_p])
+                          f"{r['measured_activations'] / GB:.3f}", f"{err:+.1%}", f"{counts}: {same_c}", same_p,
+                          dims])
         )  # fmt: skip
     table = "\n".join(lines)
     print("\n" + table)

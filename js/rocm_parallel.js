@@ -1,4 +1,5 @@
-// ROCm Parallel: the worker group's live state, drawn under every ROCm Parallel Loader node.
+// ROCm Parallel: the worker group's live state, drawn under every ROCm Parallel Loader node. The layout
+// line is the resident layout's degrees as the nodes take them ("layout: batch 2 x tp 2").
 // Data: GET /api/rocm_parallel/status (nodes/routes.py), a snapshot the nodes keep up to date; polled
 // once a second while a loader is on the canvas, and right after each progress / executing event.
 import { app } from "../../scripts/app.js";
@@ -30,6 +31,8 @@ export function panelLines(state, now = Date.now()) {
   if (state.loading) lines.push(`loading: ${state.loading}`);
   // The planner's one-line reason, split at "; " so it fits the node's width.
   if (state.auto) lines.push(...state.auto.split("; "));
+  // A batch degree above the model calls' batch (its groups idle), said where the layout is shown.
+  if (state.note) lines.push(state.note);
   for (const r of state.ranks || []) {
     let line = `rank ${r.rank} ${r.device}: ${size(r.parameter_bytes || 0)} weights`;
     if (r.total_gb) line += `, ${r.allocated_gb.toFixed(2)}/${r.total_gb.toFixed(1)} GB used`;

@@ -112,6 +112,17 @@ _OPTIONAL_INPUTS = {
 }
 
 
+_BATCH_TOOLTIP = (
+    "Groups of devices that each take part of every model call's batch: cond and uncond at cfg > 1 (with "
+    "a negative prompt), or several images. 1 = none; a call with fewer entries leaves groups idle."
+)
+
+
+def _degree(tooltip: str) -> tuple[str, dict[str, Any]]:
+    """An optional degree widget (1 = that dimension unused)."""
+    return ("INT", {"default": 1, "min": 1, "max": 64, "tooltip": tooltip})
+
+
 class RocmParallelLoader:
     DESCRIPTION = (
         "Starts one worker process per device and loads a FLUX.1 or FLUX.2 diffusion model on them. The workers "
@@ -254,12 +265,25 @@ class RocmParallelTPSampler(_ParallelSampler):
     DESCRIPTION = (
         "ComfyUI's KSampler (every sampler and scheduler, cfg with an optional negative, denoise, optional "
         "SIGMAS like SamplerCustom) with the FLUX weights split over every device of the loader (tensor "
-        "parallelism): the way to fit a model that is too big for one GPU."
+        "parallelism): the way to fit a model that is too big for one GPU. Optional degrees compose with it: "
+        "batch_degree 2 on 4 GPUs runs cond and uncond on two TP pairs ('batch 2 x tp 2' on the panel)."
     )
 
     @classmethod
     def INPUT_TYPES(cls) -> dict[str, Any]:
-        return {"required": _sampler_inputs(), "optional": dict(_OPTIONAL_INPUTS)}
+        optional = {
+            **_OPTIONAL_INPUTS,
+            "batch_degree": _degree(_BATCH_TOOLTIP + " TP takes the devices the degrees leave."),
+            "ring_degree": _degree(
+                "Devices passing keys/values around a ring within each TP group (context parallelism "
+                "composed with TP: 'tp 2 x ring 2'); 1 = none."
+            ),
+            "ulysses_degree": _degree(
+                "Devices splitting the attention heads TP leaves them (all-to-all; composed with TP: 'tp 2 x "
+                "ulysses 2'); 1 = none. It must divide the heads / tp."
+            ),
+        }
+        return {"required": _sampler_inputs(), "optional": optional}
 
     def sample(
         self,
@@ -274,8 +298,12 @@ class RocmParallelTPSampler(_ParallelSampler):
         denoise: float,
         negative: Any = None,
         sigmas: Any = None,
+        batch_degree: int = 1,
+        ring_degree: int = 1,
+        ulysses_degree: int = 1,
     ) -> tuple[dict[str, Any]]:
-        request = LayoutRequest(inputs.tp_layout(len(parallel_flux.devices)))
+        layout = inputs.tp_layout(len(parallel_flux.devices), batch_degree, ring_degree, ulysses_degree)
+        request = LayoutRequest(layout)
         return self._run(
             request, parallel_flux, positive, latent_image, seed, steps, cfg, sampler_name, scheduler, denoise,
             negative, sigmas,
@@ -286,7 +314,9 @@ class RocmParallelRingSampler(_ParallelSampler):
     DESCRIPTION = (
         "ComfyUI's KSampler (every sampler and scheduler, cfg with an optional negative, denoise, optional "
         "SIGMAS like SamplerCustom) with the image tokens split over the devices (context parallelism: ring "
-        "attention x Ulysses). Every device holds the whole model; this speeds up large images."
+        "attention x Ulysses). Every device holds the whole model; this speeds up large images. Optional "
+        "degrees compose with it: tp_degree shares each copy of the weights ('tp 2 x ring 2'), "
+        "batch_degree splits cond and uncond over groups ('batch 2 x ring 2')."
     )
 
     @classmethod
@@ -298,18 +328,27 @@ class RocmParallelRingSampler(_ParallelSampler):
             {
                 **degree,
                 "tooltip": "Devices passing keys/values around a ring; 0 = fill the rest. Both degrees 0 = "
-                "auto: the planner picks the split for this image and the measured link, and says why.",
+                "auto: the planner picks the split for this image and the measured link (keeping "
+                "batch_degree and tp_degree), and says why.",
             },
         )
         required["ulysses_degree"] = (
             "INT",
             {
                 **degree,
-                "tooltip": "Devices splitting the attention heads (all-to-all); 0 = auto. "
-                "ring x ulysses must equal the device count.",
+                "tooltip": "Devices splitting the attention heads (all-to-all); 0 = fill the rest. "
+                "batch x tp x ring x ulysses must equal the device count.",
             },
         )
-        return {"required": required, "optional": dict(_OPTIONAL_INPUTS)}
+        optional = {
+            **_OPTIONAL_INPUTS,
+            "batch_degree": _degree(_BATCH_TOOLTIP + " Ring x Ulysses take the devices the degrees leave."),
+            "tp_degree": _degree(
+                "Devices sharing each copy of the weights by tensor parallelism (composed with context "
+                "parallelism: 'tp 2 x ring 2'; fits a model too big for one GPU); 1 = none."
+            ),
+        }
+        return {"required": required, "optional": optional}
 
     def sample(
         self,
@@ -326,9 +365,12 @@ class RocmParallelRingSampler(_ParallelSampler):
         ulysses_degree: int,
         negative: Any = None,
         sigmas: Any = None,
+        batch_degree: int = 1,
+        tp_degree: int = 1,
     ) -> tuple[dict[str, Any]]:
-        layout = inputs.context_layout(ring_degree, ulysses_degree, len(parallel_flux.devices))
-        request = LayoutRequest(layout, context_only=True)
+        devices = len(parallel_flux.devices)
+        layout = inputs.context_layout(ring_degree, ulysses_degree, devices, batch_degree, tp_degree)
+        request = LayoutRequest(layout, context_only=True, batch=batch_degree, tp=tp_degree)
         return self._run(
             request, parallel_flux, positive, latent_image, seed, steps, cfg, sampler_name, scheduler, denoise,
             negative, sigmas,
@@ -340,7 +382,9 @@ class RocmParallelModel:
         "A standard ComfyUI MODEL whose FLUX transformer runs on the ROCm Parallel workers: connect it to "
         "ComfyUI's KSampler, KSamplerAdvanced, SamplerCustom, or CFGGuider/BasicGuider + "
         "SamplerCustomAdvanced, with ModelSamplingFlux and FluxGuidance as usual; for FLUX.2 (ComfyUI >= "
-        "0.3.75) with EmptyFlux2LatentImage and Flux2Scheduler. For LoRAs use the ROCm Parallel LoRA node "
+        "0.3.75) with EmptyFlux2LatentImage and Flux2Scheduler. Its layout composes every degree "
+        "('batch 2 x tp 2', 'tp 2 x ulysses 2'); at cfg > 1 it makes ComfyUI send cond and uncond as one "
+        "batch, which a batch degree splits over groups of GPUs. For LoRAs use the ROCm Parallel LoRA node "
         "before this one."
     )
     CATEGORY = CATEGORY
@@ -356,12 +400,14 @@ class RocmParallelModel:
             "required": {
                 "parallel_flux": (HANDLE_TYPE, {"tooltip": _HANDLE_TOOLTIP}),
                 "layout": (
-                    list(inputs.MODEL_LAYOUTS),
+                    "STRING",
                     {
                         "default": "tp",
                         "tooltip": "tp = weights split over the devices (fits big models); context = image "
-                        "tokens split (ring x Ulysses; every device holds the model); auto = the planner's "
-                        "choice for each latent's size.",
+                        "tokens split (ring x Ulysses below; every device holds the model); auto = the "
+                        "planner's choice for each latent's size and batch, among every composition; or "
+                        "degrees whose product is the device count, e.g. 'batch 2 x tp 2' (cond and uncond "
+                        "on two TP pairs at cfg > 1), 'tp 2 x ulysses 2', 'tp2xring2'.",
                     },
                 ),
                 "ring_degree": (

@@ -26,7 +26,7 @@ from . import checks
 from .inputs import LayoutRequest, ParallelHandle
 from .loading import needs_gpu_memory
 from .registry import REGISTRY, Registry
-from .runner import ModelRunner, step_of
+from .runner import ModelRunner, call_batch_of, step_of
 
 if TYPE_CHECKING:
     from ..backend.checkpoint import CheckpointInfo
@@ -171,20 +171,46 @@ _PATCHER_CLASS: type | None = None
 
 
 def _outer_sample(runner: ModelRunner):
-    """The OUTER_SAMPLE wrapper: the model is made resident (planned for this latent) before ComfyUI's
-    sampling starts, and the panel shows the run and how it ended (a Cancel as such)."""
+    """The OUTER_SAMPLE wrapper: the model is made resident (planned for this latent and the batch of
+    its model calls) before ComfyUI's sampling starts, and the panel shows the run and how it ended (a
+    Cancel as such)."""
 
     def wrapper(
         executor: Any, noise: torch.Tensor, latent_image: Any, sampler: Any, sigmas: Any, *args, **kw
     ):
         # The guider (comfy/samplers.py CFGGuider.sample builds this executor around its outer_sample)
-        # holds the run's conds: ReferenceLatent's latents there ride along in every model call.
-        conds = getattr(getattr(executor, "class_obj", None), "conds", None)
+        # holds the run's conds: ReferenceLatent's latents there ride along in every model call, and its
+        # cfg and the conds' text shapes say whether cond and uncond share a call.
+        guider = getattr(executor, "class_obj", None)
+        conds = getattr(guider, "conds", None)
         references = checks.reference_shapes(conds)
-        with runner.sampling(tuple(noise.shape), max(int(sigmas.shape[-1]) - 1, 0), references):
+        calls = _call_batch(guider, int(noise.shape[0]), runner.info.model_family.text.tokens)
+        with runner.sampling(tuple(noise.shape), max(int(sigmas.shape[-1]) - 1, 0), references, calls):
             return executor(noise, latent_image, sampler, sigmas, *args, **kw)
 
     return wrapper
+
+
+def _call_batch(guider: Any, latent_batch: int, padded_to: int) -> int:
+    """The batch of the run's model calls (runner.call_batch_of) from the guider's cfg and its conds'
+    text contexts (`cross_attn` [B, tokens, dim] of each cond kind's entry)."""
+    cfg = float(getattr(guider, "cfg", 1.0))
+    conds = getattr(guider, "conds", None) or {}
+    lengths = {}
+    for kind, entries in conds.items():
+        context = entries[0].get("cross_attn") if entries else None
+        lengths[kind] = int(context.shape[1]) if context is not None else None
+    return call_batch_of(latent_batch, cfg, lengths, padded_to)
+
+
+def _no_local_memory(input_shape: Any, cond_shapes: Any = None) -> int:
+    """The parallel MODEL's `memory_required`: nothing on ComfyUI's device, the weights and activations
+    live in the workers. ComfyUI batches cond and uncond into one model call only when this estimate x
+    1.5 fits its free memory (comfy/samplers.py `_calc_cond_batch`, 0.3.75 and 0.33.0) and would
+    otherwise halve the batch on a busy machine: two calls per step, and a batch degree that idles. It
+    also feeds `load_models_gpu(memory_required=...)`, which then evicts nothing for us
+    (`free_comfy_models` gives the GPUs to the workers)."""
+    return 0
 
 
 def parallel_model(
@@ -221,6 +247,7 @@ def parallel_model(
     model_config.set_inference_dtype(dtype, None)
     cpu = torch.device("cpu")  # the weights live in the workers: nothing for ComfyUI to move
     model = model_config.get_model({}, device=cpu)
+    model.memory_required = _no_local_memory  # cond and uncond in one call whenever cfg != 1 (see there)
     model.diffusion_model = ParallelDiffusionModel(
         runner,
         dtype,

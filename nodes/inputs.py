@@ -20,7 +20,7 @@ DTYPES = ("default", "bfloat16", "float16", "float32")
 # The loader's weight_dtype choices, ComfyUI UNETLoader's names (config.WEIGHT_DTYPE_BYTES says what each does).
 WEIGHT_DTYPES = ("default", "fp8_e4m3fn", "fp8_e5m2")
 PRELOAD_LAYOUTS = ("none", "tp", "context", "auto")
-MODEL_LAYOUTS = ("tp", "context", "auto")  # the ROCm Parallel Model node's choices
+MODEL_LAYOUTS = ("tp", "context", "auto")  # the ROCm Parallel Model's words; degrees are written out
 STATUS_ACTIONS = ("report", "unload", "close", "doctor")
 
 
@@ -50,17 +50,23 @@ def weight_dtype(choice: str) -> str | None:
     return None if choice == "default" else choice
 
 
-def tp_layout(devices: int) -> ParallelLayout:
-    """Tensor parallelism over every device of the group."""
-    return ParallelLayout.make("tp", devices)
+def tp_layout(devices: int, batch: int = 1, ring: int = 1, ulysses: int = 1) -> ParallelLayout:
+    """The TP Sampler's layout: tensor parallelism over the devices its other degrees leave (all of them
+    by default); `batch`, `ring`, `ulysses` compose with it ('batch 2 x tp 2')."""
+    return ParallelLayout.filling(devices, "tp", batch=batch, ring=ring, ulysses=ulysses)
 
 
-def context_layout(ring: int, ulysses: int, devices: int) -> ParallelLayout | None:
-    """The Ring Attention Sampler's degrees: 0 fills the rest; both 0 is `None`, the planner's choice
-    for the image being sampled (see `sample`)."""
+def context_layout(
+    ring: int, ulysses: int, devices: int, batch: int = 1, tp: int = 1
+) -> ParallelLayout | None:
+    """The Ring Attention Sampler's degrees: ring x ulysses over the devices `batch` x `tp` leave, 0 fills
+    the rest; both 0 is `None`, the planner's choice for the image being sampled (see `sample`)."""
     if ring == 0 and ulysses == 0:
+        ParallelLayout.filling(
+            devices, "ring", "ring x ulysses", batch=batch, tp=tp
+        )  # the others must divide
         return None
-    return ParallelLayout.make("context", devices, ring, ulysses)
+    return ParallelLayout.make("context", devices, ring, ulysses, batch=batch, tp=tp)
 
 
 def describe_layout(layout: ParallelLayout) -> str:
@@ -70,26 +76,50 @@ def describe_layout(layout: ParallelLayout) -> str:
 @dataclass(frozen=True)
 class LayoutRequest:
     """The layout a node asks for: a fixed one, or `None` for the planner's choice for the latent being
-    sampled (`context_only`: among ring x Ulysses splits, the Ring Attention Sampler's auto)."""
+    sampled, among the layouts that keep the degrees `fixed()` names: tp 1 with `context_only` (the Ring
+    Attention Sampler's auto, unless its `tp`), its `batch` when given."""
 
     layout: ParallelLayout | None
     context_only: bool = False
+    batch: int | None = None
+    tp: int | None = None
+
+    def fixed(self) -> dict[str, int]:
+        """The degrees auto keeps."""
+        kept = {} if self.batch is None else {"batch": self.batch}
+        if self.tp is not None or self.context_only:
+            kept["tp"] = self.tp if self.tp is not None else 1
+        return kept
 
     def describe(self) -> str:
         if self.layout is not None:
             return self.layout.describe()
-        return "auto (context parallel)" if self.context_only else "auto"
+        kept = " x ".join(f"{k} {v}" for k, v in self.fixed().items() if v != 1)
+        what = "auto (context parallel)" if self.context_only else "auto"
+        return f"{what} with {kept}" if kept else what
 
 
-def model_layout(kind: str, ring: int, ulysses: int, devices: int) -> LayoutRequest:
-    """The ROCm Parallel Model node's layout: 'tp', 'context' (degrees, 0 = fill / both 0 = auto) or 'auto'."""
-    if kind not in MODEL_LAYOUTS:
-        raise ConfigError(f"layout={kind!r} is not offered; use one of {', '.join(MODEL_LAYOUTS)}")
-    if kind == "tp":
-        return LayoutRequest(tp_layout(devices))
+def model_layout(layout: str, ring: int, ulysses: int, devices: int) -> LayoutRequest:
+    """The ROCm Parallel Model node's layout field: 'tp' (every device), 'context' (ring_degree x
+    ulysses_degree; 0 fills the rest, both 0 = auto split), 'auto' (the planner, every composition), or
+    degrees such as 'batch 2 x tp 2' / 'tp2xulysses2' (config.ParallelLayout.parse). The degree widgets
+    belong to 'context': set with anything else they are refused, never ignored."""
+    if not isinstance(layout, str) or not layout.strip():
+        raise ConfigError(
+            f"layout={layout!r} is empty; use {', '.join(MODEL_LAYOUTS)} or degrees such as 'batch 2 x tp 2'"
+        )
+    kind = layout.strip().lower()
+    if kind == "context":
+        return LayoutRequest(context_layout(ring, ulysses, devices), context_only=True)
+    for name, value in (("ring_degree", ring), ("ulysses_degree", ulysses)):
+        if value:
+            raise ConfigError(
+                f"{name}={value} applies to layout 'context' only, but layout is {layout!r}; set it to 0, "
+                "or write the degree into the layout (e.g. 'tp 2 x ring 2')"
+            )
     if kind == "auto":
         return LayoutRequest(None)
-    return LayoutRequest(context_layout(ring, ulysses, devices), context_only=True)
+    return LayoutRequest(ParallelLayout.make(kind, devices))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -77,15 +77,17 @@ def auto_layout(
     batch: int,
     context_only: bool,
     reference_tokens: int = 0,
+    fixed: dict[str, int] | None = None,
 ) -> ParallelLayout:
     """The planner's layout for this image (link and memory measured once per group); its reason is shown.
-    `reference_tokens`: the tokens of reference latents (ReferenceLatent) each step carries too."""
+    `batch`: the model call's batch (cond + uncond at cfg > 1). `reference_tokens`: the tokens of
+    reference latents (ReferenceLatent) each step carries too. `fixed`: degrees auto keeps."""
     from ..backend.checkpoint import planned_weight_dtype
 
     choice = flux.auto_layout(
         info.dims, width, height, batch, handle.dtype, context_only=context_only,
         weight_dtype=planned_weight_dtype(handle.weight_dtype, info), family=info.family,
-        reference_tokens=reference_tokens,
+        reference_tokens=reference_tokens, fixed=fixed,
     )  # fmt: skip
     registry.update(auto=choice.explanation)
     return choice.layout

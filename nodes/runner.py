@@ -5,7 +5,7 @@ checkpoint in which layout, made resident before ComfyUI's sampling starts, then
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -56,33 +56,44 @@ class ModelRunner:
 
         return resolve_dtype(self.handle.dtype, self.handle.devices[0])
 
-    def prepare(self, shape: Sequence[int], references: Sequence[Sequence[int]] = ()) -> ParallelFlux:
+    def prepare(
+        self, shape: Sequence[int], references: Sequence[Sequence[int]] = (), call_batch: int | None = None
+    ) -> ParallelFlux:
         """Make the model resident for a latent of `shape` [B, C, H, W] (auto layouts are planned for it,
-        with the tokens of the reference latents of shapes `references`, Kontext / FLUX.2 editing)."""
+        with the tokens of the reference latents of shapes `references`, Kontext / FLUX.2 editing).
+        `call_batch`: the batch of each model call (B, or 2B when ComfyUI sends cond and uncond together;
+        `call_batch_of`): what a batch degree splits. A layout whose batch degree exceeds it is run as
+        asked, and the panel says that groups idle."""
         if self.make_room is not None:
             self.make_room()
         flux = self.registry.flux_for(self.handle.devices)
+        calls = call_batch if call_batch is not None else shape[0]
         if self.request.layout is None:
-            b, _, h, w = shape
+            _, _, h, w = shape
             family = self.info.model_family
             width, height = family.planned_pixels(h, w)
             extra = sum(family.image_tokens(*ref[-2:]) for ref in references)
             self.layout = auto_layout(
-                self.registry, flux, self.handle, self.info, width, height, b,
-                context_only=self.request.context_only, reference_tokens=extra,
+                self.registry, flux, self.handle, self.info, width, height, calls,
+                context_only=self.request.context_only, reference_tokens=extra, fixed=self.request.fixed(),
             )  # fmt: skip
         else:
             self.registry.update(auto=None)
+        self.registry.update(note=idle_note(self.layout, calls))
         ensure_loaded(self.registry, flux, self.handle, self.info, self.layout, self.interrupted)
         self._resident = flux.resident
         return flux
 
     @contextmanager
     def sampling(
-        self, shape: Sequence[int], total: int, references: Sequence[Sequence[int]] = ()
+        self,
+        shape: Sequence[int],
+        total: int,
+        references: Sequence[Sequence[int]] = (),
+        call_batch: int | None = None,
     ) -> Iterator[None]:
         """Around one ComfyUI sampling run: load first, then show 'sampling' (and how it ended)."""
-        self.prepare(shape, references)
+        self.prepare(shape, references, call_batch)
         with self.registry.phase("sampling", step=0, total=total):
             yield
 
@@ -107,6 +118,33 @@ class ModelRunner:
             self.registry.update(step=step[0], total=step[1])
         self.calls += 1
         return flux.forward(x, timestep, context, y, guidance, ref_latents=ref_latents, ref_method=ref_method)
+
+
+def idle_note(layout: ParallelLayout | None, call_batch: int) -> str | None:
+    """The panel's line when a batch degree exceeds the calls' batch (None otherwise): those groups idle."""
+    if layout is None or layout.batch <= call_batch:
+        return None
+    idle = layout.batch - call_batch
+    return (
+        f"note: {layout} with {call_batch} entr{'y' if call_batch == 1 else 'ies'} per model call leaves "
+        f"{idle} of {layout.batch} batch groups idle (batch_size, or cfg > 1 with a negative prompt, fills them)"
+    )
+
+
+def call_batch_of(
+    latent_batch: int, cfg: float, text_lengths: Mapping[str, int | None], padded_to: int = 0
+) -> int:
+    """The batch of each model call ComfyUI makes for a run: `latent_batch` at cfg 1 (the negative is
+    skipped), otherwise latent_batch x the number of conds that go into one call. ComfyUI concatenates
+    conds only when their text contexts have the same shape (FLUX wraps them in CONDRegular; the parallel
+    MODEL removes the memory limit, nodes/comfy_model.py), after the model pads them to `padded_to`
+    tokens (FLUX.2's extra_conds pads to 512). `text_lengths`: cond kind ('positive', 'negative') -> the
+    text tokens of its context (None: no entries)."""
+    lengths = [max(n, padded_to) for n in text_lengths.values() if n is not None]
+    if cfg == 1.0 or len(lengths) < 2:
+        return latent_batch
+    together = max(lengths.count(n) for n in lengths)
+    return latent_batch * together
 
 
 def step_of(transformer_options: dict[str, Any]) -> tuple[int, int] | None:

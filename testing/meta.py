@@ -17,10 +17,10 @@ from torch import nn
 from ..backend.config import ParallelLayout
 from ..backend.family import get_family
 from ..backend.parallel.comm import CountCollectives
-from ..backend.parallel.context import apply_context_parallel
-from ..backend.parallel.tensor import apply_tensor_parallel
+from ..backend.parallel.context import cp_group
+from ..backend.parallel.mesh import BatchSplit, groups_of, parallel_groups, parallelize
 from .fake import fake_process_group
-from .models import random_inputs
+from .models import ModelInputs, random_inputs
 
 
 def local_parameter_bytes(model: nn.Module) -> int:
@@ -55,14 +55,33 @@ def flash_attention_on_meta() -> Iterator[None]:
 
 
 def _parallelize_like_the_engine(layout: ParallelLayout) -> Callable[[nn.Module], nn.Module]:
+    """The layout's mesh and `parallelize`, as a worker's load does (TP on the tp group, CP on the
+    ring x ulysses sub-mesh)."""
+
     def apply(model: nn.Module) -> nn.Module:
-        if layout.tp > 1:
-            apply_tensor_parallel(model)
-        if layout.ring * layout.ulysses > 1:
-            apply_context_parallel(model, layout.ring, layout.ulysses)
-        return model
+        return parallelize(model, parallel_groups(layout, torch.device("meta")))
 
     return apply
+
+
+# The forward's inputs that carry the batch (ids only when batched: FLUX.2's [B, S, 4]; FLUX.1's 2-D ids
+# are shared by the batch).
+_BATCHED = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "guidance")
+
+
+def _split_forward(model: nn.Module, inputs: ModelInputs) -> torch.Tensor:
+    """One forward of `model` on this rank's share of the batch (mesh.BatchSplit, as the worker's forward
+    service splits a call), the output gathered over the batch dimension."""
+    kwargs = inputs.as_kwargs()
+    x = inputs.hidden_states
+    split = BatchSplit(groups_of(model), x.shape[0])
+    local = {
+        k: split.take(v) if v is not None and (k in _BATCHED or (k.endswith("_ids") and v.ndim == 3)) else v
+        for k, v in kwargs.items()
+    }
+    out = model(**local, return_dict=False)[0] if split.runs else None
+    entry = (x.shape[1], model.config.out_channels or model.config.in_channels)
+    return split.gather(out, entry, x.dtype, x.device)
 
 
 def measure_on_meta(
@@ -84,10 +103,13 @@ def measure_on_meta(
     `family` ("flux1", "flux2": backend/family.py) picks the transformer `config` describes; both have one
     image token per 16 x 16 pixels of width x height.
 
-    The model is parallelised by the engine itself (`apply_tensor_parallel` / `apply_context_parallel`),
-    or by `parallelize` (e.g. diffusers' own TP plan). Returns the parameter bytes the rank holds
+    The model is parallelised by the engine itself (the layout's mesh: `mesh.parallelize`; the forward's
+    batch split over the batch dimension as the forward service does), or by `parallelize` (e.g.
+    diffusers' own TP plan). Odd token counts work: the context-parallel kernel keeps every key on meta.
+    Returns the parameter bytes the rank holds
     (`weights`; and its elements in 2-D parameters, the linear weights an fp8 model keeps at one byte,
-    and in the others: `linear_elements`, `other_elements`), the collectives issued (`counts`, `payload` by kind, and the whole `log`), the image
+    and in the others: `linear_elements`, `other_elements`), the collectives issued (`counts`, `payload` by
+    kind, `by_dimension` {(mesh dimension, kind): (count, payload)}, and the whole `log`), the image
     tokens, and with `memory` the peak of live activations from torch's MemTracker (weights excluded;
     attention runs the CPU flash kernel on meta, standing in for the GPUs' flash kernels: without it SDPA
     on meta falls back to the math path and materialises the score matrix, which no GPU path does).
@@ -101,6 +123,8 @@ def measure_on_meta(
         model = fam.build(config, device="meta", dtype=dtype)
         if layout.world_size > 1:
             (parallelize or _parallelize_like_the_engine(layout))(model)
+        groups = groups_of(model)
+        names = groups.dimension_names(cp_group(model)) if groups is not None else {}
         weights = local_parameter_bytes(model)
         linear, other = _elements(model)
         inputs = random_inputs(dims, batch, height, width, text_tokens, device="meta", family=fam)
@@ -110,22 +134,24 @@ def measure_on_meta(
                 p.requires_grad_(True)  # MemTracker hooks every parameter's gradient; TP shards have none
             tracker = MemTracker()
             tracker.track_external(model)
-            with flash_attention_on_meta(), tracker, CountCollectives() as counter, torch.no_grad():
-                model(**inputs.as_kwargs(), return_dict=False)
+            with flash_attention_on_meta(), tracker, CountCollectives(names) as counter, torch.no_grad():
+                _split_forward(model, inputs)
             peak = tracker.get_tracker_snapshot("peak")[torch.device("meta")]
             activations = sum(v for k, v in peak.items() if "ACT" in str(k) or "TEMP" in str(k))
         else:
-            with CountCollectives() as counter, torch.no_grad():
-                model(**inputs.as_kwargs(), return_dict=False)
+            with CountCollectives(names) as counter, torch.no_grad():
+                _split_forward(model, inputs)
             activations = None
+    log = counter.log
     return {
         "weights": weights,
         "linear_elements": linear,
         "other_elements": other,
         "activations": activations,
-        "counts": dict(counter.log.counts),
-        "payload": dict(counter.log.payload_bytes),
-        "log": counter.log,
+        "counts": dict(log.counts),
+        "payload": dict(log.payload_bytes),
+        "by_dimension": {key: (n, log.dimension_payload[key]) for key, n in log.dimension_counts.items()},
+        "log": log,
         "image_tokens": inputs.hidden_states.shape[1],
     }
 

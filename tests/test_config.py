@@ -41,8 +41,8 @@ def test_layout_device_count() -> None:
     with pytest.raises(ConfigError) as err:
         ParallelLayout(tp=4).validate(DEV, devices=2)
     assert str(err.value) == (
-        "the layout tp=4 x ring=1 x ulysses=1 needs 4 devices but 2 were given; "
-        "make the product equal the device count"
+        "the layout tp 4 needs 4 devices (batch x tp x ring x ulysses) but 2 were given; make the product 2 "
+        "(e.g. tp 2)"
     )
 
 

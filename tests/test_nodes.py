@@ -85,11 +85,20 @@ def test_samplers_offer_all_of_comfyuis_samplers_and_schedulers(comfy: FakeComfy
         assert required["scheduler"][0] == SCHEDULERS
         assert required["seed"][1]["control_after_generate"] is True
         assert required["cfg"][1]["default"] == 1.0
-        assert list(spec["optional"]) == ["negative", "sigmas"]
+        assert list(spec["optional"])[:2] == ["negative", "sigmas"]
         assert [spec["optional"][n][0] for n in ("negative", "sigmas")] == ["CONDITIONING", "SIGMAS"]
+    # the degrees each sampler composes with its own dimension (optional: older workflows lack them)
+    tp_optional = NODE_CLASS_MAPPINGS["RocmParallelTPSampler"].INPUT_TYPES()["optional"]
+    ring_optional = NODE_CLASS_MAPPINGS["RocmParallelRingSampler"].INPUT_TYPES()["optional"]
+    assert list(tp_optional)[2:] == ["batch_degree", "ring_degree", "ulysses_degree"]
+    assert list(ring_optional)[2:] == ["batch_degree", "tp_degree"]
+    for spec in (*tp_optional.values(), *ring_optional.values()):
+        if spec[0] == "INT":
+            assert (spec[1]["default"], spec[1]["min"]) == (1, 1)
     model = NODE_CLASS_MAPPINGS["RocmParallelModel"]
     assert model.RETURN_TYPES == ("MODEL",)
-    assert model.INPUT_TYPES()["required"]["layout"][0] == ["tp", "context", "auto"]
+    layout = model.INPUT_TYPES()["required"]["layout"]
+    assert layout[0] == "STRING" and layout[1]["default"] == "tp"  # 'tp', 'context', 'auto' or degrees
 
 
 # --- input parsing ---------------------------------------------------------------------------------
@@ -284,17 +293,13 @@ def test_loader_loads_on_real_workers(
     (handle,) = loader().load(checkpoint=dev_checkpoint, devices="cpu x2", dtype="float32", preload="tp")
     assert handle.devices == ("cpu", "cpu") and handle.checkpoint == str(comfy.models / dev_checkpoint)
     state = shared_registry.snapshot()
-    assert (state["checkpoint"], state["layout"], state["phase"]) == (
-        dev_checkpoint,
-        "tensor parallel tp=2",
-        "idle",
-    )
+    assert (state["checkpoint"], state["layout"], state["phase"]) == (dev_checkpoint, "tp 2", "idle")
     assert [r["parameter_bytes"] > 0 for r in state["ranks"]] == [True, True]
     # CPU workers need no GPU memory: ComfyUI's own models stay where they are.
     assert "unload_all_models" not in comfy.calls and "check_interrupt" in comfy.calls
     status = NODE_CLASS_MAPPINGS["RocmParallelStatus"]().status(action="report", parallel_flux=handle)
     text = status["result"][0]
-    assert text.startswith("ROCm Parallel: 2 workers on cpu, cpu (idle)\nmodel: tiny-dev.safetensors, tensor")
+    assert text.startswith("ROCm Parallel: 2 workers on cpu, cpu (idle)\nmodel: tiny-dev.safetensors, tp 2")
     assert status["ui"]["text"] == [text]
 
 
@@ -378,13 +383,8 @@ def test_loader_auto_preload_explains_its_choice(
         checkpoint=dev_checkpoint, devices="cpu x2", dtype="float32", preload="auto"
     )
     state = shared_registry.snapshot()
-    names = {
-        "tensor parallel tp=2": "tp=2",
-        "context parallel ring=2 x ulysses=1": "ring=2",
-        "context parallel ring=1 x ulysses=2": "ulysses=2",
-    }
-    assert state["layout"] in names
-    assert state["auto"].startswith(f"auto: {names[state['layout']]} — fits ")
+    assert state["layout"] in ("tp 2", "ring 2", "ulysses 2")  # a batch of 1 per call: no batch degree
+    assert state["auto"].startswith(f"auto: {state['layout']} — fits ")
     assert " GB per CPU worker; predicted " in state["auto"] and "GPU" not in state["auto"]
     text = NODE_CLASS_MAPPINGS["RocmParallelStatus"]().status(action="report")["result"][0]
     assert state["auto"] in text
@@ -403,11 +403,7 @@ def test_a_rejected_checkpoint_is_never_shown_as_the_model(
         loader.load(checkpoint="not-flux.safetensors", devices="cpu x2", dtype="float32", preload="tp")
     state = shared_registry.snapshot()
     # refused from its header: the resident model stays, and the panel names it, not the rejected file
-    assert (state["checkpoint"], state["layout"], state["loading"]) == (
-        dev_checkpoint,
-        "tensor parallel tp=2",
-        None,
-    )
+    assert (state["checkpoint"], state["layout"], state["loading"]) == (dev_checkpoint, "tp 2", None)
     assert [r.loaded is not None for r in shared_registry.current.status()] == [True, True]
     assert state["error"].startswith("CheckpointError: ") and "not-flux.safetensors" in state["error"]
     assert str(comfy.models) not in state["error"]  # a file name, never the absolute path
@@ -421,7 +417,7 @@ def test_the_auto_line_is_cleared_when_a_fixed_layout_runs(
     assert shared_registry.snapshot()["auto"].startswith("auto: ")
     ModelRunner(shared_registry, handle, LayoutRequest(ParallelLayout(tp=2))).prepare((1, 16, 8, 8))
     state = shared_registry.snapshot()
-    assert state["auto"] is None and state["layout"] == "tensor parallel tp=2"
+    assert state["auto"] is None and state["layout"] == "tp 2"
     assert "auto:" not in format_state(state)
 
 
@@ -432,12 +428,8 @@ def test_ring_sampler_auto_plans_a_context_layout_for_the_latent(
     runner = ModelRunner(shared_registry, handle, LayoutRequest(None, context_only=True))
     runner.prepare((1, 16, 8, 8))
     state = shared_registry.snapshot()
-    chosen = {
-        "context parallel ring=2 x ulysses=1": "ring=2",
-        "context parallel ring=1 x ulysses=2": "ulysses=2",
-    }
-    assert state["layout"] in chosen  # the planner picked a context layout, never TP, for this sampler
-    assert state["auto"].startswith(f"auto: {chosen[state['layout']]} — fits ")
+    assert state["layout"] in ("ring 2", "ulysses 2")  # a context layout, never TP, for this sampler
+    assert state["auto"].startswith(f"auto: {state['layout']} — fits ")
     assert runner.layout.tp == 1 and runner.layout.describe() == state["layout"]
 
 

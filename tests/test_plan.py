@@ -176,22 +176,26 @@ def test_activations_within_ten_percent_of_memtracker(layout: ParallelLayout) ->
 
 
 def test_candidates_are_the_layouts_the_engine_accepts() -> None:
-    assert candidate_layouts(DEV, 4) == [
-        ParallelLayout(tp=4),
-        ParallelLayout(ring=4),
-        ParallelLayout(ring=2, ulysses=2),
-        ParallelLayout(ulysses=4),
-    ]
-    # 5 divides no FLUX width: no TP, no Ulysses; ring is the only way
-    assert candidate_layouts(DEV, 5) == [ParallelLayout(ring=5)]
+    assert candidate_layouts(DEV, 2) == [ParallelLayout(tp=2), ParallelLayout(ring=2), ParallelLayout(ulysses=2),
+                                         ParallelLayout(batch=2)]  # fmt: skip
+    # 5 divides no FLUX width: no TP, no Ulysses; ring (or a batch of 5) is the only way
+    assert candidate_layouts(DEV, 5, batch=1) == [ParallelLayout(ring=5)]
 
 
 def test_auto_takes_tp_when_only_its_shards_fit() -> None:
-    # 4 x 16 GB: a full 23.8 GB copy fits nowhere; TP=4 holds 6.02 GB weights + 0.22 GB activations.
+    # 4 x 16 GB: a full 23.8 GB copy fits nowhere; TP 4 holds 6.02 GB weights + 0.22 GB activations, and a
+    # TP 2 half (11.95 GB) fits too, composed with context parallelism: tp 2 x ring 2 moves half the bytes.
     choice = choose(Setup(DEV, 1024, 1024, devices=4, memory_gb=16, link=PCIE))
-    assert choice.layout == ParallelLayout(tp=4)
-    assert choice.explanation.startswith("auto: tp=4 — fits 6.2 of 16 GB per GPU; predicted ")
-    assert choice.explanation.endswith(" s/step (PCIe 24 GB/s assumed)")  # nothing else fits: no "vs"
+    assert choice.layout == ParallelLayout(tp=2, ring=2)
+    assert choice.explanation.startswith("auto: tp 2 x ring 2 — fits 12.1 of 16 GB per GPU; predicted ")
+    assert " vs tp 2 x ulysses 2 " in choice.explanation
+    names = [e.name for e in choice.estimates if e.fits]
+    assert names == ["tp 2 x ring 2", "tp 2 x ulysses 2", "tp 4"]
+    # 4 x 8 GB: only TP 4's shards fit
+    only = choose(Setup(DEV, 1024, 1024, devices=4, memory_gb=8, link=PCIE))
+    assert only.layout == ParallelLayout(tp=4)
+    assert only.explanation.startswith("auto: tp 4 — fits 6.2 of 8 GB per GPU; predicted ")
+    assert only.explanation.endswith(" s/step (PCIe 24 GB/s assumed)")  # nothing else fits: no "vs"
 
 
 def test_auto_takes_the_fewest_bytes_when_everything_fits() -> None:
@@ -200,25 +204,25 @@ def test_auto_takes_the_fewest_bytes_when_everything_fits() -> None:
     for link in (PCIE, Link(300.0, 10.0, name="xGMI")):
         choice = choose(Setup(DEV, 1024, 1024, text_tokens=512, devices=2, memory_gb=48, link=link))
         assert choice.layout == ParallelLayout(ring=2)
-        assert " vs ulysses=2 " in choice.explanation
+        assert " vs ulysses 2 " in choice.explanation
     # With a slow collective start (1 ms each) Ulysses' 229 collectives cost more than TP's 77 extra bytes.
     slow = Link(300.0, 1000.0, name="slow")
     names = [e.name for e in choose(Setup(DEV, 1024, 1024, devices=2, memory_gb=48, link=slow)).estimates]
-    assert names.index("tp=2") < names.index("ulysses=2")
+    assert names.index("tp 2") < names.index("ulysses 2")
 
 
 def test_nothing_fits_names_what_would() -> None:
     with pytest.raises(ConfigError) as info:
         choose(Setup(DEV, 2048, 1024, devices=2, memory_gb=8, link=PCIE))
     assert str(info.value) == (
-        "no layout of 2 device(s) fits 2048x1024 x1 in 8 GB per device: the smallest, tp=2, needs 12.5 GB "
+        "no layout of 2 device(s) fits 2048x1024 x1 in 8 GB per device: the smallest, tp 2, needs 12.5 GB "
         "per GPU (11.9 weights + 0.5 activations) and 7.2 GB are usable (10% kept free); use GPUs with at "
-        "least 14 GB or 4 GPUs (tp=4)"
+        "least 14 GB or 4 GPUs (tp 4)"
     )
 
 
 def test_make_layout_auto() -> None:
-    setup = Setup(DEV, 1024, 1024, devices=4, memory_gb=16, link=PCIE)
+    setup = Setup(DEV, 1024, 1024, devices=4, memory_gb=8, link=PCIE)
     assert make_layout("auto", 4, setup=setup) == ParallelLayout(tp=4)
     with pytest.raises(ConfigError, match="layout='auto' needs the model, image size and device memory"):
         make_layout("auto", 4)

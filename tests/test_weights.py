@@ -325,9 +325,9 @@ def test_plan_cli_counts_fp8_weights(capsys: pytest.CaptureFixture[str]) -> None
 
     bf16, fp8 = run(), run("--weight-dtype", "fp8_e4m3fn")
     weights = {e["layout"]: e["weights_gb"] for e in fp8["layouts"]}
-    assert weights["tp=2"] == pytest.approx(5.975, abs=1e-3)
-    assert {e["layout"]: e["weights_gb"] for e in bf16["layouts"]}["tp=2"] == pytest.approx(11.947, abs=1e-3)
-    assert bf16["auto"] is None and fp8["auto"]["layout"] == "tp=2"
+    assert weights["tp 2"] == pytest.approx(5.975, abs=1e-3)
+    assert {e["layout"]: e["weights_gb"] for e in bf16["layouts"]}["tp 2"] == pytest.approx(11.947, abs=1e-3)
+    assert bf16["auto"] is None and fp8["auto"]["layout"] == "tp 2"
     cli.main(["plan", "--devices", "2", "--weight-dtype", "fp8_e5m2"])
     assert "bfloat16 (fp8_e5m2 weights), 1024x1024" in capsys.readouterr().out
 

@@ -49,6 +49,13 @@ EXPECTED = {
         "flux2_dev_fp8mixed.safetensors",
         None,
     ),
+    # The same template on a composed layout: TP pairs for the weights, Ulysses across them for the tokens.
+    "flux2_dev_parallel_model_tp2_ulysses2": (
+        "SamplerCustomAdvanced",
+        "0,1,2,3",
+        "flux2_dev_fp8mixed.safetensors",
+        None,
+    ),
 }
 
 
@@ -191,6 +198,31 @@ def test_flux2_workflow_is_comfyuis_flux2_template_on_the_parallel_model() -> No
     assert inputs["VAEDecode"]["samples"] == [ids["SamplerCustomAdvanced"], 0]
 
 
+def test_the_composed_flux2_workflow_is_a_layout_the_planner_prices_for_flux2_dev() -> None:
+    """tp 2 x ulysses 2 on the 4 GPUs of the loader: the Model node's layout is read by the pack's parser,
+    its degrees multiply to the device count and Ulysses divides the 24 heads each TP rank keeps of FLUX.2
+    [dev]'s 48; no batch degree (BasicGuider at cfg 1 makes calls of 1: a batch degree would idle). The
+    graph is the tp4 workflow's, node for node, only the layout (and where the image is saved) differs."""
+    from rocm_parallel.backend.config import FluxDims, ParallelLayout
+    from rocm_parallel.backend.flux2.model import FLUX2_DEV
+    from rocm_parallel.backend.plan import Setup, estimate
+
+    api = load("flux2_dev_parallel_model_tp2_ulysses2", api=True)
+    by_class = {node["class_type"]: node["inputs"] for node in api.values()}
+    layout = ParallelLayout.parse(by_class["RocmParallelModel"]["layout"])
+    assert layout == ParallelLayout(tp=2, ulysses=2)
+    devices = len(by_class["RocmParallelLoader"]["devices"].split(","))
+    dims = FluxDims.from_diffusers_config(FLUX2_DEV)
+    layout.validate(dims, devices=devices)
+    setup = Setup(dims, 1024, 1024, text_tokens=512, devices=devices, memory_gb=24, family="flux2",
+                  weight_dtype="fp8_e4m3fn")  # fmt: skip
+    assert estimate(setup, layout).fits  # 16.2 GB of fp8 weights + activations on 24 GB GPUs
+    plain = load("flux2_dev_parallel_model_tp4", api=True)
+    for node_id, node in api.items():
+        if node["class_type"] not in ("RocmParallelModel", "SaveImage"):
+            assert node["inputs"] == plain[node_id]["inputs"], node["class_type"]
+
+
 def test_checker_finds_broken_workflows(info: dict) -> None:
     """The checks above can fail: each kind of damage is reported."""
     ui = load("flux1_dev_tp4")
@@ -218,4 +250,12 @@ def test_checker_finds_broken_workflows(info: dict) -> None:
         f"node {ring_id} RocmParallelRingSampler: required input 'seed' missing",
         f"node {ring_id} RocmParallelRingSampler.ring_degree=-1: outside [0, 64]",
         "node type 'KSamplerTurbo' is neither a pack node nor a known core node",
+    ]
+    composed = load("flux2_dev_parallel_model_tp2_ulysses2", api=True)
+    model_id = next(k for k, v in composed.items() if v["class_type"] == "RocmParallelModel")
+    composed[model_id]["inputs"]["layout"] = "tp 2 x ulyses 2"
+    assert check_api(composed, info) == [
+        f"node {model_id} RocmParallelModel.layout='tp 2 x ulyses 2': layout='tp 2 x ulyses 2' is not a "
+        "layout: 'ulyses 2' is not a degree; use tp, context, auto or degrees such as 'batch 2 x tp 2' or "
+        "'tp2xring2' (batch, tp, ring, ulysses; each at most once)"
     ]

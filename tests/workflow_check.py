@@ -86,8 +86,30 @@ def is_widget(kind: str) -> bool:
     return kind in WIDGET_TYPES or kind == "COMBO"
 
 
+def check_layout(value: Any) -> str | None:
+    """The ROCm Parallel Model's layout field: a word it knows or degrees the pack's own parser reads
+    ('batch 2 x tp 2'); the parser's message otherwise."""
+    from rocm_parallel.backend.config import ConfigError, ParallelLayout
+    from rocm_parallel.nodes.inputs import MODEL_LAYOUTS
+
+    if isinstance(value, str) and value.strip().lower() in MODEL_LAYOUTS:
+        return None
+    try:
+        ParallelLayout.parse(value)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+# Pack inputs whose text has a syntax of its own: (class, input) -> the check.
+TEXT_SYNTAX = {("RocmParallelModel", "layout"): check_layout}
+
+
 def check_value(class_type: str, name: str, kind: str, options: dict[str, Any], value: Any) -> str | None:
     where = f"{class_type}.{name}={value!r}"
+    syntax = TEXT_SYNTAX.get((class_type, name))
+    if syntax is not None and (err := syntax(value)) is not None:
+        return f"{where}: {err}"
     if kind == "COMBO":
         if (class_type, name) in MODEL_FILE_INPUTS:
             return None if isinstance(value, str) and value else f"{where}: not a file name"

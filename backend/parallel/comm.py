@@ -1,13 +1,15 @@
-"""Count the collectives a piece of code issues, with their payload sizes.
+"""Count the collectives a piece of code issues, with their payload sizes and, given the mesh's group
+names, the mesh dimension each ran on.
 
 torch's CommDebugMode does the counting but its module tracker fails on diffusers' FluxTransformer2DModel
-(IndexError in `_fw_set_module_hook`, torch 2.13), so this is the same dispatch-level idea without
-module tracking, plus byte counts.
+(IndexError in `_fw_set_module_hook`, torch 2.13), and it does not say which process group a collective
+used, so this is the same dispatch-level idea without module tracking, plus byte counts and groups.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,8 +48,11 @@ def _bytes(arg: Any) -> int:
 
 @dataclass
 class CollectiveLog:
-    counts: Counter[str] = field(default_factory=Counter)
-    payload_bytes: Counter[str] = field(default_factory=Counter)
+    counts: Counter[str] = field(default_factory=Counter)  # kind -> collectives
+    payload_bytes: Counter[str] = field(default_factory=Counter)  # kind -> bytes
+    # (mesh dimension, kind) -> collectives / bytes; the dimension is "other" for a group the mesh lacks
+    dimension_counts: Counter[tuple[str, str]] = field(default_factory=Counter)
+    dimension_payload: Counter[tuple[str, str]] = field(default_factory=Counter)
 
     @property
     def total(self) -> int:
@@ -65,12 +70,33 @@ class CollectiveLog:
         return sum(self.payload_bytes[k] * factors.get(k, 1.0) for k in self.payload_bytes)
 
 
-class CountCollectives(TorchDispatchMode):
-    """`with CountCollectives() as log: ...` then `log.log.counts['all_reduce']`."""
+def _group_name(namespace: str, args: tuple[Any, ...]) -> str | None:
+    """The process group a collective runs on: functional collectives name it (a str argument); c10d ops
+    carry the ProcessGroup as a script object."""
+    import torch.distributed as dist
 
-    def __init__(self) -> None:
+    if namespace == "_c10d_functional":
+        return next((a for a in args if isinstance(a, str)), None)
+    for a in args:
+        if isinstance(a, torch.ScriptObject):
+            try:
+                return dist.ProcessGroup.unbox(a).group_name
+            except RuntimeError:  # a ReduceOp, not a ProcessGroup
+                continue
+    return None
+
+
+class CountCollectives(TorchDispatchMode):
+    """`with CountCollectives() as log: ...` then `log.log.counts['all_reduce']`.
+
+    `dimensions`: process group name -> mesh dimension (`mesh.ParallelGroups.dimension_names`); then
+    `log.log.dimension_counts[("tp", "all_reduce")]` too.
+    """
+
+    def __init__(self, dimensions: Mapping[str, str] | None = None) -> None:
         super().__init__()
         self.log = CollectiveLog()
+        self.dimensions = dict(dimensions or {})
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         namespace = getattr(func, "namespace", "")
@@ -82,6 +108,9 @@ class CountCollectives(TorchDispatchMode):
                 payload *= int(args[1])  # functional all-gather: input shard x group size
             self.log.counts[kind] += 1
             self.log.payload_bytes[kind] += payload
+            dim = self.dimensions.get(_group_name(namespace, args) or "", "other")
+            self.log.dimension_counts[(dim, kind)] += 1
+            self.log.dimension_payload[(dim, kind)] += payload
             return _waited(namespace, func(*args, **(kwargs or {})))
         return func(*args, **(kwargs or {}))
 

@@ -229,7 +229,13 @@ def masked_forward_op(inner: Callable[..., Any]) -> Callable[..., Any]:
         *args: Any,
         **kwargs: Any,
     ) -> Any:
-        keep = key[0, :, 0, -1] > 0.5  # validity is the same for every batch entry and head
+        if key.is_meta:
+            # Sizing on the meta device: which keys are padding is data, and the boolean index below has no
+            # meta kernel (nonzero). Keeping them all keeps the shapes of the padded local sequence, which
+            # is what the collectives (run before this kernel) and the tracer see.
+            keep = slice(None)
+        else:
+            keep = key[0, :, 0, -1] > 0.5  # validity is the same for every batch entry and head
         result = inner(
             ctx, query[..., :-1], key[:, keep, :, :-1], value[:, keep, :, :-1], None, *args, **kwargs
         )
@@ -493,10 +499,30 @@ def _model_device(model: nn.Module) -> tuple[torch.device, torch.dtype]:
     return p.device, compute_dtype(model)  # not p.dtype: fp8-resident weights compute in another dtype
 
 
-def _build_mesh(device: torch.device, ring: int, ulysses: int) -> Any:
+def _world_mesh(device: torch.device, ring: int, ulysses: int) -> Any:
     # On the meta device (sizing under the fake group) collectives run on CPU tensors.
     device_type = "cpu" if device.type == "meta" else device.type
     return dist.device_mesh.init_device_mesh(device_type, (ring, ulysses), mesh_dim_names=("ring", "ulysses"))
+
+
+def _check_mesh(mesh: Any, ring: int, ulysses: int) -> None:
+    """diffusers takes the ring's chunk count from `ring_degree` and its ranks from the mesh, and checks
+    only ring x ulysses <= world size: a sub-mesh of another shape would chunk K/V wrongly, silently."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if names != ("ring", "ulysses") or tuple(mesh.shape) != (ring, ulysses):
+        raise ValueError(
+            f"context parallelism needs the ('ring', 'ulysses') mesh of shape ({ring}, {ulysses}); got "
+            f"{names} of shape {tuple(mesh.shape)}"
+        )
+
+
+def cp_group(model: nn.Module) -> Any:
+    """The process group diffusers splits the sequence and gathers the output on (ring x ulysses
+    flattened), or None when the model is not context-parallel."""
+    config = getattr(model, "_parallel_config", None)
+    cp_config = getattr(config, "context_parallel_config", None)
+    mesh = getattr(cp_config, "_flattened_mesh", None)
+    return None if mesh is None else mesh.get_group()
 
 
 def _probe_ring(model: nn.Module, device: torch.device, state: ContextState) -> str:
@@ -515,20 +541,36 @@ def _probe_ring(model: nn.Module, device: torch.device, state: ContextState) -> 
 
 
 def apply_context_parallel(
-    model: nn.Module, ring_degree: int = 1, ulysses_degree: int = 1, *, attention: str | None = None
+    model: nn.Module,
+    ring_degree: int = 1,
+    ulysses_degree: int = 1,
+    *,
+    mesh: Any = None,
+    attention: str | None = None,
 ) -> nn.Module:
-    """Split the model's token sequence over the default process group: ring x Ulysses = world size.
+    """Split the model's token sequence over `mesh`, a ("ring", "ulysses") device mesh of shape
+    (ring_degree, ulysses_degree): the layout's sub-mesh (parallel/mesh.py), or, when None, one over the
+    whole default process group (ring x Ulysses = world size).
 
-    Collective: every rank calls it with the same arguments. `attention` overrides the kernel chosen for
-    the device (one of ATTENTION_KERNELS). Returns the model, whose forward then takes and returns full
-    tensors on every rank (inputs are split and the output gathered by diffusers' hooks).
+    Collective: every rank of the mesh calls it with the same arguments. A model already tensor-parallel
+    keeps its shards: Ulysses then splits the heads each rank holds. `attention` overrides the kernel
+    chosen for the device (one of ATTENTION_KERNELS). Returns the model, whose forward then takes and
+    returns full tensors on every rank (inputs are split and the output gathered by diffusers' hooks).
     """
     from ..family import family_of
 
     family = family_of(model)
-    layout = ParallelLayout(ring=ring_degree, ulysses=ulysses_degree)
-    layout.validate(family.dims(model.config), devices=dist.get_world_size())
-    if layout.ring * layout.ulysses == 1:
+    tp = getattr(model, "_rp_tensor_parallel", None)
+    layout = ParallelLayout(tp=tp.degree if tp is not None else 1, ring=ring_degree, ulysses=ulysses_degree)
+    layout.validate(family.dims(model.config))
+    world = dist.get_world_size()
+    if mesh is None and layout.cp not in (1, world):
+        raise ConfigError(
+            f"ring_degree={ring_degree} x ulysses_degree={ulysses_degree} = {layout.cp} but the process group "
+            f"has {world} ranks; make the product {world}, or pass the layout's ('ring', 'ulysses') sub-mesh "
+            "(parallel/mesh.py parallel_groups(...).cp_mesh)"
+        )
+    if layout.cp == 1:
         return model
     from diffusers import ContextParallelConfig
 
@@ -536,8 +578,16 @@ def apply_context_parallel(
     state = ContextState(layout=layout, kernel=choose_attention_kernel(device, dtype, attention))
     _install_processors(model, ContextAttention(state), family.cp)
     options: dict[str, Any] = {"ring_degree": layout.ring, "ulysses_degree": layout.ulysses}
-    if "mesh" in {f.name for f in dataclasses.fields(ContextParallelConfig)}:  # diffusers >= 0.37
-        options["mesh"] = _build_mesh(device, layout.ring, layout.ulysses)
+    has_mesh = "mesh" in {f.name for f in dataclasses.fields(ContextParallelConfig)}  # diffusers >= 0.37
+    if mesh is not None:
+        _check_mesh(mesh, layout.ring, layout.ulysses)
+        if not has_mesh and layout.cp != dist.get_world_size():
+            raise ConfigError(
+                "this diffusers builds its own context-parallel mesh over every rank, so it cannot be "
+                "combined with tp or batch degrees; update diffusers (0.37 or newer)"
+            )
+    if has_mesh:
+        options["mesh"] = mesh if mesh is not None else _world_mesh(device, layout.ring, layout.ulysses)
     with _accelerator_count_at_least_one():
         model.enable_parallelism(config=ContextParallelConfig(**options))
     model._parallel_config._device = device

@@ -1,19 +1,25 @@
 """Memory and communication planner: what each layout costs per GPU, and the `auto` choice.
 
-For a model of a registered family (its name + FluxDims + dtype), an image size, a batch, a device count
-and the memory of one device, every layout the engine accepts (`ParallelLayout.validate`) is priced:
+For a model of a registered family (its name + FluxDims + dtype), an image size, a model call's batch
+(`call_batch`: cond + uncond at cfg != 1), a device count and the memory of one device, every composition
+batch x tp x ring x ulysses the engine accepts (`ParallelLayout.validate`) is priced, except batch
+degrees above the call's batch (they would leave groups idle in every call):
 
 * **weights** per GPU, exactly what the engine holds: the parameter shapes of the family's own diffusers
   model (built once on the meta device), sharded with the family's TP plan and the engine's
-  `shard_pieces`; context parallelism keeps a full copy;
-* **collectives** per transformer forward (= one sampling step), exactly what the engine issues: the TP
-  plan's all-reduces (counted from its data) + one modulation all-gather, diffusers' K/V all-gathers
-  (ring), all-to-alls (Ulysses) and output gather, with payloads and bytes sent per GPU (ring algorithms);
+  `shard_pieces` over the tp degree; batch and context parallelism keep a full copy per group;
+* **collectives** per transformer forward (= one sampling step), per mesh dimension, exactly what the
+  engine issues: on tp the TP plan's all-reduces (counted from its data) + one modulation all-gather, on
+  the rank's CP slice of the tokens; on ulysses the all-to-alls and on ring the K/V all-gathers of the
+  heads TP left; on cp (ring x ulysses) diffusers' output gather; on batch the gather of the call's
+  output; each with payloads and bytes sent per GPU (ring algorithms), for the busiest batch group;
 * **activations** per GPU: the peak of live tensors in one forward, a model of what is live in a block
   with the family's measured units (see `activation_bytes`), checked against torch's MemTracker;
 * **communication buffers**: the collective outputs alive at the peak (the gathered K/V of the ring);
-* **step time** from a deliberately simple cost model: compute / N + bytes sent / link bandwidth +
-  latency x collectives. Nothing overlaps: neither our all-reduces nor diffusers' collectives do.
+* **step time** from a deliberately simple cost model: compute of the group's batch share / (tp x ring x
+  ulysses) + bytes sent / link bandwidth + latency x collectives. Nothing overlaps: neither our
+  all-reduces nor diffusers' collectives do. One link for every dimension (the mesh puts tp on
+  neighbouring ranks, which this model does not credit).
 
 `ring_attention` is the classic ring-attention calculator (chunk = S/N, N steps, K/V passed around);
 the ring layout's attention numbers reduce to it (see `attention_ring`).
@@ -38,19 +44,21 @@ from .cost import (
     activation_bytes,
     attention_ring,
     buffer_bytes,
+    by_dimension,
     candidate_layouts,
     collectives,
     count_by_kind,
     cp_local_tokens,
     estimate,
     forward_flops,
+    local_batch,
     modulation_width,
     payload_by_kind,
     plan,
     ring_attention,
 )
 from .report import format_table
-from .setup import MARGIN, PCIE4, XGMI, Link, Setup
+from .setup import MARGIN, PCIE4, XGMI, Link, Setup, call_batch
 from .shapes import ModelFacts, model_facts, weight_bytes
 
 __all__ = [
@@ -69,6 +77,8 @@ __all__ = [
     "activation_bytes",
     "attention_ring",
     "buffer_bytes",
+    "by_dimension",
+    "call_batch",
     "candidate_layouts",
     "choose",
     "collectives",
@@ -77,6 +87,7 @@ __all__ = [
     "estimate",
     "format_table",
     "forward_flops",
+    "local_batch",
     "model_facts",
     "modulation_width",
     "payload_by_kind",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from ..config import ConfigError, ParallelLayout
@@ -20,21 +20,33 @@ class Choice:
     estimates: list[Estimate]
 
 
-def choose(setup: Setup, allow: Callable[[ParallelLayout], bool] | None = None) -> Choice:
+def choose(setup: Setup, fixed: Mapping[str, int] | None = None) -> Choice:
     """The feasible layout with the lowest predicted step time, with a one-line reason.
 
-    `allow` restricts the candidates (the Ring Attention Sampler offers only context layouts).
+    `fixed` keeps some degrees ({"tp": 1}: the Ring Attention Sampler offers only context layouts); a
+    fixed batch degree above the call's batch is the caller's choice, priced with its idle groups.
     Raises ConfigError naming what would fit when nothing does.
     """
-    estimates = [e for e in plan(setup) if allow is None or allow(e.layout)]
+    fixed = dict(fixed or {})
+    idle = fixed.get("batch", 1) > setup.batch
+    estimates = [
+        e for e in plan(setup, idle=idle) if all(getattr(e.layout, k) == v for k, v in fixed.items())
+    ]
+    if not estimates:
+        kept = " x ".join(f"{k} {v}" for k, v in fixed.items())
+        raise ConfigError(
+            f"no layout of {setup.devices} device(s) keeps {kept} for {setup.dims.heads} attention heads; "
+            "set fewer degrees and let auto choose the rest"
+        )
     best = estimates[0]
     if not best.fits:
         raise ConfigError(_nothing_fits(setup, estimates))
     others = [e for e in estimates[1:] if e.fits]
     versus = f" vs {others[0].name} {others[0].step_s:.2f} s" if others else ""
+    idle_note = f"; {best.idle_groups} batch group(s) idle per call" if best.idle_groups else ""
     explanation = (
         f"auto: {best.name} — fits {gb(best.per_gpu)} of {capacity(setup.memory_gb)} GB per {setup.device_word}; "
-        f"predicted {best.step_s:.2f} s/step{versus} ({setup.link.describe()})"
+        f"predicted {best.step_s:.2f} s/step{versus} ({setup.link.describe()}){idle_note}"
     )
     return Choice(best.layout, explanation, estimates)
 

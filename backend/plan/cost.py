@@ -22,7 +22,8 @@ from .shapes import model_facts, weight_bytes
 
 @dataclass(frozen=True)
 class Collective:
-    """`count` collectives of one kind per forward over groups of `group` devices, `payload` bytes each.
+    """`count` collectives of one kind per forward over groups of `group` devices of mesh dimension `dim`
+    (tp, ring, ulysses, batch, or cp: ring x ulysses flattened), `payload` bytes each.
 
     Payload as `CountCollectives` counts it: the input of an all-reduce or all-to-all, the gathered
     output of an all-gather.
@@ -33,6 +34,7 @@ class Collective:
     payload: int
     group: int
     what: str
+    dim: str = ""
 
     @property
     def sent_per_gpu(self) -> float:
@@ -48,6 +50,17 @@ def count_by_kind(comms: list[Collective]) -> dict[str, int]:
     for c in comms:
         counts[c.kind] = counts.get(c.kind, 0) + c.count
     return counts
+
+
+def by_dimension(comms: list[Collective]) -> dict[str, dict[str, float]]:
+    """Per mesh dimension: collectives, payload bytes and bytes sent per GPU of one forward."""
+    out: dict[str, dict[str, float]] = {}
+    for c in comms:
+        row = out.setdefault(c.dim, {"count": 0, "payload_bytes": 0, "sent_per_gpu": 0.0})
+        row["count"] += c.count
+        row["payload_bytes"] += c.count * c.payload
+        row["sent_per_gpu"] += c.sent_per_gpu
+    return out
 
 
 def payload_by_kind(comms: list[Collective]) -> dict[str, int]:
@@ -78,53 +91,57 @@ def cp_local_tokens(setup: Setup, degree: int) -> tuple[int, bool]:
     return text + image, padded
 
 
+def local_batch(setup: Setup, layout: ParallelLayout) -> int:
+    """Entries of the call's batch the busiest group of the batch dimension computes (mesh.BatchSplit)."""
+    return math.ceil(setup.batch / layout.batch)
+
+
+def rank_tokens(setup: Setup, layout: ParallelLayout) -> tuple[int, bool]:
+    """Tokens one rank's layers see (its CP slice, padded; all of them without CP), and whether padded."""
+    return cp_local_tokens(setup, layout.cp) if layout.cp > 1 else (setup.tokens, False)
+
+
 def collectives(setup: Setup, layout: ParallelLayout) -> list[Collective]:
-    """Every collective one forward issues on one rank, grouped by kind and purpose."""
-    dims, b, batch = setup.dims, setup.bytes, setup.batch
-    facts = model_facts(setup.family, dims)
-    attentions = facts.attentions
+    """Every collective one forward issues on one rank of the busiest batch group, by mesh dimension.
+
+    Composition changes each dimension's payload: TP reduces only the rank's CP slice of the tokens and
+    only its batch share; Ulysses and the ring move only the heads TP left the rank (heads / tp).
+    """
     if layout.world_size == 1:
         return []
-    if layout.tp > 1:
-        activation = batch * setup.tokens * dims.hidden * b
-        out = [
-            Collective(
-                "all_reduce",
-                facts.tp_all_reduces,
-                activation,
-                layout.tp,
-                "row-parallel outputs (image and text streams fused)",
-            )
-        ]
-        if facts.modulation_width:
-            out.append(
-                Collective(
-                    "all_gather",
-                    1,
-                    batch * facts.modulation_width * b,
-                    layout.tp,
-                    "AdaLN modulation vectors",
-                )
-            )
-        return out
-    n, r, u = layout.world_size, layout.ring, layout.ulysses
-    local, padded = cp_local_tokens(setup, n)
-    qkv_width = dims.heads * (dims.head_dim + int(padded))
+    dims, b = setup.dims, setup.bytes
+    facts = model_facts(setup.family, dims)
+    attentions = facts.attentions
+    batch = local_batch(setup, layout)
+    local, padded = rank_tokens(setup, layout)
+    tp, r, u, cp = layout.tp, layout.ring, layout.ulysses, layout.cp
     out: list[Collective] = []
-    if u > 1:
+    if tp > 1:
+        what = "row-parallel outputs (image and text streams fused)"
         out.append(
-            Collective(
-                "all_to_all", 4 * attentions, batch * local * qkv_width * b, u, "Ulysses Q, K, V and output"
-            )
+            Collective("all_reduce", facts.tp_all_reduces, batch * local * dims.hidden * b, tp, what, "tp")
+        )
+        if facts.modulation_width:
+            payload = batch * facts.modulation_width * b
+            out.append(Collective("all_gather", 1, payload, tp, "AdaLN modulation vectors", "tp"))
+    heads = dims.heads // tp
+    head_dim = dims.head_dim + int(padded)  # the validity channel of padded sequences
+    if u > 1:
+        payload = batch * local * heads * head_dim * b
+        out.append(
+            Collective("all_to_all", 4 * attentions, payload, u, "Ulysses Q, K, V and output", "ulysses")
         )
     if r > 1:
         # After Ulysses each rank has u x local tokens of heads/u; the ring gathers K and V of r of them.
-        gathered = 2 * batch * (local * n) * (qkv_width // u) * b
-        out.append(Collective("all_gather", attentions, gathered, r, "ring K/V"))
-    image_local = math.ceil(setup.image_tokens / n)
-    out.append(
-        Collective("all_gather", 1, batch * image_local * n * dims.in_channels * b, n, "output latent")
-    )
+        gathered = 2 * batch * (local * u) * (heads // u) * head_dim * b * r
+        out.append(Collective("all_gather", attentions, gathered, r, "ring K/V", "ring"))
+    if cp > 1:
+        image = math.ceil(setup.image_tokens / cp) * cp
+        payload = batch * image * dims.in_channels * b
+        out.append(Collective("all_gather", 1, payload, cp, "output latent", "cp"))
+    if layout.batch > 1:
+        payload = layout.batch * batch * setup.latent_tokens * dims.in_channels * b
+        out.append(Collective("all_gather", 1, payload, layout.batch, "output latent (batch)", "batch"))
     return out
 
 
@@ -172,14 +189,15 @@ def ring_attention(seq: int, d: int, dtype_bytes: int, devices: int) -> RingAtte
 def attention_ring(setup: Setup, layout: ParallelLayout) -> RingAttention:
     """One attention of `layout` in the calculator's terms (per batch entry).
 
-    After Ulysses' all-to-all a rank holds S/ring tokens of hidden/ulysses features, and the ring runs
-    over `ring` devices: the calculator with seq = padded S, d = hidden/ulysses, N = ring. diffusers
+    After Ulysses' all-to-all a rank holds S/ring tokens of hidden/(tp x ulysses) features (TP keeps
+    heads/tp on a rank), and the ring runs over `ring` devices: the calculator with seq = padded S,
+    d = hidden/(tp x ulysses), N = ring. diffusers
     gathers all K/V chunks at once (one all-gather) instead of passing them step by step: the same bytes
     (an all-gather sends N-1 chunks per device), but all of K and V are alive at once (`kv_buffer_bytes`).
     """
-    local, padded = cp_local_tokens(setup, layout.ring * layout.ulysses)
-    seq = local * layout.ring * layout.ulysses
-    d = setup.dims.heads * (setup.dims.head_dim + int(padded)) // layout.ulysses
+    local, padded = cp_local_tokens(setup, layout.cp)
+    seq = local * layout.cp
+    d = setup.dims.heads // layout.tp * (setup.dims.head_dim + int(padded)) // layout.ulysses
     return ring_attention(seq, d, setup.bytes, layout.ring)
 
 
@@ -200,21 +218,26 @@ def attention_ring(setup: Setup, layout: ParallelLayout) -> RingAttention:
 #   ring loop (calibrated on FLUX.1: ring 2, 4, 8 and ring x Ulysses 2x2, 2x4, 4x2 within 10 %; on FLUX.2
 #   within 4 %).
 RING_EXTRA_FULL_SEQUENCE = 1.0
+# * a sequence that does not divide by the context-parallel degree is padded, and Q, K and V then travel
+#   with one more channel (context.py): copies of them live next to the originals, about 4 units of the
+#   rank's tokens at the heads TP leaves it (calibrated with MemTracker on odd FLUX.1 and FLUX.2 sizes
+#   under ring, Ulysses and TP x ring / Ulysses: within 10 %, where leaving it out was 12-21 % low).
+PADDED_EXTRA = 4.0
 
 
 def activation_bytes(setup: Setup, layout: ParallelLayout) -> float:
-    """Peak live activation bytes on one rank during one forward (weights and kernel workspaces excluded)."""
-    unit = setup.batch * setup.bytes * setup.dims.hidden
-    if layout.tp > 1 or layout.world_size == 1:
-        tokens = setup.tokens
-    else:
-        tokens = cp_local_tokens(setup, layout.world_size)[0]
+    """Peak live activation bytes on one rank during one forward (weights and kernel workspaces excluded),
+    for the busiest group's share of the batch."""
+    unit = local_batch(setup, layout) * setup.bytes * setup.dims.hidden
+    tokens, padded = rank_tokens(setup, layout)
     units = get_family(setup.family).planner
     peak_attention = (units.attention_full + units.attention_sharded / layout.tp) * tokens
+    if padded:
+        peak_attention += PADDED_EXTRA * tokens / layout.tp
     peak = max(peak_attention, units.block_full * tokens) * unit
     if layout.ring > 1:
         sequence = attention_ring(setup, layout).seq
-        peak += buffer_bytes(setup, layout) + RING_EXTRA_FULL_SEQUENCE * sequence * unit
+        peak += buffer_bytes(setup, layout) + RING_EXTRA_FULL_SEQUENCE * sequence * unit / layout.tp
     return peak
 
 
@@ -223,7 +246,7 @@ def buffer_bytes(setup: Setup, layout: ParallelLayout) -> float:
     if layout.ring == 1:
         return 0.0
     ring = attention_ring(setup, layout)
-    return setup.batch * 2 * ring.seq * ring.d * setup.bytes
+    return local_batch(setup, layout) * 2 * ring.seq * ring.d * setup.bytes
 
 
 # --------------------------------------------------------------------------------------------------
@@ -249,6 +272,8 @@ def forward_flops(setup: Setup) -> float:
 
 @dataclass(frozen=True)
 class Estimate:
+    """One layout priced for one setup: per-GPU bytes, the collectives of one forward, the step time."""
+
     layout: ParallelLayout
     weights: int
     activations: float
@@ -257,10 +282,22 @@ class Estimate:
     compute_s: float = 0.0
     comm_s: float = 0.0
     usable: float = 0.0
+    batch: int = 1  # the model call's batch it was priced for
 
     @property
     def name(self) -> str:
         return str(self.layout)
+
+    @property
+    def local_batch(self) -> int:
+        """Entries the busiest batch group computes per call."""
+        return math.ceil(self.batch / self.layout.batch)
+
+    @property
+    def idle_groups(self) -> int:
+        """Groups of the batch dimension with nothing to compute in such a call (the planner never picks
+        a layout that has any)."""
+        return max(0, self.layout.batch - self.batch)
 
     @property
     def per_gpu(self) -> float:
@@ -285,9 +322,10 @@ class Estimate:
     def as_dict(self) -> dict[str, Any]:
         return {
             "layout": self.name,
-            "tp": self.layout.tp,
-            "ring": self.layout.ring,
-            "ulysses": self.layout.ulysses,
+            **self.layout.degrees,
+            "devices": self.layout.world_size,
+            "call_batch": self.batch,
+            "local_batch": self.local_batch,
             "weights_gb": self.weights / GB,
             "activations_gb": self.activations / GB,
             "buffers_gb": self.buffers / GB,
@@ -295,6 +333,7 @@ class Estimate:
             "fits": self.fits,
             "collectives": [
                 {
+                    "dim": c.dim,
                     "kind": c.kind,
                     "count": c.count,
                     "payload_bytes": c.payload,
@@ -303,6 +342,14 @@ class Estimate:
                 }
                 for c in self.collectives
             ],
+            "per_dimension": {
+                dim: {
+                    "count": int(row["count"]),
+                    "payload_bytes": int(row["payload_bytes"]),
+                    "sent_per_gpu_gb": row["sent_per_gpu"] / GB,
+                }
+                for dim, row in by_dimension(self.collectives).items()
+            },
             "sent_per_gpu_gb": self.sent_per_gpu / GB,
             "compute_s": self.compute_s,
             "comm_s": self.comm_s,
@@ -310,30 +357,44 @@ class Estimate:
         }
 
 
-def candidate_layouts(dims: FluxDims, devices: int) -> list[ParallelLayout]:
-    """Every layout of `devices` devices that ParallelLayout.validate accepts for these dims."""
-    options = [ParallelLayout(tp=devices)] + [
-        ParallelLayout(ring=devices // u, ulysses=u) for u in range(1, devices + 1) if devices % u == 0
-    ]
-    valid: list[ParallelLayout] = []
-    for layout in options:
-        try:
-            layout.validate(dims, devices=devices)
-        except ConfigError:
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(dims: FluxDims, devices: int, batch: int | None = None) -> list[ParallelLayout]:
+    """Every composition batch x tp x ring x ulysses of `devices` devices that ParallelLayout.validate
+    accepts for these dims; with the call's `batch`, only batch degrees up to it (a larger one leaves
+    groups idle in every call: never a plan). Ordered by batch degree, then TP degree (largest first),
+    then ring before Ulysses."""
+    found: list[ParallelLayout] = []
+    for b in _divisors(devices):
+        if batch is not None and b > batch:
             continue
-        if layout not in valid:
-            valid.append(layout)
-    return valid
+        for tp in reversed(_divisors(devices // b)):
+            cp = devices // (b * tp)
+            for u in _divisors(cp):
+                layout = ParallelLayout(batch=b, tp=tp, ring=cp // u, ulysses=u)
+                try:
+                    layout.validate(dims, devices=devices)
+                except ConfigError:
+                    continue
+                found.append(layout)
+    return found
 
 
 def estimate(setup: Setup, layout: ParallelLayout) -> Estimate:
-    """Memory, bytes and step time of one layout on `setup`'s machine."""
+    """Memory, bytes and step time of one layout on `setup`'s machine, for the setup's call batch.
+
+    Each group of the batch dimension computes its share (the busiest: ceil(batch / degree) entries) on
+    tp x ring x ulysses devices; every collective pays the link's latency and its bytes at its bandwidth.
+    """
     layout.validate(setup.dims, devices=setup.devices)
     comms = collectives(setup, layout)
     link = setup.link
     comm_s = sum(c.count * link.latency_us * 1e-6 for c in comms) + sum(c.sent_per_gpu for c in comms) / (
         link.gbps * GB
     )
+    share = local_batch(setup, layout) / setup.batch
     return Estimate(
         layout=layout,
         weights=weight_bytes(
@@ -342,13 +403,16 @@ def estimate(setup: Setup, layout: ParallelLayout) -> Estimate:
         activations=activation_bytes(setup, layout),
         buffers=buffer_bytes(setup, layout),
         collectives=comms,
-        compute_s=forward_flops(setup) / layout.world_size / (setup.tflops * 1e12),
+        compute_s=forward_flops(setup) * share / (layout.tp * layout.cp) / (setup.tflops * 1e12),
         comm_s=comm_s,
         usable=setup.usable_bytes,
+        batch=setup.batch,
     )
 
 
-def plan(setup: Setup) -> list[Estimate]:
-    """Every valid layout for the setup, fastest predicted first (those that fit before those that don't)."""
-    found = [estimate(setup, layout) for layout in candidate_layouts(setup.dims, setup.devices)]
+def plan(setup: Setup, idle: bool = False) -> list[Estimate]:
+    """Every composition the engine accepts for the setup, fastest predicted first (those that fit before
+    those that don't); no batch degree above the call's batch unless `idle` (a caller that fixed one)."""
+    candidates = candidate_layouts(setup.dims, setup.devices, None if idle else setup.batch)
+    found = [estimate(setup, layout) for layout in candidates]
     return sorted(found, key=lambda e: (not e.fits, e.step_s))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..family import get_family
 from ..text import GB, markdown_table
-from .cost import Estimate, count_by_kind
+from .cost import Estimate, by_dimension, count_by_kind
 from .setup import Setup
 
 
@@ -19,9 +19,19 @@ def capacity(gb: float) -> str:
     return f"{gb:.1f}"
 
 
+def collectives_text(e: Estimate) -> str:
+    """'tp: 76 all_reduce, 1 all_gather; cp: 1 all_gather': one forward's collectives per mesh dimension."""
+    dims = by_dimension(e.collectives)
+    parts = []
+    for dim in dims:
+        kinds = count_by_kind([c for c in e.collectives if c.dim == dim])
+        parts.append(f"{dim}: " + ", ".join(f"{n} {kind}" for kind, n in kinds.items()))
+    return "; ".join(parts) or "-"
+
+
 def _row(e: Estimate) -> list[str]:
     gb_cells = (e.weights, e.activations, e.buffers, e.per_gpu)
-    counts = ", ".join(f"{n} {kind}" for kind, n in count_by_kind(e.collectives).items()) or "-"
+    counts = collectives_text(e)
     return [e.name, *(f"{b / GB:.2f}" for b in gb_cells), "yes" if e.fits else "no", counts,
             f"{e.sent_per_gpu / GB:.2f}", f"{e.compute_s:.2f}", f"{e.comm_s:.3f}", f"{e.step_s:.2f}"]  # fmt: skip
 
@@ -34,12 +44,12 @@ def format_table(setup: Setup, estimates: list[Estimate]) -> str:
     head = (
         f"{get_family(setup.family).planner.table_name} ({setup.dims.heads} heads x "
         f"{setup.dims.head_dim}, {setup.dims.double_blocks}+{setup.dims.single_blocks} blocks), "
-        f"{setup.dtype}{_weights(setup)}, {setup.width}x{setup.height} x{setup.batch} "
+        f"{setup.dtype}{_weights(setup)}, {setup.width}x{setup.height}, call batch {setup.batch} "
         f"({setup.tokens} tokens), {setup.devices} device(s) x {capacity(setup.memory_gb)} GB, "
         f"{setup.link.describe()}, {setup.tflops:g} TFLOPS per device"
     )
     header = ["layout", "weights (GB)", "activations (GB)", "of which buffers (GB)", "per GPU (GB)", "fits",
-              "collectives / step", "sent per GPU (GB)", "compute (s)", "comm (s)", "step (s)"]  # fmt: skip
+              "collectives / step (per mesh dimension)", "sent per GPU (GB)", "compute (s)", "comm (s)", "step (s)"]  # fmt: skip
     rows = [_row(e) for e in estimates]
     align = ["---", *["---:"] * 4, "---", "---", *["---:"] * 4]
     return head + "\n\n" + markdown_table(header, rows, align)

@@ -38,9 +38,21 @@ PCIE4 = Link(24.0, 30.0, name="PCIe 4.0 x16")
 XGMI = Link(300.0, 10.0, name="xGMI / NVLink")
 
 
+def call_batch(images: int, cfg: float = 1.0, together: bool = True) -> int:
+    """The batch of one model call for `images` latents: ComfyUI evaluates the negative prompt only when
+    cfg is not 1 (comfy/samplers.py `sampling_function`), and then in the same call as the positive when
+    the two conds can be concatenated (`together`: the parallel MODEL makes ComfyUI do so whenever their
+    text shapes allow it; nodes/comfy_model.py)."""
+    return images * (2 if cfg != 1.0 and together else 1)
+
+
 @dataclass(frozen=True)
 class Setup:
-    """One generation job on one machine: what the planner needs to price a layout."""
+    """One generation job on one machine: what the planner needs to price a layout.
+
+    `batch` is the batch of one model call (`call_batch`: images x 2 for cond + uncond at cfg != 1): what
+    the batch dimension of a layout splits.
+    """
 
     dims: FluxDims
     width: int = 1024
@@ -120,6 +132,12 @@ class Setup:
         """The image's tokens plus the references'."""
         side = self.token_pixels
         return (self.width // side) * (self.height // side) + self.reference_tokens
+
+    @property
+    def latent_tokens(self) -> int:
+        """The image's own tokens (a call's output: reference latents' tokens are dropped)."""
+        side = self.token_pixels
+        return (self.width // side) * (self.height // side)
 
     @property
     def tokens(self) -> int:

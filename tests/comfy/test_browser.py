@@ -248,7 +248,7 @@ def test_loading_line_then_the_status_node_draws_its_report(comfy: Comfy, browse
     text = entry["outputs"]["2"]["text"][0]
     assert status == text.split("\n")
     assert status[0] == "ROCm Parallel: 2 workers on cpu, cpu (idle)"
-    assert status[1] == "model: tiny-flux-dev.safetensors, tensor parallel tp=2"
+    assert status[1] == "model: tiny-flux-dev.safetensors, tp 2"
     assert [line.split(":")[0] for line in status[2:]] == ["  rank 0 cpu", "  rank 1 cpu"]
     assert rows > len(status)  # the long model line wraps at the node's width
 
