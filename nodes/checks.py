@@ -130,7 +130,8 @@ def check_latent(latent: Any, info: CheckpointInfo) -> None:
     family = info.model_family
     channels, scale = family.latent_channels(info.config), family.latent.downscale
     samples = latent.get("samples") if isinstance(latent, dict) else None
-    if samples is None or getattr(samples, "ndim", 0) != 4:
+    ndims = (4,) if family.latent.dimensions == 2 else (4, 2 + family.latent.dimensions)
+    if samples is None or getattr(samples, "ndim", 0) not in ndims:
         raise ConfigError(
             f"latent_image must be a LATENT with 'samples' [batch, {channels}, height/{scale}, width/{scale}]; "
             f"got {list(getattr(samples, 'shape', [])) if samples is not None else type(latent).__name__}"

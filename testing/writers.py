@@ -88,8 +88,10 @@ def save_mixed_checkpoint(
 
 # LoRA key layouts `write_random_lora` writes; the names ComfyUI 0.3.64's `model_lora_keys_unet` maps for
 # FLUX (comfy/lora.py): BFL module names under `diffusion_model.`, the same with "." -> "_" under
-# `lora_unet_` (kohya / sd-scripts), and diffusers module names under `transformer.` (diffusers / PEFT).
-LORA_FORMATS = ("bfl", "kohya", "peft")
+# `lora_unet_` (kohya / sd-scripts), and diffusers module names under `transformer.` (diffusers / PEFT);
+# "bare": the module names alone (Qwen-Image's own / DiffSynth format, e.g. Qwen-Image-Lightning), which
+# ComfyUI maps for QwenImage only.
+LORA_FORMATS = ("bfl", "kohya", "peft", "bare")
 
 
 def lora_targets(config: dict[str, Any], family: str = "flux1") -> list[str]:
@@ -116,6 +118,7 @@ def write_random_lora(
     'double_blocks.0.img_attn.qkv'; default every linear) from `seed`, then written as
     * "bfl":   `diffusion_model.<module>.lora_down.weight` / `.lora_up.weight` / `.alpha`
     * "kohya": `lora_unet_<module with . as _>.lora_down.weight` / `.lora_up.weight` / `.alpha`
+    * "bare":  `<module>.lora_down.weight` / `.lora_up.weight` / `.alpha` (Qwen-Image's format)
     * "peft":  `transformer.<diffusers module>.lora_A.weight` / `.lora_B.weight`, split per diffusers
       module (qkv -> to_q/to_k/to_v, linear1 -> to_q/to_k/to_v/proj_mlp, the final AdaLN's (shift, scale)
       rows swapped into diffusers' (scale, shift)), with no alpha: ComfyUI then scales by 1, so
@@ -143,9 +146,10 @@ def write_random_lora(
         down = torch.randn(rank, in_features, generator=g) * sigma
         factors[name] = (up, down)
     tensors: dict[str, torch.Tensor] = {}
-    if fmt in ("bfl", "kohya"):
+    if fmt in ("bfl", "kohya", "bare"):
+        prefixes = {"bfl": "diffusion_model.", "kohya": "lora_unet_", "bare": ""}
         for name, (up, down) in factors.items():
-            key = f"diffusion_model.{name}" if fmt == "bfl" else "lora_unet_" + name.replace(".", "_")
+            key = prefixes[fmt] + (name.replace(".", "_") if fmt == "kohya" else name)
             tensors[f"{key}.lora_up.weight"] = up
             tensors[f"{key}.lora_down.weight"] = down
             if alpha is not None:

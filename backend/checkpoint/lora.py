@@ -158,6 +158,8 @@ def _name_table(info: CheckpointInfo) -> dict[str, tuple[str, tuple[LoraTarget, 
         targets, shape = bfl_entry(parts, 0, out)
         table[f"diffusion_model.{module}"] = ("bfl", targets, shape)
         table["lora_unet_" + module.replace(".", "_")] = ("kohya", targets, shape)
+        for prefix in info.model_family.lora_prefixes:  # e.g. Qwen-Image's bare module names
+            table.setdefault(prefix + module, ("bfl", targets, shape))
         if module.endswith(".linear1"):  # ComfyUI's partial key: the q|k|v rows of linear1
             qkv = bfl_entry(parts, 0, 3 * dims.hidden)
             table[f"diffusion_model.{module}_qkv"] = ("bfl", *qkv)
