@@ -58,7 +58,9 @@ def references(comfy: dict[str, Any]) -> dict[str, Any]:
     from safetensors import safe_open
 
     path = references_path(comfy["version"])
-    assert path.is_file(), f"no Qwen-Image references for ComfyUI {comfy['version']}: run {Path(__file__).parents[1]}/tools/make_qwen_references.py with it"
+    assert path.is_file(), (
+        f"no Qwen-Image references for ComfyUI {comfy['version']}: run {Path(__file__).parents[1]}/tools/make_qwen_references.py with it"
+    )
     with safe_open(str(path), "pt") as f:
         meta = f.metadata()
         tensors = {k: f.get_tensor(k) for k in f.keys()}
@@ -104,7 +106,9 @@ def test_qwen_image_graphs_on_the_parallel_model_match_comfyui(
         out = run_case(comfy, model, name, case)[f"{name}.output"]
     want = references["tensors"][f"{name}.output"]
     diff = (out - want).abs().max().item()
-    print(f"ComfyUI {comfy['version']} {name} {layout}: max |diff| {diff:.2e} (max |out| {want.abs().max():.1f})")
+    print(
+        f"ComfyUI {comfy['version']} {name} {layout}: max |diff| {diff:.2e} (max |out| {want.abs().max():.1f})"
+    )
     assert out.shape == want.shape  # ComfyUI's 5-D latent [1, 16, 1, h, w]
     assert diff <= TOLERANCE
     assert runner.calls >= case["steps"]

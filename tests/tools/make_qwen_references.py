@@ -40,7 +40,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_comfy_references import comfy_commit, comfy_version, import_comfy  # noqa: E402
+from make_comfy_references import comfy_commit, comfy_version, import_comfy
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 TEXT_DIM = 32
@@ -166,7 +166,9 @@ def case_inputs(name: str, case: dict[str, Any]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def conditioning(comfy: dict[str, Any], case: dict[str, Any], tensors: dict[str, torch.Tensor], prefix: str) -> list:
+def conditioning(
+    comfy: dict[str, Any], case: dict[str, Any], tensors: dict[str, torch.Tensor], prefix: str
+) -> list:
     """CLIPTextEncode's conditioning (features, no pooled output, the mask when there is padding), then the
     reference latents and their placement as the edit templates set them."""
     extras: dict[str, Any] = {"pooled_output": None}
@@ -220,7 +222,9 @@ def run_case(comfy: dict[str, Any], model: Any, name: str, case: dict[str, Any])
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None, help="default: tests/data/qwen_references_<version>")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default: tests/data/qwen_references_<version>"
+    )
     args = parser.parse_args()
     path = os.environ.get("COMFYUI_PATH")
     if not path:
@@ -261,7 +265,9 @@ def main() -> None:
     }
     out_path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_path), metadata=metadata)
-    print(f"wrote {out_path} ({out_path.stat().st_size} bytes) from ComfyUI {version} {metadata['comfyui_commit']}")
+    print(
+        f"wrote {out_path} ({out_path.stat().st_size} bytes) from ComfyUI {version} {metadata['comfyui_commit']}"
+    )
 
 
 if __name__ == "__main__":
