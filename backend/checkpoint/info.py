@@ -251,7 +251,13 @@ def _by_name() -> list[ModelFamily]:
 
 def _known_families() -> str:
     """'FLUX.1 or FLUX.2': the titles of the registered families, for messages."""
-    return " or ".join(f.title for f in _by_name())
+    return _one_of(f.title for f in _by_name())
+
+
+def _one_of(names: Iterable[str]) -> str:
+    """'A, B or C' (messages name every registered family)."""
+    names = list(names)
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else "".join(names)
 
 
 def _inspect_file(path: Path) -> CheckpointInfo:
@@ -286,7 +292,7 @@ def _inspect_folder(path: Path) -> CheckpointInfo:
     cls = raw.get("_class_name")
     family = family_for_class(cls)
     if family is None:
-        known = " or ".join(f.diffusers_class for f in _by_name())
+        known = _one_of(f.diffusers_class for f in _by_name())
         raise CheckpointError(
             f"'{config_file}' describes a {cls}, not a {known}; pass a FLUX pipeline folder "
             "or its transformer/ folder"
