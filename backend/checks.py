@@ -67,7 +67,7 @@ def check_forward(
         shape = tuple(x.shape) if torch.is_tensor(x) else type(x).__name__
         if channels == latent:
             raise ConfigError(
-                f"x has shape {shape}; {info.model_name} takes [batch, {_latent_dims(channels, family)}] "
+                f"x has shape {shape}; {info.model_name} takes {_latent_dims(channels, family)} "
                 f"latents (encode with {family.latent.vae}, or use {family.latent.empty_node})"
             )
         raise ConfigError(
@@ -114,8 +114,8 @@ def _latent_shaped(x: Any, channels: int, family: ModelFamily) -> bool:
 
 def _latent_dims(channels: int, family: ModelFamily) -> str:
     if family.latent.dimensions == 3:
-        return f"{channels}, 1, height, width] (or [batch, {channels}, height, width]"
-    return f"{channels}, height, width"
+        return f"[batch, {channels}, 1, height, width] (or [batch, {channels}, height, width])"
+    return f"[batch, {channels}, height, width]"
 
 
 def text_key_mask(mask: Any, context: torch.Tensor, info: CheckpointInfo) -> torch.Tensor | None:

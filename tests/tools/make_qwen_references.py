@@ -64,8 +64,13 @@ CASES: dict[str, dict[str, Any]] = {
         "text": 9, "negative_text": 5, "mask": 3,
         "lora": {"format": "bare", "strength": 0.8, "rank": 4, "seed": 71},
     },
-    # the headless `ParallelFlux.sample` reference: the template's schedule, cfg 1, no LoRA
+    # the headless `ParallelFlux.sample` references: the template's schedule, cfg 1, no LoRA; text-to-image
+    # and an encoded image at denoise 0.6 (the latent format's per-channel process_in and process_out)
     "qwen_t2i_cfg1": {"model": "qwen", "width": 88, "height": 40, "steps": 4, "seed": 52, "shift": 3.1, "text": 7},
+    "qwen_img2img_cfg1": {
+        "model": "qwen", "width": 56, "height": 72, "steps": 4, "seed": 56, "shift": 3.1, "text": 6,
+        "latent": "random", "denoise": 0.6,
+    },
     # image_qwen_image_edit: the encoded image as the start latent and as the reference of both prompts,
     # ModelSamplingAuraFlow 3.0 + CFGNorm, a reference wider than the image (the text's RoPE start)
     "qwen_edit": {
@@ -163,6 +168,8 @@ def case_inputs(name: str, case: dict[str, Any]) -> dict[str, torch.Tensor]:
         tensors["mask"] = mask
     for j, (h_px, w_px) in enumerate(case.get("refs", ())):
         tensors[f"ref{j}"] = torch.randn(1, 16, 1, h_px // 8, w_px // 8, generator=g) * 0.8 + 0.1
+    if case.get("latent") == "random":  # an encoded image (VAEEncode with the Qwen-Image VAE)
+        tensors["latent"] = torch.randn(1, 16, 1, case["height"] // 8, case["width"] // 8, generator=g) * 2.0
     return tensors
 
 
@@ -208,13 +215,15 @@ def run_case(comfy: dict[str, Any], model: Any, name: str, case: dict[str, Any])
         model = cfg_nodes.CFGNorm.execute(model, 1.0)[0]
     if case.get("latent") == "ref0":  # the edit templates start from the encoded input image
         latent = {"samples": tensors["ref0"][..., : case["height"] // 8, : case["width"] // 8].clone()}
+    elif case.get("latent") == "random":
+        latent = {"samples": tensors["latent"].clone()}
     else:
         import comfy_extras.nodes_sd3 as sd3
 
         latent = sd3.EmptySD3LatentImage.execute(case["width"], case["height"], 1)[0]
     out = comfy["nodes"].common_ksampler(
         model, case["seed"], case["steps"], case.get("cfg", 1.0), case.get("sampler", "euler"),
-        case.get("scheduler", "simple"), positive, negative, latent,
+        case.get("scheduler", "simple"), positive, negative, latent, denoise=case.get("denoise", 1.0),
     )[0]  # fmt: skip
     tensors["output"] = out["samples"].to(torch.float32).contiguous()
     return {f"{name}.{k}": v for k, v in tensors.items()}
