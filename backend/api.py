@@ -108,7 +108,7 @@ class ParallelFlux(ResidentGroup):
                 shift_mu=shift_mu,
             )
             if layout == "auto":
-                b, _, h, w = plan.original.shape
+                b, _, h, w = plan.noise.shape
                 width, height = info.model_family.planned_pixels(h, w)
                 planned = planned_weight_dtype(resident.weight_dtype, info)
                 layout = self.auto_layout(
@@ -152,6 +152,7 @@ class ParallelFlux(ResidentGroup):
         ref_latents: Sequence[torch.Tensor] | None = None,
         ref_method: str | None = None,
         *,
+        attention_mask: torch.Tensor | None = None,
         timeout: float | None = None,
     ) -> torch.Tensor:
         """One model call on the resident model, as ComfyUI's FLUX `diffusion_model(x, timestep, context,
@@ -168,6 +169,12 @@ class ParallelFlux(ResidentGroup):
         vector (`y` is ignored), guidance for [dev], reference latents [B, 128, h, w] placed by 'index'
         unless `ref_method` says otherwise.
 
+        Qwen-Image (ComfyUI's `QwenImage`) takes x [B, 16, 1, H, W] (or [B, 16, H, W]) at 1/8 of the pixels,
+        context [B, T, 3584] (Qwen2.5-VL), no pooled vector or guidance, `attention_mask` [B, T] as ComfyUI
+        0.33 passes it (1 = a real token, 0 = padding; None: none is padding), reference latents
+        [B, 16, 1, h, w] (Qwen-Image-Edit) placed by 'index' unless the checkpoint (Edit-2511:
+        'index_timestep_zero') or `ref_method` says otherwise. The output has x's shape.
+
         Every rank runs it in the resident layout; the conditioning (with the reference latents) is sent
         once and kept on the ranks (found again by content), so a sampler's step moves only x. After a
         failure closed the group, the next call starts it again and re-loads the resident model first.
@@ -176,7 +183,9 @@ class ParallelFlux(ResidentGroup):
             resident = self.resident
             if resident is None:
                 raise ConfigError("no checkpoint is loaded; call load(checkpoint) first")
-            call = _checked_call(resident, x, timestep, context, y, guidance, ref_latents, ref_method)
+            call = _checked_call(
+                resident, x, timestep, context, y, guidance, ref_latents, ref_method, attention_mask
+            )
             return self._forwards.call(self._resident_group(resident), *call, timeout=timeout)
 
 
@@ -189,17 +198,19 @@ def _checked_call(
     guidance: torch.Tensor | None,
     ref_latents: Sequence[torch.Tensor] | None,
     ref_method: str | None,
+    attention_mask: torch.Tensor | None = None,
 ) -> tuple[Any, ...]:
     """A model call's arguments for `ForwardClient.call`, checked against the resident checkpoint first:
-    no rank runs a call that cannot work."""
+    no rank runs a call that cannot work. The text mask comes back as a boolean key mask, or None when no
+    token is padding (the call is then the unmasked one, as in ComfyUI)."""
     refs = list(ref_latents or ())
     info = resident.info
     family = info.model_family
-    method = ref_method or family.ref_method
+    method = ref_method or family.default_ref_method(info.config)
     if not family.text.pooled:
-        # FLUX.2 has no pooled vector: an empty one keeps one conditioning record for all families
+        # FLUX.2 and Qwen-Image have no pooled vector: an empty one keeps one conditioning record for all
         y = torch.zeros(x.shape[0], 0, dtype=context.dtype if torch.is_tensor(context) else None)
-    check_forward(x, timestep, context, y, guidance, resident, refs, method)
+    mask = check_forward(x, timestep, context, y, guidance, resident, refs, method, attention_mask)
     if info.variant != "dev":
         guidance = None  # ComfyUI's Flux ignores it without a guidance embedder (schnell)
-    return x, timestep, context, y, guidance, refs, method
+    return x, timestep, context, y, guidance, refs, method, mask

@@ -11,9 +11,13 @@ import torch
 
 from .checkpoint import CheckpointInfo
 from .config import ConfigError
-from .family import families
+from .family import ModelFamily, families
 from .flux.sampling import SamplingPlan
 from .messages import LoadRequest
+
+# An additive mask value at or below this drops its key (exp of it is 0 in float32): ComfyUI's own masks are
+# 0 / -finfo.max (comfy/ldm/qwen_image/model.py turns an integer mask into that form).
+DROPPED_KEY = -1e4
 
 
 def check_sample(
@@ -52,17 +56,19 @@ def check_forward(
     resident: LoadRequest,
     refs: Sequence[torch.Tensor] = (),
     ref_method: str = "offset",
-) -> None:
-    """The shapes a model call needs, named by ComfyUI's argument names; cheap enough for every step."""
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """The shapes a model call needs, named by ComfyUI's argument names; cheap enough for every step.
+    Returns the text's key mask (`text_key_mask`) for a family that takes one."""
     info = resident.info
     dims, family = info.dims, info.model_family
     channels, latent = info.input_channels, family.latent_channels(info.config)
-    if not torch.is_tensor(x) or x.ndim != 4 or x.shape[1] != channels or 0 in x.shape:
+    if not _latent_shaped(x, channels, family):
         shape = tuple(x.shape) if torch.is_tensor(x) else type(x).__name__
         if channels == latent:
             raise ConfigError(
-                f"x has shape {shape}; {info.model_name} takes [batch, {channels}, height, width] latents "
-                f"(encode with {family.latent.vae}, or use {family.latent.empty_node})"
+                f"x has shape {shape}; {info.model_name} takes {_latent_dims(channels, family)} "
+                f"latents (encode with {family.latent.vae}, or use {family.latent.empty_node})"
             )
         raise ConfigError(
             f"x has shape {shape}; {info.model_name} takes [batch, {channels}, height, width]: the {latent}-channel "
@@ -96,12 +102,59 @@ def check_forward(
     check_refs(refs, ref_method, batch, channels, latent, info)
     tokens = family.image_tokens(*x.shape[-2:]) + sum(family.image_tokens(*r.shape[-2:]) for r in refs)
     resident.layout.validate_sequence(tokens)
+    return text_key_mask(attention_mask, context, info)
+
+
+def _latent_shaped(x: Any, channels: int, family: ModelFamily) -> bool:
+    """[B, C, H, W], or the format's [B, C, 1, H, W] (an image in a 3-D latent format: Wan 2.1's)."""
+    if not torch.is_tensor(x) or x.shape[1:2] != (channels,) or 0 in x.shape:
+        return False
+    return x.ndim == 4 or (x.ndim == 2 + family.latent.dimensions == 5 and x.shape[2] == 1)
+
+
+def _latent_dims(channels: int, family: ModelFamily) -> str:
+    if family.latent.dimensions == 3:
+        return f"[batch, {channels}, 1, height, width] (or [batch, {channels}, height, width])"
+    return f"[batch, {channels}, height, width]"
+
+
+def text_key_mask(mask: Any, context: torch.Tensor, info: CheckpointInfo) -> torch.Tensor | None:
+    """ComfyUI's text `attention_mask` [B, T] as a boolean key mask (True = a real token), or None when no
+    token is padding. ComfyUI passes integers (1 real, 0 padding) or its additive form (0, or a value that
+    removes the key: -finfo.max); anything else would weigh keys, which no Qwen-Image input does."""
+    if mask is None:
+        return None
+    family = info.model_family
+    if not family.text.mask:
+        raise ConfigError(
+            f"attention_mask is not None; {info.model_name} takes no text mask (ComfyUI's own model would not "
+            "use one): remove the node that adds it to the conditioning"
+        )
+    batch, tokens = context.shape[:2]
+    if not torch.is_tensor(mask) or tuple(mask.shape) != (batch, tokens) or mask.is_complex():
+        shape = tuple(mask.shape) if torch.is_tensor(mask) else type(mask).__name__
+        raise ConfigError(
+            f"attention_mask has shape {shape}; {info.model_name} takes [{batch}, {tokens}] (one flag per text "
+            f"token of each prompt, 1 = real, 0 = padding) as {family.text.encoder} gives it"
+        )
+    if mask.is_floating_point():
+        keys = mask == 0
+        if not bool((keys | (mask <= DROPPED_KEY)).all()):
+            raise ConfigError(
+                "attention_mask holds additive values other than 0 and large negatives; a text mask keeps or "
+                "drops whole tokens: pass 1 / 0 per token (the text encoder's mask)"
+            )
+    else:
+        if not bool(((mask == 0) | (mask == 1)).all()):
+            raise ConfigError("attention_mask must hold 1 (a real token) or 0 (padding) per token")
+        keys = mask != 0
+    return None if bool(keys.all()) else keys.cpu()
 
 
 def check_refs(
     refs: Sequence[torch.Tensor], method: str, batch: int, channels: int, latent: int, info: CheckpointInfo
 ) -> None:
-    """Reference latents (Kontext, FLUX.2): what comfy/ldm/flux/model.py `Flux._forward` can concatenate,
+    """Reference latents (Kontext, FLUX.2, Qwen-Image-Edit): what the family's ComfyUI model can concatenate,
     placed by a method ComfyUI's own model of the checkpoint's family runs (`ModelFamily.references`)."""
     if not refs:
         return
@@ -113,7 +166,7 @@ def check_refs(
             "FLUX.1 Kontext checkpoint"
         )
     for i, ref in enumerate(refs):
-        ok = torch.is_tensor(ref) and ref.ndim == 4 and ref.shape[1] == latent and 0 not in ref.shape
+        ok = _latent_shaped(ref, latent, info.model_family)
         if not ok or ref.shape[0] != batch:
             shape = tuple(ref.shape) if torch.is_tensor(ref) else type(ref).__name__
             raise ConfigError(
@@ -152,7 +205,7 @@ def check_ref_method(method: str, batch: int, info: CheckpointInfo) -> None:
         )
     known = sorted({m for f in families() for m in f.references.methods})
     raise ConfigError(
-        f"ref_latents_method={method!r} is not a reference placement ComfyUI's FLUX models run ({', '.join(known)}); "
+        f"ref_latents_method={method!r} is not a reference placement ComfyUI's models run ({', '.join(known)}); "
         f"it came with the conditioning (the {METHOD_NODE} node, or a custom node that sets it): set that "
         f"node to one of {shown} for {info.model_name}"
     )

@@ -49,14 +49,15 @@ if TYPE_CHECKING:  # the records' types; importing them here would make this mod
     from .parallel.tensor import TensorParallelSpec
 
 # Modules (relative to this package) whose import registers the built-in families, in detection order.
-BUILTIN: tuple[str, ...] = (".flux.family", ".flux2.family")
+BUILTIN: tuple[str, ...] = (".flux.family", ".flux2.family", ".qwen_image.family")
 
 Shapes = Mapping[str, tuple[int, ...]]
 
 
 @dataclass(frozen=True)
 class LatentFormat:
-    """ComfyUI's `comfy.latent_formats` entry of the family: `process_in(x) = (x - shift) * scale`."""
+    """ComfyUI's `comfy.latent_formats` entry of the family: `process_in(x) = (x - shift) * scale`, or with
+    per-channel statistics (`mean`, `std`: Wan 2.1's, Qwen-Image's) `(x - mean) * scale / std`."""
 
     comfy_name: str  # class name in comfy.latent_formats, e.g. "Flux"
     channels: int  # channels of the VAE latent the sampler works on (the model's output channels)
@@ -65,6 +66,36 @@ class LatentFormat:
     downscale: int  # image pixels per latent pixel on each side (the VAE's): 8 for FLUX.1, 16 for FLUX.2
     vae: str  # the VAE file ComfyUI users encode with (messages name it)
     empty_node: str  # ComfyUI's node for an empty latent of this format
+    mean: tuple[float, ...] | None = None  # per channel, replacing `shift` (latents_mean)
+    std: tuple[float, ...] | None = None  # per channel (latents_std)
+    # ComfyUI's latent_dimensions: 2 for [B, C, H, W]; 3 for [B, C, T, H, W] (T = 1 for an image)
+    dimensions: int = 2
+
+    def process_in(self, x: Any) -> Any:
+        """VAE latent -> the space the sampler works in, in ComfyUI's operation order (x: a tensor, channels
+        on dim 1, any number of dimensions after them)."""
+        if self.mean is None:
+            return (x - self.shift) * self.scale
+        mean, std = self._per_channel(x)
+        return (x - mean) * self.scale / std
+
+    def process_out(self, x: Any) -> Any:
+        """The sampler's space -> VAE latent (inverse of `process_in`)."""
+        if self.mean is None:
+            return (x / self.scale) + self.shift
+        mean, std = self._per_channel(x)
+        return x * std / self.scale + mean
+
+    def _per_channel(self, x: Any) -> tuple[Any, Any]:
+        view = (1, -1) + (1,) * (x.ndim - 2)
+        # float32 first, as ComfyUI's statistics are float32 tensors cast to the latent's dtype
+        import torch
+
+        mean, std = (
+            torch.tensor(v, dtype=torch.float32).to(x.device, x.dtype).view(view)
+            for v in (self.mean, self.std)
+        )
+        return mean, std
 
 
 @dataclass(frozen=True)
@@ -74,23 +105,28 @@ class TextInputs:
     encoder: str  # how a ComfyUI user makes it (errors name it), e.g. "a FLUX DualCLIPLoader (...)"
     tokens: int  # text tokens of a short prompt as ComfyUI passes it (the planner prices these)
     pooled: bool  # whether a call takes a pooled vector `y` (FLUX.1's CLIP-L); FLUX.2 takes none
+    # whether a call takes the text encoder's attention mask (ComfyUI's `attention_mask`, 1 = a real token):
+    # Qwen-Image does; FLUX's text is never masked (the proxy refuses a mask for it)
+    mask: bool = False
 
 
 @dataclass(frozen=True)
 class ReferenceLatents:
     """How the family's model takes ComfyUI's reference latents (ReferenceLatent: FLUX.1 Kontext's input
-    image, FLUX.2's reference images), placed by ComfyUI's `ref_latents_method` (its
+    image, FLUX.2's and Qwen-Image-Edit's reference images), placed by ComfyUI's `ref_latents_method` (its
     FluxKontextMultiReferenceLatentMethod node, "Edit Model Reference Method" since ComfyUI 0.17).
 
     `methods` are the placements ComfyUI's own model of the family runs in the versions the pack is checked
-    against (comfy/ldm/flux/model.py `Flux._forward`); `backend/checks.py` refuses any other before a rank
+    against (comfy/ldm/flux/model.py `Flux._forward`, comfy/ldm/qwen_image/model.py); `backend/checks.py` refuses any other before a rank
     runs, naming why ComfyUI cannot run it either. `what` and `workflow` are for messages: the feature's
     name and the shipped workflow (workflows/) whose graph samples this family with the ROCm Parallel Model.
     """
 
     methods: tuple[str, ...]
     what: str  # e.g. "FLUX.1 Kontext's reference latents"
-    workflow: str  # e.g. "flux1_kontext_dev_ksampler_parallel_model"
+    # e.g. "flux1_kontext_dev_ksampler_parallel_model"; None: no shipped workflow, messages point to
+    # ComfyUI's own template for the family
+    workflow: str | None = None
     # method another family runs -> why this family's model (ComfyUI's own included) cannot
     refused: Mapping[str, str] = field(default_factory=dict)
     # methods ComfyUI's own model runs only at batch 1 when it has a guidance embedder -> why
@@ -146,12 +182,16 @@ class ModelFamily:
       `cp`: what context parallelism may rebuild and returns; `planner`: the measured activation units.
     ComfyUI
     - `patch`: latent pixels per token on each side; `latent`, `text`: the latent format and text
-      conditioning; `ref_method`: ComfyUI's default placement of reference latents; `references`: the
-      placements the family runs (`ReferenceLatents`), and what messages say about them.
+      conditioning; `ref_method`: ComfyUI's default placement of reference latents (a checkpoint may set
+      its own: `default_ref_method(config)`); `references`: the placements the family runs
+      (`ReferenceLatents`), and what messages say about them.
     - `comfy_model(config)`: the ComfyUI model config the proxy MODEL is built from.
     - `call(model_fn, x, timestep, context, pooled, guidance, ref_latents=(), ref_method=...)`: one model
-      call with ComfyUI's semantics (pad, patchify, ids, crop); `model_fn(model)` adapts the diffusers
-      model to the `model_fn` contract `call` takes.
+      call with ComfyUI's semantics (pad, patchify, ids, crop); a family whose text takes a mask
+      (`text.mask`) also takes `attention_mask=` (a boolean [B, T], given only when some token is padding).
+      `model_fn(model)` adapts the diffusers model to the `model_fn` contract `call` takes.
+    - `lora_prefixes`: key prefixes ComfyUI's LoRA loader maps onto the checkpoint's modules besides
+      `diffusion_model.`, `lora_unet_` and the diffusers names (comfy/lora.py; Qwen-Image's bare names).
     Sampling
     - `sampling(info, latent, positive, *, seed, steps, denoise, sigmas, noise_mask, batch_index,
       shift_mu)`: the `flux.sampling.SamplingPlan` `ParallelFlux.sample` runs (its Euler loop) for a
@@ -188,6 +228,12 @@ class ModelFamily:
     model_fn: Callable[[Any], Callable[..., Any]]
     sampling: Callable[..., Any]
     aliases: Mapping[str, str] = field(default_factory=dict)
+    lora_prefixes: tuple[str, ...] = ()
+
+    def default_ref_method(self, config: Mapping[str, Any]) -> str:
+        """How reference latents are placed when a call names no method: the checkpoint's own default
+        (its ComfyUI unet_config's `default_ref_method`, e.g. Qwen-Image-Edit-2511's), else the family's."""
+        return str(self.comfy_model(config).unet_config.get("default_ref_method", self.ref_method))
 
     def image_tokens(self, height: int, width: int) -> int:
         """Tokens of a latent of height x width latent pixels (ComfyUI pads a partial patch)."""

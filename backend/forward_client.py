@@ -49,22 +49,32 @@ class ConditioningSender:
     sent_bytes: int = 0  # conditioning bytes sent to the ranks so far (the benchmark and tests read it)
 
     def key_for(
-        self, context: torch.Tensor, pooled: torch.Tensor, refs: Sequence[torch.Tensor] = ()
+        self,
+        context: torch.Tensor,
+        pooled: torch.Tensor,
+        refs: Sequence[torch.Tensor] = (),
+        mask: torch.Tensor | None = None,
     ) -> Match:
-        """The held entry this conditioning (a prompt and its reference latents, Kontext) probably is (to
-        verify), or a new key to send it under."""
-        given = tuple(t.detach().cpu().contiguous() for t in (context, pooled, *refs))
+        """The held entry this conditioning (a prompt, its reference latents (Kontext) and its text mask)
+        probably is (to verify), or a new key to send it under."""
+        given = tuple(t.detach().cpu().contiguous() for t in (*_mask_entry(mask), context, pooled, *refs))
         for key, held in reversed(self.slots.entries.items()):  # the latest first: the usual hit
             if len(held) == len(given) and all(_similar(h, t) for h, t in zip(held, given, strict=True)):
                 self.slots.get(key)
                 return Match(key, held=True, expected=held, given=given)
-        return self.add(context, pooled, refs)
+        return self.add(context, pooled, refs, mask)
 
-    def add(self, context: torch.Tensor, pooled: torch.Tensor, refs: Sequence[torch.Tensor] = ()) -> Match:
+    def add(
+        self,
+        context: torch.Tensor,
+        pooled: torch.Tensor,
+        refs: Sequence[torch.Tensor] = (),
+        mask: torch.Tensor | None = None,
+    ) -> Match:
         """A new key for this conditioning; the ranks get the tensors with the next call. The copy kept
         here is what later steps' freshly built tensors are compared with."""
         key = next(_keys)
-        wanted = (context, pooled, *refs)
+        wanted = (*_mask_entry(mask), context, pooled, *refs)
         self.slots.put(key, tuple(t.detach().cpu().clone() for t in wanted))
         self.sent_bytes += sum(_nbytes(t) for t in wanted)
         return Match(key, held=False)
@@ -85,6 +95,11 @@ class Match:
     def verify(self) -> bool:
         """Bit-for-bit equality of the held entry and the given tensors (True for a new key)."""
         return all(torch.equal(_words(a), _words(b)) for a, b in zip(self.expected, self.given, strict=True))
+
+
+def _mask_entry(mask: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """A held entry's text mask: the mask, or an empty marker, so masked and unmasked prompts never match."""
+    return (torch.zeros(0, dtype=torch.bool) if mask is None else mask,)
 
 
 SAMPLED_WORDS = 1024  # words `_similar` compares: enough to tell prompts apart, cheap at any size
@@ -144,15 +159,16 @@ class ForwardClient:
         guidance: torch.Tensor | None,
         refs: Sequence[torch.Tensor] = (),
         ref_method: str = "offset",
+        attention_mask: torch.Tensor | None = None,
         timeout: float | None = None,
     ) -> torch.Tensor:
         """One `flux_forward` job on `group`; rank 0's output. The key's full check runs while the ranks
         compute; a lookalike prompt that fails it has its output discarded and the step sent again with
-        its own conditioning."""
-        match = self.sender.key_for(context, pooled, refs)
+        its own conditioning. `attention_mask`: the text's boolean key mask (Qwen-Image), None without one."""
+        match = self.sender.key_for(context, pooled, refs, attention_mask)
         checked: list[bool] = []
         for attempt in range(3):
-            cond = None if match.held else Conditioning(context, pooled, tuple(refs))
+            cond = None if match.held else Conditioning(context, pooled, tuple(refs), attention_mask)
             request = ForwardRequest(x, timestep, match.key, guidance, cond, ref_method)
             try:
                 reply: ForwardReply = group.call(
@@ -165,13 +181,13 @@ class ForwardClient:
                 # once more; anything else ends the call.
                 if exc.remote_type != "ConditioningMissing" or attempt or not group.alive:
                     raise
-                match = self.sender.add(context, pooled, refs)
+                match = self.sender.add(context, pooled, refs, attention_mask)
                 continue
             if checked.pop():
                 self.pace.record(reply.seconds)
                 self.last_seconds = reply.seconds
                 return reply.out
-            match = self.sender.add(context, pooled, refs)
+            match = self.sender.add(context, pooled, refs, attention_mask)
         raise AssertionError("unreachable: a new key always verifies")
 
     def sample(

@@ -141,11 +141,14 @@ CONDITIONING_SLOTS = 4  # prompts kept per rank: a CFG batch, a second sampler, 
 @dataclass(frozen=True)
 class Conditioning:
     """A prompt as the model call takes it (the text features, FLUX.1's pooled vector, or an empty one for
-    FLUX.2) and the reference latents (Kontext, FLUX.2 editing): sent once, kept by every rank under a key."""
+    FLUX.2 and Qwen-Image), the reference latents (Kontext, FLUX.2 and Qwen-Image editing) and the text's
+    key mask (Qwen-Image: boolean [B, T], None when no token is padding): sent once, kept by every rank
+    under a key."""
 
     context: torch.Tensor
     pooled: torch.Tensor
     ref_latents: tuple[torch.Tensor, ...] = ()
+    attention_mask: torch.Tensor | None = None
 
 
 @record

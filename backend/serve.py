@@ -4,14 +4,15 @@ samplers call a model (forward_client.py is the caller's side).
 Where a step runs: ComfyUI's sampler calls the proxy MODEL's diffusion model (`nodes/comfy_model.py`),
 or `ParallelFlux.sample` runs its Euler loop; either calls `ParallelFlux.forward` (backend/api.py),
 which sends one `flux_forward` request to every rank. Each rank runs its family's model call
-(`flux.forward.flux_call` for FLUX.1, `flux2.forward.flux2_call` for FLUX.2) on its shard in the
-resident layout and rank 0 returns the full output. Under a batch degree (`batch 2 x tp 2`) each group of
-tp x ring x ulysses ranks computes its share of the call's batch (cond and uncond at cfg > 1 go to
-different groups) and the outputs are gathered over the batch dimension (parallel/mesh.py `BatchSplit`).
+(`flux.forward.flux_call` for FLUX.1, `flux2.forward.flux2_call` for FLUX.2, `qwen_image.forward.qwen_call`
+for Qwen-Image) on its shard in the resident layout and rank 0 returns the full output. Under a batch degree
+(`batch 2 x tp 2`) each group of tp x ring x ulysses ranks computes its share of the call's batch (cond and
+uncond at cfg > 1 go to different groups) and the outputs are gathered over the batch dimension
+(parallel/mesh.py `BatchSplit`).
 
-Conditioning (the text features, FLUX.1's CLIP pooled vector, and reference latents) is the same for
-every step of a job, often megabytes: the client sends it once under a key and every rank keeps it on
-its device (`messages.ConditioningSlots`: both sides evict alike), so a step moves only the latent. A
+Conditioning (the text features, FLUX.1's CLIP pooled vector, reference latents, Qwen-Image's text mask)
+is the same for every step of a job, often megabytes: the client sends it once under a key and every rank
+keeps it on its device (`messages.ConditioningSlots`: both sides evict alike), so a step moves only the latent. A
 rank that lacks a key says so (`ConditioningMissing`) and gets the tensors again.
 """
 
@@ -41,7 +42,8 @@ def forward(ctx: WorkerContext, request: ForwardRequest) -> ForwardReply:
     """One model call on the resident model: ComfyUI's Flux.forward(x, timestep, context, y, guidance,
     ref_latents, ref_latents_method=ref_method), run by the resident model's family (backend/family.py).
 
-    Rank 0 returns the output [B, C, H, W] in the model's dtype; the others return none.
+    Rank 0 returns the output (x's shape: [B, C, H, W], or Qwen-Image's [B, C, 1, H, W]) in the model's
+    dtype; the others return none.
     """
     model = ctx.resident.require()
     family = family_of(model)
@@ -49,12 +51,13 @@ def forward(ctx: WorkerContext, request: ForwardRequest) -> ForwardReply:
     slots = _slots(ctx)
     cond = request.cond
     if cond is not None:
-        held = (cond.context, cond.pooled, *cond.ref_latents)
-        slots.put(request.cond_key, tuple(t.to(ctx.device, dtype) for t in held))
+        held = tuple(t.to(ctx.device, dtype) for t in (cond.context, cond.pooled, *cond.ref_latents))
+        mask = None if cond.attention_mask is None else cond.attention_mask.to(ctx.device)
+        slots.put(request.cond_key, (mask, *held))
     conditioning = slots.get(request.cond_key)
     if conditioning is None:
         raise ConditioningMissing(f"conditioning {request.cond_key} is not held on rank {ctx.rank}")
-    context, pooled, *refs = conditioning
+    mask, context, pooled, *refs = conditioning
     x = request.x.to(ctx.device, dtype)
     guidance = request.guidance.to(ctx.device, dtype) if request.guidance is not None else None
     started = time.perf_counter()
@@ -63,9 +66,12 @@ def forward(ctx: WorkerContext, request: ForwardRequest) -> ForwardReply:
         out = None
         if split.runs:  # a group without entries (a call smaller than the batch degree) only gathers
             take = split.take
+            # the text mask only for a family whose text takes one (backend/family.py `TextInputs.mask`)
+            masked = {} if mask is None else {"attention_mask": take(mask)}
             out = family.call(
                 family.model_fn(model), take(x), take(request.timestep.to(ctx.device)), take(context),
                 take(pooled), take(guidance), ref_latents=[take(r) for r in refs], ref_method=request.ref_method,
+                **masked,
             )  # fmt: skip
         entry = (family.latent_channels(model.config), *x.shape[2:])
         out = split.gather(out, entry, dtype, ctx.device)

@@ -36,11 +36,15 @@ KV_CACHE_MESSAGE = (
 def references_message(family: ModelFamily) -> str:
     """Why the TP / Ring Attention Sampler refuse the family's reference latents, and the family's own way."""
     refs = family.references
+    graph = (
+        f"the {refs.workflow} workflow's graph"
+        if refs.workflow
+        else f"ComfyUI's own {family.title} edit template with the ROCm Parallel Loader and Model as its model"
+    )
     return (
         f"the TP / Ring Attention Sampler do not take {refs.what} (the conditioning carries ReferenceLatent's): "
-        "sample with the ROCm Parallel Model and ComfyUI's own sampler nodes instead (the "
-        f"{refs.workflow} workflow's graph, with ReferenceLatent on its conditioning), or remove the "
-        "ReferenceLatent node"
+        f"sample with the ROCm Parallel Model and ComfyUI's own sampler nodes instead ({graph}, with "
+        "ReferenceLatent on its conditioning), or remove the ReferenceLatent node"
     )
 
 
@@ -148,7 +152,8 @@ def check_latent(latent: Any, info: CheckpointInfo) -> None:
     family = info.model_family
     channels, scale = family.latent_channels(info.config), family.latent.downscale
     samples = latent.get("samples") if isinstance(latent, dict) else None
-    if samples is None or getattr(samples, "ndim", 0) != 4:
+    ndims = (4,) if family.latent.dimensions == 2 else (4, 2 + family.latent.dimensions)
+    if samples is None or getattr(samples, "ndim", 0) not in ndims:
         raise ConfigError(
             f"latent_image must be a LATENT with 'samples' [batch, {channels}, height/{scale}, width/{scale}]; "
             f"got {list(getattr(samples, 'shape', [])) if samples is not None else type(latent).__name__}"

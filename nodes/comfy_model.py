@@ -101,6 +101,7 @@ class ParallelDiffusionModel(torch.nn.Module):
         patch_size: int = 2,
         pooled: bool = True,
         default_ref_method: str = "offset",
+        text_mask: bool = False,
     ) -> None:
         super().__init__()
         self.runner, self.dtype, self.guidance_embed = runner, dtype, guidance_embed
@@ -115,6 +116,8 @@ class ParallelDiffusionModel(torch.nn.Module):
         # attention patches are refused with checks.KV_CACHE_MESSAGE.) Every method is checked against the
         # family's `references` before a rank runs (backend/checks.py).
         self.default_ref_method = default_ref_method
+        # Qwen-Image on ComfyUI 0.33 passes the text encoder's `attention_mask` (model_base.QwenImage.extra_conds)
+        self.text_mask = text_mask
 
     def forward(
         self,
@@ -129,6 +132,7 @@ class ParallelDiffusionModel(torch.nn.Module):
         **kwargs: Any,
     ) -> torch.Tensor:
         options = transformer_options or {}
+        mask = kwargs.pop("attention_mask", None) if self.text_mask else None
         refused = checks.unsupported_forward_inputs(control, options, kwargs)
         if refused is not None:
             raise RuntimeError(refused)
@@ -150,6 +154,7 @@ class ParallelDiffusionModel(torch.nn.Module):
             step_of(options),
             ref_latents=ref_latents,
             ref_method=kwargs.get("ref_latents_method", self.default_ref_method),
+            attention_mask=mask,
         )
         return out.to(x.device)
 
@@ -236,6 +241,7 @@ def parallel_model(
         interrupted=mm.throw_exception_if_processing_interrupted,
         make_room=lambda: free_comfy_models(handle.devices),
     )
+    family = runner.info.model_family
     wanted = runner.comfy_model()  # Flux, FluxSchnell, FluxInpaint or Flux2, with the header's unet_config
     # FLUX.2 came with ComfyUI 0.3.75: an older ComfyUI fails here naming what it lacks, FLUX.1 still runs.
     require_internals((("comfy.supported_models", wanted.config_class),))
@@ -253,10 +259,9 @@ def parallel_model(
         dtype,
         guidance_embed=guidance_embed,
         patch_size=int(unet_config.get("patch_size", 2)),
-        # FLUX.1's unet_config carries no vec_in_dim (ComfyUI's detection adds it from vector_in); FLUX.2's
-        # says None.
-        pooled=unet_config.get("vec_in_dim", 768) is not None,
-        default_ref_method=str(unet_config.get("default_ref_method", "offset")),
+        pooled=family.text.pooled,  # FLUX.1's CLIP-L vector; FLUX.2 and Qwen-Image take none
+        default_ref_method=str(unet_config.get("default_ref_method", family.ref_method)),
+        text_mask=family.text.mask,
     )
     if _PATCHER_CLASS is None:
         _PATCHER_CLASS = _parallel_patcher_class()

@@ -69,7 +69,7 @@ class ModelRunner:
         flux = self.registry.flux_for(self.handle.devices)
         calls = call_batch if call_batch is not None else shape[0]
         if self.request.layout is None:
-            _, _, h, w = shape
+            h, w = shape[-2:]  # [B, C, H, W], or Qwen-Image's [B, C, 1, H, W]
             family = self.info.model_family
             width, height = family.planned_pixels(h, w)
             extra = sum(family.image_tokens(*ref[-2:]) for ref in references)
@@ -107,9 +107,11 @@ class ModelRunner:
         step: tuple[int, int] | None = None,
         ref_latents: Any = None,
         ref_method: str | None = None,
+        attention_mask: Any = None,
     ) -> Any:
         """One transformer forward on every rank (ComfyUI's `Flux.forward(x, timestep, context, y,
-        guidance, ref_latents, ref_latents_method=)`); `step` (done, total) is shown on the panel."""
+        guidance, ref_latents, ref_latents_method=)`, or QwenImage's with its text `attention_mask`);
+        `step` (done, total) is shown on the panel."""
         flux = self.registry.flux_for(self.handle.devices)
         if self._resident is None or flux.resident is not self._resident:
             # Called outside ComfyUI's sampling, or another node loaded something else meanwhile.
@@ -117,7 +119,10 @@ class ModelRunner:
         if step is not None:
             self.registry.update(step=step[0], total=step[1])
         self.calls += 1
-        return flux.forward(x, timestep, context, y, guidance, ref_latents=ref_latents, ref_method=ref_method)
+        masked = {} if attention_mask is None else {"attention_mask": attention_mask}  # Qwen-Image's text
+        return flux.forward(
+            x, timestep, context, y, guidance, ref_latents=ref_latents, ref_method=ref_method, **masked
+        )
 
 
 def idle_note(layout: ParallelLayout | None, call_batch: int) -> str | None:

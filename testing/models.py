@@ -1,7 +1,7 @@
 """Small models and random inputs for tests and benchmarks, for any registered family.
 
-* `tiny_flux_config` / `tiny_flux2_config`: structurally complete FLUX.1 / FLUX.2 configs with small
-  widths (every code path of the real model, in milliseconds);
+* `tiny_flux_config` / `tiny_flux2_config` / `tiny_qwen_image_config`: structurally complete FLUX.1 /
+  FLUX.2 / Qwen-Image configs with small widths (every code path of the real model, in milliseconds);
 * `random_inputs`: the keyword arguments of one diffusers forward, built through the family's own model
   call (`ModelFamily.call`, ComfyUI's semantics) from a random latent and text, so they are exactly
   what the worker's forward service gives the model, for any family.
@@ -20,6 +20,8 @@ from ..backend.family import ModelFamily, get_family
 from ..backend.flux.keys import rope_axes
 from ..backend.flux.model import FLUX_DEV
 from ..backend.flux2.model import FLUX2_DEV
+from ..backend.qwen_image.keys import rope_axes as qwen_rope_axes
+from ..backend.qwen_image.model import QWEN_IMAGE
 
 
 def tiny_flux_config(
@@ -82,6 +84,31 @@ def tiny_flux2_config(
         "axes_dims_rope": (head_dim // 4,) * 4,
         "guidance_embeds": guidance,
     }
+
+
+def tiny_qwen_image_config(
+    heads: int = 4,
+    head_dim: int = 16,
+    blocks: int = 2,
+    text_dim: int = 32,
+    zero_cond_t: bool = False,
+) -> dict[str, Any]:
+    """A structurally complete Qwen-Image with small widths (every code path of the released one).
+
+    16 latent channels (the Wan 2.1 latent format's) in 2 x 2 patches, RoPE axes in the released
+    proportions of head_dim ((4, 6, 6) for 16); `zero_cond_t`: Edit-2511's shape.
+    """
+    if head_dim % 8:
+        raise ValueError(f"head_dim={head_dim} must be a multiple of 8 for the 3-axis rotary embedding")
+    config = {
+        **QWEN_IMAGE,
+        "num_layers": blocks,
+        "attention_head_dim": head_dim,
+        "num_attention_heads": heads,
+        "joint_attention_dim": text_dim,
+        "axes_dims_rope": qwen_rope_axes(head_dim),
+    }
+    return {**config, "zero_cond_t": True} if zero_cond_t else config
 
 
 # The inputs that carry activations (they take the compute dtype); timesteps, guidance and position ids
@@ -164,4 +191,4 @@ def random_inputs(
     return ModelInputs(model.kwargs)
 
 
-__all__ = ["ModelInputs", "random_inputs", "tiny_flux2_config", "tiny_flux_config"]
+__all__ = ["ModelInputs", "random_inputs", "tiny_flux2_config", "tiny_flux_config", "tiny_qwen_image_config"]

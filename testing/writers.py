@@ -90,8 +90,9 @@ def save_mixed_checkpoint(
 # LoRA key layouts `write_random_lora` writes; names ComfyUI's `model_lora_keys_unet` maps for FLUX
 # (comfy/lora.py): BFL module names under `diffusion_model.`, the same with "." -> "_" under `lora_unet_`
 # (kohya / sd-scripts), diffusers module names under `transformer.` (diffusers / PEFT) and with "." -> "_"
-# under `lycoris_` (SimpleTuner's LyCORIS).
-LORA_FORMATS = ("bfl", "kohya", "peft", "lycoris")
+# under `lycoris_` (SimpleTuner's LyCORIS); "bare": the BFL module names alone (Qwen-Image's own / DiffSynth
+# format, e.g. Qwen-Image-Lightning), which ComfyUI maps for QwenImage only.
+LORA_FORMATS = ("bfl", "kohya", "peft", "lycoris", "bare")
 # Adapter kinds (ComfyUI's comfy/weight_adapter/): "lokr" stores w1 whole and w2 as two factors (LyCORIS'
 # usual layout; alpha / rank of w2), "lokr_full" both whole (ComfyUI then ignores alpha), "lokr_both"
 # both as two factors; "diff" a full weight difference.
@@ -174,6 +175,7 @@ def write_random_lora(
     `targets`: BFL module names such as 'double_blocks.0.img_attn.qkv' (default every linear). Module keys:
     * "bfl":     `diffusion_model.<module>`, one adapter per BFL module;
     * "kohya":   `lora_unet_<module with . as _>`, one adapter per BFL module;
+    * "bare":    `<module>`, one adapter per BFL module (Qwen-Image's format);
     * "peft":    `transformer.<diffusers module>` (lora_A / lora_B for LoRA);
     * "lycoris": `lycoris_<diffusers module with . as _>`;
     the diffusers formats hold one adapter per diffusers module of the targets (a fused qkv is three), drawn
@@ -199,7 +201,7 @@ def write_random_lora(
     fam = get_family(family)
     names = sorted(targets) if targets is not None else lora_targets(config, family)
     plain = kind == "lora" and dora is None and not bias
-    if fmt in ("bfl", "kohya") or (fmt == "peft" and plain):
+    if fmt in ("bfl", "kohya", "bare") or (fmt == "peft" and plain):
         return _write_bfl_drawn(path, config, fmt, fam, names, rank, seed, alpha, relative, kind, dora, bias)
     sources = fam.sources(config)
     modules = sorted(
@@ -272,16 +274,17 @@ def _write_bfl_drawn(
     dora: Any,
     bias: bool,
 ) -> str:
-    """Adapters drawn once per BFL module, written under BFL or kohya keys (or, plain LoRA, split per
+    """Adapters drawn once per BFL module, written under BFL, kohya or bare keys (or, plain LoRA, split per
     diffusers module under `transformer.`)."""
     from safetensors.torch import save_file
 
     shapes = fam.bfl_shapes(config)
     g = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
-    if fmt in ("bfl", "kohya"):
+    if fmt in ("bfl", "kohya", "bare"):
         for i, name in enumerate(names):
-            key = f"diffusion_model.{name}" if fmt == "bfl" else "lora_unet_" + name.replace(".", "_")
+            prefix = {"bfl": "diffusion_model.", "kohya": "lora_unet_", "bare": ""}[fmt]
+            key = prefix + (name.replace(".", "_") if fmt == "kohya" else name)
             has_bias = f"{name}.bias" in shapes
             tensors.update(
                 _adapter(key, fmt, tuple(shapes[f"{name}.weight"]), _cycle(kind, i), _cycle(dora, i),

@@ -367,8 +367,9 @@ def test_not_flux_names_the_file(tmp_path: Path) -> None:
     path = tmp_path / "other.safetensors"
     save_file({"img_in.weight": torch.zeros(4, 4)}, str(path))
     assert _error(path) == (
-        f"'{path}' is not a FLUX.1 or FLUX.2 checkpoint: none of its keys is a FLUX.1 or FLUX.2 "
-        "transformer's (first keys: img_in.weight). Pick a FLUX.1 or FLUX.2 transformer file (e.g. flux1-dev.safetensors, "
+        f"'{path}' is not a FLUX.1, FLUX.2 or Qwen-Image checkpoint: none of its keys is a FLUX.1, FLUX.2 or "
+        "Qwen-Image transformer's (first keys: img_in.weight). Pick a FLUX.1, FLUX.2 or Qwen-Image transformer "
+        "file (e.g. flux1-dev.safetensors, "
         "flux2-dev.safetensors) from models/diffusion_models"
     )
 

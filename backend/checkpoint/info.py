@@ -127,7 +127,13 @@ def describe_keys(keys: Iterable[str]) -> str:
 def _check_shapes(
     path: str, found: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]], title: str
 ) -> None:
-    """Every tensor of the `title` family's layout present, nothing else, each of its shape."""
+    """Every tensor of the `title` family's layout present, nothing else, each of its shape.
+
+    An empty tensor the layout expects is a marker, not a weight (ComfyUI's `__index_timestep_zero__` of
+    Qwen-Image-Edit-2511): the family's config already says what it marks, and a diffusers folder of the
+    same model has none, so it may be missing.
+    """
+    expected = {k: v for k, v in expected.items() if numel(v) or k in found}
     missing = sorted(set(expected) - set(found))
     if missing:
         raise CheckpointError(
@@ -253,7 +259,13 @@ def _by_name() -> list[ModelFamily]:
 
 def _known_families() -> str:
     """'FLUX.1 or FLUX.2': the titles of the registered families, for messages."""
-    return " or ".join(f.title for f in _by_name())
+    return _one_of(f.title for f in _by_name())
+
+
+def _one_of(names: Iterable[str]) -> str:
+    """'A, B or C' (messages name every registered family)."""
+    names = list(names)
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else "".join(names)
 
 
 def _inspect_file(path: Path) -> CheckpointInfo:
@@ -289,7 +301,7 @@ def _inspect_folder(path: Path) -> CheckpointInfo:
     cls = raw.get("_class_name")
     family = family_for_class(cls)
     if family is None:
-        known = " or ".join(f.diffusers_class for f in _by_name())
+        known = _one_of(f.diffusers_class for f in _by_name())
         raise CheckpointError(
             f"'{config_file}' describes a {cls}, not a {known}; pass a FLUX pipeline folder "
             "or its transformer/ folder"

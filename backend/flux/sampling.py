@@ -266,7 +266,9 @@ class SamplingPlan:
     sigmas: torch.Tensor  # float32 [steps + 1]
     cond: FluxConditioning
     mask: torch.Tensor | None  # [B, C, H, W] in [0, 1]: 1 = regenerate, 0 = keep latent_image
-    original: torch.Tensor  # the caller's latent, returned as is when there is nothing to do
+    original: (
+        torch.Tensor
+    )  # the caller's latent in the format's dimensions, returned as is when there is nothing to do
     latent: LatentFormat  # the family's: process_out turns the result back into a VAE latent
 
     @property
@@ -280,12 +282,19 @@ def checked_latent(
     """A LATENT's samples in `model`'s latent format (`channels`: the model's own, when they differ from
     the format's, as in a small test model), or ConfigError naming the shape and the fix."""
     c, scale = channels or fmt.channels, fmt.downscale
-    if not torch.is_tensor(latent) or latent.ndim != 4 or 0 in latent.shape:
+    # a format of 3 latent dimensions (Wan 2.1's: [B, C, T, H, W]) takes images as T = 1, and 4-D latents
+    # as ComfyUI's fix_empty_latent_channels does: unsqueezed
+    ndims = (4,) if fmt.dimensions == 2 else (4, 2 + fmt.dimensions)
+    frames = latent.ndim == 5 and latent.shape[2] != 1 if torch.is_tensor(latent) else False
+    if not torch.is_tensor(latent) or latent.ndim not in ndims or 0 in latent.shape or frames:
         shape = tuple(latent.shape) if torch.is_tensor(latent) else type(latent).__name__
+        frame = ", 1" if fmt.dimensions == 3 else ""
         raise ConfigError(
-            f"latent samples have shape {shape}; expected [batch, {c}, height/{scale}, width/{scale}] with at "
-            "least one image (batch >= 1)"
+            f"latent samples have shape {shape}; expected [batch, {c}{frame}, height/{scale}, width/{scale}] with "
+            "at least one image (batch >= 1)"
         )
+    if latent.ndim == 4 and fmt.dimensions == 3:
+        latent = latent.unsqueeze(2)
     check_real("latent samples", latent)
     check_finite("latent samples", latent, f"encode the image again or start from {fmt.empty_node}")
     if latent.shape[1] != c:
@@ -319,7 +328,10 @@ def make_plan(
     latent format (`channels`: the model's latent channels when not the format's), `model` its name. `sigmas` (a SIGMAS input, as SamplerCustom takes it)
     overrides steps/denoise."""
     check_seed(seed)
-    latent = checked_latent(latent, fmt, model, channels).to(torch.float32)
+    original = checked_latent(latent, fmt, model, channels).to(torch.float32)
+    # the loop runs on [B, C, H, W]: a 5-D latent has T = 1, and its noise (drawn over the same elements in
+    # the same order) is ComfyUI's for the 5-D shape
+    latent = original[:, :, 0] if original.ndim == 5 else original
     batch = latent.shape[0]
     if sigmas is not None:
         sigmas = checked_sigmas(sigmas)
@@ -342,14 +354,14 @@ def make_plan(
             raise ConfigError("noise_mask must be a tensor [..., height, width] (SetLatentNoiseMask output)")
         mask = latent_mask(noise_mask, latent.shape)
     # CFGGuider.inner_sample: an all-zero latent (EmptyLatentImage) is deliberately NOT shifted.
-    image = (latent - fmt.shift) * fmt.scale if torch.count_nonzero(latent) > 0 else latent
+    image = fmt.process_in(latent) if torch.count_nonzero(latent) > 0 else latent
     return SamplingPlan(
         noise=prepare_noise(latent.shape, int(seed), batch_index),
         latent_image=image,
         sigmas=sigmas,
         cond=cond,
         mask=mask,
-        original=latent,
+        original=original,
         latent=fmt,
     )
 
@@ -497,7 +509,7 @@ def euler(
         if callback is not None:
             callback(i + 1, total)
     x = x / (1.0 - sigmas[-1])  # CONST.inverse_noise_scaling; a no-op when the schedule ends at 0
-    return (x.to(torch.float32) / plan.latent.scale) + plan.latent.shift  # the latent format's process_out
+    return plan.latent.process_out(x.to(torch.float32)).reshape(plan.original.shape)
 
 
 def run_euler(

@@ -16,6 +16,9 @@ Written here, because diffusers cannot do it:
   that calls diffusers' `_templated_context_parallel_attention` with the kernel chosen for the device:
   ROCm flash SDPA (AOTriton), CUDA cuDNN, the CPU flash kernel, or plain math.
 * **The LSE guard** (lse.py) wraps the kernel whenever ring attention runs.
+* **Text masks** (Qwen-Image's padded prompts): diffusers' ring attention applies a rank's local mask to
+  every rotated K/V chunk (wrong), and ring x Ulysses fails on a mask. A key mask is key validity, the
+  same thing as the padding below: it travels in the same channel, per batch entry.
 * **Sequences that do not divide by the degree.** diffusers' `*_anything` modes are missing before
   0.37/0.40, exclude ring x Ulysses, and add a size all-gather to every attention call; its plain modes
   assert divisibility. One path covers every layout: each stream (text, image) is padded so that every
@@ -214,10 +217,12 @@ def local_padding(text: int, image: int, degree: int, rank: int, device: torch.d
 
 
 def masked_forward_op(inner: Callable[..., Any]) -> Callable[..., Any]:
-    """Run `inner` on Q/K/V whose last channel is the extra validity channel: drop padded keys first.
+    """Run `inner` on Q/K/V whose last channel is the extra validity channel: drop invalid keys first.
 
-    Dropping (not masking) the padded keys keeps the kernels mask-free (flash SDPA takes no mask) and is
+    Dropping (not masking) the invalid keys keeps the kernels mask-free (flash SDPA takes no mask) and is
     exact. K/V chunks of other ranks carry their own validity, so this works inside ring and Ulysses.
+    Validity is the same for every head; it differs between batch entries only under a text mask (a CFG
+    batch of a padded and an unpadded prompt): then each entry runs on its own keys.
     """
 
     def op(
@@ -233,16 +238,27 @@ def masked_forward_op(inner: Callable[..., Any]) -> Callable[..., Any]:
             # Sizing on the meta device: which keys are padding is data, and the boolean index below has no
             # meta kernel (nonzero). Keeping them all keeps the shapes of the padded local sequence, which
             # is what the collectives (run before this kernel) and the tracer see.
-            keep = slice(None)
+            entries: list[tuple[slice, Any]] = [(slice(None), slice(None))]
         else:
-            keep = key[0, :, 0, -1] > 0.5  # validity is the same for every batch entry and head
-        result = inner(
-            ctx, query[..., :-1], key[:, keep, :, :-1], value[:, keep, :, :-1], None, *args, **kwargs
-        )
-        if isinstance(result, tuple):
-            out, *rest = result
-            return (nn.functional.pad(out, (0, 1)), *rest)
-        return nn.functional.pad(result, (0, 1))
+            keep = key[:, :, 0, -1] > 0.5  # [B, S]
+            if bool((keep == keep[:1]).all()):
+                entries = [(slice(None), keep[0])]
+            else:
+                entries = [(slice(b, b + 1), keep[b]) for b in range(keep.shape[0])]
+        outs, rests = [], []
+        for rows, kept in entries:
+            result = inner(
+                ctx, query[rows, ..., :-1], key[rows][:, kept, :, :-1], value[rows][:, kept, :, :-1], None,
+                *args, **kwargs,
+            )  # fmt: skip
+            out, *rest = result if isinstance(result, tuple) else (result,)
+            outs.append(out)
+            rests.append(rest)
+        out = nn.functional.pad(outs[0] if len(outs) == 1 else torch.cat(outs), (0, 1))
+        if not rests[0]:
+            return out
+        rest = [r[0] if len(rests) == 1 else torch.cat(r) for r in zip(*rests, strict=True)]
+        return (out, *rest)
 
     return op
 
@@ -260,6 +276,9 @@ class ContextState:
     lse_shape: str = ANY
     padding: LocalPadding | None = None
     return_dict: bool = False  # what the caller of this forward asked for
+    # this forward's Q/K/V carry the validity channel (padding, or a text key mask somewhere in the whole
+    # sequence): decided by the family's padding hook for every rank alike, or the collectives would differ
+    masked: bool = False
 
 
 class ContextAttention:
@@ -268,10 +287,30 @@ class ContextAttention:
     def __init__(self, state: ContextState) -> None:
         self.state = state
 
-    def forward_op(self, padded: bool) -> Callable[..., Any]:
+    def forward_op(self, masked: bool) -> Callable[..., Any]:
         op = self.state.kernel.forward_op
-        op = masked_forward_op(op) if padded else op
+        op = masked_forward_op(op) if masked else op
         return guard_forward_op(op, self.state.lse_shape) if self.state.layout.ring > 1 else op
+
+    def key_validity(self, query: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """[B, S_local] which keys count: the processor's key mask (a text mask: Qwen-Image's builds a bool
+        [B, 1, 1, S] over [text | image]) and the padding's; None when neither is given."""
+        padding = self.state.padding
+        if padding is not None and padding.key_valid.numel() != query.shape[1]:
+            raise RuntimeError(
+                f"local sequence {query.shape[1]} does not match the padding plan {padding.key_valid.numel()}"
+            )
+        valid = None if padding is None else (padding.key_valid > 0.5)[None, :].expand(query.shape[0], -1)
+        if attn_mask is not None:
+            b, s = query.shape[:2]
+            if attn_mask.dtype != torch.bool or attn_mask.numel() not in (s, b * s):
+                raise ValueError(
+                    f"context-parallel attention takes a boolean key mask [B, 1, 1, S] (B={b}, S={s}); got "
+                    f"{attn_mask.dtype} {tuple(attn_mask.shape)}"
+                )
+            keys = attn_mask.reshape(-1, s).expand(b, s)
+            valid = keys if valid is None else valid & keys
+        return valid
 
     def __call__(
         self,
@@ -290,21 +329,26 @@ class ContextAttention:
     ) -> torch.Tensor:
         from diffusers.models.attention_dispatch import _templated_context_parallel_attention
 
-        if attn_mask is not None:
-            raise ValueError("attention masks are not supported under context parallelism")
         if parallel_config is None:
             raise RuntimeError("context-parallel attention was called without a parallel config")
         scale = query.shape[-1] ** -0.5 if scale is None else scale  # explicit: Q/K may gain a channel below
-        padding = self.state.padding
-        if padding is not None:
-            if padding.key_valid.numel() != query.shape[1]:
-                raise RuntimeError(
-                    f"local sequence {query.shape[1]} does not match the padding plan "
-                    f"{padding.key_valid.numel()}"
-                )
+        valid = self.key_validity(query, attn_mask)
+        masked = self.state.masked or self.state.padding is not None
+        if valid is not None and not masked and not bool(valid.all()):
+            # diffusers' own ring attention would apply this rank's mask to other ranks' keys: never that
+            raise RuntimeError(
+                "a key mask reached context-parallel attention in a forward its padding hook did not plan "
+                "validity for (ContextState.masked); the family's ContextParallelSpec.padding must decide it"
+            )
+        if masked:
             # The validity channel: 0 in Q (so Q.K is unchanged), the flag in K, 0 in V.
             zeros = query.new_zeros((*query.shape[:-1], 1))
-            flag = padding.key_valid.to(key.dtype).view(1, -1, 1, 1).expand(*key.shape[:-1], 1)
+            flag = (
+                torch.ones(key.shape[:2], dtype=key.dtype, device=key.device)
+                if valid is None
+                else valid.to(key.dtype)
+            )
+            flag = flag[:, :, None, None].expand(*key.shape[:-1], 1)
             query, key, value = (
                 torch.cat([query, zeros], -1),
                 torch.cat([key, flag], -1),
@@ -312,11 +356,11 @@ class ContextAttention:
             )
         out = _templated_context_parallel_attention(
             query, key, value, None, dropout_p, is_causal, scale, False, False,
-            forward_op=self.forward_op(padding is not None),
+            forward_op=self.forward_op(masked),
             backward_op=self.state.kernel.backward_op,
             _parallel_config=parallel_config,
         )  # fmt: skip
-        return out[..., :-1] if padding is not None else out
+        return out[..., :-1] if masked else out
 
 
 def _with_dispatch(fn: Callable[..., Any], dispatch: Callable[..., Any]) -> Callable[..., Any]:

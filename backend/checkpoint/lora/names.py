@@ -91,6 +91,8 @@ def slot_table(info: CheckpointInfo) -> dict[str, Slot]:
         slot = Slot("bfl", (out, in_features), _targets(parts, 0, out, shapes), _identity(out), bias)
         table[f"diffusion_model.{module}"] = slot
         table["lora_unet_" + module.replace(".", "_")] = replace(slot, format="kohya")
+        for prefix in info.model_family.lora_prefixes:  # e.g. Qwen-Image's bare module names
+            table.setdefault(prefix + module, slot)
         if module.endswith(".linear1"):  # ComfyUI's partial key: the q|k|v rows of linear1
             qkv = 3 * info.dims.hidden
             targets = _targets(parts, 0, qkv, shapes)
