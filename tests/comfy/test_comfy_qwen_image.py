@@ -9,7 +9,7 @@ LoRA applied by the pack, and must equal what the same ComfyUI version sampled w
 ring 2 x Ulysses 2.
 
     source /work/comfy/env.sh 0.33.0 && PYTHONPATH=<pack parent>:$PYTHONPATH \\
-        python -m pytest -q -s -m comfy tests/comfy/test_qwen_image.py
+        python -m pytest -q -s -m comfy tests/comfy/test_comfy_qwen_image.py
 """
 
 from __future__ import annotations
