@@ -246,11 +246,15 @@ def test_qwen_image_refusals_before_any_rank_runs(group2: WorkerGroup, qwen_file
             ConfigError, match=r"attention_mask must hold 1 \(a real token\) or 0 \(padding\) per token"
         ):
             flux.forward(**{**inputs, "attention_mask": torch.full((2, 11), 2)})
-        with pytest.raises(
-            ConfigError,
-            match="ref_latents_method='uno' is not one of index, offset, uxo, negative_index, index_timestep_zero",
-        ):
+        with pytest.raises(ConfigError) as err:  # 'uxo/uno' is the node's choice; the conditioning says 'uxo'
             flux.forward(**inputs, ref_method="uno")
+        assert str(err.value) == (
+            "ref_latents_method='uno' is not a reference placement ComfyUI's models run (index, "
+            "index_timestep_zero, negative_index, offset, uxo); it came with the conditioning (the Edit Model "
+            "Reference Method (FluxKontextMultiReferenceLatentMethod) node, or a custom node that sets it): set "
+            "that node to one of index, offset, uxo/uno, negative_index, index_timestep_zero for Qwen-Image "
+            "(4 heads, 2 blocks)"
+        )
     finally:
         monkeypatch.undo()
         flux.unload()
