@@ -56,6 +56,14 @@ EXPECTED = {
         "flux2_dev_fp8mixed.safetensors",
         None,
     ),
+    # ComfyUI's Qwen-Image template (image_qwen_image) with cfg 2.5: cond + uncond, one call of 2 that the
+    # batch degree splits over two TP pairs; Comfy-Org's fp8 file, as the template loads it.
+    "qwen_image_parallel_model_batch2_tp2": (
+        "KSampler",
+        "0,1,2,3",
+        "qwen_image_fp8_e4m3fn.safetensors",
+        None,
+    ),
 }
 
 
@@ -123,8 +131,9 @@ def test_workflow_does_what_its_name_says(name: str) -> None:
     # FLUX.1-dev takes a guidance value; schnell has no guidance input, so no FluxGuidance node.
     assert ("FluxGuidance" in by_class) == ("dev" in name)
     standard = {"CLIPTextEncode", "VAELoader", "VAEDecode", "SaveImage"}
-    # FLUX.1: two text encoders (clip_l + t5xxl); FLUX.2: one (Mistral 3 Small) and a 128-channel latent
-    standard.add("CLIPLoader" if name.startswith("flux2") else "DualCLIPLoader")
+    # FLUX.1: two text encoders (clip_l + t5xxl); FLUX.2: one (Mistral 3 Small) and a 128-channel latent;
+    # Qwen-Image: one (Qwen2.5-VL 7B)
+    standard.add("DualCLIPLoader" if name.startswith("flux1") else "CLIPLoader")
     # text-to-image starts from an empty latent; an edit (Kontext) from the encoded image
     if "kontext" in name:
         standard.add("VAEEncode")
@@ -221,6 +230,56 @@ def test_the_composed_flux2_workflow_is_a_layout_the_planner_prices_for_flux2_de
     for node_id, node in api.items():
         if node["class_type"] not in ("RocmParallelModel", "SaveImage"):
             assert node["inputs"] == plain[node_id]["inputs"], node["class_type"]
+
+
+def test_qwen_workflow_is_comfyuis_qwen_image_template_on_a_batch_split() -> None:
+    """ComfyUI's Qwen-Image template (image_qwen_image, comfyui_workflow_templates 0.7.23) with its UNETLoader
+    replaced by the ROCm Parallel Loader (4 GPUs, Comfy-Org's fp8 file kept fp8) -> ROCm Parallel Model ->
+    the template's ModelSamplingAuraFlow 3.1 -> KSampler (20 steps, euler/simple, cfg 2.5 with the negative
+    prompt) at 1328x1328. cfg 2.5 makes every model call a batch of 2 (cond + uncond): 'batch 2 x tp 2'
+    gives each TP pair one of them, no pair idles, and the planner finds it fits 24 GB GPUs."""
+    from rocm_parallel.backend.config import ParallelLayout
+    from rocm_parallel.backend.family import get_family
+    from rocm_parallel.backend.plan import Setup, estimate
+    from rocm_parallel.backend.qwen_image.model import QWEN_IMAGE
+
+    api = load("qwen_image_parallel_model_batch2_tp2", api=True)
+    ids = {node["class_type"]: node_id for node_id, node in api.items()}
+    inputs = {name: api[node_id]["inputs"] for name, node_id in ids.items()}
+    assert "UNETLoader" not in ids and "FluxGuidance" not in ids
+    assert inputs["RocmParallelLoader"]["weight_dtype"] == "default"
+    assert inputs["RocmParallelModel"]["parallel_flux"] == [ids["RocmParallelLoader"], 0]
+    assert inputs["ModelSamplingAuraFlow"] == {"shift": 3.1, "model": [ids["RocmParallelModel"], 0]}
+    assert inputs["CLIPLoader"]["type"] == "qwen_image"
+    assert inputs["CLIPLoader"]["clip_name"] == "qwen_2.5_vl_7b_fp8_scaled.safetensors"
+    assert inputs["VAELoader"]["vae_name"] == "qwen_image_vae.safetensors"
+    sampler = inputs["KSampler"]
+    assert sampler["model"] == [ids["ModelSamplingAuraFlow"], 0]
+    assert sampler["latent_image"] == [ids["EmptySD3LatentImage"], 0]
+    assert {sampler["positive"][0], sampler["negative"][0]} == {
+        k for k, v in api.items() if v["class_type"] == "CLIPTextEncode"
+    }
+    assert (sampler["steps"], sampler["cfg"], sampler["sampler_name"], sampler["scheduler"]) == (
+        20,
+        2.5,
+        "euler",
+        "simple",
+    )
+    latent = inputs["EmptySD3LatentImage"]
+    assert (latent["width"], latent["height"], latent["batch_size"]) == (1328, 1328, 1)
+    assert inputs["VAEDecode"]["samples"] == [ids["KSampler"], 0]
+
+    family = get_family("qwen_image")
+    layout = ParallelLayout.parse(inputs["RocmParallelModel"]["layout"])
+    assert layout == ParallelLayout(batch=2, tp=2)
+    devices = len(inputs["RocmParallelLoader"]["devices"].split(","))
+    dims = family.dims(QWEN_IMAGE)
+    layout.validate(dims, devices=devices)
+    call_batch = latent["batch_size"] * (2 if sampler["cfg"] != 1 else 1)
+    setup = Setup(dims, 1328, 1328, batch=call_batch, text_tokens=family.text.tokens, devices=devices,
+                  memory_gb=24, family="qwen_image", weight_dtype="fp8_e4m3fn")  # fmt: skip
+    cost = estimate(setup, layout)
+    assert cost.fits and cost.idle_groups == 0 and cost.local_batch == 1  # 10.2 GB of fp8 weights per GPU
 
 
 def test_checker_finds_broken_workflows(info: dict) -> None:

@@ -30,7 +30,7 @@ NODES = [
     "KSampler", "DualCLIPLoader", "CLIPLoader", "CLIPTextEncode", "FluxGuidance", "EmptySD3LatentImage",
     "EmptyFlux2LatentImage", "Flux2Scheduler", "BasicGuider", "KSamplerSelect", "RandomNoise",
     "SamplerCustomAdvanced", "VAELoader", "VAEDecode", "SaveImage", "SaveLatent", "VAEEncode", "LoadImage",
-    "FluxKontextImageScale", "ReferenceLatent",
+    "FluxKontextImageScale", "ReferenceLatent", "ModelSamplingAuraFlow",
 ]  # fmt: skip
 
 
