@@ -291,8 +291,12 @@ def _overlaps(a: list[float], b: list[float]) -> bool:
     return a[0] < b[0] + b[2] and b[0] < a[0] + a[2] and a[1] < b[1] + b[3] and b[1] < a[1] + a[3]
 
 
-# Workflows photographed whole (FLUX.1 TP 4, and FLUX.2 [dev] TP 4) for a person to look at.
-WIDE_SHOTS = ("flux1_dev_tp4.json", "flux2_dev_parallel_model_tp4.json")
+# Workflows photographed whole (FLUX.1 TP 4, FLUX.2 [dev] TP 4, Qwen-Image batch 2 x tp 2) for a person to look at.
+WIDE_SHOTS = (
+    "flux1_dev_tp4.json",
+    "flux2_dev_parallel_model_tp4.json",
+    "qwen_image_parallel_model_batch2_tp2.json",
+)
 
 
 def test_shipped_workflows_load_without_overlapping_nodes(comfy: Comfy, browser: str) -> None:
