@@ -279,17 +279,17 @@ def test_reference_latents_are_sent_once_and_found_by_content(
         ("dev", {"ref_latents": [torch.zeros(1, 16, 4, 4)]},
          r"^ref_latents\[0\] has shape \(1, 16, 4, 4\); a reference latent is \[2, 16, height, width\]"),
         ("dev", {"ref_method": "left"}, "^" + re.escape(
-            "ref_latents_method='left' is not a reference placement ComfyUI's FLUX models run (index, "
-            "index_timestep_zero, offset, uxo); it came with the conditioning (the Edit Model Reference Method "
+            "ref_latents_method='left' is not a reference placement ComfyUI's models run (index, "
+            "index_timestep_zero, negative_index, offset, uxo); it came with the conditioning (the Edit Model Reference Method "
             "(FluxKontextMultiReferenceLatentMethod) node, or a custom node that sets it): set that node to one "
             "of offset, index, uxo/uno for FLUX.1-dev") + "$"),
         # ComfyUI 0.33's fourth method is FLUX.2's: its own FLUX.1 fails on it
         ("dev", {"ref_method": "index_timestep_zero"}, "^" + re.escape(
-            "ref_latents_method='index_timestep_zero' is a FLUX.2 placement, not one of FLUX.1's (offset, index, "
+            "ref_latents_method='index_timestep_zero' is a FLUX.2 and Qwen-Image placement, not one of FLUX.1's (offset, index, "
             "uxo/uno): it modulates the reference tokens as at timestep 0, which takes FLUX.2's shared "
             "modulation; FLUX.1 modulates in every block from one timestep, and ComfyUI's own FLUX.1 fails on "
             "it with a shape error. Set the Edit Model Reference Method (FluxKontextMultiReferenceLatentMethod) "
-            "node to one of offset, index, uxo/uno, or load a FLUX.2 checkpoint") + "$"),
+            "node to one of offset, index, uxo/uno, or load a FLUX.2 or Qwen-Image checkpoint") + "$"),
         ("fill", {"x": torch.zeros(2, 16, 5, 9), "ref_latents": None, "ref_method": None},
          r"^x has shape \(2, 16, 5, 9\); FLUX.1 Fill takes \[batch, 96, height, width\]: the 16-channel latent "
          r"with the 80 channels of the masked image and mask appended"),
