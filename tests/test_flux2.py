@@ -154,6 +154,8 @@ def test_plan_cli_answers_for_flux2_dev(capsys: pytest.CaptureFixture[str]) -> N
 
     code = main(["plan", "--model", "flux2-dev", "--devices", "4", "--memory-gb", "16"])
     out = capsys.readouterr().out
-    assert out.startswith("FLUX.2 (48 heads x 128, 8+48 blocks), bfloat16, 1024x1024 x1 (4608 tokens)")
+    assert out.startswith(
+        "FLUX.2 (48 heads x 128, 8+48 blocks), bfloat16, 1024x1024, call batch 1 (4608 tokens)"
+    )
     assert "auto:" in out
     assert code in (0, 1)

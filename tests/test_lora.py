@@ -602,12 +602,12 @@ def test_targets_and_shapes_this_checkpoint_lacks(files: dict[str, str], tmp_pat
     assert _error(files, [(path, 1.0)]) == (
         f"LoRA '{path}': 'lora_unet_double_blocks_7_img_attn_qkv.lora_up.weight' targets "
         "'lora_unet_double_blocks_7_img_attn_qkv', which this checkpoint (2 double + 3 single blocks, "
-        "hidden 128) does not have; the LoRA was made for a different FLUX model"
+        "hidden 128) does not have; the LoRA was made for a different model"
     )
     _lora(path, {**lora, "lora_unet_img_in.lora_down.weight": torch.zeros(4, 80)})
     assert _error(files, [(path, 1.0)]) == (
         f"LoRA '{path}': 'lora_unet_img_in.lora_down.weight' has shape [4, 80] but this checkpoint's "
-        "'lora_unet_img_in' needs ['rank', 64]; the LoRA was made for a different FLUX model"
+        "'lora_unet_img_in' needs [4, 64]; the LoRA was made for a different model"
     )
     del lora["lora_unet_txt_in.lora_down.weight"]
     _lora(path, lora)
@@ -628,7 +628,7 @@ def test_new_kinds_shapes_and_combinations(files: dict[str, str], tmp_path: Path
     _lora(path, lokr)
     assert _error(files, [(path, 1.0)]) == (
         f"LoRA '{path}': '{key}.lokr_w1' (16 x 8) and '{key}.lokr_w2_a' (24 x 32) make a 384 x 256 Kronecker "
-        f"product but this checkpoint's '{key}' needs [384, 128]; the LoRA was made for a different FLUX model"
+        f"product but this checkpoint's '{key}' needs [384, 128]; the LoRA was made for a different model"
     )
     _lora(
         path,
@@ -661,8 +661,7 @@ def test_new_kinds_shapes_and_combinations(files: dict[str, str], tmp_path: Path
     _lora(path, {**plain, f"{key}.dora_scale": torch.ones(384)})
     assert _error(files, [(path, 1.0)]) == (
         f"LoRA '{path}': '{key}.dora_scale' has shape [384] but this checkpoint's '{key}' needs [384, 1] or "
-        "[1, 128] (DoRA's magnitude per output row or per input column); the LoRA was made for a different "
-        "FLUX model"
+        "[1, 128] (DoRA's magnitude per output row or per input column); the LoRA was made for a different model"
     )
     _lora(path, {**plain, f"{key}.diff": torch.ones(384, 128)})
     assert _error(files, [(path, 1.0)]) == (
@@ -691,7 +690,7 @@ def test_new_kinds_shapes_and_combinations(files: dict[str, str], tmp_path: Path
     _lora(path, {f"{key}.diff": torch.ones(384, 64)})
     assert _error(files, [(path, 1.0)]) == (
         f"LoRA '{path}': '{key}.diff' has shape [384, 64] but this checkpoint's '{key}' needs [384, 128]; "
-        "the LoRA was made for a different FLUX model"
+        "the LoRA was made for a different model"
     )
     part = "transformer.transformer_blocks.0.attn.to_q"
     _lora(path, {f"{part}.diff_b": torch.ones(128)})
@@ -704,7 +703,7 @@ def test_new_kinds_shapes_and_combinations(files: dict[str, str], tmp_path: Path
     _lora(path, {f"{flux2}.diff_b": torch.ones(64)})
     assert _error(files, [(path, 1.0)], "flux2") == (
         f"LoRA '{path}': '{flux2}.diff_b' is a bias difference, but this checkpoint's '{flux2}' has no bias; "
-        "the LoRA was made for a different FLUX model"
+        "the LoRA was made for a different model"
     )
 
 

@@ -875,7 +875,7 @@ def test_missing_comfyui_internals_name_the_version(
     assert text.startswith("ROCm Parallel Model: ComfyUI 0.9.99 lacks comfy.model_base.Flux, ")
     assert "comfy.samplers.sampler_object" in text  # the fake comfy.samplers has only the lists
     assert text.endswith(
-        "which the parallel MODEL needs (built against ComfyUI 0.3.75). Update ComfyUI, or use "
+        "which the parallel MODEL needs (checked against ComfyUI 0.3.75 and 0.33.0). Update ComfyUI, or use "
         "the TP / Ring Attention Sampler's pack version made for this ComfyUI"
     )
 

@@ -65,7 +65,7 @@ def parse(p: Parsed) -> tuple[int, float]:
         raise LoraError(
             f"LoRA '{p.path}': '{w1}' ({a} x {b}) and '{w2}' ({c} x {d}) make a {a * c} x {b * d} Kronecker "
             f"product but this checkpoint's '{p.key}' needs {list(p.shape)}; the LoRA was made for a "
-            "different FLUX model"
+            "different model"
         )
     rank = rank2 if rank2 is not None else rank1  # ComfyUI's `dim`: w2's rank overrides w1's
     if p.alpha is None or rank is None:

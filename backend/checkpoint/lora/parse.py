@@ -158,7 +158,7 @@ def _no_bias(path: Path, module: str, key: str, slot: Slot) -> None:
         )
     raise LoraError(
         f"LoRA '{path}': '{key}' is a bias difference, but this checkpoint's '{module}' has no bias; the "
-        "LoRA was made for a different FLUX model"
+        "LoRA was made for a different model"
     )
 
 
@@ -221,7 +221,7 @@ def _dora_axis(path: Path, module: str, key: str, shape: Sequence[int], weight: 
     raise LoraError(
         f"LoRA '{path}': '{key}' has shape {list(shape)} but this checkpoint's '{module}' needs "
         f"[{out}, 1] or [1, {in_features}] (DoRA's magnitude per output row or per input column); the "
-        "LoRA was made for a different FLUX model"
+        "LoRA was made for a different model"
     )
 
 
@@ -262,7 +262,7 @@ def _unknown_key(path: Path, key: str, info: CheckpointInfo) -> None:
     raise LoraError(
         f"LoRA '{path}': '{key}' targets '{module}', which this checkpoint "
         f"({info.dims.double_blocks} double + {info.dims.single_blocks} single blocks, "
-        f"hidden {info.dims.hidden}) does not have; the LoRA was made for a different FLUX model"
+        f"hidden {info.dims.hidden}) does not have; the LoRA was made for a different model"
     )
 
 

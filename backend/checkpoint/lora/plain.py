@@ -32,7 +32,7 @@ def parse(p: Parsed) -> tuple[int, float]:
     down = p.shape_of("down")
     rank = down[0] if len(down) == 2 else 0
     if len(down) != 2 or rank < 1 or down[1] != in_features:
-        raise p.wrong_shape("down", ["rank", in_features])
+        raise p.wrong_shape("down", [rank if rank >= 1 else "rank", in_features])
     if p.shape_of("up") != (out, rank):
         raise p.wrong_shape("up", [out, rank])
     return rank, 1.0 if p.alpha is None else p.alpha / rank

@@ -94,7 +94,7 @@ class Parsed:
     def wrong_shape(self, role: str, want: Sequence[int | str]) -> LoraError:
         return LoraError(
             f"LoRA '{self.path}': '{self.roles[role]}' has shape {list(self.shape_of(role))} but this "
-            f"checkpoint's '{self.key}' needs {list(want)}; the LoRA was made for a different FLUX model"
+            f"checkpoint's '{self.key}' needs {list(want)}; the LoRA was made for a different model"
         )
 
 
