@@ -52,8 +52,10 @@ def _run(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.Com
 
 def test_wheel_install_keeps_a_newer_torch(tmp_path: Path, built_wheel: Path) -> None:
     """A ComfyUI whose torch is newer than anything the pack was tested with (2.99.0): installing the
-    built wheel must leave it alone. The venv sees the system's diffusers etc. (--system-site-packages)
-    and a torch 2.99.0 of its own (its dist-info shadows the system's torch for pip). pip keeps the
+    built wheel must leave it alone. The venv sees the running interpreter's packages (pip, diffusers,
+    ...) through a .pth file, whichever environment that is (a plain venv, the system Python; the base
+    Python a venv was made from may have none of them), and a torch 2.99.0 of its own (its dist-info
+    comes first on sys.path, so it shadows the real torch for pip). pip keeps the
     machine's find-links (this machine has a torch 2.13.0 wheel there), so a capped requirement makes it
     replace torch or fail. Mutation tried: with `torch>=2.6,<2.14` in pyproject.toml (and the METADATA
     assertion removed) pip printed 'Installing collected packages: torch' and this test failed."""
@@ -67,17 +69,21 @@ def test_wheel_install_keeps_a_newer_torch(tmp_path: Path, built_wheel: Path) ->
     assert "Requires-Dist: torch>=2.13\n" in metadata
 
     venv = tmp_path / "comfy-venv"
-    _run(sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv)
+    _run(sys.executable, "-m", "venv", "--without-pip", venv)
     python = venv / "bin" / "python"
     site = Path(
         _run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout.strip()
     )
+    # Not --system-site-packages: that exposes the *base* Python's packages, which in a plain venv are
+    # not the ones this suite runs on (a fresh venv's base Python may have no diffusers at all).
+    running = [p for p in sys.path if p.endswith("-packages") and Path(p).is_dir()]
+    (site / "running-environment.pth").write_text("".join(f"{p}\n" for p in running))
     fake = site / "torch-2.99.0.dist-info"
     fake.mkdir(parents=True)
     (fake / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.99.0\n")
     (fake / "INSTALLER").write_text("pip\n")
     (fake / "RECORD").write_text("")
-    pip = (python, "-m", "pip")  # the system's pip (it is on the venv's path), acting on the venv
+    pip = (python, "-m", "pip")  # the running environment's pip (through the .pth), acting on the venv
     assert "Version: 2.99.0" in _run(*pip, "show", "torch", env=env).stdout
 
     done = _run(*pip, "install", "--no-index", wheel, env=env)
