@@ -174,9 +174,10 @@ def test_bad_devices_fail_before_any_process(devices: list[str], message: str) -
 def test_more_gpus_than_exist() -> None:
     with pytest.raises(ConfigError) as err:
         validate_devices(["cuda:0", "cuda:1"])
-    assert (
-        str(err.value)
-        == "devices=['cuda:0', 'cuda:1'] asks for GPU 0 but 0 GPU(s) are visible; use indices 0..-1"
+    assert str(err.value) == (
+        f"devices=['cuda:0', 'cuda:1'] asks for GPU 0 but no GPU is visible: torch {torch.__version__} is a "
+        "CPU-only build. Install the ROCm or CUDA build of torch (README, section 'Platforms'); or use "
+        "'cpu x2' to test on CPU workers"
     )
 
 

@@ -323,7 +323,8 @@ def check_loras(
                 "(0 disables it, negative values invert it)"
             )
         inspect_lora(path, info)
-        out.append((str(path), float(strength)))
+        # absolute: the workers run in a folder of their own, where a relative path would miss
+        out.append((str(Path(path).expanduser().absolute()), float(strength)))
     return tuple(out)
 
 
