@@ -100,6 +100,8 @@ class ParallelFlux(ResidentGroup):
             info = resident.info
             samples = latent.get("samples") if isinstance(latent, dict) else None
             shape = tuple(samples.shape) if torch.is_tensor(samples) and samples.ndim == 4 else None
+            if shape is None:  # not a latent: check_sample says what is wrong with it
+                check_sample(info, positive, latent, seed=seed, steps=steps, denoise=denoise, sigmas=sigmas)
             if layout == "auto" and shape is not None:
                 b, _, h, w = shape
                 width, height = info.model_family.planned_pixels(h, w)
