@@ -154,12 +154,16 @@ def test_unknown_method(group2: WorkerGroup) -> None:
 @pytest.mark.parametrize(
     ("devices", "message"),
     [
-        ([], "devices=[] is empty; give at least one device, e.g. ['cuda:0', 'cuda:1'] or ['cpu', 'cpu']"),
+        ([], "devices=[] is empty; give at least one device, e.g. 'all', 'cuda:0,cuda:1' or 'cpu x2'"),
         (
             ["cpu", "cuda:0"],
             "devices=['cpu', 'cuda:0'] mixes CPU and GPU workers; use only GPUs or only 'cpu'",
         ),
-        (["mps"], "devices=['mps']: only 'cpu' and 'cuda:N' (ROCm GPUs are 'cuda:N' too) are supported"),
+        (
+            ["mps"],
+            "devices=['mps']: 'mps' is not a device; use 'all', GPU indices like '0,1,2,3', 'cuda:0,cuda:1' or "
+            "CPU workers like 'cpu x2'",
+        ),
     ],
 )
 def test_bad_devices_fail_before_any_process(devices: list[str], message: str) -> None:
