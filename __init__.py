@@ -1,4 +1,4 @@
-"""ROCm Parallel: compute one FLUX.1 image on several local GPUs from ComfyUI.
+"""ROCm Parallel: several local GPUs compute one FLUX image together, from ComfyUI.
 
 ComfyUI's entry point. Imports nothing heavy (no torch, no diffusers) so that loading the pack, or
 importing it outside ComfyUI, is cheap; the engine lives in `backend/` and runs in worker processes.

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .admission import admit
 from .auto import make_layout
 from .checkpoint import CheckpointInfo, inspect_checkpoint, planned_weight_dtype
 from .checks import check_forward, check_sample
@@ -97,18 +98,13 @@ class ParallelFlux(ResidentGroup):
             if resident is None:
                 raise ConfigError("no checkpoint is loaded; call load(checkpoint) first")
             info = resident.info
-            plan = check_sample(
-                info,
-                positive,
-                latent,
-                seed=seed,
-                steps=steps,
-                denoise=denoise,
-                sigmas=sigmas,
-                shift_mu=shift_mu,
-            )
-            if layout == "auto":
-                b, _, h, w = plan.noise.shape
+            samples = latent.get("samples") if isinstance(latent, dict) else None
+            latent_dims = (4, 2 + info.model_family.latent.dimensions)  # [B, C, H, W] or [B, C, 1, H, W]
+            shape = tuple(samples.shape) if torch.is_tensor(samples) and samples.ndim in latent_dims else None
+            if shape is None:  # not a latent: check_sample says what is wrong with it
+                check_sample(info, positive, latent, seed=seed, steps=steps, denoise=denoise, sigmas=sigmas)
+            if layout == "auto" and shape is not None:
+                b, (h, w) = shape[0], shape[-2:]
                 width, height = info.model_family.planned_pixels(h, w)
                 planned = planned_weight_dtype(resident.weight_dtype, info)
                 layout = self.auto_layout(
@@ -119,6 +115,18 @@ class ParallelFlux(ResidentGroup):
                 if wanted != resident.layout:
                     wanted.validate(info.dims, devices=len(self.devices))
                     resident = dataclasses.replace(resident, layout=wanted)
+            if shape is not None:  # before any allocation for the job (check_sample draws the noise)
+                self._admit(resident, shape, _text_tokens(positive, info))
+            plan = check_sample(
+                info,
+                positive,
+                latent,
+                seed=seed,
+                steps=steps,
+                denoise=denoise,
+                sigmas=sigmas,
+                shift_mu=shift_mu,
+            )
             if plan.steps == 0:
                 return {**latent, "samples": plan.original}
             resident.layout.validate_sequence(info.model_family.image_tokens(*plan.noise.shape[-2:]))
@@ -186,7 +194,34 @@ class ParallelFlux(ResidentGroup):
             call = _checked_call(
                 resident, x, timestep, context, y, guidance, ref_latents, ref_method, attention_mask
             )
+            family = resident.info.model_family
+            refs = sum(family.image_tokens(*r.shape[-2:]) for r in ref_latents or ())
+            self._admit(resident, tuple(x.shape), context.shape[1], refs, what="x")
             return self._forwards.call(self._resident_group(resident), *call, timeout=timeout)
+
+    def _admit(
+        self,
+        resident: LoadRequest,
+        shape: tuple[int, ...],
+        text_tokens: int,
+        refs: int = 0,
+        what: str = "latent",
+    ) -> None:
+        """Refuse a call whose activations cannot fit the devices (admission.py), before any rank runs."""
+        admit(
+            resident.info, resident.layout, self.devices, self._last_status, shape,
+            dtype=str(self.compute_dtype).removeprefix("torch."), text_tokens=text_tokens,
+            reference_tokens=refs, what=what,
+        )  # fmt: skip
+
+
+def _text_tokens(positive: Any, info: CheckpointInfo) -> int:
+    """The prompt's tokens as the job will send them (the family's padded length when unreadable here:
+    check_sample then says what is wrong with the conditioning)."""
+    try:
+        return max(int(positive[0][0].shape[1]), 1)
+    except (TypeError, IndexError, KeyError, AttributeError):
+        return info.model_family.text.tokens
 
 
 def _checked_call(

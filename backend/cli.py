@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .config import ConfigError
 from .dtypes import COMPUTE_DTYPES, FP8_DTYPES
 from .family import ModelFamily, families
 
@@ -108,7 +109,7 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from .config import ConfigError, ParallelLayout
+    from .config import ParallelLayout
     from .plan import Link, Setup, call_batch, choose, estimate, format_table, plan
 
     family, config = plan_models()[args.model]
@@ -156,6 +157,14 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    try:
+        return _run(args)
+    except ConfigError as exc:  # a wrong input: one line, never a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "plan":
         return _run_plan(args)
     if args.command == "doctor":

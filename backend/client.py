@@ -17,7 +17,7 @@ from typing import Any
 
 from .launch import PACK_ROOT, WorkerError, Workers, bootstrap_command, validate_devices, worker_env
 from .messages import HealthReport, HealthRequest
-from .platforms import default_cpu_threads
+from .platforms import DeviceSpec, default_cpu_threads
 from .transport import Reply, Request, files_in, is_record, pack, remove_stale_dirs, send, unpack
 from .watch import DEFAULT_WATCHDOG, Job, JobTimeout, ProgressCallback, Watchdog
 
@@ -44,7 +44,7 @@ class WorkerGroup:
 
     def __init__(
         self,
-        devices: Sequence[str],
+        devices: DeviceSpec,
         *,
         threads: int | None = None,
         start_timeout: float = 300.0,

@@ -19,7 +19,8 @@ import torch
 
 from .api import ParallelFlux
 from .checkpoint import save_checkpoint
-from .config import FluxDims
+from .client import validate_devices
+from .config import ConfigError, FluxDims
 from .flux.keys import rope_axes
 from .flux.model import FLUX_DEV, build_flux
 from .flux.sampling import diffusers_model_fn, sample_flux
@@ -37,6 +38,7 @@ DEMO_CONFIG = {
     "axes_dims_rope": rope_axes(64),
 }
 TEXT_TOKENS = 64
+LAYOUTS = ("tp", "context")  # ring / Ulysses degrees: the context layout's, filled by the group
 
 
 def default_devices() -> list[str]:
@@ -48,7 +50,8 @@ def default_devices() -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--devices", help="comma-separated, e.g. cuda:0,cuda:1 or cpu,cpu (default: all GPUs, else 2 CPU)"
+        "--devices",
+        help="'all', '0,1', 'cuda:0,cuda:1' or 'cpu x2' (default: all GPUs when 2 or more, else 'cpu x2')",
     )
     parser.add_argument(
         "--size", type=int, default=256, help="image side in pixels (multiple of 16; default 256)"
@@ -56,6 +59,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=4, help="denoising steps (default 4)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layouts", default="tp,context", help="layouts to run: tp, context (default both)")
+
+
+def _layouts(text: str) -> list[str]:
+    """'tp,context' -> ['tp', 'context']; anything else is refused before anything runs (cli: one line)."""
+    layouts = [part.strip() for part in text.split(",")]
+    wrong = [layout for layout in layouts if layout not in LAYOUTS]
+    if wrong or not layouts:
+        raise ConfigError(
+            f"--layouts {text!r}: {wrong[0] if wrong else text!r} is not a demo layout; use {' or '.join(LAYOUTS)}, or both: 'tp,context'"
+        )
+    return layouts
 
 
 def _progress(label: str) -> Callable[[int, int], None]:
@@ -70,7 +84,8 @@ def _progress(label: str) -> Callable[[int, int], None]:
 
 
 def run(args: argparse.Namespace) -> int:
-    devices = args.devices.split(",") if args.devices else default_devices()
+    layouts = _layouts(args.layouts)
+    devices = validate_devices(args.devices) if args.devices else default_devices()
     on_gpu = devices[0].startswith("cuda")
     dtype = torch.bfloat16 if on_gpu else torch.float32
     dims = FluxDims.from_diffusers_config(DEMO_CONFIG)
@@ -105,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
                 f"started {len(devices)} workers on {', '.join(devices)} in {time.perf_counter() - started:.2f} s "
                 f"(pids {' '.join(map(str, flux.group.pids))})"
             )
-            for layout in args.layouts.split(","):
+            for layout in layouts:
                 t0 = time.perf_counter()
                 reports = flux.load(checkpoint, layout=layout, dtype=str(dtype).removeprefix("torch."))
                 t1 = time.perf_counter()

@@ -19,15 +19,15 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .client import WorkerError, WorkerGroup
+from .client import WorkerError, WorkerGroup, validate_devices
 from .config import ConfigError
 from .messages import HealthRequest, LinkRequest
 from .platforms import (
     AOTRITON_FLAG,
     build_kind,
+    echo_devices,
     gpu_arch,
     needs_aotriton_flag,
-    parse_devices,
     torch_build,
     visible_gpus,
 )
@@ -55,6 +55,11 @@ def default_devices() -> tuple[str, ...]:
     """Every visible GPU; two CPU workers when there is none (doctor still checks the group)."""
     count = visible_gpus()
     return tuple(f"cuda:{i}" for i in range(count)) if count else ("cpu", "cpu")
+
+
+def _devices_text(devices: Sequence[str]) -> str:
+    """'cpu, cpu' for a report line; a long list shortened (never a thousand names)."""
+    return ", ".join(devices) if len(devices) <= 8 else echo_devices(devices)
 
 
 def machine_facts() -> dict[str, Any]:
@@ -127,7 +132,9 @@ def check_group(
         result["attention"] = [
             dataclasses.asdict(r) for r in group.call_all("attention_kernels", timeout=timeout)
         ]
-    except (WorkerError, ConfigError) as exc:
+    except ConfigError as exc:
+        result["error"], result["input_error"] = str(exc), True
+    except WorkerError as exc:
         result["error"] = str(exc)
     finally:
         if own and group is not None:
@@ -199,16 +206,19 @@ def advise(facts: dict[str, Any], check: dict[str, Any]) -> list[tuple[str, str]
     for warning in check.get("warnings", []):
         out.append(("warn", warning))
     if "error" in check:
+        # The NCCL advice only where NCCL ran: GPU workers whose start or collectives failed, not a
+        # refused input (check["input_error"]) or CPU workers on gloo.
+        nccl = any(str(d).startswith("cuda") for d in check["devices"]) and not check.get("input_error")
         hint = (
-            ""
-            if facts["env"].get("NCCL_P2P_DISABLE") == "1" or not gpus
-            else ("; try NCCL_P2P_DISABLE=1 in ComfyUI's environment")
+            "; try NCCL_P2P_DISABLE=1 in ComfyUI's environment"
+            if nccl and facts["env"].get("NCCL_P2P_DISABLE") != "1"
+            else ""
         )
+        advice = ". Run with NCCL_DEBUG=INFO to see where RCCL/NCCL stops" if nccl else ""
         out.append(
             (
                 "error",
-                f"the worker group on {', '.join(check['devices'])} failed: {check['error']}{hint}. "
-                "Run with NCCL_DEBUG=INFO to see where RCCL/NCCL stops",
+                f"the worker group on {_devices_text(check['devices'])} failed: {check['error']}{hint}{advice}",
             )
         )
         return out
@@ -283,7 +293,7 @@ def format_report(report: dict[str, Any]) -> str:
         )
     flags = ", ".join(f"{k}={v}" for k, v in facts["env"].items() if v is not None)
     lines.append(f"env:     {flags or 'none of ' + ', '.join(ENV_FLAGS[:5]) + ', ... is set'}")
-    group = f"group:   {len(check['devices'])} workers on {', '.join(check['devices'])}"
+    group = f"group:   {len(check['devices'])} workers on {_devices_text(check['devices'])}"
     if "error" in check:
         lines.append(f"{group}: FAILED")
     else:
@@ -326,7 +336,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Print the report; exit 1 when a finding is an error, 2 when the devices are wrong."""
     try:
-        devices = parse_devices(args.devices) if args.devices else None
+        devices = validate_devices(args.devices) if args.devices else None
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -29,7 +29,16 @@ from typing import TypeVar
 import psutil
 
 from .config import ConfigError
-from .platforms import AOTRITON_FLAG, check_platform, gpu_arch, needs_aotriton_flag
+from .platforms import (
+    AOTRITON_FLAG,
+    DeviceSpec,
+    check_platform,
+    echo_devices,
+    gpu_arch,
+    missing_gpu_error,
+    needs_aotriton_flag,
+    parse_devices,
+)
 from .transport import Hello, Ready, Request, StorePort, private_dir, recv, send
 
 T = TypeVar("T")
@@ -55,63 +64,49 @@ class WorkerError(RuntimeError):
         self.remote_traceback = ""  # the worker's own traceback, also attached as a note
 
 
-def validate_devices(devices: Sequence[str], backend: str | None = None) -> tuple[str, ...]:
-    """Normalize and check a device list before any process starts.
+def validate_devices(devices: DeviceSpec, backend: str | None = None) -> tuple[str, ...]:
+    """Parse (`platforms.parse_devices`: 'all', '0,1', 'cuda:0,cuda:1', 'cpu x2' or a list) and check a
+    device spec before any process starts.
 
     A GPU may be named twice only with `backend='gloo'` (several workers on one GPU: NCCL/RCCL refuse
     two ranks on one device; gloo does not care, which lets one GPU test the multi-rank paths)."""
-    if not devices:
-        raise ConfigError(
-            "devices=[] is empty; give at least one device, e.g. ['cuda:0', 'cuda:1'] or ['cpu', 'cpu']"
-        )
-    normalized = tuple(str(d).strip().lower() for d in devices)
+    normalized = parse_devices(devices)
+    shown = echo_devices(devices)
     kinds = {d.split(":")[0] for d in normalized}
-    if not kinds <= {"cpu", "cuda"}:
-        raise ConfigError(
-            f"devices={list(devices)}: only 'cpu' and 'cuda:N' (ROCm GPUs are 'cuda:N' too) are supported"
-        )
     if len(kinds) > 1:
-        raise ConfigError(f"devices={list(devices)} mixes CPU and GPU workers; use only GPUs or only 'cpu'")
+        raise ConfigError(f"devices={shown} mixes CPU and GPU workers; use only GPUs or only 'cpu'")
     if "cpu" in kinds:
         _check_host_memory(len(normalized), devices)
     if "cuda" in kinds:
         import torch
 
         available = torch.cuda.device_count()
-        try:
-            indices = [int(d.split(":")[1]) if ":" in d else 0 for d in normalized]
-        except ValueError:
-            indices = [-1]
-        if min(indices) < 0:
-            raise ConfigError(
-                f"devices={list(devices)}: a GPU is named 'cuda:N' with N = 0, 1, ... (an index, not "
-                f"{next(d for d in normalized if not d.removeprefix('cuda:').isdigit())!r})"
-            )
+        indices = [int(d.split(":")[1]) for d in normalized]
         if len(set(indices)) != len(indices) and backend != "gloo":
             raise ConfigError(
-                f"devices={list(devices)} names a GPU twice; each worker needs its own GPU "
+                f"devices={shown} names a GPU twice; each worker needs its own GPU "
                 "(backend='gloo' allows several workers on one GPU, for testing)"
             )
         missing = [i for i in indices if i >= available]
         if missing:
-            raise ConfigError(
-                f"devices={list(devices)} asks for GPU {missing[0]} but {available} GPU(s) are visible; "
-                f"use indices 0..{available - 1}"
-            )
-        normalized = tuple(f"cuda:{i}" for i in indices)
+            raise missing_gpu_error(devices, missing[0], available)
     check_platform(normalized, backend)
     return normalized
 
 
-def _check_host_memory(workers: int, devices: Sequence[str]) -> None:
-    """Each CPU worker is a whole Python process with torch and diffusers: bound the count by host RAM."""
+def _check_host_memory(workers: int, devices: DeviceSpec) -> None:
+    """Each CPU worker is a whole Python process with torch and diffusers: bound the count by host RAM.
+    The advice is also bounded by the cores: more CPU workers than cores only share them."""
     available = psutil.virtual_memory().available
     most = max(1, int(available // WORKER_HOST_BYTES))
     if workers > most:
+        cores = os.cpu_count() or 1
+        advice = max(1, min(most, cores))
         raise ConfigError(
-            f"devices asks for {workers} CPU workers, which need at least {workers * WORKER_HOST_BYTES / 1e9:.0f} GB "
-            f"of host memory ({WORKER_HOST_BYTES / 1e9:g} GB each before any model) but "
-            f"{available / 1e9:.1f} GB are available; use at most {most} (e.g. 'cpu x2' for testing)"
+            f"devices={echo_devices(devices)} asks for {workers} CPU workers, which need at least "
+            f"{workers * WORKER_HOST_BYTES / 1e9:.0f} GB of host memory ({WORKER_HOST_BYTES / 1e9:g} GB each "
+            f"before any model) but {available / 1e9:.1f} GB are available; this machine has {cores} "
+            f"core(s), so use 'cpu x{advice}' (CPU workers are for testing)"
         )
 
 

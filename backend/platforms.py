@@ -65,39 +65,97 @@ def visible_gpus() -> int:
     return torch.cuda.device_count()
 
 
-def parse_devices(text: str, visible: Callable[[], int] | None = None) -> tuple[str, ...]:
-    """A device spec -> device names for the worker group.
+DeviceSpec = str | Sequence[str | int]  # "all", "0,1,2,3", "cuda:0,cuda:1", "cpu x2", or a list of devices
+_ECHO_CHARS = 60
 
-    "all" (or empty): every visible GPU, an error when there is none (a CPU-only torch would otherwise
-    run a GPU workflow on two CPU workers without saying so). "0,1,2,3" or "cuda:0, cuda:1": those GPUs.
-    "cpu x2" (or "cpu*2", "cpu, cpu"): CPU workers, for testing.
+
+def echo_devices(spec: DeviceSpec) -> str:
+    """`spec` as an error message shows it: whole when short, never a thousand entries."""
+    if isinstance(spec, str):
+        text = repr(spec)
+        return text if len(text) <= _ECHO_CHARS else f"{text[: _ECHO_CHARS - 4]}...' ({len(spec)} characters)"
+    items = list(spec)
+    if len(items) <= 8:
+        return repr(items)
+    return f"[{', '.join(map(repr, items[:3]))}, ... ({len(items)} devices)]"
+
+
+def parse_devices(spec: DeviceSpec, visible: Callable[[], int] | None = None) -> tuple[str, ...]:
+    """The one device vocabulary (API, nodes, doctor, demo, bench) -> device names for the worker group.
+
+    "all" (or empty): every visible GPU, an error naming the torch build when there is none (a CPU-only
+    torch would otherwise run a GPU workflow on two CPU workers without saying so). "0,1,2,3" or
+    "cuda:0, cuda:1": those GPUs. "cpu x2" (or "cpu*2", "cpu, cpu"): CPU workers, for testing. A list
+    (Python): its items, each a GPU index, 'cuda:N' or 'cpu'. Whether those GPUs exist is
+    `launch.validate_devices`'s question, not this one's.
     """
-    spec = text.strip().lower()
-    if spec in ("", DEVICES_ALL):
+    if not isinstance(spec, str):
+        items = list(spec)
+        if not items:
+            raise ConfigError(
+                "devices=[] is empty; give at least one device, e.g. 'all', 'cuda:0,cuda:1' or 'cpu x2'"
+            )
+        return tuple(_device(item, spec) for item in items)
+    text = spec.strip().lower()
+    if text in ("", DEVICES_ALL):
         count = (visible or visible_gpus)()
         if not count:
-            raise no_gpu_error(text)
+            raise no_gpu_error(spec)
         return tuple(f"cuda:{i}" for i in range(count))
-    match = _CPU_TIMES.match(spec)
+    match = _CPU_TIMES.match(text)
     if match:
         workers = int(match.group(1))
         if workers < 1:
             raise ConfigError(
-                f"devices={text!r} asks for {workers} CPU workers; use at least 1, e.g. 'cpu x2'"
+                f"devices={echo_devices(spec)} asks for {workers} CPU workers; use at least 1, e.g. 'cpu x2'"
             )
         return ("cpu",) * workers
-    devices = []
-    for item in (part.strip() for part in spec.split(",")):
-        if item.isdigit():
-            devices.append(f"cuda:{int(item)}")
-        elif item == "cpu" or re.fullmatch(r"cuda:\d+", item):
-            devices.append(item)
-        else:
-            raise ConfigError(
-                f"devices={text!r}: {item!r} is not a device; use 'all', GPU indices like '0,1,2,3', "
-                "'cuda:0,cuda:1' or CPU workers like 'cpu x2'"
-            )
-    return tuple(devices)
+    return tuple(_device(item, spec) for item in text.split(","))
+
+
+def _device(item: str | int, spec: DeviceSpec) -> str:
+    """One entry of a device list -> 'cpu' or 'cuda:N' (a bare index or 'cuda' names a GPU)."""
+    if isinstance(item, int) and not isinstance(item, bool):
+        name = str(item)
+    else:
+        name = str(item).strip().lower()
+    if name.isdigit():
+        return f"cuda:{int(name)}"
+    if name == "cuda":
+        return "cuda:0"
+    if name == "cpu" or re.fullmatch(r"cuda:\d+", name):
+        return name
+    if re.fullmatch(r"cuda:-\d+", name):
+        raise ConfigError(
+            f"devices={echo_devices(spec)}: a GPU is named 'cuda:N' with N = 0, 1, ... (an index, not {name!r})"
+        )
+    shown = repr(name) if len(name) <= _ECHO_CHARS else f"{name[:_ECHO_CHARS]!r}..."
+    raise ConfigError(
+        f"devices={echo_devices(spec)}: {shown} is not a device; use 'all', GPU indices like '0,1,2,3', "
+        "'cuda:0,cuda:1' or CPU workers like 'cpu x2'"
+    )
+
+
+def missing_gpu_error(spec: DeviceSpec, wanted: int, available: int) -> ConfigError:
+    """The error for GPU index `wanted` when only `available` GPUs are visible (0 names the build)."""
+    if available == 0:
+        import torch
+
+        why = (
+            f"torch {torch.__version__} is a CPU-only build. Install the ROCm or CUDA build of torch "
+            "(README, section 'Platforms')"
+            if build_kind() == "cpu"
+            else f"{torch_build()} sees no GPU (check the driver and HIP_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES)"
+        )
+        return ConfigError(
+            f"devices={echo_devices(spec)} asks for GPU {wanted} but no GPU is visible: {why}; "
+            "or use 'cpu x2' to test on CPU workers"
+        )
+    which = "index 0" if available == 1 else f"indices 0 to {available - 1}"
+    return ConfigError(
+        f"devices={echo_devices(spec)} asks for GPU {wanted} but {available} GPU(s) are visible; use {which} "
+        "(or 'all')"
+    )
 
 
 def check_platform(

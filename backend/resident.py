@@ -28,7 +28,7 @@ from .config import FluxDims, ParallelLayout, weight_dtype_name
 from .forward_client import ForwardClient
 from .messages import LinkReport, LoadReport, LoadRequest, RankStatus
 from .plan import Choice
-from .platforms import parse_devices
+from .platforms import DeviceSpec, parse_devices
 
 Checkpoint = str | os.PathLike[str] | CheckpointInfo  # a path, or its header as inspect_checkpoint read it
 
@@ -49,7 +49,7 @@ class ResidentGroup:
 
     def __init__(
         self,
-        devices: Sequence[str] | None = None,
+        devices: DeviceSpec | None = None,
         *,
         threads: int | None = None,
         start_timeout: float = 300.0,

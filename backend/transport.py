@@ -344,11 +344,18 @@ def _empty(ref: dict[str, Any]) -> torch.Tensor:
     return torch.empty([int(n) for n in ref["shape"]], dtype=_DTYPES[ref["dtype"]])
 
 
+READ_CHUNK = 1 << 30  # bytes per read() of a tensor file
+
+
 def _read_tensor(ref: dict[str, Any]) -> torch.Tensor:
     out = _empty(ref)
-    view = _bytes(out).numpy()
+    view, got = memoryview(_bytes(out).numpy()).cast("B"), 0
     with open(ref[_REF], "rb", buffering=0) as f:
-        got = f.readinto(view.data)
+        while got < view.nbytes:  # one read moves at most ~2 GiB (a 4 GiB latent arrived half-read)
+            n = f.readinto(view[got : got + READ_CHUNK])
+            if not n:
+                break
+            got += n
     if got != view.nbytes:
         raise OSError(f"tensor file {ref[_REF]} holds {got} bytes; expected {view.nbytes}")
     return out

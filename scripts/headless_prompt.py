@@ -134,10 +134,38 @@ def run(server: str, prompt: dict[str, Any], out: Path, timeout: float = 3600.0)
     return files
 
 
-def set_seed(prompt: dict[str, Any], seed: int) -> None:
-    for node in prompt.values():
-        if "seed" in node["inputs"] and not isinstance(node["inputs"]["seed"], list):
-            node["inputs"]["seed"] = seed
+SEED_INPUTS = ("seed", "noise_seed")  # KSampler / the pack's samplers; RandomNoise, KSamplerAdvanced
+
+
+def set_seed(prompt: dict[str, Any], seed: int) -> list[str]:
+    """Set every seed input the workflow has (`seed`, `noise_seed`) that is a value, not a link from
+    another node; returns 'node id (class).input' for each one changed (empty: nothing was changed)."""
+    changed = []
+    for node_id, node in prompt.items():
+        inputs = node.get("inputs", {}) if isinstance(node, dict) else {}
+        for name in SEED_INPUTS:
+            if name in inputs and not isinstance(inputs[name], list):
+                inputs[name] = seed
+                changed.append(f"{node_id} ({node.get('class_type', '?')}).{name}")
+    return changed
+
+
+def load_workflow(path: Path) -> dict[str, Any]:
+    """The API-format workflow in `path`, or SystemExit with one line saying what is wrong."""
+    try:
+        prompt = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SystemExit(f"error: {path}: no such file (the API workflows are in workflows/api/)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise SystemExit(f"error: {path} is not a readable JSON workflow: {err}") from None
+    if not isinstance(prompt, dict) or not all(
+        isinstance(n, dict) and "class_type" in n for n in prompt.values()
+    ):
+        raise SystemExit(
+            f"error: {path} is not in ComfyUI's API format (node id -> {{class_type, inputs}}); export it "
+            "with Workflow -> Export (API), or use a file from workflows/api/"
+        )
+    return prompt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,14 +174,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--server", default="127.0.0.1:8188", help="ComfyUI's host:port (default %(default)s)"
     )
-    parser.add_argument("--seed", type=int, help="replace every sampler's seed")
+    parser.add_argument("--seed", type=int, help="set every seed / noise_seed input of the workflow")
     parser.add_argument("--out", type=Path, default=Path("."), help="where to put the saved files")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the result")
     args = parser.parse_args(argv)
-    prompt = json.loads(args.workflow.read_text())
+    prompt = load_workflow(args.workflow)
     if args.seed is not None:
-        set_seed(prompt, args.seed)
-    run(args.server, prompt, args.out, args.timeout)
+        changed = set_seed(prompt, args.seed)
+        if changed:
+            print(f"seed {args.seed} set on {', '.join(changed)}", flush=True)
+        else:
+            print(
+                f"--seed {args.seed} changed nothing: no node of {args.workflow.name} has a seed or noise_seed "
+                "value (a seed may come from another node's output)",
+                flush=True,
+            )
+    try:
+        run(args.server, prompt, args.out, args.timeout)
+    except urllib.error.HTTPError:
+        raise  # ComfyUI answered: its own error, with its traceback
+    except urllib.error.URLError as err:
+        raise SystemExit(
+            f"error: no ComfyUI answers at http://{args.server} ({err.reason}); start it (python main.py "
+            "--listen 127.0.0.1 --port 8188) or pass --server host:port"
+        ) from None
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -103,3 +104,27 @@ def test_status_node_doctor_runs_over_the_resident_group(
     assert "group:   2 workers on cpu, cpu, gloo, world size 2" in text
     assert group2.alive  # the resident group was used, not closed
     assert "doctor" in STATUS_ACTIONS
+
+
+def test_doctor_refuses_too_many_workers_in_one_line_without_an_nccl_hint() -> None:
+    """`cpu x1000` used to print 'cpu, ' a thousand times, advise 43 workers on 2 cores and NCCL_DEBUG."""
+    done = _doctor("--devices", "cpu x1000")
+    assert done.returncode == 2 and done.stdout == ""
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(
+        "error: devices='cpu x1000' asks for 1000 CPU workers, which need at least 500 GB of host memory "
+    )
+    advice = re.search(
+        r"this machine has (\d+) core\(s\), so use 'cpu x(\d+)' \(CPU workers are for testing\)$", line
+    )
+    assert advice and advice[1] == str(os.cpu_count()) and 1 <= int(advice[2]) <= int(advice[1])
+    assert "NCCL" not in line
+
+
+def test_an_input_error_in_the_group_gets_no_nccl_advice() -> None:
+    facts = doctor.machine_facts()
+    check = {"devices": ["cuda:0", "cuda:1"], "error": "devices=... names a GPU twice", "input_error": True}
+    assert doctor.advise(facts, check)[-1] == (
+        "error",
+        "the worker group on cuda:0, cuda:1 failed: devices=... names a GPU twice",
+    )

@@ -94,3 +94,79 @@ def test_worker_env_sets_aotriton_only_for_rdna(monkeypatch: pytest.MonkeyPatch)
     assert platforms.AOTRITON_FLAG not in launch.worker_env(devices, 1, "sock", "/tmp")
     monkeypatch.setenv(platforms.AOTRITON_FLAG, "0")  # a user's value wins
     assert launch.worker_env(devices, 0, "sock", "/tmp")[platforms.AOTRITON_FLAG] == "0"
+
+
+# ------------------------------------------------------------------ one device vocabulary (issue 21)
+
+
+@pytest.mark.parametrize(
+    ("spec", "devices"),
+    [
+        ("cpu x2", ("cpu", "cpu")),
+        ("CPU*3", ("cpu", "cpu", "cpu")),
+        ("cpu, cpu", ("cpu", "cpu")),
+        (["cpu", "cpu"], ("cpu", "cpu")),
+        ("0,1,2,3", ("cuda:0", "cuda:1", "cuda:2", "cuda:3")),
+        ("cuda:0, cuda:1", ("cuda:0", "cuda:1")),
+        (["cuda:1", "0", 2], ("cuda:1", "cuda:0", "cuda:2")),
+        ("all", ("cuda:0", "cuda:1")),
+    ],
+)
+def test_one_device_vocabulary_for_every_entry_point(spec: platforms.DeviceSpec, devices: tuple) -> None:
+    assert platforms.parse_devices(spec, lambda: 2) == devices
+
+
+def test_the_api_takes_the_same_strings_as_the_nodes() -> None:
+    """The API used to iterate a string ('cpu x2' -> ['c', 'p', 'u', ...]) although its own messages
+    advise 'cpu x2'."""
+    assert api.ParallelFlux("cpu x2").devices == ("cpu", "cpu")
+    assert validate_devices("cpu, cpu") == ("cpu", "cpu")
+
+
+def test_a_gpu_on_a_cpu_only_build_names_the_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(platforms, "build_kind", lambda: "cpu")
+    with pytest.raises(ConfigError) as err:
+        validate_devices("cuda:9")
+    assert str(err.value) == (
+        f"devices='cuda:9' asks for GPU 9 but no GPU is visible: torch {torch.__version__} is a CPU-only "
+        "build. Install the ROCm or CUDA build of torch (README, section 'Platforms'); or use 'cpu x2' to "
+        "test on CPU workers"
+    )
+
+
+@pytest.mark.parametrize(
+    ("visible", "advice"), [(1, "use index 0 (or 'all')"), (4, "use indices 0 to 3 (or 'all')")]
+)
+def test_a_missing_gpu_names_the_indices_that_exist(
+    monkeypatch: pytest.MonkeyPatch, visible: int, advice: str
+) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    with pytest.raises(ConfigError) as err:
+        validate_devices(["cuda:0", "cuda:9"])
+    assert (
+        str(err.value)
+        == f"devices=['cuda:0', 'cuda:9'] asks for GPU 9 but {visible} GPU(s) are visible; {advice}"
+    )
+
+
+def test_a_huge_spec_is_not_echoed_and_the_advice_is_bounded_by_the_cores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    with pytest.raises(ConfigError) as err:
+        validate_devices(["cpu"] * 1000)
+    text = str(err.value)
+    assert text.startswith(
+        "devices=['cpu', 'cpu', 'cpu', ... (1000 devices)] asks for 1000 CPU workers, which need at least "
+        "500 GB of host memory (0.5 GB each before any model) but "
+    )
+    assert text.endswith(
+        " GB are available; this machine has 2 core(s), so use 'cpu x2' (CPU workers are for testing)"
+    )
+    with pytest.raises(ConfigError) as err:
+        validate_devices("x" * 500)
+    assert str(err.value) == (
+        "devices='" + "x" * 55 + "...' (500 characters): '" + "x" * 60 + "'... is not a device; use 'all', "
+        "GPU indices like '0,1,2,3', 'cuda:0,cuda:1' or CPU workers like 'cpu x2'"
+    )

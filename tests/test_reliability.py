@@ -364,8 +364,8 @@ def test_stray_connections_do_not_stop_the_start(monkeypatch: pytest.MonkeyPatch
     [
         (
             ["cpu"] * 99999,
-            "devices asks for 99999 CPU workers, which need at least 50000 GB of host memory (0.5 GB each "
-            "before any model) but ",
+            "devices=['cpu', 'cpu', 'cpu', ... (99999 devices)] asks for 99999 CPU workers, which need at "
+            "least 50000 GB of host memory (0.5 GB each before any model) but ",
         ),
         (
             ["cuda:-1"],

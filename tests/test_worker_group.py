@@ -154,12 +154,16 @@ def test_unknown_method(group2: WorkerGroup) -> None:
 @pytest.mark.parametrize(
     ("devices", "message"),
     [
-        ([], "devices=[] is empty; give at least one device, e.g. ['cuda:0', 'cuda:1'] or ['cpu', 'cpu']"),
+        ([], "devices=[] is empty; give at least one device, e.g. 'all', 'cuda:0,cuda:1' or 'cpu x2'"),
         (
             ["cpu", "cuda:0"],
             "devices=['cpu', 'cuda:0'] mixes CPU and GPU workers; use only GPUs or only 'cpu'",
         ),
-        (["mps"], "devices=['mps']: only 'cpu' and 'cuda:N' (ROCm GPUs are 'cuda:N' too) are supported"),
+        (
+            ["mps"],
+            "devices=['mps']: 'mps' is not a device; use 'all', GPU indices like '0,1,2,3', 'cuda:0,cuda:1' or "
+            "CPU workers like 'cpu x2'",
+        ),
     ],
 )
 def test_bad_devices_fail_before_any_process(devices: list[str], message: str) -> None:
@@ -174,9 +178,10 @@ def test_bad_devices_fail_before_any_process(devices: list[str], message: str) -
 def test_more_gpus_than_exist() -> None:
     with pytest.raises(ConfigError) as err:
         validate_devices(["cuda:0", "cuda:1"])
-    assert (
-        str(err.value)
-        == "devices=['cuda:0', 'cuda:1'] asks for GPU 0 but 0 GPU(s) are visible; use indices 0..-1"
+    assert str(err.value) == (
+        f"devices=['cuda:0', 'cuda:1'] asks for GPU 0 but no GPU is visible: torch {torch.__version__} is a "
+        "CPU-only build. Install the ROCm or CUDA build of torch (README, section 'Platforms'); or use "
+        "'cpu x2' to test on CPU workers"
     )
 
 

@@ -339,6 +339,7 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointInfo:
     path = Path(path).expanduser()
     if not path.exists():
         raise missing_checkpoint(path)
+    path = path.absolute()  # the workers run in a folder of their own: a relative path would miss there
     return _inspect_folder(path) if path.is_dir() else _inspect_file(path)
 
 

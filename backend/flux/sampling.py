@@ -336,8 +336,11 @@ def make_plan(
     if sigmas is not None:
         sigmas = checked_sigmas(sigmas)
     else:
-        if int(steps) < 1:
-            raise ConfigError(f"steps={steps} must be at least 1")
+        if not 1 <= int(steps) <= MAX_STEPS:
+            raise ConfigError(
+                f"steps={steps} must be from 1 to {MAX_STEPS}, as ComfyUI's KSampler allows (FLUX: 20-50 for "
+                "dev, 4 for schnell)"
+            )
         if not 0.0 <= denoise <= 1.0:
             raise ConfigError(f"denoise={denoise} must be between 0 and 1")
         sigmas = with_denoise(lambda n: schedule(n, latent.shape), int(steps), float(denoise))
@@ -416,6 +419,9 @@ def plan_for(
     )  # fmt: skip
 
 
+MAX_STEPS = (
+    10000  # ComfyUI KSampler's steps widget: 1 .. 10000 (a schedule of 1e9 steps filled the caller's memory)
+)
 SEED_LIMIT = 2**64  # ComfyUI's seed widgets: 0 .. 0xffffffffffffffff
 
 

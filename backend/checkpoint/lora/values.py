@@ -108,7 +108,8 @@ def check_loras(
         lora = inspect_lora(path, info)
         if strength != 0:  # a LoRA at strength 0 is not applied (ComfyUI's loader skips it too)
             check_overflow(lora, float(strength), scan_values(lora))
-        out.append((str(path), float(strength)))
+        # absolute: the workers run in a folder of their own, where a relative path would miss
+        out.append((str(Path(path).expanduser().absolute()), float(strength)))
     return tuple(out)
 
 

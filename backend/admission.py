@@ -1,0 +1,131 @@
+"""Admission control: a model call whose activations cannot fit the devices is refused in the caller,
+before the caller allocates anything for it (noise, tokens) and before any rank runs.
+
+Without it a 16384 x 16384 image passed every check and, minutes later, a CPU worker was killed by the
+kernel (exit -9) or a GPU ran out of memory mid-step. The estimate is the planner's own
+(`plan.cost.activation_bytes`: peak live activations of one rank during one forward, calibrated against
+torch's MemTracker); the limit is what the devices have: for CPU workers the host memory available now,
+shared by every worker; for GPUs the free memory each rank reported after its load (weights resident).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import psutil
+
+from .checkpoint import CheckpointInfo
+from .config import ConfigError, ParallelLayout
+from .messages import RankStatus
+from .plan import Setup
+from .plan.cost import activation_bytes
+from .text import GB
+
+# Of the memory available, the share activations may take: the rest is the Python processes' own
+# growth, the caller's outputs, kernel workspaces and the planner's error (within ~10 % on FLUX).
+HOST_SHARE = 0.8
+GPU_SHARE = 0.9
+
+
+def activation_estimate(
+    info: CheckpointInfo,
+    layout: ParallelLayout,
+    shape: Sequence[int],
+    *,
+    dtype: str,
+    text_tokens: int,
+    reference_tokens: int = 0,
+) -> float:
+    """Peak activation bytes on one rank for one model call on a latent of `shape` [B, C, H, W]."""
+    batch, height, width = int(shape[0]), int(shape[-2]), int(shape[-1])  # [B, C, (1,) H, W]
+    family = info.model_family
+    px_width, px_height = family.planned_pixels(height, width)
+    setup = Setup(
+        info.dims, width=px_width, height=px_height, batch=batch, text_tokens=max(1, text_tokens),
+        dtype=dtype, devices=layout.world_size, family=info.family, reference_tokens=reference_tokens,
+    )  # fmt: skip
+    return activation_bytes(setup, layout)
+
+
+def memory_limit(devices: Sequence[str], reports: Sequence[RankStatus]) -> tuple[float, str] | None:
+    """(bytes one rank's activations may take, what bounds it), or None when nothing is known (a GPU
+    group that has not reported its memory yet)."""
+    if devices[0] == "cpu":
+        available = psutil.virtual_memory().available
+        workers = len(devices)
+        return (
+            available * HOST_SHARE / workers,
+            f"{available / GB:.1f} GB of host memory are available to {workers} CPU worker(s) "
+            f"({HOST_SHARE:.0%} of it shared between them)",
+        )
+    free = [r.memory.free_gb for r in reports if r.memory is not None]
+    if not free:
+        return None
+    least = min(free)
+    return least * GB * GPU_SHARE, f"the fullest GPU has {least:.1f} GB free after loading the weights"
+
+
+def admit(
+    info: CheckpointInfo,
+    layout: ParallelLayout,
+    devices: Sequence[str],
+    reports: Sequence[RankStatus],
+    shape: Sequence[int],
+    *,
+    dtype: str,
+    text_tokens: int,
+    reference_tokens: int = 0,
+    what: str = "latent",
+) -> None:
+    """Refuse a model call on a latent of `shape` whose activations cannot fit; says what would."""
+    bound = memory_limit(devices, reports)
+    if bound is None:
+        return
+    limit, why = bound
+    estimate = activation_estimate(
+        info, layout, shape, dtype=dtype, text_tokens=text_tokens, reference_tokens=reference_tokens
+    )
+    if estimate <= limit:
+        return
+    batch, height, width = int(shape[0]), int(shape[-2]), int(shape[-1])  # [B, C, (1,) H, W]
+    family = info.model_family
+    px_width, px_height = family.planned_pixels(height, width)
+    word = "CPU worker" if devices[0] == "cpu" else "GPU"
+    fits = _largest_square(info, layout, batch, limit, dtype=dtype, text_tokens=text_tokens)
+    fit = (
+        f"at most {fits}x{fits} px per image in this layout"
+        if fits
+        else "not even the smallest image in this layout"
+    )
+    smaller_batch = f", or fewer than {batch} images at once" if batch > 1 else ""
+    raise ConfigError(
+        f"{what} of {px_width}x{px_height} px (batch {batch}, shape {list(shape)}) needs about "
+        f"{estimate / GB:.1f} GB of activations per {word} in layout {layout} ({dtype}), but {why}: the limit "
+        f"is {limit / GB:.1f} GB per {word}. What fits: {fit}{smaller_batch}; or more devices, or a smaller "
+        "image, then upscale"
+    )
+
+
+def _largest_square(
+    info: CheckpointInfo, layout: ParallelLayout, batch: int, limit: float, *, dtype: str, text_tokens: int
+) -> int:
+    """The largest square image side in pixels (a multiple of 64) whose call fits `limit`; 0 when none."""
+    family = info.model_family
+    latent_per_64 = 64 // family.latent.downscale  # latent pixels per 64 image pixels
+
+    def fits(side: int) -> bool:
+        latent = side * latent_per_64
+        return (
+            activation_estimate(
+                info, layout, (batch, 0, latent, latent), dtype=dtype, text_tokens=text_tokens
+            )
+            <= limit
+        )
+
+    low, high = 0, 1
+    while fits(high) and high < 1 << 12:  # up to 262144 px a side
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low * 64

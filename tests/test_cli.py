@@ -1,0 +1,39 @@
+"""The command line answers a wrong input with one line on stderr and exit status 2, never a traceback,
+and spells devices as everything else does ('all', '0,1', 'cuda:0,cuda:1', 'cpu x2')."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rocm_parallel.backend import cli
+
+
+def _error_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    (line,) = err.splitlines()
+    return line
+
+
+def test_demo_refuses_an_unknown_layout_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _error_line(["demo", "--layouts", "ring"], capsys) == (
+        "error: --layouts 'ring': 'ring' is not a demo layout; use tp or context, or both: 'tp,context'"
+    )
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 0, reason="needs a machine without GPUs")
+def test_demo_on_gpus_a_cpu_only_torch_cannot_see(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _error_line(["demo", "--devices", "cuda:0,cuda:1"], capsys) == (
+        f"error: devices='cuda:0,cuda:1' asks for GPU 0 but no GPU is visible: torch {torch.__version__} is "
+        "a CPU-only build. Install the ROCm or CUDA build of torch (README, section 'Platforms'); or use "
+        "'cpu x2' to test on CPU workers"
+    )
+
+
+def test_demo_takes_the_shared_device_words(capsys: pytest.CaptureFixture[str]) -> None:
+    """'cpu x0' reaches the shared parser (the demo used to split on commas: 'cpu x0' was one device)."""
+    assert _error_line(["demo", "--devices", "cpu x0"], capsys) == (
+        "error: devices='cpu x0' asks for 0 CPU workers; use at least 1, e.g. 'cpu x2'"
+    )
