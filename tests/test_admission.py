@@ -65,7 +65,7 @@ def test_an_image_too_large_for_the_machine_is_refused_before_anything_runs(
     text = str(err.value)
     pattern = (
         rf"latent of {px}x{px} px \(batch 1, shape \[1, 16, {side}, {side}\]\) needs about (\d+\.\d) GB of "
-        r"activations per CPU worker in layout tp=2 \(float32\), but (\d+\.\d) GB of host memory are available "
+        r"activations per CPU worker in layout tp 2 \(float32\), but (\d+\.\d) GB of host memory are available "
         r"to 2 CPU worker\(s\) \(80% of it shared between them\): the limit is (\d+\.\d) GB per CPU worker\. "
         r"What fits: at most (\d+)x(\d+) px per image in this layout; or more devices, or a smaller image, "
         r"then upscale"

@@ -201,7 +201,7 @@ def test_panel_shows_the_worker_group(comfy: Comfy, browser: str) -> None:
     lines = in_page(browser, comfy, scenario)
     assert lines[0] == "2 workers: cpu, cpu (idle)"
     assert lines[1] == "model: tiny-flux-dev.safetensors"
-    assert lines[2].startswith("layout: context parallel ")
+    assert lines[2].startswith("layout: ring 2")
     assert lines[3].startswith("auto: ") and " — fits " in lines[3]
     assert lines[4].startswith("predicted ") and "measured" in lines[4]
     assert [line.split(":")[0] for line in lines[5:]] == ["rank 0 cpu", "rank 1 cpu"]

@@ -70,6 +70,7 @@ def test_pack_loads_with_nodes_route_js_and_templates(comfy: Comfy) -> None:
         "flux1_schnell_tp2",
         "flux2_dev_parallel_model_tp2_ulysses2",
         "flux2_dev_parallel_model_tp4",
+        "qwen_image_parallel_model_batch2_tp2",
     ]
     assert comfy.get(f"/api/workflow_templates/{PACK_DIR_NAME}/flux1_dev_tp4.json")["nodes"]
     # The samplers offer all of ComfyUI's own samplers and schedulers.
