@@ -662,10 +662,6 @@ def test_any_latent_size_comfyui_accepts_passes_the_checks(
             {"options": {"patches": {"post_input": [print]}}},
             checks.patches_message("patches", ["post_input"]),
         ),
-        (
-            {"options": {"wrappers": {"diffusion_model": {"cache": [print]}}}},
-            checks.patches_message("diffusion_model wrappers", ["cache"]),
-        ),
     ],
 )
 def test_the_proxy_refuses_what_it_would_otherwise_ignore(kwargs: dict, message: str) -> None:
@@ -678,7 +674,8 @@ def test_the_proxy_runs_what_comfyui_always_passes() -> None:
     options = {
         "patches": {},
         "patches_replace": {},
-        "wrappers": {"outer_sample": {"rocm_parallel": [print]}, "diffusion_model": {}},
+        # EasyCache's diffusion_model wrapper runs around the call (nodes/comfy_model.py), not refused here
+        "wrappers": {"outer_sample": {"rocm_parallel": [print]}, "diffusion_model": {"easycache": [print]}},
         "sigmas": torch.tensor([0.5]),
         "sample_sigmas": torch.tensor([1.0, 0.5, 0.0]),
         "cond_or_uncond": [0, 1],
@@ -686,6 +683,7 @@ def test_the_proxy_runs_what_comfyui_always_passes() -> None:
     extra = {"ref_latents_method": None, "attention_mask": None}
     assert checks.unsupported_forward_inputs(None, options, extra) is None
     assert checks.unsupported_forward_inputs(None, options, {"ref_latents_method": "index"}) is None
+    assert checks.diffusion_model_wrappers(options) == ["easycache"]
 
 
 @pytest.mark.parametrize(
