@@ -16,4 +16,6 @@ BENCHMARKS = {
     "failures": "one rank fails (OOM, stopped, killed, hung), cancel, Ctrl+C: time to the error, next job",
     "step": "one ComfyUI-driven step (a forward request) vs the same forward in one process, 1024x1024",
     "scaling": "sampling steps on 1, 2, 4 CPU workers: latency, time per step, peak memory per worker",
+    "call": "one model call broken down: caller wrapper, conditioning key, latent out, compute, collectives, reply",
+    "caches": "ComfyUI's step caches (EasyCache, LazyCache) on its own model and the parallel MODEL (needs ComfyUI)",
 }

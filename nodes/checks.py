@@ -101,10 +101,15 @@ def unsupported_forward_inputs(
         patches = {k: v for k, v in (transformer_options.get(key) or {}).items() if v}
         if patches:
             return patches_message(key, list(patches))
-    wrappers = (transformer_options.get("wrappers") or {}).get("diffusion_model") or {}
-    if any(wrappers.values()):
-        return patches_message("diffusion_model wrappers", [str(k) for k, v in wrappers.items() if v])
+    # diffusion_model wrappers (EasyCache's) are not refused here: the proxy runs them around the call to
+    # the workers as ComfyUI's Flux.forward does, and refuses one that reaches for the blocks (comfy_model.py).
     return None
+
+
+def diffusion_model_wrappers(transformer_options: dict[str, Any]) -> list[str]:
+    """The keys of the diffusion_model wrappers (ComfyUI's WrappersMP.DIFFUSION_MODEL) set on this call."""
+    wrappers = (transformer_options.get("wrappers") or {}).get("diffusion_model") or {}
+    return [str(k) for k, v in wrappers.items() if v]
 
 
 def _conditioning_entries(name: str, conditioning: Any) -> list[tuple[Any, dict[str, Any]]]:

@@ -47,6 +47,9 @@ _REQUIRED = (
     ("comfy.supported_models", "FluxSchnell"),
     ("comfy.supported_models", "FluxInpaint"),
     ("comfy.patcher_extension", "WrappersMP.OUTER_SAMPLE"),
+    ("comfy.patcher_extension", "WrappersMP.DIFFUSION_MODEL"),
+    ("comfy.patcher_extension", "WrapperExecutor.new_class_executor"),
+    ("comfy.patcher_extension", "get_all_wrappers"),
     ("comfy.model_management", "throw_exception_if_processing_interrupted"),
     ("comfy.sample", "fix_empty_latent_channels"),
     ("comfy.samplers", "sampler_object"),
@@ -119,6 +122,19 @@ class ParallelDiffusionModel(torch.nn.Module):
         # Qwen-Image on ComfyUI 0.33 passes the text encoder's `attention_mask` (model_base.QwenImage.extra_conds)
         self.text_mask = text_mask
 
+    def __getattr__(self, name: str) -> Any:
+        # A missing attribute names the proxy as its `obj`, so forward() can tell a diffusion_model wrapper
+        # that reached for the transformer's blocks (they are in the workers) from any other failure.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            raise AttributeError(
+                f"'{type(self).__name__}' has no attribute '{name}': the FLUX transformer's layers live in "
+                "the ROCm Parallel workers",
+                name=name,
+                obj=self,
+            ) from None
+
     def forward(
         self,
         x: torch.Tensor,
@@ -131,6 +147,37 @@ class ParallelDiffusionModel(torch.nn.Module):
         transformer_options: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
+        """ComfyUI's Flux.forward: the diffusion_model wrappers (EasyCache's, which skips or reuses whole
+        calls) run around the call to the workers, seeing the same inputs and outputs as around ComfyUI's
+        own model; one that reaches into the model (`executor.class_obj`) for its layers is refused."""
+        import comfy.patcher_extension as extension
+
+        options = transformer_options if transformer_options is not None else {}
+        wrappers = extension.get_all_wrappers(extension.WrappersMP.DIFFUSION_MODEL, options)
+        executor = extension.WrapperExecutor.new_class_executor(self._forward, self, wrappers)
+        try:
+            return executor.execute(
+                x, timestep, context, y, guidance, ref_latents, control, options, **kwargs
+            )
+        except AttributeError as err:
+            if wrappers and getattr(err, "obj", None) is self:
+                names = checks.diffusion_model_wrappers(options)
+                raise RuntimeError(checks.patches_message("diffusion_model wrappers", names)) from err
+            raise
+
+    def _forward(
+        self,
+        x: torch.Tensor,
+        timestep: torch.Tensor,
+        context: torch.Tensor,
+        y: torch.Tensor | None = None,
+        guidance: torch.Tensor | None = None,
+        ref_latents: Any = None,
+        control: Any = None,
+        transformer_options: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """One model call on the workers, after the wrappers."""
         options = transformer_options or {}
         mask = kwargs.pop("attention_mask", None) if self.text_mask else None
         refused = checks.unsupported_forward_inputs(control, options, kwargs)

@@ -678,10 +678,6 @@ class KV_Attn_Input:  # the class name of ComfyUI's FluxKVCache attention patch,
             {"options": {"patches": {"post_input": [print]}}},
             checks.patches_message("patches", ["post_input"]),
         ),
-        (
-            {"options": {"wrappers": {"diffusion_model": {"cache": [print]}}}},
-            checks.patches_message("diffusion_model wrappers", ["cache"]),
-        ),
         (  # what ComfyUI 0.33's FluxKVCache node adds (comfy_extras/nodes_flux.py)
             {"options": {"patches": {"attn1_patch": [KV_Attn_Input()], "post_input": [print]}}},
             checks.KV_CACHE_MESSAGE,
@@ -698,7 +694,8 @@ def test_the_proxy_runs_what_comfyui_always_passes() -> None:
     options = {
         "patches": {},
         "patches_replace": {},
-        "wrappers": {"outer_sample": {"rocm_parallel": [print]}, "diffusion_model": {}},
+        # EasyCache's diffusion_model wrapper runs around the call (nodes/comfy_model.py), not refused here
+        "wrappers": {"outer_sample": {"rocm_parallel": [print]}, "diffusion_model": {"easycache": [print]}},
         "sigmas": torch.tensor([0.5]),
         "sample_sigmas": torch.tensor([1.0, 0.5, 0.0]),
         "cond_or_uncond": [0, 1],
@@ -706,6 +703,7 @@ def test_the_proxy_runs_what_comfyui_always_passes() -> None:
     extra = {"ref_latents_method": None, "attention_mask": None}
     assert checks.unsupported_forward_inputs(None, options, extra) is None
     assert checks.unsupported_forward_inputs(None, options, {"ref_latents_method": "index"}) is None
+    assert checks.diffusion_model_wrappers(options) == ["easycache"]
 
 
 @pytest.mark.parametrize(

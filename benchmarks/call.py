@@ -1,0 +1,148 @@
+"""`bench call`: where the time of one model call goes, against the same forward in one process.
+
+One call is `ParallelFlux.forward` (what the ROCm Parallel Model's proxy runs for every ComfyUI model
+call). Caller-side parts are timed by wrapping, in this process only, the functions that do them:
+`ParallelFlux.forward` (input checks, the resident group: the caller wrapper), `ConditioningSender.key_for`
+(the conditioning key), `transport.pack` (the latent out, into a reused shared-memory file),
+`WorkerGroup.call_all` (request, wait, replies). The ranks time their own forward (`reply.seconds`);
+one rank's compute alone is the same shard's forward under the `fake` process group (no-op collectives,
+benchmarks/tp.py `compute_time`), so the ranks' forward minus it is the collectives. "reply" is what is
+left of call_all: sending the request, the workers unpacking it and packing the output, and reading it
+back. Both sides use one thread per process and are interleaved call by call.
+
+The model is a small FLUX with FLUX.1's real conditioning widths (T5 4096, CLIP 768) at the given size, so
+every message is as large as at real widths; real FLUX widths (3072 hidden) cost ~20 s of compute per
+forward on two CPU cores and are left to a GPU run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..backend import client, forward_client
+from ..backend.api import ParallelFlux
+from ..backend.config import ParallelLayout
+from ..backend.flux.forward import flux_call
+from ..backend.flux.model import build_flux
+from ..backend.flux.sampling import diffusers_model_fn
+from ..testing.helpers import markdown_table, write_random_checkpoint
+from .step import CONFIG, step_inputs
+from .tp import compute_time
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--calls", type=int, default=20, help="measured calls per configuration (default 20)")
+    parser.add_argument("--size", type=int, default=1024, help="image side in pixels (default 1024)")
+
+
+@contextlib.contextmanager
+def timed(spent: dict[str, list[float]]) -> Iterator[None]:
+    """Wrap the caller-side functions of one call so each call's time in them lands in `spent`."""
+    targets = [
+        (ParallelFlux, "forward", "total"),
+        (forward_client.ConditioningSender, "key_for", "key"),
+        (client.WorkerGroup, "call_all", "call_all"),
+        (client, "pack", "pack"),
+    ]
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
+
+    def wrap(fn: Any, label: str) -> Any:
+        def timed_fn(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[label].append(time.perf_counter() - started)
+
+        return timed_fn
+
+    for (owner, name, _), (_, _, label) in zip(originals, targets, strict=True):
+        setattr(owner, name, wrap(getattr(owner, name), label))
+    try:
+        yield
+    finally:
+        for owner, name, fn in originals:
+            setattr(owner, name, fn)
+
+
+def _median_ms(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2] * 1e3
+
+
+def measure(checkpoint: str, layout: ParallelLayout, inputs: dict[str, torch.Tensor], calls: int) -> dict:
+    model_fn = diffusers_model_fn(build_flux(CONFIG, seed=0))
+    spent: dict[str, list[float]] = defaultdict(list)
+    local, ranks = [], []
+    with ParallelFlux(["cpu"] * layout.world_size, threads=1) as flux, torch.no_grad():
+        flux.load(checkpoint, layout=layout, dtype="float32")
+        for i in range(calls + 2):  # two warm-up calls (the first sends the conditioning)
+            fresh = {k: v.clone() for k, v in inputs.items()}  # ComfyUI builds new tensors each step
+            started = time.perf_counter()
+            flux_call(
+                model_fn, fresh["x"], fresh["timestep"], fresh["context"], fresh["y"], fresh["guidance"]
+            )
+            one = time.perf_counter() - started
+            with timed(spent):
+                flux.forward(**fresh)
+            if i < 2:
+                spent.clear()
+                continue
+            local.append(one)
+            ranks.append(flux.last_forward_seconds)
+    r = {k: _median_ms(v) for k, v in spent.items()}
+    r["one_process"] = _median_ms(local)
+    r["ranks"] = _median_ms(ranks)
+    r["wrapper"] = _median_ms([t - c for t, c in zip(spent["total"], spent["call_all"], strict=True)])
+    r["wrapper"] -= r["key"]  # key_for runs inside the forward client, outside call_all
+    r["reply"] = _median_ms(
+        [c - p - k for c, p, k in zip(spent["call_all"], spent["pack"], ranks, strict=True)]
+    )
+    return r
+
+
+def run(args: argparse.Namespace) -> str:
+    torch.set_num_threads(1)
+    inputs = step_inputs(args.size)
+    layouts = [ParallelLayout(), ParallelLayout(tp=2)]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="rocm-parallel-bench-") as folder:
+        checkpoint = str(Path(folder) / "tiny-flux.safetensors")
+        write_random_checkpoint(checkpoint, CONFIG)
+        for layout in layouts:
+            r = measure(checkpoint, layout, inputs, args.calls)
+            degree = layout.world_size
+            compute = (
+                compute_time(
+                    "rocm-parallel", degree, CONFIG, args.size, torch.device("cpu"), torch.float32, 5
+                )
+                * 1e3
+            )
+            collectives = max(r["ranks"] - compute, 0.0) if degree > 1 else 0.0
+            non_compute = r["total"] - r["ranks"]
+            rows.append((
+                f"{degree} ({layout})" if degree > 1 else "1 (no split)", f"{r['total']:.1f}",
+                f"{r['one_process']:.1f}", f"{r['wrapper']:.2f}", f"{r['key']:.2f}", f"{r['pack']:.2f}",
+                f"{compute:.1f}", f"{collectives:.1f}", f"{r['reply']:.2f}", f"{non_compute:.2f}",
+            ))  # fmt: skip
+            print(f"  measured {layout}", flush=True)
+    header = (
+        "workers (layout)", "call (ms)", "same forward, 1 process (ms)", "caller wrapper (ms)",
+        "conditioning key (ms)", "latent out (ms)", "one rank's compute (ms)", "collectives (ms)",
+        "request + reply (ms)", "not the ranks' forward (ms)",
+    )  # fmt: skip
+    text = (
+        f"### One model call, broken down: small FLUX with FLUX.1's conditioning widths, {args.size}x{args.size} "
+        f"px, 512-token prompt rebuilt every call, 1 thread per process, medians of {args.calls} calls "
+        "interleaved with the same forward in one process\n\n" + markdown_table(header, rows)
+    )
+    print(text)
+    return text
