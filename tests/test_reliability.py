@@ -25,7 +25,7 @@ from worker_jobs import Load, OnRank, Scale, Steps, Value
 
 from rocm_parallel.backend.api import ParallelFlux
 from rocm_parallel.backend.checkpoint import diffusers_to_bfl
-from rocm_parallel.backend.client import Watchdog, WorkerError, WorkerGroup, validate_devices
+from rocm_parallel.backend.client import WorkerError, WorkerGroup, validate_devices
 from rocm_parallel.backend.config import ConfigError
 from rocm_parallel.backend.transport import private_dir, remove_stale_dirs
 
@@ -122,49 +122,226 @@ def test_a_stopped_rank_is_caught_by_the_watchdog_and_the_next_job_is_correct(ch
         assert torch.equal(_sample(flux), expected)
 
 
-def test_silence_past_the_watchdog_fails_the_job() -> None:
-    """A rank that is alive but never answers (hung in a device call). Mutation tried: a watchdog
-    limit that ignores `longest_gap` kept waiting for `first` (300 s)."""
+def test_a_hung_rank_in_the_first_call_after_a_load_is_named_within_seconds(checkpoint: str) -> None:
+    """Rank 1 hangs in a native call that keeps its interpreter (a driver call that never returns) in the
+    first model call after a load: its reports stop, rank 0 waits for it in a collective. Only rank 1 is
+    named. Mutation tried: with the silent rule off (`Liveness.verdict` skipping it) the call waited for
+    rank 1 forever (pytest-timeout); before liveness by state this took 300 s and named [0, 1]."""
+    with ParallelFlux(group=_group()) as flux:
+        flux.load(checkpoint, layout="tp", dtype="float32")
+        flux.group.call("arm_failure", OnRank(rank=1, at_step=1, kind="native"))
+        victim, started = flux.group.pids[1], time.monotonic()
+        with pytest.raises(WorkerError) as err:
+            _sample(flux)
+        took = time.monotonic() - started
+        assert str(err.value).startswith(
+            f"worker rank 1 (cpu, pid {victim}) stopped reporting 5 s ago while running 'flux_forward' "
+        )
+        assert "its process is alive but does no work: stuck in a native call or deadlocked" in str(err.value)
+        assert err.value.rank == 1 and took < 10, took
+        assert _gone([victim]) and not flux.started
+
+
+def test_a_rank_left_alone_in_a_collective_is_named_with_where_it_waits() -> None:
+    """Rank 1 enters one all-reduce more than rank 0, which finishes the job: rank 1 is alive and reports,
+    but waits in a collective no peer will enter. Mutation tried: with `_peers` ignoring finished peers
+    the call never returned (pytest-timeout)."""
     group = _group()
-    hang = Watchdog(first=30.0, floor=1.0, factor=3.0)
     started = time.monotonic()
     with pytest.raises(WorkerError) as err:
-        # steps of 0.05 s, then rank 1 sleeps in step 5 for far longer than 3 x the longest gap
-        group.call("steps", Steps(n=4, seconds=0.05), watchdog=hang)  # warm: the job itself is fine
-        group.call("hang_at", OnRank(rank=1, at_step=5), watchdog=hang)
-    # rank 1 sleeps; rank 0 waits for it in the all-reduce: both fall silent within milliseconds
-    assert re.search(
-        r"no progress or reply from rank\(s\) \[(0, 1|0|1)\] \((cpu, cpu|cpu)\) for ", str(err.value)
-    )
-    assert "last progress: step 4 of 100" in str(err.value)
-    assert time.monotonic() - started < 30  # it fired on the gap-based limit, not `first`
+        group.call("hang_at", OnRank(rank=1, at_step=3, n=6, kind="strand"))
+    assert re.fullmatch(
+        r"rank 1 \(cpu\) has been waiting in collective #\d+ \(all_reduce over ranks 0, 1\) for 3 s while "
+        r"running 'hang_at', which rank 0 will never enter: it has finished the job; the worker group was "
+        r"stopped \(the next call starts it again\)",
+        str(err.value),
+    ), str(err.value)
+    assert err.value.rank == 1 and time.monotonic() - started < 10
     assert not group.alive and _gone(group.pids)
 
 
 def test_a_slower_rank_that_keeps_reporting_is_not_taken_for_a_hung_one(group2: WorkerGroup) -> None:
     """Rank 0 finishes a load at once, rank 1 needs 0.4 s per tensor for 8 tensors. Mutation tried:
     the old rules together (only rank 0 reports, and its fast pace limits every rank) failed this
-    healthy job as 'no progress or reply from rank(s) [1] (cpu) for 1 s'. Either fix alone passes it;
-    the next test pins per-rank reporting."""
-    watch = Watchdog(first=30.0, floor=1.0, factor=1.0)
-    results = group2.call_all("uneven_load", Load(tensors=8, seconds=0.4), watchdog=watch)
+    healthy job as 'no progress or reply from rank(s) [1] (cpu) for 1 s'."""
+    results = group2.call_all("uneven_load", Load(tensors=8, seconds=0.4))
     assert [r.rank for r in results] == [0, 1]
     assert group2.alive
 
 
-def test_a_rank_that_hangs_after_its_peer_finished_is_caught_at_its_own_pace() -> None:
-    """Rank 0 finished its load; rank 1 reported 3 tensors, then hangs. Its own reports set its limit
-    (1 s floor), so the job fails in seconds naming rank 1. Mutation tried: only rank 0 reporting
-    progress (as before) left rank 1 unheard, judged by `first` (30 s): the call took 30 s."""
+def test_a_rank_that_hangs_after_its_peer_finished_is_named_with_its_own_progress() -> None:
+    """Rank 0 finished its load; rank 1 read 3 tensors, then hangs reading the 4th. The message names
+    rank 1 and its own progress (before: rank 0's 'tensor 8 of 8'). Mutation tried: describing the job
+    from rank 0's progress (as before) printed 'tensor 8 of 8'."""
     group = _group()
-    watch = Watchdog(first=30.0, floor=1.0, factor=1.0)
     started = time.monotonic()
     with pytest.raises(WorkerError) as err:
-        group.call_all("uneven_load", Load(tensors=8, seconds=0.1, hang_after=3), watchdog=watch)
-    assert str(err.value).startswith("no progress or reply from rank(s) [1] (cpu) for ")
-    assert "last progress: tensor 8 of 8" in str(err.value)  # rank 0's: it had finished
-    assert time.monotonic() - started < 10
+        group.call_all("uneven_load", Load(tensors=8, seconds=0.1, hang_after=3))
+    assert str(err.value).startswith(
+        f"worker rank 1 (cpu, pid {group.pids[1]}) stopped reporting 5 s ago while running 'uneven_load' "
+        "(its last report: reading tensor 4 of 8 (0 s on it)); its process is alive but does no work"
+    ), str(err.value)
+    assert err.value.rank == 1 and time.monotonic() - started < 10
     assert not group.alive and _gone(group.pids)
+
+
+# ------------------------------------------------------------------------------------------ the rules, alone
+
+WORLD = (0, 1, 2)
+
+
+def _group_state(name: str, ranks: tuple[int, ...], issued: int, completed: int, since: float = 0.0):
+    from rocm_parallel.backend.messages import GroupState
+
+    return GroupState(name, ranks, issued, completed, "all_reduce" if issued > completed else "", since)
+
+
+class _Ranks:
+    """Three ranks' reports fed to a `Liveness` the way `Workers.watch` does, at made-up times."""
+
+    def __init__(self) -> None:
+        from rocm_parallel.backend.liveness import Liveness, Watchdog
+
+        self.live = Liveness(("cpu",) * 3, (100, 101, 102), Watchdog(), 0.0, "steps", job=5)
+        self.beat = 0
+
+    def at(self, now: float, groups: dict[int, tuple], done: tuple[int, ...] = (), cpu: float = 0.0, **kw):
+        from rocm_parallel.backend.liveness import Process
+        from rocm_parallel.backend.messages import RankState
+
+        self.beat += 1
+        pending = [r for r in WORLD if r not in done]
+        for rank in pending:
+            state = RankState(
+                rank, 100 + rank, self.beat, "computing", 5, "steps", 0, 0, 0.0, "", groups[rank]
+            )
+            process = Process(
+                stopped=kw.get("stopped") == rank, cpu_seconds=cpu, working=kw.get("working", False)
+            )
+            self.live.observe(rank, now, None if kw.get("silent") == rank else state, process)
+        return self.live.verdict(now, pending, done)
+
+
+def test_a_rank_waiting_for_a_computing_peer_is_never_hung() -> None:
+    """Rank 0 waits in collective #5 of [0, 1]; rank 1 has issued 4 and computes (however long); rank 2 is
+    in another group. Mutation tried: treating every pending collective older than the grace as stuck
+    failed this at 3 s."""
+    ranks = _Ranks()
+    groups = {0: (_group_state("a", (0, 1), 5, 4),), 1: (_group_state("a", (0, 1), 4, 4),), 2: ()}
+    assert all(ranks.at(t, groups, cpu=t) is None for t in (1.0, 10.0, 100.0, 1000.0))
+
+
+def test_a_rank_waiting_for_a_finished_peer_is_stuck_after_the_grace() -> None:
+    ranks = _Ranks()
+    groups = {0: (_group_state("a", (0, 1), 5, 4, since=1.0),), 1: (), 2: ()}
+    assert ranks.at(1.0, groups, done=(1,), cpu=1.0) is None
+    assert ranks.at(3.9, groups, done=(1,), cpu=3.9) is None  # 2.9 s: within the grace
+    hang = ranks.at(4.1, groups, done=(1,), cpu=4.1)
+    assert hang is not None and hang.ranks == (0,) and hang.waiting
+    assert hang.why == (
+        "rank 0 (cpu) has been waiting in collective #5 (all_reduce over ranks 0, 1) for 3 s while running "
+        "'steps', which rank 1 will never enter: it has finished the job"
+    )
+
+
+def test_ranks_that_issued_collectives_in_different_orders_are_all_named() -> None:
+    """Rank 0 waits in #5 of group a, which rank 1 has not reached; rank 1 waits in #2 of group b, which
+    rank 0 has not reached: neither can go on. Rank 2, computing, is not named."""
+    ranks = _Ranks()
+    groups = {
+        0: (_group_state("a", (0, 1), 5, 4, since=1.0), _group_state("b", (0, 1), 1, 1)),
+        1: (_group_state("a", (0, 1), 4, 4), _group_state("b", (0, 1), 2, 1, since=1.0)),
+        2: (),
+    }
+    ranks.at(1.0, groups, cpu=1.0)
+    hang = ranks.at(4.5, groups, cpu=4.5)
+    assert hang is not None and hang.ranks == (0, 1)
+    assert "rank 1 (cpu) has been waiting in collective #2 (all_reduce over ranks 0, 1)" in hang.why
+
+
+def test_a_chain_of_waits_that_ends_at_a_computing_rank_is_not_a_hang() -> None:
+    """0 waits for 1 (group a), 1 waits for 2 (group b), 2 computes: everyone will go on."""
+    ranks = _Ranks()
+    groups = {
+        0: (_group_state("a", (0, 1), 5, 4, since=1.0),),
+        1: (_group_state("a", (0, 1), 4, 4), _group_state("b", (1, 2), 3, 2, since=1.0)),
+        2: (_group_state("b", (1, 2), 2, 2),),
+    }
+    assert all(ranks.at(t, groups, cpu=t) is None for t in (1.0, 5.0, 50.0))
+
+
+def test_a_peer_that_completed_the_collective_leaves_the_waiting_rank_stuck() -> None:
+    ranks = _Ranks()
+    groups = {0: (_group_state("a", (0, 1), 5, 4, since=1.0),), 1: (_group_state("a", (0, 1), 6, 6),), 2: ()}
+    ranks.at(1.0, groups, cpu=1.0)
+    hang = ranks.at(4.5, groups, cpu=4.5)
+    assert hang is not None and hang.ranks == (0,)
+    assert "which rank 1 has left (it completed it and is computing 'steps'" in hang.why
+
+
+def test_silence_is_a_hang_only_while_the_process_does_no_work() -> None:
+    """Rank 2's reports stop. While its process uses CPU or reads a disk it is working (a native call that
+    keeps the interpreter, a starved reporting thread); once idle for `silent` seconds it is hung."""
+    groups = {0: (), 1: (), 2: ()}
+    ranks = _Ranks()
+    ranks.at(0.5, groups, cpu=0.0)
+    assert all(ranks.at(t, groups, silent=2, cpu=t) is None for t in (2.0, 6.0, 20.0))  # busy in C
+    assert all(ranks.at(t, groups, silent=2, cpu=20.0, working=True) is None for t in (22.0, 30.0))  # disk
+    assert ranks.at(34.0, groups, silent=2, cpu=20.0) is None
+    hang = ranks.at(35.1, groups, silent=2, cpu=20.0)
+    assert hang is not None and hang.ranks == hang.kill == (2,)
+    assert hang.why.startswith(
+        "worker rank 2 (cpu, pid 102) stopped reporting 35 s ago while running 'steps'"
+    )
+
+
+def test_a_stopped_process_is_a_hang_after_two_seconds() -> None:
+    ranks = _Ranks()
+    groups = {0: (), 1: (), 2: ()}
+    assert ranks.at(1.0, groups, stopped=1, cpu=1.0) is None
+    assert ranks.at(2.9, groups, stopped=1, cpu=2.9) is None
+    hang = ranks.at(3.1, groups, stopped=1, cpu=3.1)
+    assert hang is not None and hang.ranks == hang.kill == (1,)
+    assert hang.why.startswith("worker rank 1 (cpu, pid 101) is stopped (SIGSTOP or a debugger)")
+
+
+# ------------------------------------------------------------------------------------------ slow, healthy
+
+
+def test_a_call_ten_times_slower_than_the_ones_before_completes(checkpoint: str, group2: WorkerGroup) -> None:
+    """Steps of a fraction of a second, then one of 10 s more on rank 1 (a bigger image, a first kernel
+    autotune): the job completes with the right image. Mutation tried: the old pace watchdog (a forward
+    may take max(8 s, 5 x the slowest so far)) killed step 3 at 8 s."""
+    flux = ParallelFlux(group=group2)
+    flux.load(checkpoint, layout="tp", dtype="float32")
+    expected = _sample(flux)
+    flux.group.call("arm_failure", OnRank(rank=1, at_step=3, kind="slow", seconds=10.0))
+    seen: list[str] = []
+    poll = threading.Timer(6.0, lambda: seen.append(flux.activity or ""))
+    poll.start()
+    assert torch.equal(_sample(flux), expected)
+    poll.join()
+    # the panel's line: rank 1 computes, rank 0 waits for it in the step's next collective
+    assert re.fullmatch(
+        r"step 3 of 4: \d s so far, still computing \(rank 1; rank 0 waits for it in collective #\d+ "
+        r"\(\w+ over ranks 0, 1\)\)",
+        seen[0],
+    ), seen
+    assert group2.alive
+
+
+def test_a_twenty_second_tensor_read_completes(checkpoint: str, group2: WorkerGroup) -> None:
+    """Rank 1 takes 20 s to read its 3rd tensor (a network share), reporting 'reading tensor 3': the load
+    completes and samples the same image. Mutation tried: the old gap watchdog (max(8 s, 5 x the longest
+    gap between records)) failed the load after 8 s."""
+    flux = ParallelFlux(group=group2)
+    flux.load(checkpoint, layout="tp", dtype="float32")
+    expected = _sample(flux)
+    flux.unload()
+    flux.group.call("arm_load_failure", OnRank(rank=1, at_step=3, kind="slow", seconds=20.0))
+    reports = flux.load(checkpoint, layout="tp", dtype="float32")
+    assert [r.reused for r in reports] == [False, False]
+    assert torch.equal(_sample(flux), expected)
 
 
 # ------------------------------------------------------------------------------------------ cancel
@@ -210,6 +387,39 @@ def test_interrupt_while_waiting_cancels_and_the_next_call_gets_its_own_result(
     assert group2.call("steps", Steps(n=3)).steps == 3  # its own reply, not the interrupted job's
     big = torch.randn(256, 1024)
     assert torch.equal(group2.call("scale", Scale(big)).scaled, big)  # request files intact
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["send", "receive"])
+def test_ctrl_c_inside_a_send_or_a_receive_keeps_the_group(
+    group2: WorkerGroup, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """A real SIGINT lands inside the request's send loop (after rank 0 got it, before rank 1), or inside
+    the receive of a reply (after its bytes were read): the interrupt is held until the message is whole,
+    every rank stops at the same step, no reply is lost and the group keeps going. Mutation tried: with
+    `transport.uninterrupted` a no-op, the send case left rank 0 alone in a collective (the call never
+    returned: pytest-timeout) and the receive case lost rank 1's reply (`last_replies` had only rank 0)."""
+    from rocm_parallel.backend import client, watch
+    from rocm_parallel.backend.transport import Reply
+
+    module, name = (client, "send") if where == "send" else (watch, "recv")
+    real, fired = getattr(module, name), []
+
+    def interrupted(conn, *args):
+        result = real(conn, *args)
+        if not fired and (where == "send" or isinstance(result, Reply)):
+            fired.append(1)
+            signal.raise_signal(signal.SIGINT)  # Python's handler raises KeyboardInterrupt here
+        return result
+
+    monkeypatch.setattr(module, name, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        group2.call("steps", Steps(n=200 if where == "send" else 3, seconds=0.02))
+    monkeypatch.undo()
+    assert sorted(group2.last_replies) == [0, 1]
+    assert {r.error_type for r in group2.last_replies.values()} <= {"JobCancelled", ""}
+    assert group2.alive
+    assert group2.call("steps", Steps(n=3)).steps == 3
 
 
 def test_a_reply_from_another_job_is_never_accepted(group2: WorkerGroup) -> None:
@@ -364,8 +574,8 @@ def test_stray_connections_do_not_stop_the_start(monkeypatch: pytest.MonkeyPatch
     [
         (
             ["cpu"] * 99999,
-            "devices asks for 99999 CPU workers, which need at least 50000 GB of host memory (0.5 GB each "
-            "before any model) but ",
+            "devices asks for 99999 CPU workers, which need at least 50000 GB of host memory (0.5 GB each, "
+            "measured on a worker that has loaded a model, besides the model itself) but ",
         ),
         (
             ["cuda:-1"],
