@@ -12,7 +12,7 @@ BENCHMARKS = {
     "load": "checkpoint loading: peak host memory per rank, sharded loader vs a naive full load",
     "cp": "context parallelism (ring / Ulysses / hybrid): activations and bytes per GPU, one-rank compute",
     "planner": "the planner's weights, activations and collectives vs the engine on the meta device",
-    "failures": "one rank fails (OOM, stopped, killed, hung), cancel, Ctrl+C: time to the error, next job",
+    "failures": "one rank fails or hangs (OOM, stopped, killed, hung anywhere), slow but healthy ranks, cancel, Ctrl+C: time to the error, rank named, next job",
     "step": "one ComfyUI-driven step (a forward request) vs the same forward in one process, 1024x1024",
     "scaling": "sampling steps on 1, 2, 4 CPU workers: latency, time per step, peak memory per worker",
 }

@@ -704,11 +704,185 @@ def test_bad_sampling_input_fails_before_any_worker(checkpoint: str) -> None:
             "sigmas must not increase, but sigma[1]=0.8 > sigma[0]=0.5; use a scheduler's output (e.g. "
             "BasicScheduler) or flip them",
         ),
+        "inf latent": (
+            {"latent": {"samples": torch.full_like(ref["latent"], float("inf"))}},
+            "latent samples contains inf values; encode the image again or start from EmptySD3LatentImage",
+        ),
+        **{
+            f"shift_mu {mu!r}": (
+                {"shift_mu": mu},
+                f"shift_mu={mu!r} must be a finite number from -87 to 87 (beyond that e^mu leaves float32 and "
+                "every sigma is NaN); ModelSamplingFlux sets 0.5 to 1.15 for 256x256 to 1024x1024 "
+                "(resolution_mu(width, height)), or leave it unset for the model's default",
+            )
+            for mu in (float("nan"), 1e6, -1000.0, float("inf"), "1.15")
+        },
+        "shift_mu with sigmas": (
+            {"shift_mu": 1.15, "sigmas": torch.tensor([1.0, 0.5, 0.0])},
+            "shift_mu=1.15 has no effect when sigmas are given (they are the whole schedule); leave shift_mu "
+            "unset, or drop sigmas to sample from the shifted table",
+        ),
     }
     before = psutil.Process().children()
     for name, (overrides, message) in cases.items():
         assert _flux_checked(checkpoint, **overrides) == message, name
     assert psutil.Process().children() == before
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("x", "x contains NaN values; the latent entering this model call is broken: check the nodes before the "
+         "sampler (a VAE Encode of a broken image, a latent upscale, a noise node)"),
+        ("timestep", "timestep contains inf values; it is the sampler's sigma: check the scheduler or SIGMAS input"),
+        ("guidance", "guidance contains NaN values; set a finite value with FluxGuidance (e.g. 3.5)"),
+        ("context", "context contains inf values; re-encode the prompt (a broken text encoder or a bad upstream node)"),
+        ("y", "y (pooled_output) contains NaN values; re-encode the prompt (a broken text encoder or a bad "
+         "upstream node)"),
+        ("ref_latents", "ref_latents[0] contains NaN values; encode the reference image again (VAE Encode into "
+         "ReferenceLatent)"),
+        ("meta", "x is on the 'meta' device and holds no values; give a CPU or GPU tensor"),
+    ],
+)  # fmt: skip
+def test_nan_or_inf_in_a_model_call_is_refused_before_any_rank_runs(
+    checkpoint: str, group2: WorkerGroup, name: str, message: str
+) -> None:
+    """Every input of `forward`, on the caller's side: no job reaches the ranks. Mutation tried: without
+    `check_conditioning_values` in `ConditioningSender.add`, the NaN context ran on the ranks and the call
+    returned NaN."""
+    from test_service import call_inputs
+
+    flux = ParallelFlux(group=group2)
+    flux.load(checkpoint, layout="tp", dtype="float32")
+    inputs = call_inputs()
+    bad = float("inf") if name in ("timestep", "context") else float("nan")
+    if name == "meta":
+        inputs["x"] = torch.empty_like(inputs["x"], device="meta")
+    elif name == "ref_latents":
+        inputs["ref_latents"] = [torch.full((2, 16, 4, 4), bad)]
+    else:
+        inputs[name] = inputs[name].clone()
+        inputs[name].view(-1)[1] = bad
+    before = group2._job
+    with pytest.raises(ConfigError) as err:
+        flux.forward(**inputs)
+    assert str(err.value) == message
+    assert group2._job == before
+
+
+def test_a_model_call_whose_output_overflows_names_its_sigma(checkpoint: str, group2: WorkerGroup) -> None:
+    """Finite inputs, NaN out (the model overflowed): an error naming the call, not a black image."""
+    from test_service import call_inputs
+
+    flux = ParallelFlux(group=group2)
+    flux.load(checkpoint, layout="tp", dtype="float32")
+    inputs = call_inputs()
+    inputs["context"] = inputs["context"] * 1e38
+    with pytest.raises(FloatingPointError) as err:
+        flux.forward(**inputs)
+    assert str(err.value) == (
+        "the model call at sigma 0.7, 0.7 produced NaN or inf values from finite inputs; the model's output "
+        "overflowed: try dtype='bfloat16' or 'float32' instead of float16"
+    )
+
+
+def test_nan_weights_are_refused_at_load_naming_the_tensor(
+    checkpoint: str, group2: WorkerGroup, tmp_path: Path
+) -> None:
+    """One NaN in a stored tensor: every rank that reads it refuses the load, naming the file's key; the
+    group stays (loading has no collectives) and holds no model. Mutation tried: with `CHECK_VALUES` off
+    the load succeeded and sampling returned NaN."""
+    from safetensors.torch import load_file
+
+    state = load_file(checkpoint)
+    key = "img_in.bias"  # replicated: every rank reads it whole
+    state[key] = state[key].clone()
+    state[key][1] = float("nan")
+    damaged = str(tmp_path / "damaged.safetensors")
+    save_file(state, damaged)
+    flux = ParallelFlux(group=group2)
+    with pytest.raises(WorkerError) as err:
+        flux.load(damaged, layout="tp", dtype="float32")
+    assert str(err.value).split(": ", 1)[1] == (
+        f"CheckpointError: '{damaged}': tensor '{key}' holds NaN values; the file is damaged (an interrupted "
+        "download or copy, a failing disk) or was saved from a broken model: download or copy it again"
+    )
+    assert group2.alive and flux.resident is None
+    assert [r.loaded for r in flux.status()] == [None, None]
+
+
+def test_a_damaged_header_of_the_right_size_says_what_safetensors_says(tmp_path: Path) -> None:
+    """Before: 'its header promises 152 bytes but the file has 152'."""
+    import json
+    import struct
+
+    from rocm_parallel.backend.checkpoint import inspect_checkpoint
+
+    path = tmp_path / "h.safetensors"
+    save_file({"a": torch.ones(4), "b": torch.ones(4)}, str(path))
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    header["a"]["data_offsets"], header["b"]["data_offsets"] = [0, 12], [12, 32]  # a holds 16 bytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    path.write_bytes(raw[:8] + text + b" " * (n - len(text)) + raw[8 + n :])
+    with pytest.raises(ConfigError) as err:
+        inspect_checkpoint(path)
+    assert str(err.value) == (
+        f"'{path}' is truncated or corrupt: its size matches its header ({len(raw)} bytes), but safetensors "
+        "refuses the header: Error while deserializing header: invalid shape, data type, or offset for tensor. "
+        "Download or copy it again"
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"threads": -1}, "threads=-1 must be a whole number of torch threads per worker (1 or more), or None for "
+         "the default (CPU workers: the cores shared out; GPUs: torch's own)"),
+        ({"threads": 1.5}, "threads=1.5 must be a whole number of torch threads per worker (1 or more), or None "
+         "for the default (CPU workers: the cores shared out; GPUs: torch's own)"),
+        ({"start_timeout": 0}, "start_timeout=0 must be a number of seconds > 0"),
+        ({"health_timeout": float("nan")}, "health_timeout=nan must be a number of seconds > 0, or None for no limit"),
+    ],
+)  # fmt: skip
+def test_ignored_group_options_are_refused_before_any_process(options: dict, message: str) -> None:
+    """threads=-1 used to start workers with torch's default; start_timeout=0 failed the start at once."""
+    before = psutil.Process().children()
+    for make in (WorkerGroup, ParallelFlux):
+        if make is ParallelFlux and "health_timeout" in options:
+            continue
+        with pytest.raises(ConfigError) as err:
+            make(["cpu", "cpu"], **options)
+        assert str(err.value) == message
+    assert psutil.Process().children() == before
+
+
+def test_a_time_limit_must_be_positive(group2: WorkerGroup) -> None:
+    for timeout in (0, -1.0, float("nan")):
+        with pytest.raises(
+            ConfigError, match=r"^timeout=.* must be a number of seconds > 0, or None for no limit$"
+        ):
+            group2.call("ping", timeout=timeout)
+    flux = ParallelFlux(group=group2)
+    with pytest.raises(ConfigError, match=r"^threads=3 but the group given runs 1 per worker; pass one$"):
+        ParallelFlux(group=group2, threads=3)
+    with pytest.raises(ConfigError, match=r"^devices=\['cpu', 'cpu', 'cpu'\] but the group given runs on "):
+        ParallelFlux(["cpu"] * 3, group=group2)
+    assert flux.devices == ("cpu", "cpu")
+
+
+def test_a_workers_own_memory_is_within_the_bound(checkpoint: str, group2: WorkerGroup) -> None:
+    """WORKER_HOST_BYTES, the per-worker host memory the CPU worker count is bounded by, is what a real
+    worker holds besides its model's weights once it has loaded and sampled one."""
+    from rocm_parallel.backend.platforms import WORKER_HOST_BYTES
+
+    flux = ParallelFlux(group=group2)
+    flux.load(checkpoint, layout="tp", dtype="float32")
+    _sample(flux)
+    for pid, status in zip(group2.pids, flux.status(), strict=True):
+        own = psutil.Process(pid).memory_info().rss - status.parameter_bytes
+        assert own <= WORKER_HOST_BYTES, f"{own / 1e9:.2f} GB"
 
 
 def test_a_bad_dtype_leaves_the_resident_model_alone(checkpoint: str, group2: WorkerGroup) -> None:
