@@ -151,6 +151,7 @@ class Heartbeat:
         )  # fmt: skip
         self._collectives: Collectives | None = None
         self._beat = 0
+        self._lock = threading.Lock()  # one writer at a time: beats stay in order
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
     def start(self) -> Heartbeat:
@@ -158,10 +159,23 @@ class Heartbeat:
         return self
 
     def set(
-        self, doing: str, *, job: int = 0, method: str = "", step: int = 0, total: int = 0, detail: str = ""
+        self,
+        doing: str,
+        *,
+        job: int = 0,
+        method: str = "",
+        step: int = 0,
+        total: int = 0,
+        detail: str = "",
+        publish: bool = False,
     ) -> None:
-        """What the main thread does from now on (one tuple swap: the thread reads whole tuples)."""
+        """What the main thread does from now on (one tuple swap: the thread reads whole tuples).
+        `publish`: written at once, from this thread (a new job: a rank that hangs in its first line, in a
+        native call or stopped, is then reported in this job, not as it was in the last one)."""
         self._activity = (doing, job, method, step, total, time.monotonic(), detail)
+        if publish:
+            with contextlib.suppress(OSError):  # the thread writes it within `interval` anyway
+                self._write()
 
     def update(self, step: int, total: int, doing: str | None = None) -> None:
         """The same job at its next step or tensor (`doing`: 'computing' or 'loading'; None: unchanged)."""
@@ -184,5 +198,9 @@ class Heartbeat:
         while True:
             # Nothing may end this thread: a rank that stops reporting counts as hung.
             with contextlib.suppress(Exception):
-                write_state(self.path, self.state())
+                self._write()
             time.sleep(self.interval)
+
+    def _write(self) -> None:
+        with self._lock:
+            write_state(self.path, self.state())

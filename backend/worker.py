@@ -294,7 +294,7 @@ def _serve(conn: Connection, ctx: WorkerContext) -> bool:
             send(conn, Reply(job=request.job, rank=ctx.rank, ok=True))
             return True
         if ctx.heartbeat is not None:
-            ctx.heartbeat.set("computing", job=request.job, method=request.method)
+            ctx.heartbeat.set("computing", job=request.job, method=request.method, publish=True)
         started = time.perf_counter()
         try:
             reply = Reply(job=ctx.job, rank=ctx.rank, ok=True, result=_run(request, ctx))

@@ -122,24 +122,64 @@ def test_a_stopped_rank_is_caught_by_the_watchdog_and_the_next_job_is_correct(ch
         assert torch.equal(_sample(flux), expected)
 
 
-def test_a_hung_rank_in_the_first_call_after_a_load_is_named_within_seconds(checkpoint: str) -> None:
+@pytest.mark.parametrize("at_step", [1, 3], ids=["first call after a load", "mid-sample"])
+def test_a_rank_hung_in_a_model_call_is_named_within_seconds(checkpoint: str, at_step: int) -> None:
     """Rank 1 hangs in a native call that keeps its interpreter (a driver call that never returns) in the
-    first model call after a load: its reports stop, rank 0 waits for it in a collective. Only rank 1 is
-    named. Mutation tried: with the silent rule off (`Liveness.verdict` skipping it) the call waited for
-    rank 1 forever (pytest-timeout); before liveness by state this took 300 s and named [0, 1]."""
+    first model call after a load (every ComfyUI run's first), or in step 3: its reports stop, rank 0
+    waits for it in a collective. Only rank 1 is named, within 10 s. Mutations tried: with the silent
+    rule off (`Liveness.verdict` skipping it) the call waited for rank 1 forever (pytest-timeout); naming
+    every pending rank (as before: `Hang((0, 1), ...)`) failed the rank assertion; before liveness by
+    state this took 300 s and named [0, 1]."""
     with ParallelFlux(group=_group()) as flux:
         flux.load(checkpoint, layout="tp", dtype="float32")
-        flux.group.call("arm_failure", OnRank(rank=1, at_step=1, kind="native"))
+        flux.group.call("arm_failure", OnRank(rank=1, at_step=at_step, kind="native"))
         victim, started = flux.group.pids[1], time.monotonic()
         with pytest.raises(WorkerError) as err:
             _sample(flux)
         took = time.monotonic() - started
         assert str(err.value).startswith(
             f"worker rank 1 (cpu, pid {victim}) stopped reporting 5 s ago while running 'flux_forward' "
-        )
+            "(its last report: computing 'flux_forward' ("
+        ), str(err.value)
         assert "its process is alive but does no work: stuck in a native call or deadlocked" in str(err.value)
+        assert "rank 0" not in str(err.value)  # the innocent rank, waiting for it, is not named
         assert err.value.rank == 1 and took < 10, took
         assert _gone([victim]) and not flux.started
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["load", "LoRA change"])
+def test_a_rank_hung_while_loading_is_named_within_seconds(
+    checkpoint: str, tmp_path: Path, lora: bool
+) -> None:
+    """Rank 1 hangs in a native call at its 3rd tensor of a load (or of a LoRA change on the resident
+    model) while rank 0 finishes: rank 1 is named with its own progress within 10 s, and the next load
+    works. Mutation tried: with the silent rule off the load never returned (pytest-timeout)."""
+    from test_sampling import MODELS
+
+    from rocm_parallel.testing.models import tiny_flux_config
+    from rocm_parallel.testing.writers import write_random_lora
+
+    with ParallelFlux(group=_group()) as flux:
+        flux.load(checkpoint, layout="tp", dtype="float32")
+        loras = []
+        if lora:
+            config = tiny_flux_config(**MODELS["dev"]["config"])
+            loras = [(write_random_lora(tmp_path / "lora.safetensors", config, "bfl"), 0.5)]
+        else:
+            flux.unload()
+        flux.group.call("arm_load_failure", OnRank(rank=1, at_step=3, kind="native"))
+        victim, started = flux.group.pids[1], time.monotonic()
+        with pytest.raises(WorkerError) as err:
+            flux.load(checkpoint, layout="tp", dtype="float32", loras=loras)
+        took = time.monotonic() - started
+        assert str(err.value).startswith(
+            f"worker rank 1 (cpu, pid {victim}) stopped reporting 5 s ago while running 'load' (its last "
+            "report: reading tensor 3 of "
+        ), str(err.value)
+        assert err.value.rank == 1 and took < 10, took
+        assert _gone([victim]) and flux.resident is None
+        flux.load(checkpoint, layout="tp", dtype="float32")
+        assert flux.resident is not None
 
 
 def test_a_rank_left_alone_in_a_collective_is_named_with_where_it_waits() -> None:
@@ -926,3 +966,60 @@ def test_a_failing_rank_stops_its_peers_load_and_keeps_the_group(group2: WorkerG
         group2.call_all("load_then_fail", Load(tensors=40, seconds=0.1, failing=0))
     assert group2.last_replies[1].error_type == "JobCancelled"
     assert group2.alive
+
+
+# ------------------------------------------------------------------------------------------ LoRA values
+
+
+def _lora(tmp_path: Path) -> str:
+    from test_sampling import MODELS
+
+    from rocm_parallel.testing.models import tiny_flux_config
+    from rocm_parallel.testing.writers import write_random_lora
+
+    return write_random_lora(
+        tmp_path / "lora.safetensors", tiny_flux_config(**MODELS["dev"]["config"]), "bfl"
+    )
+
+
+def test_a_lora_strength_beyond_comfyuis_range_is_refused_before_any_worker(
+    checkpoint: str, tmp_path: Path
+) -> None:
+    """Strength 1e30 used to load and sample NaN. Mutation tried: without the bound in `check_loras` the
+    check passed."""
+    lora = _lora(tmp_path)
+    before = psutil.Process().children()
+    for strength in (1e30, -100.5):
+        with pytest.raises(ConfigError) as err:
+            ParallelFlux(["cpu", "cpu"]).check_load(checkpoint, loras=[(lora, strength)])
+        assert str(err.value) == (
+            f"LoRA '{lora}': strength {strength!r} is beyond +-100 (ComfyUI's LoraLoader range; far beyond it "
+            "the patched weights overflow to inf); use e.g. 1.0"
+        )
+    ParallelFlux(["cpu", "cpu"]).check_load(checkpoint, loras=[(lora, -100.0)])
+    assert psutil.Process().children() == before
+
+
+def test_nan_lora_factors_are_refused_naming_the_file_and_module(
+    checkpoint: str, group2: WorkerGroup, tmp_path: Path
+) -> None:
+    """One NaN in a LoRA's up factor: the LoRA change fails naming the file and the module, and no rank
+    keeps a half-patched model. Mutation tried: without `_check_finite` on the deltas the load succeeded
+    and sampling returned NaN."""
+    from safetensors.torch import load_file
+
+    state = load_file(_lora(tmp_path))
+    key = "diffusion_model.img_in.lora_up.weight"  # replicated: every rank reads it whole
+    state[key][1, 0] = float("nan")
+    damaged = str(tmp_path / "damaged-lora.safetensors")
+    save_file(state, damaged)
+    flux = ParallelFlux(group=group2)
+    flux.load(checkpoint, layout="tp", dtype="float32")
+    with pytest.raises(WorkerError) as err:
+        flux.load(checkpoint, layout="tp", dtype="float32", loras=[(damaged, 1.0)])
+    assert str(err.value).split(": ", 1)[1] == (
+        f"LoraError: LoRA '{damaged}': the factors of 'diffusion_model.img_in' hold NaN or inf values; the "
+        "file is damaged or was saved from a broken training run: download it again"
+    )
+    assert group2.alive and flux.resident is None
+    assert [r.loaded for r in flux.status()] == [None, None]

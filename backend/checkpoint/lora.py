@@ -103,6 +103,9 @@ class LoraTarget:
     up_rows: tuple[tuple[int, int], ...]
 
 
+MAX_STRENGTH = 100.0  # ComfyUI's LoraLoader allows -100 to 100
+
+
 @dataclass(frozen=True)
 class LoraModule:
     """One LoRA pair in a file: delta(target) = scale * up[target.up_rows] @ down."""
@@ -322,6 +325,11 @@ def check_loras(
                 f"LoRA '{path}': strength {strength!r} is not a finite number; use e.g. 1.0 "
                 "(0 disables it, negative values invert it)"
             )
+        if abs(strength) > MAX_STRENGTH:
+            raise LoraError(
+                f"LoRA '{path}': strength {strength!r} is beyond +-{MAX_STRENGTH:g} (ComfyUI's LoraLoader "
+                "range; far beyond it the patched weights overflow to inf); use e.g. 1.0"
+            )
         inspect_lora(path, info)
         out.append((str(path), float(strength)))
     return tuple(out)
@@ -406,11 +414,11 @@ def _apply(
     params = dict(model.named_parameters())
     dims = info.dims
     compute = compute_dtype(model)
-    by_param: dict[str, list[tuple[Any, LoraModule, LoraTarget, float]]] = {}
+    by_param: dict[str, list[tuple[str, LoraModule, LoraTarget, float]]] = {}
     for lora, strength in active:
         for module in lora.modules:
             for target in module.targets:
-                by_param.setdefault(target.param, []).append((files[lora.path], module, target, strength))
+                by_param.setdefault(target.param, []).append((lora.path, module, target, strength))
     for done, name in enumerate(todo, 1):
         param = params[name]
         stored, rows = info.sources[name]
@@ -421,9 +429,15 @@ def _apply(
             fresh = read_parameter(info, name, pieces, resident, param.device)
         else:
             fresh = read_parameter(info, name, pieces, torch.float32, param.device)
-            for f, module, target, strength in patches:
-                fresh += delta_slice(f, module, target, pieces, strength, param.device)
+            for path, module, target, strength in patches:
+                delta = delta_slice(files[path], module, target, pieces, strength, param.device)
+                _check_finite(delta, f"LoRA '{path}': the factors of '{module.key}' hold NaN or inf values; "
+                              "the file is damaged or was saved from a broken training run: download it again")  # fmt: skip
+                fresh += delta
             fresh = fresh.to(compute if is_fp8(resident) else resident)
+            _check_finite(fresh, f"the LoRAs {sorted({p for p, *_ in patches})} at strengths "
+                          f"{[s for *_, s in patches]} make '{name}' overflow {fresh.dtype} to inf; lower "
+                          "the strengths")  # fmt: skip
         if fresh.shape != param.shape:  # the plan and the model disagree: a bug, not bad input
             raise RuntimeError(
                 f"{name}: re-read {tuple(fresh.shape)} but the model holds {tuple(param.shape)}"
@@ -437,8 +451,15 @@ def _apply(
             progress(done, len(todo))
 
 
+def _check_finite(tensor: torch.Tensor, message: str) -> None:
+    """Refuse NaN/inf (one aminmax pass: NaN reaches both ends, an inf is one of them)."""
+    if tensor.numel() and not all(math.isfinite(float(v)) for v in torch.aminmax(tensor.float())):
+        raise LoraError(message)
+
+
 __all__ = [
     "FACTOR_SUFFIXES",
+    "MAX_STRENGTH",
     "LoraError",
     "LoraInfo",
     "LoraModule",
