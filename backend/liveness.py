@@ -70,6 +70,7 @@ class _Seen:
     cpu: float = 0.0  # the process's CPU seconds at the last look
     looked: float = 0.0
     stopped_since: float | None = None
+    own_since: float = 0.0  # when the rank's current activity began, by its own report
 
 
 def describe(state: RankState | None, now: float) -> str:
@@ -99,8 +100,17 @@ def _collective(group: GroupState) -> str:
 
 def _waiting(state: RankState) -> GroupState | None:
     """The collective the rank has been in the longest, if any."""
-    pending = [g for g in state.groups if g.pending]
+    pending = list(_blocking(state.groups, state.since))
     return min(pending, key=lambda g: g.pending_since) if pending else None
+
+
+def _blocking(groups: Sequence[GroupState], since: float) -> list[GroupState]:
+    """The pending collectives that may hold the rank: those seen pending since its current activity
+    began (`since`, the rank's own clock, as `pending_since`). One seen pending before that is not where
+    the rank is: it has moved on since (reported a new job, step or tensor), so the recorder has not
+    marked that collective completed (gloo can leave the start-up health check's all-gather so) or it
+    was asynchronous; taking it for a wait failed healthy loads as 'waiting in collective #2'."""
+    return [g for g in groups if g.pending and g.pending_since >= since]
 
 
 class Liveness:
@@ -129,7 +139,7 @@ class Liveness:
     def observe(self, rank: int, now: float, state: RankState | None, process: Process | None) -> None:
         seen = self.seen[rank]
         if state is not None and (seen.state is None or state.beat != seen.state.beat):
-            held = seen.state
+            held, seen.own_since = seen.state, state.since
             if held is not None and state.since < held.since:  # a progress record told us more already
                 state = replace(
                     state, doing=held.doing, job=held.job, method=held.method, step=held.step,
@@ -205,7 +215,7 @@ class Liveness:
             state = self.seen[rank].state
             if state is None or now - self.seen[rank].reported > FRESH:
                 continue  # an old report does not say where the rank is now (the silent rule covers it)
-            for group in (g for g in state.groups if g.pending and g.ranks):
+            for group in (g for g in _blocking(state.groups, self.seen[rank].own_since) if g.ranks):
                 reason, waits_for = self._peers(rank, group, done, now)
                 if reason:
                     reasons.setdefault(rank, (group, reason))

@@ -128,7 +128,8 @@ def test_a_rank_hung_in_a_model_call_is_named_within_seconds(checkpoint: str, at
     first model call after a load (every ComfyUI run's first), or in step 3: its reports stop, rank 0
     waits for it in a collective. Only rank 1 is named, within 10 s. Mutations tried: with the silent
     rule off (`Liveness.verdict` skipping it) the call waited for rank 1 forever (pytest-timeout); naming
-    every pending rank (as before: `Hang((0, 1), ...)`) failed the rank assertion; before liveness by
+    every pending rank (as before: `Hang((0, 1), ...)`) failed the rank assertion; without `publish` in the worker's job start, the message said
+    'its last report: reading tensor 112 of 112'; before liveness by
     state this took 300 s and named [0, 1]."""
     with ParallelFlux(group=_group()) as flux:
         flux.load(checkpoint, layout="tp", dtype="float32")
@@ -317,6 +318,33 @@ def test_a_peer_that_completed_the_collective_leaves_the_waiting_rank_stuck() ->
     hang = ranks.at(4.5, groups, cpu=4.5)
     assert hang is not None and hang.ranks == (0,)
     assert "which rank 1 has left (it completed it and is computing 'steps'" in hang.why
+
+
+def test_a_collective_left_pending_before_the_ranks_current_work_is_no_wait() -> None:
+    """Rank 0's recorder still shows the start-up health check's all-gather (#2) pending, though rank 0
+    has since started a load and reports reading tensors; rank 1 completed #2. Rank 0 is not waiting
+    there. Seen in `bench failures`: a healthy load failed as 'rank 1 (cpu) has been waiting in collective
+    #2 (all_gather over ranks 0, 1) for 3 s while running 'load', which rank 0 has left'. Mutation
+    tried: without `_blocking`'s `pending_since >= since` this test failed at 4.5 s."""
+    from rocm_parallel.backend.liveness import Liveness, Process, Watchdog
+    from rocm_parallel.backend.messages import RankState
+
+    live = Liveness(("cpu",) * 2, (100, 101), Watchdog(), 0.0, "load", job=5)
+    stale = (_group_state("WORLD", (0, 1), 2, 1, since=0.5),)
+    done = (_group_state("WORLD", (0, 1), 2, 2),)
+    for beat, now in enumerate((1.0, 2.0, 4.5, 9.0), 1):
+        for rank, groups in ((0, stale), (1, done)):
+            state = RankState(rank, 100 + rank, beat, "loading", 5, "load", beat, 112, 1.0, "", groups)
+            live.observe(rank, now, state, Process(stopped=False, cpu_seconds=now))
+        assert live.verdict(now, [0, 1], ()) is None, now
+    # the same report with the collective seen pending after the load began: rank 0 does wait there
+    held = (_group_state("WORLD", (0, 1), 2, 1, since=1.5),)
+    for beat, now in enumerate((10.0, 12.0, 14.6), 10):
+        for rank, groups in ((0, held), (1, done)):
+            state = RankState(rank, 100 + rank, beat, "loading", 5, "load", 3, 112, 1.0, "", groups)
+            live.observe(rank, now, state, Process(stopped=False, cpu_seconds=now))
+        hang = live.verdict(now, [0, 1], ())
+    assert hang is not None and hang.ranks == (0,), hang
 
 
 def test_silence_is_a_hang_only_while_the_process_does_no_work() -> None:
