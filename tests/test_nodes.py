@@ -225,6 +225,7 @@ class RecordingFlux:
         self.devices, self.closed = devices, False
         self.warnings: list[str] = []
         self.started = False
+        self.activity: str | None = None  # no job running (the panel reads it)
 
     def close(self) -> None:
         self.closed = True
@@ -721,6 +722,7 @@ class ForwardFlux:
         self.loads: list[dict] = []
         self.checks: list[dict] = []
         self.forwards: list[tuple] = []
+        self.activity: str | None = None  # what the panel shows while a job runs (none here)
 
     def check_load(self, checkpoint: SimpleNamespace, **kwargs) -> None:
         self.checks.append(kwargs)
