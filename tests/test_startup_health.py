@@ -102,10 +102,12 @@ def _stop_rank_when_it_starts(rank: int, stopped: list[int]) -> threading.Thread
     """SIGSTOP this process's worker of `rank` as soon as it exists (it is importing torch then, long
     before it connects)."""
 
+    known = {c.pid for c in psutil.Process().children()}  # the session's groups: not the one starting
+
     def watch() -> None:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not stopped:
-            for child in psutil.Process().children():
+            for child in (c for c in psutil.Process().children() if c.pid not in known):
                 try:
                     if child.environ().get("RP_RANK") == str(rank):
                         child.send_signal(signal.SIGSTOP)
