@@ -1,5 +1,7 @@
-"""What the caller checks before any rank runs: a model call's shapes (every step, so cheap) and a
-sampling job (once), each against the resident checkpoint; messages name ComfyUI's inputs and nodes.
+"""What the caller checks before any rank runs: a model call's shapes and values (every step, so cheap:
+the latent, sigma and guidance are scanned for NaN and inf each call, the conditioning once per prompt,
+when it is sent) and a sampling job (once), each against the resident checkpoint; messages name
+ComfyUI's inputs and nodes.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import torch
 from .checkpoint import CheckpointInfo
 from .config import ConfigError
 from .family import ModelFamily, families
-from .flux.sampling import SamplingPlan
+from .flux.sampling import SamplingPlan, check_finite, check_real
 from .messages import LoadRequest
 
 # An additive mask value at or below this drops its key (exp of it is 0 in float32): ComfyUI's own masks are
@@ -63,6 +65,12 @@ def check_forward(
     info = resident.info
     dims, family = info.dims, info.model_family
     channels, latent = info.input_channels, family.latent_channels(info.config)
+    given = {"x": x, "timestep": timestep, "context": context, "y (pooled_output)": y, "guidance": guidance}
+    for i, ref in enumerate(refs):
+        given[f"ref_latents[{i}]"] = ref
+    for name, tensor in given.items():
+        if torch.is_tensor(tensor):
+            check_real(name, tensor)
     if not _latent_shaped(x, channels, family):
         shape = tuple(x.shape) if torch.is_tensor(x) else type(x).__name__
         if channels == latent:
@@ -102,7 +110,28 @@ def check_forward(
     check_refs(refs, ref_method, batch, channels, latent, info)
     tokens = family.image_tokens(*x.shape[-2:]) + sum(family.image_tokens(*r.shape[-2:]) for r in refs)
     resident.layout.validate_sequence(tokens)
+    check_finite(
+        "x", x, "the latent entering this model call is broken: check the nodes before the sampler (a VAE "
+        "Encode of a broken image, a latent upscale, a noise node)",
+    )  # fmt: skip
+    check_finite("timestep", timestep, "it is the sampler's sigma: check the scheduler or SIGMAS input")
+    if guidance is not None:
+        check_finite("guidance", guidance, "set a finite value with FluxGuidance (e.g. 3.5)")
+
     return text_key_mask(attention_mask, context, info)
+
+
+def check_conditioning_values(
+    context: torch.Tensor, pooled: torch.Tensor, refs: Sequence[torch.Tensor] = ()
+) -> None:
+    """No NaN or inf in a prompt's tensors (checked once per prompt, when it is first sent)."""
+    fix = "re-encode the prompt (a broken text encoder or a bad upstream node)"
+    check_finite("context", context, fix)
+    check_finite("y (pooled_output)", pooled, fix)
+    for i, ref in enumerate(refs):
+        check_finite(
+            f"ref_latents[{i}]", ref, "encode the reference image again (VAE Encode into ReferenceLatent)"
+        )
 
 
 def _latent_shaped(x: Any, channels: int, family: ModelFamily) -> bool:

@@ -3,7 +3,8 @@
 Where a request enters: `WorkerGroup.call_all(method, request, timeout=, progress=)` sends the same
 `transport.Request` (carrying one payload record from backend/messages.py, or none) to every rank and
 returns their reply records (rank 0 first); `call` returns rank 0's. How the processes start is
-launch.py; how a job in flight is timed (watchdog, errors) is watch.py.
+launch.py; how a job in flight is waited for (cancel, errors) is watch.py, and how a hung rank is told
+from a slow one is liveness.py (from the reports each rank writes several times a second, heartbeat.py).
 """
 
 from __future__ import annotations
@@ -15,10 +16,30 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .launch import PACK_ROOT, WorkerError, Workers, bootstrap_command, validate_devices, worker_env
+from .config import ConfigError
+from .launch import (
+    PACK_ROOT,
+    WorkerError,
+    Workers,
+    bootstrap_command,
+    check_seconds,
+    check_threads,
+    validate_devices,
+    worker_env,
+)  # fmt: skip
 from .messages import HealthReport, HealthRequest
 from .platforms import DeviceSpec, default_cpu_threads
-from .transport import Reply, Request, files_in, is_record, pack, remove_stale_dirs, send, unpack
+from .transport import (
+    Reply,
+    Request,
+    files_in,
+    is_record,
+    pack,
+    remove_stale_dirs,
+    send,
+    uninterrupted,
+    unpack,
+)
 from .watch import DEFAULT_WATCHDOG, Job, JobTimeout, ProgressCallback, Watchdog
 
 # The start-up health check: a few bytes all-reduced and all-gathered. NCCL/RCCL set up their
@@ -28,8 +49,34 @@ P2P_FLAG = "NCCL_P2P_DISABLE"
 
 __all__ = [
     "DEFAULT_WATCHDOG", "PACK_ROOT", "JobTimeout", "ProgressCallback", "Watchdog", "WorkerError", "WorkerGroup",
-    "bootstrap_command", "validate_devices",
+    "bootstrap_command", "check_group_options", "validate_devices",
 ]  # fmt: skip
+
+
+def check_group_options(
+    threads: object,
+    start_timeout: object,
+    group: WorkerGroup | None = None,
+    devices: Sequence[str] | None = None,
+    backend: str | None = None,
+) -> None:
+    """What `ParallelFlux(...)` passes on to its group, refused before anything starts where it would be
+    ignored: a bad thread count or time limit, or devices, backend or threads that differ from those of
+    the group it adopts."""
+    check_threads(threads)
+    check_seconds("start_timeout", start_timeout)
+    if group is None:
+        return
+    if devices is not None and validate_devices(devices, backend or group.backend) != group.devices:
+        raise ConfigError(
+            f"devices={list(devices)} but the group given runs on {list(group.devices)}; pass one"
+        )
+    if backend is not None and backend != group.backend:
+        raise ConfigError(f"backend={backend!r} but the group given uses {group.backend!r}; pass one")
+    if threads is not None and threads != group.threads:
+        raise ConfigError(
+            f"threads={threads!r} but the group given runs {group.threads} per worker; pass one"
+        )
 
 
 class WorkerGroup:
@@ -54,6 +101,7 @@ class WorkerGroup:
         backend: str | None = None,
         health_timeout: float | None = HEALTH_TIMEOUT,
         retry_without_p2p: bool | None = None,
+        watchdog: Watchdog = DEFAULT_WATCHDOG,
     ) -> None:
         """`methods` names extra modules each worker imports at start (found on `extra_sys_path` or in
         the pack); their `@worker.handler` functions become callable methods of this group.
@@ -64,12 +112,16 @@ class WorkerGroup:
         `health_timeout`: after the workers joined, one small all-reduce and all-gather must finish in
         this many seconds (None skips it). `retry_without_p2p`: when that check hangs or gives a wrong
         result, start the group once more with NCCL_P2P_DISABLE=1 (None: on GPUs only) and say so in
-        `warnings`."""
+        `warnings`. `watchdog`: how long each sign of a hang must last (liveness.Watchdog); its
+        `collective_timeout` is set on the workers' process groups."""
         self.devices = validate_devices(devices, backend)
+        check_threads(threads)
+        check_seconds("start_timeout", start_timeout)
+        check_seconds("health_timeout", health_timeout, optional=True)
         if threads is None and self.devices[0] == "cpu":
             threads = default_cpu_threads(len(self.devices))
         self.threads, self.start_timeout, self.backend = threads, start_timeout, backend
-        self.health_timeout = health_timeout
+        self.health_timeout, self.watchdog = health_timeout, watchdog
         self.retry_without_p2p = (
             self.devices[0].startswith("cuda") if retry_without_p2p is None else retry_without_p2p
         )
@@ -80,6 +132,7 @@ class WorkerGroup:
         )
         self._lock = threading.RLock()
         self._job = 0
+        self._running: Job | None = None  # the job in flight (`activity` reads it from any thread)
         self.last_replies: dict[int, Reply] = {}  # what each rank said of the last job (diagnostics)
         self.warnings: list[str] = []  # what start-up changed on its own (shown by the API, nodes, doctor)
         self.health: list[HealthReport] = []  # each rank's health-check figures
@@ -97,9 +150,10 @@ class WorkerGroup:
             return worker_env(
                 self.devices, rank, address, shm, extra_sys_path=self._extra_sys_path, methods=self._methods,
                 backend=self.backend, threads=self.threads, env=self._env,
+                collective_timeout=self.watchdog.collective_timeout,
             )  # fmt: skip
 
-        self._workers = Workers(self.devices, self.start_timeout)
+        self._workers = Workers(self.devices, self.start_timeout, self.watchdog)
         self._workers.start(env_for)
 
     def _start(self) -> None:
@@ -135,7 +189,7 @@ class WorkerGroup:
         right results; otherwise the group is closed and a WorkerError raised."""
         limit = float(self.health_timeout or HEALTH_TIMEOUT)
         try:
-            self.health = self.call_all("health_check", HealthRequest(), watchdog=Watchdog(limit, limit, 1.0))
+            self.health = self.call_all("health_check", HealthRequest(), limit=limit)
         except WorkerError as exc:
             self.close(timeout=1.0)
             raise WorkerError(f"health check failed: {exc}", exc.rank) from exc
@@ -174,6 +228,13 @@ class WorkerGroup:
         return not self._workers.closed and self._workers.running
 
     @property
+    def activity(self) -> str | None:
+        """What the running job's ranks are doing ('step 3 of 20: 41 s so far, still computing'), from
+        their latest reports; None between jobs. Safe to read from any thread (the panel does)."""
+        job = self._running
+        return job.activity() if job is not None and not job.settled else None
+
+    @property
     def busy(self) -> bool:
         """A job is running (another thread's call would wait for it)."""
         if self._lock.acquire(blocking=False):
@@ -190,21 +251,30 @@ class WorkerGroup:
         *,
         timeout: float | None = None,
         progress: ProgressCallback | None = None,
-        watchdog: Watchdog = DEFAULT_WATCHDOG,
+        watchdog: Watchdog | None = None,
         cancel_grace: float = 10.0,
         reuse_files: bool = False,
         while_waiting: Callable[[], None] | None = None,
+        limit: float | None = None,
+        label: str | None = None,
     ) -> list[Any]:
         """Run `method(request)` on every rank (`request`: a payload record, or None); the replies by
         rank. Raises WorkerError on any failure.
 
         `progress(step, total)` is called for each step rank 0 reports; if it raises (ComfyUI's interrupt
-        does), the job is cancelled at the next step boundary on every rank and the exception re-raised.
-        `timeout` (seconds) cancels the same way, and so does any exception while waiting (Ctrl+C): the
-        next call never sees this job's messages. A job that does not stop within `cancel_grace` seconds
-        after a cancel is stuck, and the group is closed. A rank that fails, dies or stays silent past
-        `watchdog` fails the job with that rank's own message; when its peers cannot finish (they wait
-        for it in a collective) the group is closed too, and `alive` turns False (watch.py).
+        does), the job is cancelled at the next step boundary on every rank and the exception re-raised,
+        and so does any exception while waiting (Ctrl+C, even inside a send or a receive): the ranks
+        finish their current step, however long it takes, and the group keeps its model; the next call
+        never sees this job's messages. `timeout` (seconds) cancels the same way, and a job that does not
+        stop within `cancel_grace` seconds after that closes the group. `limit`: a hard limit, past which
+        the group is closed (the start-up health check).
+
+        No clock decides that a rank is hung: a rank that is stopped, stuck in a native call or waiting
+        in a collective that cannot complete fails the job within seconds (`watchdog`: the group's by
+        default; liveness.py), naming it and where it is; a rank that is computing or loading is waited
+        for. A rank that fails fails the job with its own message; when its peers cannot finish (they wait
+        for it in a collective) the group is closed too, and `alive` turns False (watch.py). `label` names
+        the job in `activity`.
 
         `reuse_files`: the request's and the replies' tensor files keep fixed names and are rewritten in
         place by the next such call (a call made every step, with tensors of the same size).
@@ -215,6 +285,7 @@ class WorkerGroup:
             raise TypeError(
                 f"{method!r}: a request is a registered record or None; got {type(request).__name__}"
             )
+        check_seconds("timeout", timeout, optional=True)
         with self._lock:
             workers = self._workers
             if workers.closed:
@@ -223,25 +294,28 @@ class WorkerGroup:
             self._job += 1
             job = Job(
                 workers, self._job, method, timeout=timeout, progress=progress, watchdog=watchdog,
-                cancel_grace=cancel_grace,
+                cancel_grace=cancel_grace, limit=limit, label=label,
             )  # fmt: skip
             tag = "request" if reuse_files else f"request-{job.id}"
             packed = pack(request, workers.shm, tag, reuse=reuse_files)
+            self._running = job
             try:
                 envelope = Request(job=job.id, method=method, payload=packed, reuse_files=reuse_files)
-                for rank, conn in enumerate(workers.conns):
-                    try:
-                        send(conn, envelope)
-                    except OSError:  # its process died since the check above
-                        job.lost(rank)
+                with uninterrupted():  # every rank gets the request, or none does
+                    for rank, conn in enumerate(workers.conns):
+                        try:
+                            send(conn, envelope)
+                        except OSError:  # its process died since the check above
+                            job.lost(rank)
                 if while_waiting is not None:
                     while_waiting()
                 job.collect()
-            except BaseException:
+            except BaseException as exc:
                 if not job.settled and not workers.closed:
-                    job.stop()
+                    job.stop(exc)
                 raise
             finally:
+                self._running = None
                 self.last_replies = dict(job.replies)
                 for path in files_in(packed) if not reuse_files else ():
                     _unlink(path)

@@ -1,9 +1,11 @@
 """The caller's side of the forward service: one model call on every rank (serve.py is the workers' side).
 
 `ForwardClient.call` is what `ParallelFlux.forward` runs for each model call: the conditioning goes under
-a key the ranks hold (sent along when they do not), the latent through a reused tensor file, and the
-ranks' own time sets the next call's watchdog. `ForwardClient.sample` is `ParallelFlux.sample`'s Euler
-loop (flux/sampling.py `euler`) with `call` as the model: one sampling path, in the caller.
+a key the ranks hold (sent along when they do not, after a check that it holds no NaN or inf) and the
+latent through a reused tensor file. No clock limits a call: a hung rank is found by what the ranks
+report (liveness.py), and a slow forward (a bigger image, a first call that compiles kernels) takes the
+time it needs. `ForwardClient.sample` is `ParallelFlux.sample`'s Euler loop (flux/sampling.py `euler`)
+with `call` as the model: one sampling path, in the caller.
 
 The client finds a key by content (tensor equality), because ComfyUI builds new tensors with the same
 values for each step. Both sides keep the same least-recently-used set of keys
@@ -22,14 +24,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .client import DEFAULT_WATCHDOG, JobTimeout, ProgressCallback, Watchdog, WorkerError, WorkerGroup
+from .checks import check_conditioning_values
+from .client import JobTimeout, ProgressCallback, WorkerError, WorkerGroup
 from .flux.sampling import SamplingPlan, euler
 from .messages import Conditioning, ConditioningSlots, ForwardReply, ForwardRequest
-
-# A forward has no step boundary to report from: its watchdog limit follows the slowest forward seen
-# so far (a first one that compiles kernels gets the default), never below the step watchdog's floor.
-PACE_FACTOR = 5.0
-
 
 _keys = itertools.count(1)
 
@@ -72,7 +70,9 @@ class ConditioningSender:
         mask: torch.Tensor | None = None,
     ) -> Match:
         """A new key for this conditioning; the ranks get the tensors with the next call. The copy kept
-        here is what later steps' freshly built tensors are compared with."""
+        here is what later steps' freshly built tensors are compared with. Checked for NaN and inf here,
+        once per prompt: a held key equals what was checked when it was sent."""
+        check_conditioning_values(context, pooled, refs)
         key = next(_keys)
         wanted = (*_mask_entry(mask), context, pooled, *refs)
         self.slots.put(key, tuple(t.detach().cpu().clone() for t in wanted))
@@ -125,28 +125,12 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-@dataclass
-class ForwardPace:
-    """The longest forward so far, for the next forward's watchdog."""
-
-    longest: float | None = None
-
-    def watchdog(self) -> Watchdog:
-        if self.longest is None:
-            return DEFAULT_WATCHDOG
-        return Watchdog(first=max(DEFAULT_WATCHDOG.floor, PACE_FACTOR * self.longest))
-
-    def record(self, seconds: float) -> None:
-        self.longest = max(self.longest or 0.0, seconds)
-
-
 class ForwardClient:
     """What the caller keeps for the forward service of one resident model: the conditioning the ranks
-    hold, the pace of their forwards, the latest forward's time."""
+    hold and the latest forward's time."""
 
     def __init__(self) -> None:
         self.sender = ConditioningSender()
-        self.pace = ForwardPace()
         self.last_seconds = 0.0  # the ranks' own time for the latest call (rank 0)
 
     def call(
@@ -161,10 +145,14 @@ class ForwardClient:
         ref_method: str = "offset",
         attention_mask: torch.Tensor | None = None,
         timeout: float | None = None,
+        label: str | None = None,
+        check_output: bool = True,
     ) -> torch.Tensor:
         """One `flux_forward` job on `group`; rank 0's output. The key's full check runs while the ranks
         compute; a lookalike prompt that fails it has its output discarded and the step sent again with
-        its own conditioning. `attention_mask`: the text's boolean key mask (Qwen-Image), None without one."""
+        its own conditioning. `attention_mask`: the text's boolean key mask (Qwen-Image), None without one.
+        `label` names the call in `WorkerGroup.activity`. `check_output`: an output holding NaN or inf is an
+        error naming the call's sigma (`euler` checks its own steps)."""
         match = self.sender.key_for(context, pooled, refs, attention_mask)
         checked: list[bool] = []
         for attempt in range(3):
@@ -172,8 +160,8 @@ class ForwardClient:
             request = ForwardRequest(x, timestep, match.key, guidance, cond, ref_method)
             try:
                 reply: ForwardReply = group.call(
-                    "flux_forward", request, timeout=timeout, watchdog=self.pace.watchdog(),
-                    reuse_files=True, while_waiting=lambda m=match: checked.append(m.verify()),
+                    "flux_forward", request, timeout=timeout, reuse_files=True, label=label or "model call",
+                    while_waiting=lambda m=match: checked.append(m.verify()),
                 )  # fmt: skip
             except WorkerError as exc:
                 self.sender.forget(match.key)  # whatever happened, no rank is assumed to hold it
@@ -184,8 +172,13 @@ class ForwardClient:
                 match = self.sender.add(context, pooled, refs, attention_mask)
                 continue
             if checked.pop():
-                self.pace.record(reply.seconds)
                 self.last_seconds = reply.seconds
+                if check_output and not bool(torch.isfinite(reply.out).all()):
+                    sigmas = ", ".join(f"{float(t):g}" for t in timestep.flatten()[:4])
+                    raise FloatingPointError(
+                        f"the model call at sigma {sigmas} produced NaN or inf values from finite inputs; "
+                        "the model's output overflowed: try dtype='bfloat16' or 'float32' instead of float16"
+                    )
                 return reply.out
             match = self.sender.add(context, pooled, refs, attention_mask)
         raise AssertionError("unreachable: a new key always verifies")
@@ -202,15 +195,18 @@ class ForwardClient:
         """`flux.sampling.euler` over this service: every step one `call` on `group`, its arguments from
         `checked(x, sigma, context, pooled, guidance)`; `timeout` bounds the whole loop."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        steps = itertools.count(1)
 
         def step(
             x: Tensor, sigma: Tensor, context: Tensor, pooled: Tensor, guidance: Tensor | None
         ) -> Tensor:
             left = None if deadline is None else deadline - time.monotonic()
+            label = f"step {next(steps)} of {plan.steps}"
             try:
                 if left is not None and left <= 0:
                     raise JobTimeout("no time left for the next step")
-                return self.call(group, *checked(x, sigma, context, pooled, guidance), timeout=left)
+                call = checked(x, sigma, context, pooled, guidance)
+                return self.call(group, *call, timeout=left, label=label, check_output=False)
             except JobTimeout as exc:
                 if not group.alive:  # a rank did not stop when cancelled: its own message says so
                     raise

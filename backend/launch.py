@@ -6,6 +6,11 @@ whether (and how) one of them ended. `client.WorkerGroup` owns one at a time (a 
 Workers are plain subprocesses of `sys.executable` that import this very source tree by path, so the
 pack works from ComfyUI's custom_nodes/<any folder> as well as pip-installed. The key arrives on the
 worker's stdin, which then stays open as the death pipe: when the caller dies, every worker exits.
+
+Each worker reports what it is doing several times a second into its own file in a private tmpfs
+directory (heartbeat.py), from before it connects: a rank that is stopped or stuck while starting is named
+within seconds (liveness.py), not after `start_timeout`. Workers run in a session of their own, so a
+Ctrl+C in the caller's terminal reaches the caller alone, which cancels the job on every rank together.
 """
 
 from __future__ import annotations
@@ -29,8 +34,12 @@ from typing import TypeVar
 import psutil
 
 from .config import ConfigError
+from .heartbeat import read_state, state_path
+from .liveness import DEFAULT_WATCHDOG, Hang, Liveness, Process, Watchdog, describe
+from .messages import RankState
 from .platforms import (
     AOTRITON_FLAG,
+    WORKER_HOST_BYTES,
     DeviceSpec,
     check_platform,
     echo_devices,
@@ -39,12 +48,11 @@ from .platforms import (
     needs_aotriton_flag,
     parse_devices,
 )
-from .transport import Hello, Ready, Request, StorePort, private_dir, recv, send
+from .transport import Hello, Ready, Request, StorePort, private_dir, recv, send, uninterrupted
 
 T = TypeVar("T")
 
 PACK_ROOT = Path(__file__).resolve().parent.parent
-WORKER_HOST_BYTES = 0.5e9  # host memory one worker process needs at least (python, torch, diffusers)
 
 # Imports the backend as `rocm_parallel.backend` from PACK_ROOT without executing the pack's
 # __init__ (which is ComfyUI's entry point) and whatever folder name the pack was installed under.
@@ -94,6 +102,25 @@ def validate_devices(devices: DeviceSpec, backend: str | None = None) -> tuple[s
     return normalized
 
 
+def check_threads(threads: object) -> None:
+    """`threads`: torch threads per worker, a whole number >= 1, or None (the default for the devices)."""
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ConfigError(
+            f"threads={threads!r} must be a whole number of torch threads per worker (1 or more), or None "
+            "for the default (CPU workers: the cores shared out; GPUs: torch's own)"
+        )
+
+
+def check_seconds(name: str, value: object, optional: bool = False) -> None:
+    """A time limit in seconds: a finite number > 0 (or None when `optional`)."""
+    if value is None and optional:
+        return
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not number or not 0 < float(value) < float("inf"):  # NaN fails both comparisons
+        allowed = "a number of seconds > 0" + (", or None for no limit" if optional else "")
+        raise ConfigError(f"{name}={value!r} must be {allowed}")
+
+
 def _check_host_memory(workers: int, devices: DeviceSpec) -> None:
     """Each CPU worker is a whole Python process with torch and diffusers: bound the count by host RAM.
     The advice is also bounded by the cores: more CPU workers than cores only share them."""
@@ -104,9 +131,10 @@ def _check_host_memory(workers: int, devices: DeviceSpec) -> None:
         advice = max(1, min(most, cores))
         raise ConfigError(
             f"devices={echo_devices(devices)} asks for {workers} CPU workers, which need at least "
-            f"{workers * WORKER_HOST_BYTES / 1e9:.0f} GB of host memory ({WORKER_HOST_BYTES / 1e9:g} GB each "
-            f"before any model) but {available / 1e9:.1f} GB are available; this machine has {cores} "
-            f"core(s), so use 'cpu x{advice}' (CPU workers are for testing)"
+            f"{workers * WORKER_HOST_BYTES / 1e9:.0f} GB of host memory ({WORKER_HOST_BYTES / 1e9:g} GB each, "
+            "measured on a worker that has loaded a model, besides the model itself) but "
+            f"{available / 1e9:.1f} GB are available; this machine has {cores} core(s), so use "
+            f"'cpu x{advice}' (CPU workers are for testing)"
         )
 
 
@@ -125,6 +153,7 @@ def worker_env(
     backend: str | None = None,
     threads: int | None = None,
     env: dict[str, str] | None = None,
+    collective_timeout: float = DEFAULT_WATCHDOG.collective_timeout,
 ) -> dict[str, str]:
     """The environment of rank `rank`'s process: who it is, where to connect, what to import."""
     out = {**os.environ, **(env or {})}
@@ -136,6 +165,8 @@ def worker_env(
         RP_SHM_DIR=shm,
         RP_EXTRA_SYS_PATH=os.pathsep.join(extra_sys_path),
         RP_METHODS=",".join(methods),
+        # The process groups' own timeout, the one the caller's rules assume (liveness.Watchdog).
+        RP_COLLECTIVE_TIMEOUT=f"{collective_timeout:g}",
         PYTHONUNBUFFERED="1",
     )
     if backend:
@@ -160,17 +191,24 @@ EnvFor = Callable[[int, str, str], dict[str, str]]  # (rank, socket address, tmp
 class Workers:
     """The processes of one launch, their control connections (by rank) and private directories."""
 
-    def __init__(self, devices: Sequence[str], start_timeout: float) -> None:
-        self.devices, self.start_timeout = tuple(devices), start_timeout
+    def __init__(
+        self, devices: Sequence[str], start_timeout: float, watchdog: Watchdog = DEFAULT_WATCHDOG
+    ) -> None:
+        self.devices, self.start_timeout, self.watchdog = tuple(devices), start_timeout, watchdog
         self.procs: list[subprocess.Popen[bytes]] = []
         self.conns: list[Connection] = []
         self.tmp = private_dir("ctl")  # mode 0700: only this user reaches the socket
         self.shm = private_dir("shm", tmpfs=True)  # tensor files and cancel flags
+        self.live = private_dir("live", tmpfs=True)  # each rank's latest report (heartbeat.py)
         self.closed = False  # stopped: the connections are closed, the directories gone
         self.exit_codes: list[int | None] = []
         self.final_output: list[str] = []  # each rank's last output, read when stopped
+        self._ps: dict[int, psutil.Process] = {}
+        self._connected: set[int] = set()
+        self._liveness: Liveness | None = None
         # Runs at interpreter exit too: closing the death pipes first makes the workers leave at once.
-        self._finalizer = weakref.finalize(self, terminate, self.procs, (self.tmp, self.shm), 0.0)
+        directories = (self.tmp, self.shm, self.live)
+        self._finalizer = weakref.finalize(self, terminate, self.procs, directories, 0.0)
 
     @property
     def pids(self) -> list[int]:
@@ -190,12 +228,14 @@ class Workers:
                         stdin=subprocess.PIPE,
                         stdout=log,
                         stderr=subprocess.STDOUT,
-                        env=env_for(rank, address, self.shm),
+                        env={**env_for(rank, address, self.shm), "RP_STATE_DIR": self.live},
                         cwd=self.tmp,
+                        start_new_session=True,  # the terminal's Ctrl+C goes to the caller only
                     )
                 proc.stdin.write(key.hex().encode() + b"\n")
                 proc.stdin.flush()
                 self.procs.append(proc)
+            self._liveness = Liveness(self.devices, self.pids, self.watchdog, time.monotonic())
             self._handshake(listener)
         except BaseException as exc:
             # The directory (and the socket file in it) may already be gone (`raise_if_exited` shut the
@@ -216,9 +256,7 @@ class Workers:
         # (or stay silent through it) instead of failing the start.
         sock = listener._listener._socket
         while True:
-            self.raise_if_exited("starting")
-            if time.monotonic() > deadline:
-                raise WorkerError(f"workers did not connect within {self.start_timeout:.0f} s")
+            self._check_starting(deadline, "connecting")
             if not wait([sock], timeout=0.2):
                 continue
             try:
@@ -233,6 +271,7 @@ class Workers:
             conn = self._accept(listener, deadline)
             hello = self._next_record(conn, Hello, deadline, "connecting")
             by_rank[hello.rank] = conn
+            self._connected.add(hello.rank)
         self.conns = [by_rank[r] for r in range(len(self.devices))]
         port = self._next_record(self.conns[0], StorePort, deadline, "opening the store").port
         for conn in self.conns[1:]:
@@ -242,14 +281,10 @@ class Workers:
 
     def _next_record(self, conn: Connection, kind: type[T], deadline: float, doing: str) -> T:
         while not conn.poll(0.2):
-            self.raise_if_exited("starting")
-            if time.monotonic() > deadline:
-                raise WorkerError(
-                    f"a worker did not finish {doing} within {self.start_timeout:.0f} s (start_timeout)"
-                    + self.log_tails()
-                )
+            self._check_starting(deadline, doing)
         try:
-            record = recv(conn)
+            with uninterrupted():
+                record = recv(conn)
         except (EOFError, OSError):
             # The worker closed its connection: it is exiting. Its exit status (and log) says why; the
             # OS may need a moment to report it after the socket closed.
@@ -261,6 +296,77 @@ class Workers:
                 f"a worker sent {type(record).__name__} while {doing}; expected {kind.__name__}"
             )
         return record
+
+    def _check_starting(self, deadline: float, doing: str) -> None:
+        """While starting: a rank that exited, is stopped or stuck, by name, within seconds; then the
+        caller's `start_timeout`, naming the ranks not there yet and what each was doing."""
+        self.raise_if_exited("starting")
+        now = time.monotonic()
+        hang = self.watch(range(len(self.procs)), (), now)
+        if hang is not None:
+            self.kill(hang.kill)
+            connected = (
+                " (it had connected)" if hang.ranks[0] in self._connected else " (it had not connected yet)"
+            )
+            raise WorkerError(hang.why + connected + self.log_tails(), hang.ranks[0])
+        if now > deadline:
+            late = [r for r in range(len(self.procs)) if r not in self._connected] or list(
+                range(len(self.procs))
+            )
+            assert self._liveness is not None
+            where = "; ".join(f"rank {r}: {describe(self._liveness.state(r), now)}" for r in late)
+            raise WorkerError(
+                f"worker rank(s) {late} did not finish {doing} within {self.start_timeout:.0f} s "
+                f"(start_timeout; {where})" + self.log_tails(),
+                late[0],
+            )
+
+    def watch(
+        self, pending: Sequence[int], done: Sequence[int], now: float, failed: bool = False
+    ) -> Hang | None:
+        """Read every pending rank's report and process, and return the hang among them (or None)."""
+        live = self._liveness
+        assert live is not None
+        for rank in pending:
+            live.observe(rank, now, self.state(rank), self.process(rank))
+        return live.verdict(now, pending, done, failed)
+
+    def begin(self, method: str, job: int, watchdog: Watchdog | None = None) -> Liveness:
+        """A fresh judge for a job, with every rank's latest report (a rank silent since before counts)."""
+        old, now = self._liveness, time.monotonic()
+        self._liveness = Liveness(self.devices, self.pids, watchdog or self.watchdog, now, method, job)
+        if old is not None:
+            self._liveness.seen = old.seen
+        for rank in range(len(self.procs)):
+            self._liveness.observe(rank, now, self.state(rank), None)
+        return self._liveness
+
+    def state(self, rank: int) -> RankState | None:
+        """Rank's latest report (heartbeat.py), or None before its first."""
+        try:
+            return read_state(state_path(self.live, rank))
+        except (OSError, ValueError, TypeError, KeyError):  # the directory is gone: the group closed
+            return None
+
+    def process(self, rank: int) -> Process | None:
+        """What the OS says about rank's process (None once it is gone)."""
+        try:
+            ps = self._ps.get(rank) or self._ps.setdefault(rank, psutil.Process(self.procs[rank].pid))
+            with ps.oneshot():
+                status, times = ps.status(), ps.cpu_times()
+        except psutil.Error:
+            return None
+        return Process(
+            stopped=status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP),
+            cpu_seconds=times.user + times.system,
+            working=status in (psutil.STATUS_RUNNING, psutil.STATUS_DISK_SLEEP),
+        )
+
+    def kill(self, ranks: Sequence[int]) -> None:
+        """SIGKILL these ranks now (a stopped or stuck process ignores SIGTERM and the death pipe)."""
+        for rank in ranks:
+            with contextlib.suppress(OSError):
+                self.procs[rank].kill()
 
     def _wait_for_an_exit(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -310,14 +416,6 @@ class Workers:
     @property
     def running(self) -> bool:
         return all(p.poll() is None for p in self.procs)
-
-    def stopped(self, rank: int) -> bool:
-        """The OS reports rank's process stopped (SIGSTOP, a debugger)."""
-        try:
-            status = psutil.Process(self.procs[rank].pid).status()
-        except psutil.Error:
-            return False
-        return status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
 
     # ---------------------------------------------------------------- the end
 

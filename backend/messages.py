@@ -13,10 +13,16 @@ The tests' own worker methods define their records next to them (tests/worker_jo
 | measure_link (probe.py)         | LinkRequest      | LinkReport                              |
 | health_check (probe.py)         | HealthRequest    | HealthReport                            |
 | attention_kernels (probe.py)    | -                | AttentionReport                         |
+
+Besides the jobs' replies, every rank writes a `RankState` several times a second from a thread of its own
+(heartbeat.py): what it is doing and where it is in each process group's collectives. The caller reads it
+to tell a hung rank from a slow one (liveness.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -255,3 +261,59 @@ class AttentionReport:
     kernels: dict[str, str]  # name -> "ok" or the error
     enabled: dict[str, bool]
     fast: tuple[str, ...]
+
+
+# --------------------------------------------------------------------------------------------------
+# Liveness (heartbeat.py on the workers, liveness.py in the caller)
+
+
+@record
+@dataclass(frozen=True)
+class GroupState:
+    """One process group as a rank sees it in torch's flight recorder: how many collectives this rank has
+    issued on it and how many of those have completed. `issued > completed`: the rank is in collective
+    `completed + 1` (waiting for a peer, or its transfer is running), since `pending_since`."""
+
+    name: str  # the process group's name (the same on every member)
+    ranks: tuple[int, ...]  # its members' global ranks; () when the recorder did not say
+    issued: int
+    completed: int
+    op: str = ""  # the oldest pending collective, e.g. 'all_reduce' ('' when none or not known)
+    pending_since: float = 0.0  # time.monotonic() when this rank first saw it pending (0: none pending)
+
+    @property
+    def pending(self) -> int:
+        """The number of the collective this rank is in (0: none)."""
+        return self.completed + 1 if self.issued > self.completed else 0
+
+
+@record
+@dataclass(frozen=True)
+class RankState:
+    """What one rank is doing, as its heartbeat thread last wrote it (`beat` counts the reports).
+
+    `doing`: 'starting' (`detail` says which part), 'idle' (between jobs), 'computing' (job `job` running
+    `method`; in step `step` of `total` when the job reports steps) or 'loading' (reading tensor `step` of
+    `total`). `since` is the time.monotonic() this activity began (one clock for all processes on Linux).
+    """
+
+    rank: int
+    pid: int
+    beat: int
+    doing: str
+    job: int = 0
+    method: str = ""
+    step: int = 0
+    total: int = 0
+    since: float = 0.0
+    detail: str = ""
+    groups: tuple[GroupState, ...] = ()
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> RankState:
+        data = json.loads(text)
+        groups = tuple(GroupState(**{**g, "ranks": tuple(g["ranks"])}) for g in data.pop("groups"))
+        return cls(**data, groups=groups)

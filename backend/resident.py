@@ -23,7 +23,7 @@ from .checkpoint import (
     planned_weight_dtype,
     resolve_dtype,
 )
-from .client import ProgressCallback, WorkerError, WorkerGroup, validate_devices
+from .client import ProgressCallback, WorkerError, WorkerGroup, check_group_options, validate_devices
 from .config import FluxDims, ParallelLayout, weight_dtype_name
 from .forward_client import ForwardClient
 from .messages import LinkReport, LoadReport, LoadRequest, RankStatus
@@ -58,6 +58,7 @@ class ResidentGroup:
     ) -> None:
         """`group` adopts a running WorkerGroup (tests share one); otherwise one starts on first use.
         `backend='gloo'` runs GPU collectives through gloo (no NCCL/RCCL; several workers on one GPU)."""
+        check_group_options(threads, start_timeout, group, devices, backend)
         if group is not None:
             devices, backend = group.devices, group.backend
         self.backend = backend
@@ -94,6 +95,13 @@ class ResidentGroup:
     def warnings(self) -> list[str]:
         """What the running group's start-up changed on its own (e.g. NCCL_P2P_DISABLE=1 after a hang)."""
         return list(self._group.warnings) if self._group is not None else []
+
+    @property
+    def activity(self) -> str | None:
+        """What the running job's ranks are doing ('step 3 of 20: 41 s so far, still computing'), from
+        their own reports (`WorkerGroup.activity`); None between jobs. Safe to read from any thread."""
+        group = self._group
+        return group.activity if group is not None else None
 
     @property
     def started(self) -> bool:

@@ -30,7 +30,11 @@ import itertools
 import os
 import pickle
 import shutil
+import signal
 import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
@@ -130,6 +134,31 @@ class _PlainUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         raise ProtocolError(f"a worker message names {module}.{name}; only plain data is accepted")
+
+
+@contextmanager
+def uninterrupted() -> Iterator[None]:
+    """Hold Ctrl+C (SIGINT) until the block ends, then raise it as usual.
+
+    A message half written or half read leaves the byte stream out of step for every later message, and
+    a request that reached some ranks and not others leaves the first waiting in a collective for the
+    rest: sends and receives must happen whole. Python runs signal handlers in the main thread only, so
+    elsewhere (ComfyUI's execution thread) there is nothing to hold.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[tuple[int, object]] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append((signum, frame)))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            if callable(previous):
+                previous(*held[0])  # Python's default handler raises KeyboardInterrupt here
+            elif previous == signal.SIG_DFL:
+                signal.raise_signal(signal.SIGINT)
 
 
 def send(conn: Connection, envelope: Envelope) -> None:

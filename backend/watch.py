@@ -2,65 +2,45 @@
 
 `WorkerGroup.call_all` (client.py) sends a request and hands the waiting to a `Job`: it relays rank 0's
 progress, turns the caller's interrupt or `timeout` into a cancel all ranks honour at the same step,
-takes the first real failure as the job's error, and watches for ranks that died, were stopped by the
-OS or fell silent past the `Watchdog`. When a rank's peers cannot finish (they wait for it in a
-collective) the job closes the group; the next call starts a new one.
+takes the first real failure as the job's error, and asks `liveness.Liveness` at every poll whether a
+rank is hung: stopped, stuck in a native call, or waiting in a collective that cannot complete. A rank
+that is computing or loading is waited for however long it takes. When a rank is hung, or a failed
+rank's peers wait for it in a collective, the job closes the group; the next call starts a new one.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import NoReturn
 
 from .launch import WorkerError, Workers
-from .transport import Progress, Reply, recv
+from .liveness import DEFAULT_WATCHDOG, Hang, Liveness, Watchdog, describe
+from .transport import Progress, Reply, recv, uninterrupted
 
-# After one rank reported an error, how long the others may stay silent before they count as stuck. A
-# failure before the first collective (bad input: every rank raises) keeps the group, and so does one
-# whose peers keep reporting until they stop at the cancel it triggers (a load); a rank left waiting in
-# a collective for the failed one cannot be freed, so the group is torn down and rebuilt on the next call.
-FAILURE_GRACE = 2.0
 CANCELLED = "JobCancelled"  # the workers' error type for a job stopped by a cancel: not a failure
+POLL = 0.2  # seconds between looks at the ranks' reports while waiting
+HINT_AFTER = 2.0  # a Ctrl+C still waiting for the current step this long says so, and how to force it
 
 ProgressCallback = Callable[[int, int], None]
+
+__all__ = ["CANCELLED", "DEFAULT_WATCHDOG", "Job", "JobTimeout", "ProgressCallback", "Watchdog"]
 
 
 class JobTimeout(WorkerError):
     """A job ran past its time limit (the group survives when the job stopped at a step boundary)."""
 
 
-@dataclass(frozen=True)
-class Watchdog:
-    """How long a job may go without a word from the group (a progress record or a reply).
-
-    Every rank reports each step (and each tensor of a load), so a rank that hangs (stopped,
-    deadlocked in a collective, a driver that never returns) shows as its own silence: past the limit
-    the job fails naming the silent ranks and the group is torn down. Before a rank's first record the
-    limit is `first` (imports, a first step that compiles kernels); afterwards it is `factor` times the
-    longest gap between one rank's records so far, at least `floor` seconds, so it follows the speed of
-    the hardware. A rank the OS reports as stopped (SIGSTOP, a debugger) fails
-    the job after `stopped` seconds whatever the phase.
-    """
-
-    first: float = 300.0
-    floor: float = 8.0
-    factor: float = 5.0
-    stopped: float = 3.0
-
-    def limit(self, longest_gap: float | None) -> float:
-        return self.first if longest_gap is None else max(self.floor, self.factor * longest_gap)
-
-
-DEFAULT_WATCHDOG = Watchdog()
-
-
 class Job:
-    """One call on every rank of `workers`, from the request sent to the last reply."""
+    """One call on every rank of `workers`, from the request sent to the last reply.
+
+    `timeout`: the caller's limit: past it the job is cancelled, and a job that does not stop within
+    `cancel_grace` seconds after that closes the group. `limit`: a hard limit (the start-up health check):
+    past it the group is closed at once. `label` names the job in `activity` ('step 3 of 20')."""
 
     def __init__(
         self,
@@ -70,25 +50,20 @@ class Job:
         *,
         timeout: float | None = None,
         progress: ProgressCallback | None = None,
-        watchdog: Watchdog = DEFAULT_WATCHDOG,
+        watchdog: Watchdog | None = None,
         cancel_grace: float = 10.0,
+        limit: float | None = None,
+        label: str | None = None,
     ) -> None:
         self.workers, self.id, self.method = workers, id, method
-        self.timeout, self.progress, self.watchdog, self.cancel_grace = (
-            timeout,
-            progress,
-            watchdog,
-            cancel_grace,
-        )
+        self.timeout, self.progress, self.cancel_grace, self.limit = timeout, progress, cancel_grace, limit
+        self.label = label or repr(method)
         self.replies: dict[int, Reply] = {}
         self.interrupt: BaseException | None = None  # the caller's exception, or a JobTimeout
         self.first_error: Reply | None = None  # the failure itself, not the peers' cancels it caused
         self.cancel_deadline: float | None = None
-        self.last_progress: tuple[int, int, str] | None = None
-        self.stopped_since: dict[int, float] = {}
-        self.longest_gap: float | None = None
         self.started = time.monotonic()
-        self.last_heard: dict[int, float] = {}  # by rank; every rank reports progress
+        self.liveness: Liveness = workers.begin(method, id, watchdog)
 
     # ---------------------------------------------------------------- state
 
@@ -107,17 +82,13 @@ class Job:
         """The flag file the workers look for at each step boundary (WorkerContext.cancel_requested)."""
         return os.path.join(self.workers.shm, f"cancel-{self.id}")
 
-    def heard(self, rank: int) -> None:
-        """A record from `rank`. Gaps between one rank's records measure the job's pace (the watchdog's
-        limit follows it); the wait before a rank's first record (imports, compiling) does not count."""
-        now = time.monotonic()
-        if rank in self.last_heard:
-            self.longest_gap = max(self.longest_gap or 0.0, now - self.last_heard[rank])
-        self.last_heard[rank] = now
+    def activity(self) -> str:
+        """What the ranks still at work are doing: 'step 3 of 20: 41 s so far, still computing'."""
+        return self.liveness.summary(time.monotonic(), self.pending, self.label)
 
-    def describe_progress(self) -> str:
-        step, total, phase = self.last_progress or (0, 0, "step")
-        return f"{'tensor' if phase == 'load' else 'step'} {step} of {total}"
+    def where(self, now: float) -> str:
+        """Each pending rank's last report, for messages."""
+        return ", ".join(f"rank {r} {describe(self.liveness.state(r), now)}" for r in self.pending)
 
     def failure(self, reply: Reply, note: str = "") -> WorkerError:
         """The WorkerError a failed reply becomes: the rank, its device, its message, its traceback."""
@@ -144,9 +115,16 @@ class Job:
 
     def collect(self) -> None:
         """Wait for every rank's reply, relaying progress and turning interrupts/timeouts into a cancel."""
-        conns = self.workers.conns
         while not self.settled:
-            for conn in wait([conns[r] for r in self.pending], timeout=0.2):
+            self._receive()
+            if not self.settled:
+                self.workers.raise_if_exited(f"running {self.method!r}")
+                self._check(time.monotonic())
+
+    def _receive(self) -> None:
+        conns, progress = self.workers.conns, []
+        for conn in wait([conns[r] for r in self.pending], timeout=POLL):
+            with uninterrupted():  # a record is read and taken in whole, or not touched at all
                 rank = conns.index(conn)
                 try:
                     record = recv(conn)
@@ -154,22 +132,25 @@ class Job:
                     self.lost(rank)
                 if getattr(record, "job", None) != self.id:
                     continue  # another job's message: never taken for this one's
-                self.heard(rank)
-                if isinstance(record, Progress) and record.rank == 0:
-                    self._relay(record)  # every rank reports (liveness); rank 0 speaks for the job
+                if isinstance(record, Progress):
+                    loading = record.phase == "load"
+                    self.liveness.progressed(rank, time.monotonic(), record.step, record.total, loading)
+                    if record.rank == 0:
+                        progress.append(record)  # rank 0 speaks for the job
                 elif isinstance(record, Reply):
-                    self.replies[rank] = record
-                    if not record.ok and record.error_type != CANCELLED and self.first_error is None:
-                        # A real failure: stop the peers that can still stop (a load, a step boundary);
-                        # those stuck in a collective for the failed rank fall silent (see _check_time).
-                        self.first_error = record
-                        self.cancel()
-            if not self.settled:
-                self.workers.raise_if_exited(f"running {self.method!r}")
-                self._check_time()
+                    self._take(rank, record)
+        for record in progress:
+            self._relay(record)
+
+    def _take(self, rank: int, reply: Reply) -> None:
+        self.replies[rank] = reply
+        if not reply.ok and reply.error_type != CANCELLED and self.first_error is None:
+            # A real failure: stop the peers that can still stop (a load, a step boundary); those stuck
+            # in a collective for the failed rank are found by the liveness rules.
+            self.first_error = reply
+            self.cancel()
 
     def _relay(self, record: Progress) -> None:
-        self.last_progress = (record.step, record.total, record.phase)
         if self.progress is None or self.interrupt is not None:
             return
         try:
@@ -178,93 +159,102 @@ class Job:
             self.interrupt = exc
             self.cancel()
 
-    def _check_time(self) -> None:
-        now, pending = time.monotonic(), self.pending
-        quiet = now - max(self.last_heard.get(r, self.started) for r in pending)  # all pending ranks
-        if self.first_error is not None and quiet > FAILURE_GRACE:
-            self.workers.shutdown(grace=1.0)
-            raise self.failure(
-                self.first_error,
-                f"; rank(s) {pending} were left waiting for it in a collective, so the worker group was "
-                "stopped (the next call starts it again)",
-            )
+    def _check(self, now: float) -> None:
+        pending = self.pending
+        hang = self.workers.watch(pending, list(self.replies), now, failed=self.first_error is not None)
+        if hang is not None:
+            self._hung(hang)
         if self.cancel_deadline is not None and now > self.cancel_deadline:
-            self.workers.shutdown(grace=1.0)
+            where = self.where(now)
+            self._close()
             raise JobTimeout(
-                f"{self.method!r} did not stop within {self.cancel_grace:g} s of being cancelled on rank(s) "
-                f"{pending}; the worker group was closed",
+                f"{self.method!r} did not stop within {self.cancel_grace:g} s of being cancelled at its time "
+                f"limit ({where}); the worker group was closed",
                 pending[0],
             )
         if self.timeout is not None and self.interrupt is None and now - self.started > self.timeout:
             self.interrupt = JobTimeout(
                 f"{self.method!r} ran past its time limit of {self.timeout:g} s and was cancelled"
             )
-            self.cancel()
-        self._watch(now, pending)
+            self.cancel(deadline=True)
+        if self.limit is not None and now - self.started > self.limit:
+            where = self.where(now)
+            self._close()
+            raise WorkerError(
+                f"{self.method!r} did not finish within {self.limit:g} s ({where}); the worker group was stopped",
+                pending[0],
+            )
 
-    def _watch(self, now: float, pending: list[int]) -> None:
-        """Fail the job (and close the group) when a pending rank is stopped by the OS or silent too long."""
-        stopped = [r for r in pending if self.workers.stopped(r)]
-        for rank in stopped:
-            self.stopped_since.setdefault(rank, now)
-        for rank in list(self.stopped_since):
-            if rank not in stopped:
-                del self.stopped_since[rank]
-        stuck = [r for r, since in self.stopped_since.items() if now - since > self.watchdog.stopped]
-        limit = self.watchdog.limit(self.longest_gap)
-        # a rank not heard from yet in this job (imports, a first step that compiles) gets `first`
-        silent = [
-            r
-            for r in pending
-            if now - self.last_heard.get(r, self.started)
-            > (limit if r in self.last_heard else self.watchdog.first)
-        ]
-        if not stuck and not silent:
-            return
-        devices = self.workers.devices
-        silence = now - min(self.last_heard.get(r, self.started) for r in (silent or pending))
-        if stuck:
-            rank = stuck[0]
-            self.workers.procs[rank].kill()  # SIGTERM waits for a SIGCONT that may never come
-            why = (
-                f"worker rank {rank} ({devices[rank]}, pid {self.workers.pids[rank]}) is stopped "
-                f"(SIGSTOP or a debugger) while running {self.method!r}"
-            )
-        else:
-            why = (
-                f"no progress or reply from rank(s) {silent} ({', '.join(devices[r] for r in silent)}) "
-                f"for {silence:.0f} s while running {self.method!r} (watchdog limit {limit:.0f} s"
-                + (f"; last progress: {self.describe_progress()}" if self.last_progress else "")
-                + "); a rank hung in a collective or a device call"
-            )
-        self.workers.shutdown(grace=1.0)
-        raise WorkerError(why + "; the worker group was stopped (the next call starts it again)", pending[0])
+    def _hung(self, hang: Hang) -> NoReturn:
+        """Close the group (the stuck ranks killed first) and raise the hang, or the failure behind it."""
+        self.workers.kill(hang.kill)
+        self._close()
+        again = "; the worker group was stopped (the next call starts it again)"
+        if self.first_error is not None:
+            if hang.waiting:
+                raise self.failure(
+                    self.first_error,
+                    f"; rank(s) {list(hang.ranks)} were left waiting for it in a collective, so the worker "
+                    "group was stopped (the next call starts it again)",
+                )
+            raise self.failure(self.first_error, f"; then {hang.why}{again}")
+        raise WorkerError(hang.why + again, hang.ranks[0])
+
+    def _close(self) -> None:
+        self.workers.shutdown(grace=0.5)
 
     # ---------------------------------------------------------------- ending early
 
-    def cancel(self) -> None:
-        """Ask every rank to stop at its next step boundary (and start the grace period for it)."""
-        if self.cancel_deadline is None:
+    def cancel(self, deadline: bool = False) -> None:
+        """Ask every rank to stop at its next step boundary. `deadline`: it must within `cancel_grace`
+        seconds (a time limit); otherwise the ranks get as long as they stay healthy."""
+        if deadline and self.cancel_deadline is None:
             self.cancel_deadline = time.monotonic() + self.cancel_grace
         Path(self.cancel_path).touch()
 
-    def stop(self) -> None:
-        """Cancel and wait for every rank's reply, so nothing of this job reaches a later call; a rank
-        that does not stop within the grace time is stuck: close the group."""
+    def stop(self, reason: BaseException) -> None:
+        """After the caller's exception (Ctrl+C, an error while waiting): cancel and wait for every rank's
+        reply, so nothing of this job reaches a later call and the group keeps its model. The ranks finish
+        their current step first, however long it takes, unless one hangs; a second Ctrl+C closes the
+        group at once."""
         self.cancel()
-        deadline, conns = time.monotonic() + self.cancel_grace, self.workers.conns
+        conns, hinted, since = self.workers.conns, False, time.monotonic()
         try:
-            while not self.settled and time.monotonic() < deadline:
-                for conn in wait([conns[r] for r in self.pending], timeout=0.2):
-                    record = recv(conn)
-                    if isinstance(record, Reply) and record.job == self.id:
-                        self.replies[conns.index(conn)] = record
-                if not self.workers.running:
+            while not self.settled and self.workers.running:
+                for conn in wait([conns[r] for r in self.pending], timeout=POLL):
+                    with uninterrupted():
+                        record = recv(conn)
+                        if isinstance(record, Reply) and record.job == self.id:
+                            self.replies[conns.index(conn)] = record
+                now = time.monotonic()
+                if self.settled or self._replied_unseen(now):
                     break
+                hang = self.workers.watch(self.pending, list(self.replies), now)
+                if hang is not None:
+                    self.workers.kill(hang.kill)
+                    break
+                if not hinted and isinstance(reason, KeyboardInterrupt) and now - since > HINT_AFTER:
+                    hinted = True
+                    print(
+                        f"[ROCm Parallel] cancelling {self.method!r}: every rank stops after its current step "
+                        f"({self.where(now)}); press Ctrl+C again to stop the workers now (the next call "
+                        "starts them again and reloads the model)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
         except BaseException:  # a second interrupt, a lost connection: no time for manners
             pass
         if not self.settled:
-            self.workers.shutdown(grace=1.0)
+            self._close()
+
+    def _replied_unseen(self, now: float) -> bool:
+        """Every pending rank reports it has finished this job for a while: its reply was lost on the way
+        (the stream is out of step), so the group cannot be trusted with another job."""
+        finished = all(
+            (s := self.liveness.state(r)) is not None and s.doing == "idle" and s.job == self.id
+            for r in self.pending
+        )
+        return finished and now - self.started > self.liveness.watchdog.grace
 
     def lost(self, rank: int) -> NoReturn:
         """Rank's connection closed: report its exit status (give the OS a moment to reap it)."""

@@ -6,6 +6,8 @@ Started by `client.WorkerGroup` (never imported by ComfyUI itself). Life of a wo
    dies, stdin reaches EOF and the worker exits at once (no orphan holding GPU memory);
 2. connect to the parent's Unix socket (HMAC-authenticated before anything is unpickled);
 3. rendezvous: rank 0 opens a TCPStore on 127.0.0.1 (free port), the parent relays the port;
+   Meanwhile a thread of its own reports what the rank is doing (heartbeat.py), from the first line of
+   `main` on: the caller tells a hung rank from a slow one by these reports;
 4. report Ready, then serve `transport.Request` envelopes until "shutdown": `_run` finds the method
    (`HANDLERS`, filled by `@handler` in jobs.py, serve.py, probe.py and the modules the group names),
    checks the request record's type and calls it; a `Reply` (and `Progress` on the way) carries the
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .heartbeat import Heartbeat
 from .messages import RankInfo
 from .parallel.comm import synchronize
 from .transport import Hello, Progress, Ready, Reply, Request, StorePort, is_record, pack, recv, send, unpack
@@ -104,6 +107,7 @@ class WorkerContext:
     conn: Connection | None = None
     shm_dir: str = ""
     job: int = 0
+    heartbeat: Heartbeat | None = None  # what this rank reports it is doing (heartbeat.py)
 
     @property
     def backend(self) -> str:
@@ -124,7 +128,9 @@ class WorkerContext:
         step; a rank that stopped alone would leave the others waiting in a collective forever.
         """
         flag = torch.zeros(1, dtype=torch.int32, device=self.device if self.device.type != "cpu" else "cpu")
-        self._report(step, total, "step")  # every rank: the caller's watchdog hears each one
+        self._report(step, total, "step")
+        if self.heartbeat is not None:
+            self.heartbeat.update(min(step + 1, total), total)  # computing the next step from here on
         if self.rank == 0:
             flag[0] = int(self.cancel_requested())
         if self.world_size > 1:
@@ -136,6 +142,8 @@ class WorkerContext:
         """Call between tensors of a load: reports progress (the caller's watchdog sees a live load) and
         stops at once on cancel. Loading has no collectives, so each rank decides alone."""
         self._report(done, total, "load")
+        if self.heartbeat is not None:
+            self.heartbeat.update(min(done + 1, total), total, "loading")  # reading the next tensor
         if self.cancel_requested():
             raise JobCancelled(f"load cancelled after {done} of {total} tensors")
 
@@ -285,6 +293,8 @@ def _serve(conn: Connection, ctx: WorkerContext) -> bool:
         if request.method == "shutdown":
             send(conn, Reply(job=request.job, rank=ctx.rank, ok=True))
             return True
+        if ctx.heartbeat is not None:
+            ctx.heartbeat.set("computing", job=request.job, method=request.method, publish=True)
         started = time.perf_counter()
         try:
             reply = Reply(job=ctx.job, rank=ctx.rank, ok=True, result=_run(request, ctx))
@@ -297,20 +307,27 @@ def _serve(conn: Connection, ctx: WorkerContext) -> bool:
                 error_type=type(exc).__name__,
                 traceback=traceback.format_exc(),
             )
+        if ctx.heartbeat is not None:
+            ctx.heartbeat.set("idle", job=request.job)  # before the reply: the caller reads it after
         send(conn, dataclasses.replace(reply, seconds=time.perf_counter() - started))
 
 
 def main() -> None:
     key = bytes.fromhex(sys.stdin.buffer.readline().decode().strip())
     _watch_parent()
-    _configure_threads()
     rank, world_size = int(os.environ["RP_RANK"]), int(os.environ["RP_WORLD_SIZE"])
+    heartbeat = Heartbeat(rank, os.environ["RP_STATE_DIR"]).start()
+    heartbeat.set("starting", detail="connecting")
+    _configure_threads()
     device = torch.device(os.environ["RP_DEVICE"])
     for path in filter(None, os.environ.get("RP_EXTRA_SYS_PATH", "").split(os.pathsep)):
         sys.path.insert(0, path)
     conn = Client(os.environ["RP_ADDRESS"], family="AF_UNIX", authkey=key)
     send(conn, Hello(rank=rank, pid=os.getpid()))
+    heartbeat.set("starting", detail="joining the process group")
     _join_group(conn, rank, world_size, device)
+    heartbeat.watch_collectives()
+    heartbeat.set("starting", detail="importing its methods")
     try:
         _load_methods()
     except BaseException:
@@ -320,8 +337,10 @@ def main() -> None:
         sys.stderr.flush()
         os._exit(1)
     ctx = WorkerContext(
-        rank=rank, world_size=world_size, device=device, conn=conn, shm_dir=os.environ["RP_SHM_DIR"]
-    )
+        rank=rank, world_size=world_size, device=device, conn=conn, shm_dir=os.environ["RP_SHM_DIR"],
+        heartbeat=heartbeat,
+    )  # fmt: skip
+    heartbeat.set("idle")
     send(conn, Ready(rank=rank, device=str(device), pid=os.getpid()))
     _leave_group(clean=_serve(conn, ctx))
 

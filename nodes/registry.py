@@ -27,8 +27,11 @@ THREADS_ENV = "ROCM_PARALLEL_THREADS"
 # ComfyUI's Cancel raises comfy.model_management.InterruptProcessingException; matched by name because
 # this module never imports ComfyUI. A JobTimeout is not a cancel: it is shown as an error.
 _CANCELS = ("InterruptProcessingException", "KeyboardInterrupt", "JobCancelled")
-_ABSOLUTE_PATH = re.compile(r"(?<![\w.])(?:[A-Za-z]:)?[/\\](?:[^\s'\"/\\:;,]+[/\\])*([^\s'\"/\\:;,]+)")
 _LISTING = re.compile(r"(?:; |, )?'[^']*' has: .*?(?:\.(?= [A-Z])|\.?$)")
+# A quoted path (the backend quotes every path it names), whatever it holds: spaces, '~', a drive letter.
+_QUOTED = re.compile(r"(['\"])([^'\"\n]*[/\\][^'\"\n]*)\1")
+# An unquoted absolute or home path: folders may hold spaces (up to the next separator), the file name not.
+_UNQUOTED = re.compile(r"(?<![\w.])(?:~|[A-Za-z]:)?[/\\](?:[^/\\'\"\n;,]+?[/\\])*([^\s/\\'\";,]*)")
 
 
 def is_cancel(exc: BaseException) -> bool:
@@ -36,18 +39,47 @@ def is_cancel(exc: BaseException) -> bool:
     return type(exc).__name__ in _CANCELS
 
 
+def public_text(text: str) -> str:
+    """`text` with every path shortened to its file name and folder listings dropped (the status route is
+    readable by anyone who reaches ComfyUI's port: no folder name may leak, whatever it holds)."""
+    text = _LISTING.sub(".", text)
+    text = _QUOTED.sub(lambda m: m.group(1) + _file_name(m.group(2)) + m.group(1), text)
+    return _UNQUOTED.sub(lambda m: m.group(1), text)
+
+
+def _file_name(path: str) -> str:
+    return next((part for part in reversed(re.split(r"[/\\]", path)) if part), "")
+
+
 def public_error(exc: BaseException) -> str:
-    """An error for the panel and the status route: absolute paths shortened to their file names and
-    folder listings dropped (the route is readable by anyone who reaches ComfyUI's port)."""
-    text = _LISTING.sub(".", str(exc).splitlines()[0] if str(exc) else "")
-    return f"{type(exc).__name__}: {_ABSOLUTE_PATH.sub(lambda m: m.group(1), text)}"
+    """An error for the panel and the status route: its first line, with file names only (`public_text`)."""
+    return f"{type(exc).__name__}: {public_text(str(exc).splitlines()[0] if str(exc) else '')}"
+
+
+def _relabel(activity: str, label: str) -> str:
+    """The group names a ComfyUI model call 'model call'; the panel knows which step it is."""
+    return label + activity[len("model call") :] if activity.startswith("model call") else activity
+
+
+def threads_from_env() -> int | None:
+    """ROCM_PARALLEL_THREADS as a number of threads per worker (unset: None, the default)."""
+    text = os.environ.get(THREADS_ENV, "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        from ..backend.config import ConfigError
+
+        raise ConfigError(
+            f"{THREADS_ENV}={text!r} must be a whole number of torch threads per worker (1 or more); "
+            "unset it for the default"
+        )
+    return int(text)
 
 
 def _default_factory(devices: tuple[str, ...]) -> ParallelFlux:
     from ..backend.api import ParallelFlux
 
-    threads = int(os.environ[THREADS_ENV]) if os.environ.get(THREADS_ENV) else None
-    return ParallelFlux(list(devices), threads=threads)
+    return ParallelFlux(list(devices), threads=threads_from_env())
 
 
 class Registry:
@@ -94,8 +126,23 @@ class Registry:
             self.state = {**self.state, **fields}
 
     def snapshot(self) -> dict[str, Any]:
+        """The panel's data, safe to show to anyone who reaches ComfyUI's port: file names only (ComfyUI
+        lists models in subfolders as 'My Models/private user/flux.safetensors'), and, while a job runs,
+        what its ranks are doing ('step 3 of 20: 41 s so far, still computing')."""
         with self._lock:
-            return dict(self.state)
+            state = dict(self.state)
+        for key in ("checkpoint", "loading"):
+            if state.get(key):
+                state[key] = _file_name(str(state[key]))
+        for key in ("error", "last"):
+            if state.get(key):
+                state[key] = public_text(str(state[key]))
+        activity = self._flux.activity if self._flux is not None else None
+        if activity:
+            step, total = state.get("step"), state.get("total")
+            label = f"step {step + 1} of {total}" if state.get("phase") == "sampling" and total else None
+            state["activity"] = public_text(activity if label is None else _relabel(activity, label))
+        return state
 
     @contextmanager
     def phase(self, name: str, **fields: Any) -> Iterator[None]:

@@ -234,6 +234,7 @@ class RecordingFlux:
         self.devices, self.closed = devices, False
         self.warnings: list[str] = []
         self.started = False
+        self.activity: str | None = None  # no job running (the panel reads it)
 
     def close(self) -> None:
         self.closed = True
@@ -511,6 +512,17 @@ def test_workers_starting_are_shown_as_such() -> None:
             "CheckpointError: rank 1 (cuda:1): out of memory on cuda:1",
         ),
         ("C:\\Users\\me\\models\\x.safetensors is truncated", "CheckpointError: x.safetensors is truncated"),
+        # folders with spaces (ComfyUI's subfolders) and home paths leaked whole or mangled before
+        (
+            "'/data/My Models/private user/flux.safetensors': tensor 'x' holds NaN values",
+            "CheckpointError: 'flux.safetensors': tensor 'x' holds NaN values",
+        ),
+        (
+            "/data/My Models/private user/f.safetensors is truncated",
+            "CheckpointError: f.safetensors is truncated",
+        ),
+        ("cannot read ~/secret/x.safetensors: denied", "CheckpointError: cannot read x.safetensors: denied"),
+        ("LoRA 'D:\\My LoRAs\\a b.safetensors' is bad", "CheckpointError: LoRA 'a b.safetensors' is bad"),
     ],
 )
 def test_public_error_names_files_not_paths(message: str, shown: str) -> None:
@@ -728,6 +740,7 @@ class ForwardFlux:
         self.loads: list[dict] = []
         self.checks: list[dict] = []
         self.forwards: list[tuple] = []
+        self.activity: str | None = None  # what the panel shows while a job runs (none here)
 
     def check_load(self, checkpoint: SimpleNamespace, **kwargs) -> None:
         self.checks.append(kwargs)

@@ -25,7 +25,7 @@ from worker_jobs import Load, OnRank, Scale, Steps, Value
 
 from rocm_parallel.backend.api import ParallelFlux
 from rocm_parallel.backend.checkpoint import diffusers_to_bfl
-from rocm_parallel.backend.client import Watchdog, WorkerError, WorkerGroup, validate_devices
+from rocm_parallel.backend.client import WorkerError, WorkerGroup, validate_devices
 from rocm_parallel.backend.config import ConfigError
 from rocm_parallel.backend.transport import private_dir, remove_stale_dirs
 
@@ -122,49 +122,294 @@ def test_a_stopped_rank_is_caught_by_the_watchdog_and_the_next_job_is_correct(ch
         assert torch.equal(_sample(flux), expected)
 
 
-def test_silence_past_the_watchdog_fails_the_job() -> None:
-    """A rank that is alive but never answers (hung in a device call). Mutation tried: a watchdog
-    limit that ignores `longest_gap` kept waiting for `first` (300 s)."""
+@pytest.mark.parametrize("at_step", [1, 3], ids=["first call after a load", "mid-sample"])
+def test_a_rank_hung_in_a_model_call_is_named_within_seconds(checkpoint: str, at_step: int) -> None:
+    """Rank 1 hangs in a native call that keeps its interpreter (a driver call that never returns) in the
+    first model call after a load (every ComfyUI run's first), or in step 3: its reports stop, rank 0
+    waits for it in a collective. Only rank 1 is named, within 10 s. Mutations tried: with the silent
+    rule off (`Liveness.verdict` skipping it) the call waited for rank 1 forever (pytest-timeout); naming
+    every pending rank (as before: `Hang((0, 1), ...)`) failed the rank assertion; without `publish` in the worker's job start, the message said
+    'its last report: reading tensor 112 of 112'; before liveness by
+    state this took 300 s and named [0, 1]."""
+    with ParallelFlux(group=_group()) as flux:
+        flux.load(checkpoint, layout="tp", dtype="float32")
+        flux.group.call("arm_failure", OnRank(rank=1, at_step=at_step, kind="native"))
+        victim, started = flux.group.pids[1], time.monotonic()
+        with pytest.raises(WorkerError) as err:
+            _sample(flux)
+        took = time.monotonic() - started
+        assert str(err.value).startswith(
+            f"worker rank 1 (cpu, pid {victim}) stopped reporting 5 s ago while running 'flux_forward' "
+            "(its last report: computing 'flux_forward' ("
+        ), str(err.value)
+        assert "its process is alive but does no work: stuck in a native call or deadlocked" in str(err.value)
+        assert "rank 0" not in str(err.value)  # the innocent rank, waiting for it, is not named
+        assert err.value.rank == 1 and took < 10, took
+        assert _gone([victim]) and not flux.started
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["load", "LoRA change"])
+def test_a_rank_hung_while_loading_is_named_within_seconds(
+    checkpoint: str, tmp_path: Path, lora: bool
+) -> None:
+    """Rank 1 hangs in a native call at its 3rd tensor of a load (or of a LoRA change on the resident
+    model) while rank 0 finishes: rank 1 is named with its own progress within 10 s, and the next load
+    works. Mutation tried: with the silent rule off the load never returned (pytest-timeout)."""
+    from test_sampling import MODELS
+
+    from rocm_parallel.testing.models import tiny_flux_config
+    from rocm_parallel.testing.writers import write_random_lora
+
+    with ParallelFlux(group=_group()) as flux:
+        flux.load(checkpoint, layout="tp", dtype="float32")
+        loras = []
+        if lora:
+            config = tiny_flux_config(**MODELS["dev"]["config"])
+            loras = [(write_random_lora(tmp_path / "lora.safetensors", config, "bfl"), 0.5)]
+        else:
+            flux.unload()
+        flux.group.call("arm_load_failure", OnRank(rank=1, at_step=3, kind="native"))
+        victim, started = flux.group.pids[1], time.monotonic()
+        with pytest.raises(WorkerError) as err:
+            flux.load(checkpoint, layout="tp", dtype="float32", loras=loras)
+        took = time.monotonic() - started
+        assert str(err.value).startswith(
+            f"worker rank 1 (cpu, pid {victim}) stopped reporting 5 s ago while running 'load' (its last "
+            "report: reading tensor 3 of "
+        ), str(err.value)
+        assert err.value.rank == 1 and took < 10, took
+        assert _gone([victim]) and flux.resident is None
+        flux.load(checkpoint, layout="tp", dtype="float32")
+        assert flux.resident is not None
+
+
+def test_a_rank_left_alone_in_a_collective_is_named_with_where_it_waits() -> None:
+    """Rank 1 enters one all-reduce more than rank 0, which finishes the job: rank 1 is alive and reports,
+    but waits in a collective no peer will enter. Mutation tried: with `_peers` ignoring finished peers
+    the call never returned (pytest-timeout)."""
     group = _group()
-    hang = Watchdog(first=30.0, floor=1.0, factor=3.0)
     started = time.monotonic()
     with pytest.raises(WorkerError) as err:
-        # steps of 0.05 s, then rank 1 sleeps in step 5 for far longer than 3 x the longest gap
-        group.call("steps", Steps(n=4, seconds=0.05), watchdog=hang)  # warm: the job itself is fine
-        group.call("hang_at", OnRank(rank=1, at_step=5), watchdog=hang)
-    # rank 1 sleeps; rank 0 waits for it in the all-reduce: both fall silent within milliseconds
-    assert re.search(
-        r"no progress or reply from rank\(s\) \[(0, 1|0|1)\] \((cpu, cpu|cpu)\) for ", str(err.value)
-    )
-    assert "last progress: step 4 of 100" in str(err.value)
-    assert time.monotonic() - started < 30  # it fired on the gap-based limit, not `first`
+        group.call("hang_at", OnRank(rank=1, at_step=3, n=6, kind="strand"))
+    assert re.fullmatch(
+        r"rank 1 \(cpu\) has been waiting in collective #\d+ \(all_reduce over ranks 0, 1\) for 3 s while "
+        r"running 'hang_at', which rank 0 will never enter: it has finished the job; the worker group was "
+        r"stopped \(the next call starts it again\)",
+        str(err.value),
+    ), str(err.value)
+    assert err.value.rank == 1 and time.monotonic() - started < 10
     assert not group.alive and _gone(group.pids)
 
 
 def test_a_slower_rank_that_keeps_reporting_is_not_taken_for_a_hung_one(group2: WorkerGroup) -> None:
     """Rank 0 finishes a load at once, rank 1 needs 0.4 s per tensor for 8 tensors. Mutation tried:
     the old rules together (only rank 0 reports, and its fast pace limits every rank) failed this
-    healthy job as 'no progress or reply from rank(s) [1] (cpu) for 1 s'. Either fix alone passes it;
-    the next test pins per-rank reporting."""
-    watch = Watchdog(first=30.0, floor=1.0, factor=1.0)
-    results = group2.call_all("uneven_load", Load(tensors=8, seconds=0.4), watchdog=watch)
+    healthy job as 'no progress or reply from rank(s) [1] (cpu) for 1 s'."""
+    results = group2.call_all("uneven_load", Load(tensors=8, seconds=0.4))
     assert [r.rank for r in results] == [0, 1]
     assert group2.alive
 
 
-def test_a_rank_that_hangs_after_its_peer_finished_is_caught_at_its_own_pace() -> None:
-    """Rank 0 finished its load; rank 1 reported 3 tensors, then hangs. Its own reports set its limit
-    (1 s floor), so the job fails in seconds naming rank 1. Mutation tried: only rank 0 reporting
-    progress (as before) left rank 1 unheard, judged by `first` (30 s): the call took 30 s."""
+def test_a_rank_that_hangs_after_its_peer_finished_is_named_with_its_own_progress() -> None:
+    """Rank 0 finished its load; rank 1 read 3 tensors, then hangs reading the 4th. The message names
+    rank 1 and its own progress (before: rank 0's 'tensor 8 of 8'). Mutation tried: describing the job
+    from rank 0's progress (as before) printed 'tensor 8 of 8'."""
     group = _group()
-    watch = Watchdog(first=30.0, floor=1.0, factor=1.0)
     started = time.monotonic()
     with pytest.raises(WorkerError) as err:
-        group.call_all("uneven_load", Load(tensors=8, seconds=0.1, hang_after=3), watchdog=watch)
-    assert str(err.value).startswith("no progress or reply from rank(s) [1] (cpu) for ")
-    assert "last progress: tensor 8 of 8" in str(err.value)  # rank 0's: it had finished
-    assert time.monotonic() - started < 10
+        group.call_all("uneven_load", Load(tensors=8, seconds=0.1, hang_after=3))
+    assert str(err.value).startswith(
+        f"worker rank 1 (cpu, pid {group.pids[1]}) stopped reporting 5 s ago while running 'uneven_load' "
+        "(its last report: reading tensor 4 of 8 (0 s on it)); its process is alive but does no work"
+    ), str(err.value)
+    assert err.value.rank == 1 and time.monotonic() - started < 10
     assert not group.alive and _gone(group.pids)
+
+
+# ------------------------------------------------------------------------------------------ the rules, alone
+
+WORLD = (0, 1, 2)
+
+
+def _group_state(name: str, ranks: tuple[int, ...], issued: int, completed: int, since: float = 0.0):
+    from rocm_parallel.backend.messages import GroupState
+
+    return GroupState(name, ranks, issued, completed, "all_reduce" if issued > completed else "", since)
+
+
+class _Ranks:
+    """Three ranks' reports fed to a `Liveness` the way `Workers.watch` does, at made-up times."""
+
+    def __init__(self) -> None:
+        from rocm_parallel.backend.liveness import Liveness, Watchdog
+
+        self.live = Liveness(("cpu",) * 3, (100, 101, 102), Watchdog(), 0.0, "steps", job=5)
+        self.beat = 0
+
+    def at(self, now: float, groups: dict[int, tuple], done: tuple[int, ...] = (), cpu: float = 0.0, **kw):
+        from rocm_parallel.backend.liveness import Process
+        from rocm_parallel.backend.messages import RankState
+
+        self.beat += 1
+        pending = [r for r in WORLD if r not in done]
+        for rank in pending:
+            state = RankState(
+                rank, 100 + rank, self.beat, "computing", 5, "steps", 0, 0, 0.0, "", groups[rank]
+            )
+            process = Process(
+                stopped=kw.get("stopped") == rank, cpu_seconds=cpu, working=kw.get("working", False)
+            )
+            self.live.observe(rank, now, None if kw.get("silent") == rank else state, process)
+        return self.live.verdict(now, pending, done)
+
+
+def test_a_rank_waiting_for_a_computing_peer_is_never_hung() -> None:
+    """Rank 0 waits in collective #5 of [0, 1]; rank 1 has issued 4 and computes (however long); rank 2 is
+    in another group. Mutation tried: treating every pending collective older than the grace as stuck
+    failed this at 3 s."""
+    ranks = _Ranks()
+    groups = {0: (_group_state("a", (0, 1), 5, 4),), 1: (_group_state("a", (0, 1), 4, 4),), 2: ()}
+    assert all(ranks.at(t, groups, cpu=t) is None for t in (1.0, 10.0, 100.0, 1000.0))
+
+
+def test_a_rank_waiting_for_a_finished_peer_is_stuck_after_the_grace() -> None:
+    ranks = _Ranks()
+    groups = {0: (_group_state("a", (0, 1), 5, 4, since=1.0),), 1: (), 2: ()}
+    assert ranks.at(1.0, groups, done=(1,), cpu=1.0) is None
+    assert ranks.at(3.9, groups, done=(1,), cpu=3.9) is None  # 2.9 s: within the grace
+    hang = ranks.at(4.1, groups, done=(1,), cpu=4.1)
+    assert hang is not None and hang.ranks == (0,) and hang.waiting
+    assert hang.why == (
+        "rank 0 (cpu) has been waiting in collective #5 (all_reduce over ranks 0, 1) for 3 s while running "
+        "'steps', which rank 1 will never enter: it has finished the job"
+    )
+
+
+def test_ranks_that_issued_collectives_in_different_orders_are_all_named() -> None:
+    """Rank 0 waits in #5 of group a, which rank 1 has not reached; rank 1 waits in #2 of group b, which
+    rank 0 has not reached: neither can go on. Rank 2, computing, is not named."""
+    ranks = _Ranks()
+    groups = {
+        0: (_group_state("a", (0, 1), 5, 4, since=1.0), _group_state("b", (0, 1), 1, 1)),
+        1: (_group_state("a", (0, 1), 4, 4), _group_state("b", (0, 1), 2, 1, since=1.0)),
+        2: (),
+    }
+    ranks.at(1.0, groups, cpu=1.0)
+    hang = ranks.at(4.5, groups, cpu=4.5)
+    assert hang is not None and hang.ranks == (0, 1)
+    assert "rank 1 (cpu) has been waiting in collective #2 (all_reduce over ranks 0, 1)" in hang.why
+
+
+def test_a_chain_of_waits_that_ends_at_a_computing_rank_is_not_a_hang() -> None:
+    """0 waits for 1 (group a), 1 waits for 2 (group b), 2 computes: everyone will go on."""
+    ranks = _Ranks()
+    groups = {
+        0: (_group_state("a", (0, 1), 5, 4, since=1.0),),
+        1: (_group_state("a", (0, 1), 4, 4), _group_state("b", (1, 2), 3, 2, since=1.0)),
+        2: (_group_state("b", (1, 2), 2, 2),),
+    }
+    assert all(ranks.at(t, groups, cpu=t) is None for t in (1.0, 5.0, 50.0))
+
+
+def test_a_peer_that_completed_the_collective_leaves_the_waiting_rank_stuck() -> None:
+    ranks = _Ranks()
+    groups = {0: (_group_state("a", (0, 1), 5, 4, since=1.0),), 1: (_group_state("a", (0, 1), 6, 6),), 2: ()}
+    ranks.at(1.0, groups, cpu=1.0)
+    hang = ranks.at(4.5, groups, cpu=4.5)
+    assert hang is not None and hang.ranks == (0,)
+    assert "which rank 1 has left (it completed it and is computing 'steps'" in hang.why
+
+
+def test_a_collective_left_pending_before_the_ranks_current_work_is_no_wait() -> None:
+    """Rank 0's recorder still shows the start-up health check's all-gather (#2) pending, though rank 0
+    has since started a load and reports reading tensors; rank 1 completed #2. Rank 0 is not waiting
+    there. Seen in `bench failures`: a healthy load failed as 'rank 1 (cpu) has been waiting in collective
+    #2 (all_gather over ranks 0, 1) for 3 s while running 'load', which rank 0 has left'. Mutation
+    tried: without `_blocking`'s `pending_since >= since` this test failed at 4.5 s."""
+    from rocm_parallel.backend.liveness import Liveness, Process, Watchdog
+    from rocm_parallel.backend.messages import RankState
+
+    live = Liveness(("cpu",) * 2, (100, 101), Watchdog(), 0.0, "load", job=5)
+    stale = (_group_state("WORLD", (0, 1), 2, 1, since=0.5),)
+    done = (_group_state("WORLD", (0, 1), 2, 2),)
+    for beat, now in enumerate((1.0, 2.0, 4.5, 9.0), 1):
+        for rank, groups in ((0, stale), (1, done)):
+            state = RankState(rank, 100 + rank, beat, "loading", 5, "load", beat, 112, 1.0, "", groups)
+            live.observe(rank, now, state, Process(stopped=False, cpu_seconds=now))
+        assert live.verdict(now, [0, 1], ()) is None, now
+    # the same report with the collective seen pending after the load began: rank 0 does wait there
+    held = (_group_state("WORLD", (0, 1), 2, 1, since=1.5),)
+    for beat, now in enumerate((10.0, 12.0, 14.6), 10):
+        for rank, groups in ((0, held), (1, done)):
+            state = RankState(rank, 100 + rank, beat, "loading", 5, "load", 3, 112, 1.0, "", groups)
+            live.observe(rank, now, state, Process(stopped=False, cpu_seconds=now))
+        hang = live.verdict(now, [0, 1], ())
+    assert hang is not None and hang.ranks == (0,), hang
+
+
+def test_silence_is_a_hang_only_while_the_process_does_no_work() -> None:
+    """Rank 2's reports stop. While its process uses CPU or reads a disk it is working (a native call that
+    keeps the interpreter, a starved reporting thread); once idle for `silent` seconds it is hung."""
+    groups = {0: (), 1: (), 2: ()}
+    ranks = _Ranks()
+    ranks.at(0.5, groups, cpu=0.0)
+    assert all(ranks.at(t, groups, silent=2, cpu=t) is None for t in (2.0, 6.0, 20.0))  # busy in C
+    assert all(ranks.at(t, groups, silent=2, cpu=20.0, working=True) is None for t in (22.0, 30.0))  # disk
+    assert ranks.at(34.0, groups, silent=2, cpu=20.0) is None
+    hang = ranks.at(35.1, groups, silent=2, cpu=20.0)
+    assert hang is not None and hang.ranks == hang.kill == (2,)
+    assert hang.why.startswith(
+        "worker rank 2 (cpu, pid 102) stopped reporting 35 s ago while running 'steps'"
+    )
+
+
+def test_a_stopped_process_is_a_hang_after_two_seconds() -> None:
+    ranks = _Ranks()
+    groups = {0: (), 1: (), 2: ()}
+    assert ranks.at(1.0, groups, stopped=1, cpu=1.0) is None
+    assert ranks.at(2.9, groups, stopped=1, cpu=2.9) is None
+    hang = ranks.at(3.1, groups, stopped=1, cpu=3.1)
+    assert hang is not None and hang.ranks == hang.kill == (1,)
+    assert hang.why.startswith("worker rank 1 (cpu, pid 101) is stopped (SIGSTOP or a debugger)")
+
+
+# ------------------------------------------------------------------------------------------ slow, healthy
+
+
+def test_a_call_ten_times_slower_than_the_ones_before_completes(checkpoint: str, group2: WorkerGroup) -> None:
+    """Steps of a fraction of a second, then one of 10 s more on rank 1 (a bigger image, a first kernel
+    autotune): the job completes with the right image. Mutation tried: the old pace watchdog (a forward
+    may take max(8 s, 5 x the slowest so far)) killed step 3 at 8 s."""
+    flux = ParallelFlux(group=group2)
+    flux.load(checkpoint, layout="tp", dtype="float32")
+    expected = _sample(flux)
+    flux.group.call("arm_failure", OnRank(rank=1, at_step=3, kind="slow", seconds=10.0))
+    seen: list[str] = []
+    poll = threading.Timer(6.0, lambda: seen.append(flux.activity or ""))
+    poll.start()
+    assert torch.equal(_sample(flux), expected)
+    poll.join()
+    # the panel's line: rank 1 computes, rank 0 waits for it in the step's next collective
+    assert re.fullmatch(
+        r"step 3 of 4: \d s so far, still computing \(rank 1; rank 0 waits for it in collective #\d+ "
+        r"\(\w+ over ranks 0, 1\)\)",
+        seen[0],
+    ), seen
+    assert group2.alive
+
+
+def test_a_twenty_second_tensor_read_completes(checkpoint: str, group2: WorkerGroup) -> None:
+    """Rank 1 takes 20 s to read its 3rd tensor (a network share), reporting 'reading tensor 3': the load
+    completes and samples the same image. Mutation tried: the old gap watchdog (max(8 s, 5 x the longest
+    gap between records)) failed the load after 8 s."""
+    flux = ParallelFlux(group=group2)
+    flux.load(checkpoint, layout="tp", dtype="float32")
+    expected = _sample(flux)
+    flux.unload()
+    flux.group.call("arm_load_failure", OnRank(rank=1, at_step=3, kind="slow", seconds=20.0))
+    reports = flux.load(checkpoint, layout="tp", dtype="float32")
+    assert [r.reused for r in reports] == [False, False]
+    assert torch.equal(_sample(flux), expected)
 
 
 # ------------------------------------------------------------------------------------------ cancel
@@ -210,6 +455,39 @@ def test_interrupt_while_waiting_cancels_and_the_next_call_gets_its_own_result(
     assert group2.call("steps", Steps(n=3)).steps == 3  # its own reply, not the interrupted job's
     big = torch.randn(256, 1024)
     assert torch.equal(group2.call("scale", Scale(big)).scaled, big)  # request files intact
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["send", "receive"])
+def test_ctrl_c_inside_a_send_or_a_receive_keeps_the_group(
+    group2: WorkerGroup, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """A real SIGINT lands inside the request's send loop (after rank 0 got it, before rank 1), or inside
+    the receive of a reply (after its bytes were read): the interrupt is held until the message is whole,
+    every rank stops at the same step, no reply is lost and the group keeps going. Mutation tried: with
+    `transport.uninterrupted` a no-op, the send case left rank 0 alone in a collective (the call never
+    returned: pytest-timeout) and the receive case lost rank 1's reply (`last_replies` had only rank 0)."""
+    from rocm_parallel.backend import client, watch
+    from rocm_parallel.backend.transport import Reply
+
+    module, name = (client, "send") if where == "send" else (watch, "recv")
+    real, fired = getattr(module, name), []
+
+    def interrupted(conn, *args):
+        result = real(conn, *args)
+        if not fired and (where == "send" or isinstance(result, Reply)):
+            fired.append(1)
+            signal.raise_signal(signal.SIGINT)  # Python's handler raises KeyboardInterrupt here
+        return result
+
+    monkeypatch.setattr(module, name, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        group2.call("steps", Steps(n=200 if where == "send" else 3, seconds=0.02))
+    monkeypatch.undo()
+    assert sorted(group2.last_replies) == [0, 1]
+    assert {r.error_type for r in group2.last_replies.values()} <= {"JobCancelled", ""}
+    assert group2.alive
+    assert group2.call("steps", Steps(n=3)).steps == 3
 
 
 def test_a_reply_from_another_job_is_never_accepted(group2: WorkerGroup) -> None:
@@ -365,7 +643,8 @@ def test_stray_connections_do_not_stop_the_start(monkeypatch: pytest.MonkeyPatch
         (
             ["cpu"] * 99999,
             "devices=['cpu', 'cpu', 'cpu', ... (99999 devices)] asks for 99999 CPU workers, which need at "
-            "least 50000 GB of host memory (0.5 GB each before any model) but ",
+            "least 50000 GB of host memory (0.5 GB each, measured on a worker that has loaded a model, besides "
+            "the model itself) but ",
         ),
         (
             ["cuda:-1"],
@@ -494,11 +773,185 @@ def test_bad_sampling_input_fails_before_any_worker(checkpoint: str) -> None:
             "sigmas must not increase, but sigma[1]=0.8 > sigma[0]=0.5; use a scheduler's output (e.g. "
             "BasicScheduler) or flip them",
         ),
+        "inf latent": (
+            {"latent": {"samples": torch.full_like(ref["latent"], float("inf"))}},
+            "latent samples contains inf values; encode the image again or start from EmptySD3LatentImage",
+        ),
+        **{
+            f"shift_mu {mu!r}": (
+                {"shift_mu": mu},
+                f"shift_mu={mu!r} must be a finite number from -87 to 87 (beyond that e^mu leaves float32 and "
+                "every sigma is NaN); ModelSamplingFlux sets 0.5 to 1.15 for 256x256 to 1024x1024 "
+                "(resolution_mu(width, height)), or leave it unset for the model's default",
+            )
+            for mu in (float("nan"), 1e6, -1000.0, float("inf"), "1.15")
+        },
+        "shift_mu with sigmas": (
+            {"shift_mu": 1.15, "sigmas": torch.tensor([1.0, 0.5, 0.0])},
+            "shift_mu=1.15 has no effect when sigmas are given (they are the whole schedule); leave shift_mu "
+            "unset, or drop sigmas to sample from the shifted table",
+        ),
     }
     before = psutil.Process().children()
     for name, (overrides, message) in cases.items():
         assert _flux_checked(checkpoint, **overrides) == message, name
     assert psutil.Process().children() == before
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("x", "x contains NaN values; the latent entering this model call is broken: check the nodes before the "
+         "sampler (a VAE Encode of a broken image, a latent upscale, a noise node)"),
+        ("timestep", "timestep contains inf values; it is the sampler's sigma: check the scheduler or SIGMAS input"),
+        ("guidance", "guidance contains NaN values; set a finite value with FluxGuidance (e.g. 3.5)"),
+        ("context", "context contains inf values; re-encode the prompt (a broken text encoder or a bad upstream node)"),
+        ("y", "y (pooled_output) contains NaN values; re-encode the prompt (a broken text encoder or a bad "
+         "upstream node)"),
+        ("ref_latents", "ref_latents[0] contains NaN values; encode the reference image again (VAE Encode into "
+         "ReferenceLatent)"),
+        ("meta", "x is on the 'meta' device and holds no values; give a CPU or GPU tensor"),
+    ],
+)  # fmt: skip
+def test_nan_or_inf_in_a_model_call_is_refused_before_any_rank_runs(
+    checkpoint: str, group2: WorkerGroup, name: str, message: str
+) -> None:
+    """Every input of `forward`, on the caller's side: no job reaches the ranks. Mutation tried: without
+    `check_conditioning_values` in `ConditioningSender.add`, the NaN context ran on the ranks and the call
+    returned NaN."""
+    from test_service import call_inputs
+
+    flux = ParallelFlux(group=group2)
+    flux.load(checkpoint, layout="tp", dtype="float32")
+    inputs = call_inputs()
+    bad = float("inf") if name in ("timestep", "context") else float("nan")
+    if name == "meta":
+        inputs["x"] = torch.empty_like(inputs["x"], device="meta")
+    elif name == "ref_latents":
+        inputs["ref_latents"] = [torch.full((2, 16, 4, 4), bad)]
+    else:
+        inputs[name] = inputs[name].clone()
+        inputs[name].view(-1)[1] = bad
+    before = group2._job
+    with pytest.raises(ConfigError) as err:
+        flux.forward(**inputs)
+    assert str(err.value) == message
+    assert group2._job == before
+
+
+def test_a_model_call_whose_output_overflows_names_its_sigma(checkpoint: str, group2: WorkerGroup) -> None:
+    """Finite inputs, NaN out (the model overflowed): an error naming the call, not a black image."""
+    from test_service import call_inputs
+
+    flux = ParallelFlux(group=group2)
+    flux.load(checkpoint, layout="tp", dtype="float32")
+    inputs = call_inputs()
+    inputs["context"] = inputs["context"] * 1e38
+    with pytest.raises(FloatingPointError) as err:
+        flux.forward(**inputs)
+    assert str(err.value) == (
+        "the model call at sigma 0.7, 0.7 produced NaN or inf values from finite inputs; the model's output "
+        "overflowed: try dtype='bfloat16' or 'float32' instead of float16"
+    )
+
+
+def test_nan_weights_are_refused_at_load_naming_the_tensor(
+    checkpoint: str, group2: WorkerGroup, tmp_path: Path
+) -> None:
+    """One NaN in a stored tensor: every rank that reads it refuses the load, naming the file's key; the
+    group stays (loading has no collectives) and holds no model. Mutation tried: with `CHECK_VALUES` off
+    the load succeeded and sampling returned NaN."""
+    from safetensors.torch import load_file
+
+    state = load_file(checkpoint)
+    key = "img_in.bias"  # replicated: every rank reads it whole
+    state[key] = state[key].clone()
+    state[key][1] = float("nan")
+    damaged = str(tmp_path / "damaged.safetensors")
+    save_file(state, damaged)
+    flux = ParallelFlux(group=group2)
+    with pytest.raises(WorkerError) as err:
+        flux.load(damaged, layout="tp", dtype="float32")
+    assert str(err.value).split(": ", 1)[1] == (
+        f"CheckpointError: '{damaged}': tensor '{key}' holds NaN values; the file is damaged (an interrupted "
+        "download or copy, a failing disk) or was saved from a broken model: download or copy it again"
+    )
+    assert group2.alive and flux.resident is None
+    assert [r.loaded for r in flux.status()] == [None, None]
+
+
+def test_a_damaged_header_of_the_right_size_says_what_safetensors_says(tmp_path: Path) -> None:
+    """Before: 'its header promises 152 bytes but the file has 152'."""
+    import json
+    import struct
+
+    from rocm_parallel.backend.checkpoint import inspect_checkpoint
+
+    path = tmp_path / "h.safetensors"
+    save_file({"a": torch.ones(4), "b": torch.ones(4)}, str(path))
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    header["a"]["data_offsets"], header["b"]["data_offsets"] = [0, 12], [12, 32]  # a holds 16 bytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    path.write_bytes(raw[:8] + text + b" " * (n - len(text)) + raw[8 + n :])
+    with pytest.raises(ConfigError) as err:
+        inspect_checkpoint(path)
+    assert str(err.value) == (
+        f"'{path}' is truncated or corrupt: its size matches its header ({len(raw)} bytes), but safetensors "
+        "refuses the header: Error while deserializing header: invalid shape, data type, or offset for tensor. "
+        "Download or copy it again"
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"threads": -1}, "threads=-1 must be a whole number of torch threads per worker (1 or more), or None for "
+         "the default (CPU workers: the cores shared out; GPUs: torch's own)"),
+        ({"threads": 1.5}, "threads=1.5 must be a whole number of torch threads per worker (1 or more), or None "
+         "for the default (CPU workers: the cores shared out; GPUs: torch's own)"),
+        ({"start_timeout": 0}, "start_timeout=0 must be a number of seconds > 0"),
+        ({"health_timeout": float("nan")}, "health_timeout=nan must be a number of seconds > 0, or None for no limit"),
+    ],
+)  # fmt: skip
+def test_ignored_group_options_are_refused_before_any_process(options: dict, message: str) -> None:
+    """threads=-1 used to start workers with torch's default; start_timeout=0 failed the start at once."""
+    before = psutil.Process().children()
+    for make in (WorkerGroup, ParallelFlux):
+        if make is ParallelFlux and "health_timeout" in options:
+            continue
+        with pytest.raises(ConfigError) as err:
+            make(["cpu", "cpu"], **options)
+        assert str(err.value) == message
+    assert psutil.Process().children() == before
+
+
+def test_a_time_limit_must_be_positive(group2: WorkerGroup) -> None:
+    for timeout in (0, -1.0, float("nan")):
+        with pytest.raises(
+            ConfigError, match=r"^timeout=.* must be a number of seconds > 0, or None for no limit$"
+        ):
+            group2.call("ping", timeout=timeout)
+    flux = ParallelFlux(group=group2)
+    with pytest.raises(ConfigError, match=r"^threads=3 but the group given runs 1 per worker; pass one$"):
+        ParallelFlux(group=group2, threads=3)
+    with pytest.raises(ConfigError, match=r"^devices=\['cpu', 'cpu', 'cpu'\] but the group given runs on "):
+        ParallelFlux(["cpu"] * 3, group=group2)
+    assert flux.devices == ("cpu", "cpu")
+
+
+def test_a_workers_own_memory_is_within_the_bound(checkpoint: str, group2: WorkerGroup) -> None:
+    """WORKER_HOST_BYTES, the per-worker host memory the CPU worker count is bounded by, is what a real
+    worker holds besides its model's weights once it has loaded and sampled one."""
+    from rocm_parallel.backend.platforms import WORKER_HOST_BYTES
+
+    flux = ParallelFlux(group=group2)
+    flux.load(checkpoint, layout="tp", dtype="float32")
+    _sample(flux)
+    for pid, status in zip(group2.pids, flux.status(), strict=True):
+        own = psutil.Process(pid).memory_info().rss - status.parameter_bytes
+        assert own <= WORKER_HOST_BYTES, f"{own / 1e9:.2f} GB"
 
 
 def test_a_bad_dtype_leaves_the_resident_model_alone(checkpoint: str, group2: WorkerGroup) -> None:
@@ -542,3 +995,61 @@ def test_a_failing_rank_stops_its_peers_load_and_keeps_the_group(group2: WorkerG
         group2.call_all("load_then_fail", Load(tensors=40, seconds=0.1, failing=0))
     assert group2.last_replies[1].error_type == "JobCancelled"
     assert group2.alive
+
+
+# ------------------------------------------------------------------------------------------ LoRA values
+
+
+def _lora(tmp_path: Path) -> str:
+    from test_sampling import MODELS
+
+    from rocm_parallel.testing.models import tiny_flux_config
+    from rocm_parallel.testing.writers import write_random_lora
+
+    return write_random_lora(
+        tmp_path / "lora.safetensors", tiny_flux_config(**MODELS["dev"]["config"]), "bfl"
+    )
+
+
+def test_a_lora_strength_beyond_comfyuis_range_is_refused_before_any_worker(
+    checkpoint: str, tmp_path: Path
+) -> None:
+    """Strength 1e30 used to load and sample NaN. Mutation tried: without the bound in `check_loras` the
+    check passed."""
+    lora = _lora(tmp_path)
+    before = psutil.Process().children()
+    for strength in (1e30, -100.5):
+        with pytest.raises(ConfigError) as err:
+            ParallelFlux(["cpu", "cpu"]).check_load(checkpoint, loras=[(lora, strength)])
+        assert str(err.value) == (
+            f"LoRA '{lora}': strength {strength!r} is beyond +-100 (ComfyUI's LoraLoader range; far beyond it "
+            "the patched weights overflow to inf); use e.g. 1.0"
+        )
+    ParallelFlux(["cpu", "cpu"]).check_load(checkpoint, loras=[(lora, -100.0)])
+    assert psutil.Process().children() == before
+
+
+def test_nan_lora_factors_are_refused_naming_the_file_and_module(
+    checkpoint: str, group2: WorkerGroup, tmp_path: Path
+) -> None:
+    """One NaN in a LoRA's up factor: the LoRA change is refused in the caller (the LoRA package's value
+    scan, backend/checkpoint/lora/values.py) naming the file, the tensor and the place, before any rank
+    patches anything; the resident model stays as it was. Mutation tried: without `_finite` in
+    `scan_values` the load succeeded and sampling returned NaN."""
+    from safetensors.torch import load_file
+
+    state = load_file(_lora(tmp_path))
+    key = "diffusion_model.img_in.lora_up.weight"  # replicated: every rank reads it whole
+    state[key][1, 0] = float("nan")
+    damaged = str(tmp_path / "damaged-lora.safetensors")
+    save_file(state, damaged)
+    flux = ParallelFlux(group=group2)
+    flux.load(checkpoint, layout="tp", dtype="float32")
+    resident = flux.resident
+    with pytest.raises(ConfigError) as err:
+        flux.load(checkpoint, layout="tp", dtype="float32", loras=[(damaged, 1.0)])
+    assert str(err.value).startswith(
+        f"LoRA '{damaged}': '{key}' holds nan at [1, 0] (1 of {state[key].numel()} values are not finite); "
+        "applied, it would make the model's output NaN."
+    )
+    assert group2.alive and flux.resident == resident

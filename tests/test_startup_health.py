@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -41,7 +44,7 @@ def test_a_hung_first_collective_is_retried_without_p2p_and_reported(monkeypatch
     and says what it changed and how to make it permanent.
 
     Mutation tried: with the retry removed from `WorkerGroup._start` (re-raising the first failure), this
-    test fails with "WorkerError: health check failed: no progress or reply from rank(s) [0, 1] ...".
+    test fails with "WorkerError: health check failed: 'health_check' did not finish within 4 s ...".
     """
     monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
     started = time.monotonic()
@@ -61,7 +64,8 @@ def test_a_hung_first_collective_is_retried_without_p2p_and_reported(monkeypatch
         assert warning.startswith(
             "the first collective over cpu, cpu failed with peer-to-peer transfers enabled"
         )
-        assert "no progress or reply from rank(s) [0, 1]" in warning
+        assert "'health_check' did not finish within 4 s (rank 0 computing 'health_check' (" in warning
+        assert "rank 1 waiting in collective #1 (all_reduce over ranks 0, 1) for " in warning
         assert "started again with NCCL_P2P_DISABLE=1 and now works" in warning
         assert "start ComfyUI with NCCL_P2P_DISABLE=1 in its environment" in warning
         assert group.call("ping").backend == "gloo"
@@ -71,8 +75,10 @@ def test_a_hung_first_collective_is_retried_without_p2p_and_reported(monkeypatch
 
 
 def test_without_the_retry_a_hung_start_fails_with_the_hang() -> None:
-    """retry_without_p2p=False (the default for CPU workers): the start fails, naming the silent ranks,
-    and leaves no worker behind."""
+    """retry_without_p2p=False (the default for CPU workers): the start fails at `health_timeout`, saying
+    where each rank is (rank 0 never joins the collective: it looks busy, so only the time limit can
+    end it), and leaves no worker behind."""
+    before = psutil.Process().children()
     with pytest.raises(WorkerError) as err:
         WorkerGroup(
             ["cpu", "cpu"],
@@ -83,6 +89,54 @@ def test_without_the_retry_a_hung_start_fails_with_the_hang() -> None:
             health_timeout=3.0,
             retry_without_p2p=False,
         )
+    assert re.fullmatch(
+        r"health check failed: 'health_check' did not finish within 3 s \(rank 0 computing 'health_check' "
+        r"\(\d s so far\), rank 1 waiting in collective #1 \(all_reduce over ranks 0, 1\) for \d s\); the "
+        r"worker group was stopped",
+        str(err.value),
+    ), str(err.value)
+    assert not _alive([c.pid for c in psutil.Process().children() if c not in before])
+
+
+def _stop_rank_when_it_starts(rank: int, stopped: list[int]) -> threading.Thread:
+    """SIGSTOP this process's worker of `rank` as soon as it exists (it is importing torch then, long
+    before it connects)."""
+
+    known = {c.pid for c in psutil.Process().children()}  # the session's groups: not the one starting
+
+    def watch() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not stopped:
+            for child in (c for c in psutil.Process().children() if c.pid not in known):
+                try:
+                    if child.environ().get("RP_RANK") == str(rank):
+                        child.send_signal(signal.SIGSTOP)
+                        stopped.append(child.pid)
+                        return
+                except psutil.Error:
+                    continue
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_rank_stopped_before_it_connects_is_named_within_seconds() -> None:
+    """Rank 1 is stopped (SIGSTOP) while it imports torch: the start fails in seconds naming rank 1, not
+    after `start_timeout` naming no one. Mutation tried: without `_check_starting`'s liveness verdict the
+    start waited for the whole start_timeout (60 s here) and said 'did not finish connecting'."""
+    before = psutil.Process().children()
+    stopped: list[int] = []
+    watcher = _stop_rank_when_it_starts(1, stopped)
+    started = time.monotonic()
+    with pytest.raises(WorkerError) as err:
+        WorkerGroup(["cpu", "cpu"], threads=1, start_timeout=60)
+    took = time.monotonic() - started
+    watcher.join()
     assert str(err.value).startswith(
-        "health check failed: no progress or reply from rank(s) [0, 1] (cpu, cpu)"
-    )
+        f"worker rank 1 (cpu, pid {stopped[0]}) is stopped (SIGSTOP or a debugger) while starting ("
+    ), str(err.value)
+    assert "(it had not connected yet)" in str(err.value)
+    assert err.value.rank == 1 and took < 30, took  # the other rank's own start-up counts in here
+    assert not _alive([c.pid for c in psutil.Process().children() if c not in before])

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from rocm_parallel.backend.config import FluxDims
 from rocm_parallel.backend.transport import record
 from rocm_parallel.backend.worker import HANDLERS, Handler, handler
+from rocm_parallel.testing.models import random_inputs
 
 
 @record
@@ -51,12 +53,17 @@ class Scaled:
 @record
 @dataclass(frozen=True)
 class OnRank:
-    """Something `rank` does (fail, hang) at step `at_step` of `n`; `kind`: 'oom' or 'stop' (SIGSTOP)."""
+    """Something `rank` does at step `at_step` of `n`. `kind`: 'oom' (raises), 'stop' (SIGSTOPs itself),
+    'native' (hangs in a native call that holds the interpreter: its reports stop), 'slow' (takes
+    `seconds` longer, still working: it must not be taken for hung), 'strand' (enters one more collective
+    than its peers: they finish the job, it waits forever), 'order' (issues two collectives in the
+    other order than its peers: each waits for the other)."""
 
     rank: int
     at_step: int = 0
     n: int = 100
     kind: str = "oom"
+    seconds: float = 0.0
 
 
 @record
@@ -75,8 +82,8 @@ class Value:
 @dataclass(frozen=True)
 class Load:
     """A load (no collectives): `tensors` tensors, `seconds` each on every rank but rank 0 (or on every
-    rank but `failing`, which runs out of memory at once); with `hang_after`, the slow ranks stop
-    answering after that many tensors (a stuck disk read)."""
+    rank but `failing`, which runs out of memory at once); with `hang_after`, the slow ranks hang after
+    that many tensors, in a native call that keeps the interpreter (their reports stop)."""
 
     tensors: int
     seconds: float
@@ -136,17 +143,37 @@ def send_stale_reply(ctx, request: Value) -> Value:
     return request
 
 
-def _fail_once(at: int, stop: bool, method: str | None = None) -> None:
-    """Make this worker run out of memory once (after SIGSTOPping itself when `stop`): at the `at`-th call
-    of worker method `method`, before it runs, or else at the `at`-th `WorkerContext.load_progress`."""
+def hang_natively() -> None:
+    """Block in a C call that keeps the interpreter (ctypes.PyDLL holds the GIL): like a driver call that
+    never returns. No other thread of the process runs again, so its reports stop, and only SIGKILL (or
+    the default SIGTERM) ends it."""
+    import ctypes
+
+    ctypes.PyDLL(None).sleep(3600)
+
+
+def act(kind: str, seconds: float = 0.0) -> None:
+    """What `OnRank.kind` does at its step (the collective kinds are the job's own)."""
     import signal
 
+    if kind == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if kind == "native":
+        hang_natively()
+    if kind == "slow":
+        time.sleep(seconds)  # working: its heartbeat keeps reporting
+        return
+    if kind in ("oom", "stop"):
+        raise torch.OutOfMemoryError("HIP out of memory. Tried to allocate 2.00 GiB")
+
+
+def _fail_once(at: int, kind: str, method: str | None = None, seconds: float = 0.0) -> None:
+    """Make this worker act once as `kind` says (see `OnRank`): at the `at`-th call of worker method
+    `method`, before it runs, or else at the `at`-th `WorkerContext.load_progress`."""
     from rocm_parallel.backend.worker import WorkerContext
 
     def fail() -> None:
-        if stop:
-            os.kill(os.getpid(), signal.SIGSTOP)
-        raise torch.OutOfMemoryError("HIP out of memory. Tried to allocate 2.00 GiB")
+        act(kind, seconds)
 
     if method is not None:
         original, calls = HANDLERS[method], []
@@ -173,40 +200,54 @@ def _fail_once(at: int, stop: bool, method: str | None = None) -> None:
 
 @handler("arm_failure", OnRank)
 def arm_failure(ctx, request: OnRank) -> None:
-    """Make `rank` fail in step `at_step` of the NEXT sampling job (out of memory, or SIGSTOP itself), the
-    way a real GPU fails in the middle of a denoising loop: every step is one `flux_forward`, so its
-    `at_step`-th forward fails on entry while its peers run that forward and wait for it in a collective."""
+    """Make `rank` act as `kind` says (see `OnRank`) in step `at_step` of the NEXT sampling job, the way a
+    real GPU fails in the middle of a denoising loop: every step is one `flux_forward`, so its
+    `at_step`-th forward acts on entry while its peers run that forward and wait for it in a collective
+    (at_step=1: the first model call after a load)."""
     if ctx.rank == request.rank:
-        _fail_once(request.at_step, stop=request.kind == "stop", method="flux_forward")
+        _fail_once(request.at_step, request.kind, method="flux_forward", seconds=request.seconds)
 
 
 @handler("hang_at", OnRank)
 def hang_at(ctx, request: OnRank) -> Rank:
-    """`rank` stops answering at `at_step` (alive, not stopped: as if stuck in a driver call)."""
+    """Steps with one all-reduce each; at `at_step`, `rank` acts as `kind` says (see `OnRank`)."""
+    other = dist.new_group(list(range(ctx.world_size)))  # a second group: same ranks, its own sequence
     for step in range(1, request.n + 1):
-        if ctx.rank == request.rank and step == request.at_step:
-            time.sleep(3600)
         t = torch.ones(1)
+        if step == request.at_step and request.kind == "order":
+            first, second = (
+                (dist.group.WORLD, other) if ctx.rank != request.rank else (other, dist.group.WORLD)
+            )
+            dist.all_reduce(t, group=first)
+            dist.all_reduce(t, group=second)
+        elif ctx.rank == request.rank and step == request.at_step:
+            act(request.kind, request.seconds)
         dist.all_reduce(t)
         ctx.step_done(step, request.n)
+    if ctx.rank == request.rank and request.kind == "strand":
+        dist.all_reduce(torch.ones(1))  # one more than its peers, who have finished the job
     return Rank(ctx.rank)
 
 
 @handler("arm_load_failure", OnRank)
 def arm_load_failure(ctx, request: OnRank) -> None:
-    """Make `rank` run out of memory at tensor `at_step` of the NEXT load (its peers load in full)."""
+    """Make `rank` act as `kind` says at tensor `at_step` of the NEXT load, or LoRA change (its peers load
+    in full)."""
     if ctx.rank == request.rank:
-        _fail_once(request.at_step, stop=False)
+        _fail_once(request.at_step, request.kind, seconds=request.seconds)
 
 
 @handler("uneven_load", Load)
 def uneven_load(ctx, request: Load) -> Rank:
-    """A load where rank 0 is fast and every other rank takes `seconds` per tensor (see `Load`)."""
+    """A load where rank 0 is fast and every other rank takes `seconds` per tensor (see `Load`): reading
+    each one, which it reports before it starts."""
     for done in range(1, request.tensors + 1):
+        ctx.load_progress(done - 1, request.tensors)  # reading tensor `done` from here on
         if ctx.rank:
-            stuck = request.hang_after and done > request.hang_after
-            time.sleep(3600 if stuck else request.seconds)
-        ctx.load_progress(done, request.tensors)
+            if request.hang_after and done > request.hang_after:
+                hang_natively()
+            time.sleep(request.seconds)
+    ctx.load_progress(request.tensors, request.tensors)
     return Rank(ctx.rank)
 
 
@@ -243,3 +284,71 @@ def returns_an_unknown_record(ctx) -> object:
         rank: int
 
     return OnlyOnTheWorkers(ctx.rank)
+
+
+@record
+@dataclass(frozen=True)
+class OldMerge:
+    """Patch (or restore, `on=False`) diffusers' ring merge to diffusers <= 0.37's on torch >= 2.9."""
+
+    on: bool
+
+
+@record
+@dataclass(frozen=True)
+class Unguarded:
+    rank: int
+    error: str  # what the forward raised with the LSE guard switched off ('' when it ran)
+
+
+_ORIGINAL_RING_FORWARD: list = []
+
+
+@handler("old_ring_merge", OldMerge)
+def old_ring_merge(ctx, request: OldMerge) -> None:
+    """diffusers <= 0.37 unsqueezed the kernel's LSE only on torch < 2.9, so on torch >= 2.9 a kernel that
+    returns [B, S, H] (ROCm's flash path, our CPU flash kernel) reached the merge 3-D: the ROCm bug. This
+    puts that merge back into diffusers' own `TemplatedRingAttention.forward` (its source with the
+    `lse.ndim == 3` unsqueeze removed), the way /work/plan/mesh/parity.py simulated it."""
+    import inspect
+    import re
+    import textwrap
+
+    from diffusers.models import attention_dispatch as ad
+
+    if not _ORIGINAL_RING_FORWARD:
+        _ORIGINAL_RING_FORWARD.append(ad.TemplatedRingAttention.__dict__["forward"])
+    original = _ORIGINAL_RING_FORWARD[0]
+    if not request.on:
+        ad.TemplatedRingAttention.forward = original
+        return
+    source = textwrap.dedent(
+        inspect.getsource(original.__func__ if hasattr(original, "__func__") else original)
+    )
+    patched, n = re.subn(r"if lse\.ndim == 3:\n(\s+)lse = lse\.unsqueeze\(-1\)", r"if False:\n\1pass", source)
+    if n != 1:
+        raise RuntimeError("the ring merge's unsqueeze was not found: diffusers changed")
+    scope = dict(ad.__dict__)
+    exec(compile(patched, ad.__file__, "exec"), scope)
+    ad.TemplatedRingAttention.forward = staticmethod(scope["forward"])
+
+
+@handler("forward_unguarded")
+def forward_unguarded(ctx) -> Unguarded:
+    """The resident ring model's forward with the LSE guard switched off (the negative control): what the
+    installed merge does with the kernel's own LSE."""
+    from rocm_parallel.backend.parallel.lse import ANY
+
+    model = ctx.resident.require()
+    state = model._rp_context_state
+    probed, state.lse_shape = state.lse_shape, ANY
+    try:
+        dims = FluxDims.from_diffusers_config(model.config)
+        inputs = random_inputs(dims, batch=1, height=64, width=64, text_tokens=16).as_kwargs()
+        with torch.inference_mode():
+            model(**inputs, return_dict=False)
+        return Unguarded(ctx.rank, "")
+    except RuntimeError as exc:
+        return Unguarded(ctx.rank, str(exc))
+    finally:
+        state.lse_shape = probed

@@ -83,8 +83,9 @@ def check_file_kind(path: Path) -> None:
         )
 
 
-def truncation_detail(path: Path) -> str:
-    """How many bytes the header promises against what is on disk, when the header itself is readable."""
+def truncation_detail(path: Path, error: object = None) -> str:
+    """What is wrong with a file safetensors refused: how many bytes the header promises against what is
+    on disk, or, when those agree, safetensors' own reason (`error`: the damage is inside the file)."""
     size = path.stat().st_size
     try:
         with open(path, "rb") as f:
@@ -93,9 +94,12 @@ def truncation_detail(path: Path) -> str:
                 return f"its header length field says {n} bytes but the file has only {size}"
             header = json.loads(f.read(n))
         end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        return f"its header promises {8 + n + end} bytes but the file has {size}"
     except (ValueError, KeyError, TypeError, struct.error):
         return f"its {size} bytes do not start with a safetensors header"
+    if 8 + n + end != size:
+        return f"its header promises {8 + n + end} bytes but the file has {size}"
+    reason = (str(error).strip() or type(error).__name__) if error is not None else "no reason given"
+    return f"its size matches its header ({size} bytes), but safetensors refuses the header: {reason}"
 
 
 def read_header(path: Path) -> tuple[dict[str, StoredTensor], dict[str, str]]:
@@ -110,7 +114,7 @@ def read_header(path: Path) -> tuple[dict[str, StoredTensor], dict[str, str]]:
             return out, dict(f.metadata() or {})
     except SafetensorError as err:
         raise CheckpointError(
-            f"'{path}' is truncated or corrupt: {truncation_detail(path)}. Download or copy it again"
+            f"'{path}' is truncated or corrupt: {truncation_detail(path, err)}. Download or copy it again"
         ) from err
 
 

@@ -87,6 +87,22 @@ def schnell_sigma_table(timesteps: int = 1000) -> torch.Tensor:
     return torch.arange(1, timesteps + 1, 1) / timesteps * 1.0 / 1.0
 
 
+# sigma(t) = e^mu / (e^mu + 1/t - 1) is computed in float32 as ComfyUI does: e^mu overflows float32 above
+# 88.7, and below -87 it underflows so that the last entry (t = 1) is 0 / 0. Both give NaN sigmas.
+SHIFT_MU_LIMIT = 87.0
+
+
+def check_shift_mu(shift_mu: Any) -> None:
+    """A ModelSamplingFlux shift the sigma table can hold: a finite number within +-SHIFT_MU_LIMIT."""
+    number = isinstance(shift_mu, int | float) and not isinstance(shift_mu, bool)
+    if not number or not -SHIFT_MU_LIMIT <= shift_mu <= SHIFT_MU_LIMIT:  # NaN fails both comparisons
+        raise ConfigError(
+            f"shift_mu={shift_mu!r} must be a finite number from -{SHIFT_MU_LIMIT:g} to {SHIFT_MU_LIMIT:g} "
+            "(beyond that e^mu leaves float32 and every sigma is NaN); ModelSamplingFlux sets 0.5 to 1.15 "
+            "for 256x256 to 1024x1024 (resolution_mu(width, height)), or leave it unset for the model's default"
+        )
+
+
 def sigma_table(variant: str, shift_mu: float | None = None) -> torch.Tensor:
     """The table a FLUX model samples from; a `shift_mu` replaces it like the ModelSamplingFlux node does."""
     if shift_mu is not None:
@@ -389,6 +405,13 @@ def plan_sampling(
     """
     if variant not in VARIANTS:
         raise ConfigError(f"variant={variant!r} is not a FLUX.1 variant; use 'dev' or 'schnell'")
+    if shift_mu is not None:
+        check_shift_mu(shift_mu)
+        if sigmas is not None:
+            raise ConfigError(
+                f"shift_mu={shift_mu!r} has no effect when sigmas are given (they are the whole schedule); "
+                "leave shift_mu unset, or drop sigmas to sample from the shifted table"
+            )
     table = sigma_table(variant, shift_mu) if sigmas is None else None
     return make_plan(
         latent, seed, steps, denoise, sigmas, noise_mask, batch_index,

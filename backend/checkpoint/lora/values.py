@@ -29,6 +29,7 @@ from .records import LoraError, LoraInfo, Stats
 # and the output NaN, whatever dtype the model computes in; no real adapter comes near it (their deltas
 # are well below 1).
 LIMIT = math.sqrt(torch.finfo(torch.float32).max)
+MAX_STRENGTH = 100.0  # ComfyUI's LoraLoader allows -100 to 100
 _KEPT = 32  # files whose scan is remembered
 _SCANS: OrderedDict[tuple[str, int, int], dict[str, Stats]] = OrderedDict()
 
@@ -105,6 +106,11 @@ def check_loras(
                 f"LoRA '{path}': strength {strength!r} is not a finite number; use e.g. 1.0 "
                 "(0 disables it, negative values invert it)"
             )
+        if abs(strength) > MAX_STRENGTH:
+            raise LoraError(
+                f"LoRA '{path}': strength {strength!r} is beyond +-{MAX_STRENGTH:g} (ComfyUI's LoraLoader "
+                "range; far beyond it the patched weights overflow to inf); use e.g. 1.0"
+            )
         lora = inspect_lora(path, info)
         if strength != 0:  # a LoRA at strength 0 is not applied (ComfyUI's loader skips it too)
             check_overflow(lora, float(strength), scan_values(lora))
@@ -113,4 +119,4 @@ def check_loras(
     return tuple(out)
 
 
-__all__ = ["LIMIT", "check_loras", "check_overflow", "scan_values"]
+__all__ = ["LIMIT", "MAX_STRENGTH", "check_loras", "check_overflow", "scan_values"]
