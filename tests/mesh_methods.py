@@ -56,7 +56,7 @@ class OldRingMerge:
 _ORIGINAL: dict[str, Any] = {}
 
 
-@handler("old_ring_merge", OldRingMerge)
+@handler("old_ring_merge_on_mesh", OldRingMerge)
 def old_ring_merge(ctx: WorkerContext, request: OldRingMerge) -> None:
     """diffusers 0.37's ring merge on torch >= 2.9 (the LSE's unsqueeze removed from
     `TemplatedRingAttention.forward`): the merge then needs a [B, S, H, 1] LSE, and a flash kernel's

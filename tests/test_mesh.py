@@ -116,12 +116,12 @@ def test_the_lse_guard_probes_the_ring_sub_group(group4: WorkerGroup, checkpoint
     one process. Without the guard the same forward fails with the ROCm error (tried by hand: 'The size of
     tensor a (2) must match the size of tensor b (17) at non-singleton dimension 3' on every rank)."""
     flux = ParallelFlux(group=group4)
-    group4.call_all("old_ring_merge", _OldRingMerge(True))
+    group4.call_all("old_ring_merge_on_mesh", _OldRingMerge(True))
     try:
         flux.load(checkpoints["dev"], layout="tp 2 x ring 2", dtype="float32")
         replies = group4.call_all("counted_forward", _request("flux1", 2, key=9003))
     finally:
-        group4.call_all("old_ring_merge", _OldRingMerge(False))
+        group4.call_all("old_ring_merge_on_mesh", _OldRingMerge(False))
         flux.unload()
     assert [r.lse_shape for r in replies] == ["4d"] * 4
     assert replies[0].counts == {
