@@ -305,9 +305,27 @@ def test_shipped_workflows_load_without_overlapping_nodes(comfy: Comfy, browser:
     async def scenario(tools: DevTools) -> dict[str, Any]:
         seen = {}
         for name in names:
-            await tools.evaluate(f"app.loadGraphData({json.dumps(loader_workflow(name))})")
-            await close_dialogs(tools)
-            await asyncio.sleep(1.0)  # drawn at least once: the loader's panel has its rows
+            # Frontend 1.49 (ComfyUI 0.33) opens each loaded workflow in a new tab asynchronously, and right
+            # after a page load (the previous test's tabs restored) it can drop a load: wait until the canvas
+            # holds this workflow's node types, loading again if it does not, then let it draw at least once
+            # (the loader's panel has its rows).
+            types = sorted(
+                n["type"] for n in json.loads((PACK_ROOT / "workflows" / name).read_text())["nodes"]
+            )
+            drawn = json.dumps(json.dumps(types, separators=(",", ":")))
+            for attempt in range(4):
+                await tools.evaluate(f"app.loadGraphData({json.dumps(loader_workflow(name))})")
+                await close_dialogs(tools)
+                try:
+                    await tools.wait_for(
+                        f"JSON.stringify(app.canvas.graph._nodes.map(n => n.type).sort()) === {drawn}",
+                        timeout=10,
+                    )
+                    break
+                except AssertionError:
+                    if attempt == 3:
+                        raise
+            await asyncio.sleep(1.0)
             # The graph on screen: the canvas's (each loadGraphData opens a workflow tab since frontend 1.49,
             # ComfyUI 0.33's).
             seen[name] = await tools.evaluate(
