@@ -21,10 +21,11 @@ _CPU_TIMES = re.compile(r"^cpu\s*[x*]\s*(\d+)$")
 AOTRITON_FLAG = "TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL"
 _AOTRITON_ARCHS = re.compile(r"^gfx1[12]\d\d")
 # Host memory one worker process holds besides its model's weights: python, torch, diffusers' model code
-# and the process group's buffers. Measured (RSS, torch 2.13 CPU, diffusers 0.42.1): 0.24 GB right after
-# start-up, 0.46 GB once it has loaded and sampled a model of 2 MB; tests/test_worker_group.py
+# and the process group's buffers. Measured (RSS, diffusers 0.42.1) once it has loaded and sampled a model
+# of 2 MB: 0.46 GB with torch 2.13's CPU build, 0.87 GB with torch 2.15's CUDA build (its CUDA libraries,
+# even without a GPU), which is what a GPU user's torch is; tests/test_reliability.py
 # `test_a_workers_own_memory_is_within_the_bound` measures a real worker against it.
-WORKER_HOST_BYTES = 0.5e9
+WORKER_HOST_BYTES = 1e9
 
 
 def torch_build() -> str:

@@ -26,9 +26,8 @@ def test_demo_refuses_an_unknown_layout_in_one_line(capsys: pytest.CaptureFixtur
 @pytest.mark.skipif(torch.cuda.device_count() > 0, reason="needs a machine without GPUs")
 def test_demo_on_gpus_a_cpu_only_torch_cannot_see(capsys: pytest.CaptureFixture[str]) -> None:
     assert _error_line(["demo", "--devices", "cuda:0,cuda:1"], capsys) == (
-        f"error: devices='cuda:0,cuda:1' asks for GPU 0 but no GPU is visible: torch {torch.__version__} is "
-        "a CPU-only build. Install the ROCm or CUDA build of torch (README, section 'Platforms'); or use "
-        "'cpu x2' to test on CPU workers"
+        f"error: devices='cuda:0,cuda:1' asks for GPU 0 but no GPU is visible: {_no_gpu_reason()}; or use 'cpu x2' "
+        "to test on CPU workers"
     )
 
 
@@ -37,3 +36,16 @@ def test_demo_takes_the_shared_device_words(capsys: pytest.CaptureFixture[str]) 
     assert _error_line(["demo", "--devices", "cpu x0"], capsys) == (
         "error: devices='cpu x0' asks for 0 CPU workers; use at least 1, e.g. 'cpu x2'"
     )
+
+
+def _no_gpu_reason() -> str:
+    """What the message says of this torch build on a machine without a GPU (CI runs a CPU-only torch and
+    a CUDA build that sees no GPU)."""
+    from rocm_parallel.backend.platforms import build_kind, torch_build
+
+    if build_kind() == "cpu":
+        return (
+            f"torch {torch.__version__} is a CPU-only build. Install the ROCm or CUDA build of torch (README, "
+            "section 'Platforms')"
+        )
+    return f"{torch_build()} sees no GPU (check the driver and HIP_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES)"

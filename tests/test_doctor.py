@@ -112,7 +112,7 @@ def test_doctor_refuses_too_many_workers_in_one_line_without_an_nccl_hint() -> N
     assert done.returncode == 2 and done.stdout == ""
     (line,) = done.stderr.splitlines()
     assert line.startswith(
-        "error: devices='cpu x1000' asks for 1000 CPU workers, which need at least 500 GB of host memory "
+        "error: devices='cpu x1000' asks for 1000 CPU workers, which need at least 1000 GB of host memory "
     )
     advice = re.search(
         r"this machine has (\d+) core\(s\), so use 'cpu x(\d+)' \(CPU workers are for testing\)$", line

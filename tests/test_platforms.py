@@ -159,7 +159,7 @@ def test_a_huge_spec_is_not_echoed_and_the_advice_is_bounded_by_the_cores(
     text = str(err.value)
     assert text.startswith(
         "devices=['cpu', 'cpu', 'cpu', ... (1000 devices)] asks for 1000 CPU workers, which need at least "
-        "500 GB of host memory (0.5 GB each, measured on a worker that has loaded a model, besides the model "
+        "1000 GB of host memory (1 GB each, measured on a worker that has loaded a model, besides the model "
         "itself) but "
     )
     assert text.endswith(

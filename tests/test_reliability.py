@@ -643,7 +643,7 @@ def test_stray_connections_do_not_stop_the_start(monkeypatch: pytest.MonkeyPatch
         (
             ["cpu"] * 99999,
             "devices=['cpu', 'cpu', 'cpu', ... (99999 devices)] asks for 99999 CPU workers, which need at "
-            "least 50000 GB of host memory (0.5 GB each, measured on a worker that has loaded a model, besides "
+            "least 99999 GB of host memory (1 GB each, measured on a worker that has loaded a model, besides "
             "the model itself) but ",
         ),
         (

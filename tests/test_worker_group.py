@@ -179,9 +179,8 @@ def test_more_gpus_than_exist() -> None:
     with pytest.raises(ConfigError) as err:
         validate_devices(["cuda:0", "cuda:1"])
     assert str(err.value) == (
-        f"devices=['cuda:0', 'cuda:1'] asks for GPU 0 but no GPU is visible: torch {torch.__version__} is a "
-        "CPU-only build. Install the ROCm or CUDA build of torch (README, section 'Platforms'); or use "
-        "'cpu x2' to test on CPU workers"
+        f"devices=['cuda:0', 'cuda:1'] asks for GPU 0 but no GPU is visible: {_no_gpu_reason()}; or use 'cpu x2' "
+        "to test on CPU workers"
     )
 
 
@@ -245,3 +244,16 @@ def test_workers_listen_on_loopback_only(group2: WorkerGroup) -> None:
     ]
     assert listening, "a group of two talks over sockets: something must listen"
     assert all(ip in ("127.0.0.1", "::1") for ip in listening), listening
+
+
+def _no_gpu_reason() -> str:
+    """What the message says of this torch build on a machine without a GPU (CI runs a CPU-only torch and
+    a CUDA build that sees no GPU)."""
+    from rocm_parallel.backend.platforms import build_kind, torch_build
+
+    if build_kind() == "cpu":
+        return (
+            f"torch {torch.__version__} is a CPU-only build. Install the ROCm or CUDA build of torch (README, "
+            "section 'Platforms')"
+        )
+    return f"{torch_build()} sees no GPU (check the driver and HIP_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES)"
