@@ -34,6 +34,7 @@ from typing import TypeVar
 import psutil
 
 from .config import ConfigError
+from .exits import MemoryReading, exit_reason, oom_kill_count
 from .heartbeat import read_state, state_path
 from .liveness import DEFAULT_WATCHDOG, Hang, Liveness, Process, Watchdog, describe
 from .messages import RankState
@@ -204,6 +205,9 @@ class Workers:
         self.exit_codes: list[int | None] = []
         self.final_output: list[str] = []  # each rank's last output, read when stopped
         self._ps: dict[int, psutil.Process] = {}
+        self._memory: dict[int, MemoryReading] = {}  # each rank's last resident memory (exits.py)
+        self._stopped_by_pack: set[int] = set()  # ranks this launch killed itself
+        self._oom_kills = oom_kill_count()  # the kernel's count when the launch began
         self._connected: set[int] = set()
         self._liveness: Liveness | None = None
         # Runs at interpreter exit too: closing the death pipes first makes the workers leave at once.
@@ -353,9 +357,11 @@ class Workers:
         try:
             ps = self._ps.get(rank) or self._ps.setdefault(rank, psutil.Process(self.procs[rank].pid))
             with ps.oneshot():
-                status, times = ps.status(), ps.cpu_times()
+                status, times, rss = ps.status(), ps.cpu_times(), ps.memory_info().rss
+            machine = psutil.virtual_memory()
         except psutil.Error:
             return None
+        self._memory[rank] = MemoryReading(rss, machine.available, machine.total, time.monotonic())
         return Process(
             stopped=status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP),
             cpu_seconds=times.user + times.system,
@@ -365,6 +371,7 @@ class Workers:
     def kill(self, ranks: Sequence[int]) -> None:
         """SIGKILL these ranks now (a stopped or stuck process ignores SIGTERM and the death pipe)."""
         for rank in ranks:
+            self._stopped_by_pack.add(rank)
             with contextlib.suppress(OSError):
                 self.procs[rank].kill()
 
@@ -394,12 +401,24 @@ class Workers:
             code = proc.poll()
             if code is not None:
                 tail = self.log_tail(rank)
+                name, why = self.exit_reason(rank, code)
                 return WorkerError(
-                    f"worker rank {rank} ({self.devices[rank]}, pid {proc.pid}) exited with code {code} while "
-                    f"{doing}" + (f"; its last output:\n{tail}" if tail else ""),
+                    f"worker rank {rank} ({self.devices[rank]}, pid {proc.pid}) exited with code {code}{name} "
+                    f"while {doing}{why}" + (f"; its last output:\n{tail}" if tail else ""),
                     rank,
                 )
         return None
+
+    def exit_reason(self, rank: int, code: int) -> tuple[str, str]:
+        """The signal's name, and for a SIGKILL whether the kernel ran out of memory (exits.py)."""
+        return exit_reason(
+            code,
+            stopped_by_pack=rank in self._stopped_by_pack,
+            oom_kills_before=self._oom_kills,
+            oom_kills_now=oom_kill_count(),
+            memory=self._memory.get(rank),
+            now=time.monotonic(),
+        )
 
     def raise_if_exited(self, doing: str) -> None:
         """When a rank exited: stop the rest and raise its exit report."""

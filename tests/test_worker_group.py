@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -186,13 +187,26 @@ def test_more_gpus_than_exist() -> None:
 
 def test_killed_worker_is_reported_and_a_new_group_works() -> None:
     group = WorkerGroup(["cpu", "cpu"], threads=1, extra_sys_path=[TESTS_DIR], methods=["worker_jobs"])
-    victim = group.pids[1]
-    threading.Timer(1.0, os.kill, (victim, signal.SIGKILL)).start()
+    victim, held = group.pids[1], []
+
+    def kill() -> None:
+        held.append(psutil.Process(victim).memory_info().rss)
+        os.kill(victim, signal.SIGKILL)
+
+    threading.Timer(1.0, kill).start()
     started = time.monotonic()
     with pytest.raises(WorkerError) as err:
         group.call("steps", Steps(n=1000, seconds=0.02))
     assert time.monotonic() - started < 10
-    assert f"worker rank 1 (cpu, pid {victim}) exited with code -9 while running 'steps'" in str(err.value)
+    found = re.search(
+        rf"^worker rank 1 \(cpu, pid {victim}\) exited with code -9 \(SIGKILL\) while running 'steps': it was "
+        r"killed from outside the pack \(the kernel's out-of-memory killer recorded no kill\); its resident "
+        r"memory was (\d+\.\d\d) GB when last read \(\d+\.\d s before\), with \d+\.\d\d GB of the machine's "
+        rf"{psutil.virtual_memory().total / 1e9:.2f} GB available",
+        str(err.value),
+    )
+    assert found, str(err.value)
+    assert float(found[1]) == pytest.approx(held[0] / 1e9, rel=0.1, abs=0.011)  # what the victim held
     assert err.value.rank == 1
     assert _gone(group.pids)
     with WorkerGroup(["cpu", "cpu"], threads=1, extra_sys_path=[TESTS_DIR], methods=["worker_jobs"]) as fresh:

@@ -118,6 +118,18 @@ def out_of_memory(ctx, request: OnRank) -> None:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
 
+@handler("grow_memory", OnRank)
+def grow_memory(ctx, request: OnRank) -> Rank:
+    """`rank` takes `n` MB of host memory, 32 MB every `seconds`, touching every page (the others wait):
+    under a memory limit below that, the kernel's out-of-memory killer ends it."""
+    held = []
+    if ctx.rank == request.rank:
+        for _ in range(request.n // 32):
+            held.append(torch.ones(32 * 2**20, dtype=torch.uint8))
+            time.sleep(request.seconds)
+    return Rank(ctx.rank)
+
+
 @handler("fail_in_collective", OnRank)
 def fail_in_collective(ctx, request: OnRank) -> Rank:
     """One rank runs out of memory at `at_step` while its peers enter that step's all-reduce: the most
