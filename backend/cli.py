@@ -22,6 +22,7 @@ NO_BENCHMARKS = (
     "git clone https://github.com/rocm-parallel/rocm-parallel && cd rocm-parallel && "
     "python -m rocm_parallel bench <name>"
 )
+DEFAULT_GPU_GB = 24.0  # `plan`'s GPU when none is named: a 24 GB card (RX 7900 XTX, RTX 4090)
 _ROOT_PACKAGE = __package__.rpartition(".")[0] if __package__ else "rocm_parallel"
 
 
@@ -89,8 +90,18 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="text tokens (default: ComfyUI's, 256 FLUX.1, 512 FLUX.2)",  # each family's `text.tokens`
     )
-    parser.add_argument("--devices", type=int, default=2, help="number of GPUs")
-    parser.add_argument("--memory-gb", type=float, default=24.0, help="memory of one GPU in GB")
+    parser.add_argument(
+        "--devices",
+        default="2",
+        help="a count of GPUs like --memory-gb's (2), or this machine's GPUs: 'all', '0,1', 'cuda:0,cuda:1' "
+        "(their memory then comes from the devices)",
+    )
+    parser.add_argument(
+        "--memory-gb",
+        type=float,
+        default=None,
+        help="memory of one GPU in GB (default 24, or the named GPUs')",
+    )
     parser.add_argument(
         "--link-gbps", type=float, default=24.0, help="per-GPU bus bandwidth in GB/s (PCIe 4.0 x16: ~24)"
     )
@@ -111,10 +122,14 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 def _run_plan(args: argparse.Namespace) -> int:
     from .config import ParallelLayout
     from .plan import Link, Setup, call_batch, choose, estimate, format_table, plan
+    from .platforms import planned_gpus
 
     family, config = plan_models()[args.model]
     text_tokens = family.text.tokens  # what ComfyUI pads a short prompt to: 256 FLUX.1, 512 FLUX.2
     width, _, height = args.size.partition("x")
+    args.devices, memory_gb = planned_gpus(args.devices)
+    if args.memory_gb is None:
+        args.memory_gb = memory_gb or DEFAULT_GPU_GB
     try:
         setup = Setup(
             family.dims(config),

@@ -44,7 +44,10 @@ def build_kind() -> str:
     return "rocm" if getattr(torch.version, "hip", None) else "cuda" if torch.version.cuda else "cpu"
 
 
-def no_gpu_error(devices: str) -> ConfigError:
+TRY_CPU = "or use 'cpu x2' to test on CPU workers"  # what a no-GPU error offers instead (plan: a count)
+
+
+def no_gpu_error(devices: str, instead: str = TRY_CPU) -> ConfigError:
     """The error for `devices` ('all', or the default) on a machine where torch sees no GPU."""
     import torch
 
@@ -60,9 +63,7 @@ def no_gpu_error(devices: str) -> ConfigError:
             "that this user may open the device (ROCm: groups 'video' and 'render'), and "
             "HIP_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES"
         )
-    return ConfigError(
-        f"devices={devices!r} but no GPU is visible: {why}; or use 'cpu x2' to test on CPU workers"
-    )
+    return ConfigError(f"devices={devices!r} but no GPU is visible: {why}; {instead}")
 
 
 def visible_gpus() -> int:
@@ -119,6 +120,39 @@ def parse_devices(spec: DeviceSpec, visible: Callable[[], int] | None = None) ->
     return tuple(_device(item, spec) for item in text.split(","))
 
 
+PRICE_A_COUNT = "or give a count to price GPUs that are not here (--devices 4)"
+
+
+def planned_gpus(spec: str) -> tuple[int, float | None]:
+    """`plan --devices`: a bare count prices that many GPUs like the ones `--memory-gb` describes (they
+    need not be here); any other spelling of the one vocabulary ('all', '0,1', 'cuda:0,cuda:1') names this
+    machine's GPUs. -> (count, the smallest named GPU's memory in GB, None for a count). CPU workers are
+    refused: the planner prices GPU memory, links and TFLOPS."""
+    text = spec.strip()
+    if text.isdigit():
+        if int(text) < 1:
+            raise ConfigError(
+                f"devices={echo_devices(spec)} prices no GPU; give a count of 1 or more, e.g. 4"
+            )
+        return int(text), None
+    if text.lower() in ("", DEVICES_ALL) and not visible_gpus():
+        raise no_gpu_error(spec, PRICE_A_COUNT)
+    named = parse_devices(spec)
+    if "cpu" in named:
+        raise ConfigError(
+            f"devices={echo_devices(spec)} names CPU workers, but the planner prices GPUs; give a GPU count "
+            "(--devices 4) or this machine's GPUs ('all', '0,1', 'cuda:0,cuda:1')"
+        )
+    import torch
+
+    available = torch.cuda.device_count()
+    indices = [int(d.split(":")[1]) for d in named]
+    missing = [i for i in indices if i >= available]
+    if missing:
+        raise missing_gpu_error(spec, missing[0], available, PRICE_A_COUNT)
+    return len(named), min(torch.cuda.get_device_properties(i).total_memory for i in indices) / 1e9
+
+
 def _device(item: str | int, spec: DeviceSpec) -> str:
     """One entry of a device list -> 'cpu' or 'cuda:N' (a bare index or 'cuda' names a GPU)."""
     if isinstance(item, int) and not isinstance(item, bool):
@@ -142,7 +176,7 @@ def _device(item: str | int, spec: DeviceSpec) -> str:
     )
 
 
-def missing_gpu_error(spec: DeviceSpec, wanted: int, available: int) -> ConfigError:
+def missing_gpu_error(spec: DeviceSpec, wanted: int, available: int, instead: str = TRY_CPU) -> ConfigError:
     """The error for GPU index `wanted` when only `available` GPUs are visible (0 names the build)."""
     if available == 0:
         import torch
@@ -154,8 +188,7 @@ def missing_gpu_error(spec: DeviceSpec, wanted: int, available: int) -> ConfigEr
             else f"{torch_build()} sees no GPU (check the driver and HIP_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES)"
         )
         return ConfigError(
-            f"devices={echo_devices(spec)} asks for GPU {wanted} but no GPU is visible: {why}; "
-            "or use 'cpu x2' to test on CPU workers"
+            f"devices={echo_devices(spec)} asks for GPU {wanted} but no GPU is visible: {why}; {instead}"
         )
     which = "index 0" if available == 1 else f"indices 0 to {available - 1}"
     return ConfigError(

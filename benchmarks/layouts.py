@@ -38,7 +38,11 @@ L20_TFLOPS = 119.5  # NVIDIA L20 dense bf16 tensor throughput (datasheet)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", default="flux1-dev,flux2-dev", help="plan --model names, comma-separated")
-    parser.add_argument("--devices", default="2,4,8", help="GPU counts")
+    parser.add_argument(
+        "--gpus",
+        default="2,4,8",
+        help="GPU counts to price, comma-separated (GPUs like --memory's; they need not be here)",
+    )
     parser.add_argument("--memory", default="16,24,48", help="GB per GPU")
     parser.add_argument("--size", type=int, default=1024, help="square image side in pixels")
     parser.add_argument("--cfg", default="1,2.5", help="cfg values (not 1: cond and uncond share a call)")
@@ -64,7 +68,7 @@ def planner_table(args: argparse.Namespace) -> str:
     for model in args.models.split(","):
         for cfg in (float(c) for c in args.cfg.split(",")):
             batch = call_batch(1, cfg)
-            for devices in (int(d) for d in args.devices.split(",")):
+            for devices in (int(d) for d in args.gpus.split(",")):
                 for memory in (float(m) for m in args.memory.split(",")):
                     rows.append(
                         _row(_setup(model, devices, memory, args.size, batch, args.tflops), model, cfg)

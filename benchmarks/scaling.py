@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..backend.config import ConfigError, FluxDims, ParallelLayout
+from ..backend.launch import validate_devices
 from ..backend.plan import Setup, estimate
 from ..backend.text import GB, MB
 from ..testing.helpers import DEMO_CONFIG as CONFIG
@@ -36,7 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", type=int, default=512, help="square image side in pixels")
     parser.add_argument("--steps", type=int, default=3, help="sampling steps per configuration")
     parser.add_argument("--text-tokens", type=int, default=256)
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    parser.add_argument(
+        "--devices",
+        default=None,
+        help="the devices a count takes its workers from, first ones first: 'all', '0,1,2,3', "
+        "'cuda:0,cuda:1' or 'cpu x4' (default: every GPU, else as many CPU workers as the largest count)",
+    )
     parser.add_argument("--out", default="bench-scaling", help="prefix of the .json and .png written")
 
 
@@ -168,11 +174,25 @@ def _plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
     plt.close(fig)
 
 
+def _devices(spec: str | None, most: int) -> tuple[str, ...]:
+    """The devices the worker counts take from (the pack's one vocabulary), checked before any worker."""
+    if spec is None:
+        spec = "all" if torch.cuda.is_available() else f"cpu x{most}"
+    devices = validate_devices(spec)
+    if len(devices) < most:
+        raise ConfigError(
+            f"--workers asks for {most} workers but --devices {spec!r} names {len(devices)}; name at least "
+            f"{most} devices or use smaller counts"
+        )
+    return devices
+
+
 def run(args: argparse.Namespace) -> str:
     from ..backend.api import ParallelFlux
 
-    gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
     counts = [int(n) for n in args.workers.split(",")]
+    pool = _devices(args.devices, max(counts))
+    gpu = pool[0].startswith("cuda")
     kinds = args.layouts.split(",")
     dims = FluxDims.from_diffusers_config(CONFIG)
     plans = []
@@ -190,7 +210,7 @@ def run(args: argparse.Namespace) -> str:
     with tempfile.TemporaryDirectory() as folder:
         checkpoint = write_random_checkpoint(Path(folder) / "scaled-down-flux-dev.safetensors", CONFIG)
         for n in counts:
-            devices = [f"cuda:{i}" for i in range(n)] if gpu else ["cpu"] * n
+            devices = list(pool[:n])
             with ParallelFlux(devices, threads=1) as flux:
                 flux.group.call_all("ping")
                 for layout in (p for p in plans if p.world_size == n):

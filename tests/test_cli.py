@@ -49,3 +49,39 @@ def _no_gpu_reason() -> str:
             "section 'Platforms')"
         )
     return f"{torch_build()} sees no GPU (check the driver and HIP_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES)"
+
+
+def test_plan_prices_a_count_of_gpus_that_need_not_be_here(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["plan", "--devices", "4", "--size", "512"]) == 0
+    assert "4 device(s) x 24 GB" in capsys.readouterr().out.splitlines()[0]
+
+
+def test_plan_refuses_cpu_workers_and_a_count_of_none(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _error_line(["plan", "--devices", "cpu x2"], capsys) == (
+        "error: devices='cpu x2' names CPU workers, but the planner prices GPUs; give a GPU count (--devices 4) "
+        "or this machine's GPUs ('all', '0,1', 'cuda:0,cuda:1')"
+    )
+    assert _error_line(["plan", "--devices", "0"], capsys) == (
+        "error: devices='0' prices no GPU; give a count of 1 or more, e.g. 4"
+    )
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 0, reason="needs a machine without GPUs")
+def test_plan_on_named_gpus_this_torch_cannot_see(capsys: pytest.CaptureFixture[str]) -> None:
+    """Named GPUs are this machine's (their memory is read from them); a count prices GPUs elsewhere."""
+    assert _error_line(["plan", "--devices", "cuda:0,cuda:1"], capsys) == (
+        f"error: devices='cuda:0,cuda:1' asks for GPU 0 but no GPU is visible: {_no_gpu_reason()}; or give a "
+        "count to price GPUs that are not here (--devices 4)"
+    )
+
+
+def test_bench_scaling_takes_its_workers_from_the_shared_device_words(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert _error_line(["bench", "scaling", "--workers", "1,4", "--devices", "cpu x2"], capsys) == (
+        "error: --workers asks for 4 workers but --devices 'cpu x2' names 2; name at least 4 devices or use "
+        "smaller counts"
+    )
+    assert _error_line(["bench", "scaling", "--devices", "cpu x0"], capsys) == (
+        "error: devices='cpu x0' asks for 0 CPU workers; use at least 1, e.g. 'cpu x2'"
+    )

@@ -160,3 +160,15 @@ def test_comfyui_references_on_one_gpu(dtype: str, tolerance: float, layout: str
             assert diff <= tolerance * max(1.0, expected.abs().max().item()), (
                 f"{layout} {dtype} {name}: {diff:.3g}"
             )
+
+
+def test_plan_on_this_machines_gpus_prices_their_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from rocm_parallel.backend import cli
+
+    assert cli.main(["plan", "--devices", "all", "--json"]) in (0, 1)  # 1: nothing fits, still priced
+    setup = json.loads(capsys.readouterr().out)["setup"]
+    assert setup["devices"] == torch.cuda.device_count()
+    smallest = min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+    assert setup["memory_gb"] == pytest.approx(smallest / 1e9)
