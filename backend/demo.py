@@ -129,8 +129,7 @@ def run(args: argparse.Namespace) -> int:
                 diff = (out["samples"] - expected).abs().max().item()
                 tolerance = 1e-4 if dtype == torch.float32 else 0.1
                 ok &= diff <= tolerance
-                r = flux.resident.layout
-                rows.append([f"{layout} (tp={r.tp}, ring={r.ring}, ulysses={r.ulysses})",
+                rows.append([f"{layout} ({flux.resident.layout})",
                              f"{reports[0].parameter_bytes / MB:.1f}", f"{t1 - t0:.2f}", f"{t2 - t1:.2f}",
                              f"{(t2 - t1) / args.steps * 1e3:.0f}", f"{diff:.1e} (<= {tolerance:g})"])  # fmt: skip
 

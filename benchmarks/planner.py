@@ -17,8 +17,8 @@ import argparse
 import json
 from typing import Any
 
-from ..backend.config import FluxDims, ParallelLayout
-from ..backend.flux.model import FLUX_DEV
+from ..backend.cli import plan_models
+from ..backend.config import ParallelLayout
 from ..backend.plan import Setup, count_by_kind, estimate, payload_by_kind
 from ..backend.text import GB
 from ..testing.helpers import markdown_row
@@ -33,6 +33,9 @@ LAYOUTS = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--layouts", default=LAYOUTS, help="layouts as the API takes them ('batch2xtp2'), comma-separated"
+    )
+    parser.add_argument(
+        "--model", choices=tuple(plan_models()), default="flux1-dev", help="model, as `plan --model` takes it"
     )
     parser.add_argument("--sizes", default="1024", help="square image sides in pixels")
     parser.add_argument("--batch", type=int, default=2, help="the model call's batch (2: cond + uncond)")
@@ -61,11 +64,15 @@ def _measured_by_dimension(measured: dict[tuple[str, str], tuple[int, int]]) -> 
     return out
 
 
-def compare(layout: ParallelLayout, size: int, batch: int, text_tokens: int) -> dict[str, Any]:
-    dims = FluxDims.from_diffusers_config(FLUX_DEV)
-    setup = Setup(dims, size, size, batch, text_tokens, devices=layout.world_size)
+def compare(
+    layout: ParallelLayout, size: int, batch: int, text_tokens: int, model: str = "flux1-dev"
+) -> dict[str, Any]:
+    family, config = plan_models()[model]
+    setup = Setup(
+        family.dims(config), size, size, batch, text_tokens, devices=layout.world_size, family=family.name
+    )
     planned = estimate(setup, layout)
-    measured = measure_on_meta(FLUX_DEV, layout, size, size, batch, text_tokens)
+    measured = measure_on_meta(config, layout, size, size, batch, text_tokens, family=family.name)
     return {
         "planned_by_dimension": _by_dimension(planned.collectives),
         "measured_by_dimension": _measured_by_dimension(measured["by_dimension"]),
@@ -101,10 +108,10 @@ def run(args: argparse.Namespace) -> str:
     rows = []
     for size in (int(s) for s in args.sizes.split(",")):
         for layout in _layouts(args.layouts):
-            rows.append(compare(layout, size, args.batch, args.text_tokens))
+            rows.append(compare(layout, size, args.batch, args.text_tokens, args.model))
             print(f"  measured {rows[-1]['layout']} at {size}", flush=True)
     lines = [
-        f"FLUX.1-dev, bf16, call batch {args.batch}, {args.text_tokens} text tokens, rank 0, one forward: planner "
+        f"{args.model}, bf16, call batch {args.batch}, {args.text_tokens} text tokens, rank 0, one forward: planner "
         "vs the engine on the meta device (fake process group; MemTracker peak, weights excluded)",
         "",
         "| image | layout | weights plan / engine (GB) | activations plan (GB) | MemTracker (GB) | error | "

@@ -60,9 +60,10 @@ TEXT = TextInputs(
     mask=True,
 )
 
-# Live activations at a forward's peak (PlannerFacts), calibrated like FLUX.1's (flux/family.py) with
-# torch's MemTracker on the meta device (testing/meta.py), Qwen-Image bf16 at 1024x1024 + 256 text tokens:
-# see BENCHMARKS.md "Planner vs measurement: Qwen-Image". Qwen-Image has dual-stream blocks only: the
+# Live activations at a forward's peak (PlannerFacts): FLUX.1's units (flux/family.py), checked with
+# torch's MemTracker on the meta device (testing/meta.py), Qwen-Image bf16 at 1024x1024 + 256 text tokens,
+# by `bench planner --model qwen-image`: within 10 % but unsplit (+20 %) and tp 4 (-9.5 %); see BENCHMARKS.md
+# "Planner vs measurement: Qwen-Image". Qwen-Image has dual-stream blocks only: the
 # attention peak holds the block input and both streams' norms (full width) and q/k/v with their float32
 # RoPE temporaries; the MLP's 4 x hidden GELU branch is sharded too.
 # Qwen-Image-Edit's reference images (comfy/ldm/qwen_image/model.py): every placement ComfyUI's QwenImage
