@@ -361,7 +361,8 @@ class Workers:
             machine = psutil.virtual_memory()
         except psutil.Error:
             return None
-        self._memory[rank] = MemoryReading(rss, machine.available, machine.total, time.monotonic())
+        if status != psutil.STATUS_ZOMBIE and rss > 0:  # a dying process has given its memory back
+            self._memory[rank] = MemoryReading(rss, machine.available, machine.total, time.monotonic())
         return Process(
             stopped=status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP),
             cpu_seconds=times.user + times.system,
