@@ -327,7 +327,11 @@ def test_a_refusal_before_any_worker_starts_and_a_loader_that_asks_for_another_g
     by its class without the install path; the panel shows it as the last error and says that the group
     it shows is not the one this loader asks for; then a loader asking for 3 devices says so too."""
     ready = comfy.post("/prompt", {"prompt": status_prompt("report", loader_node())})["prompt_id"]
-    assert comfy.wait_done(ready)["status"]["status_str"] == "success"  # cpu x2, tiny-flux-dev, tp 2
+    assert comfy.wait_done(ready)["status"]["status_str"] == "success"
+    # cpu x2 and tiny-flux-dev; the layout is tp 2, or the ring sampler's when ComfyUI cached this loader
+    running = comfy.get("/rocm_parallel/status")
+    assert (running["devices"], running["checkpoint"]) == (["cpu", "cpu"], "tiny-flux-dev.safetensors")
+    group = f"tiny-flux-dev.safetensors on cpu, cpu ({running['layout']})"
     before = set(comfy.get("/history"))
 
     async def scenario(tools: DevTools) -> dict[str, Any]:
@@ -380,15 +384,15 @@ def test_a_refusal_before_any_worker_starts_and_a_loader_that_asks_for_another_g
     assert f"{PACK_DIR_NAME}.backend" not in seen["dialog"] and f"{PACK_DIR_NAME}.backend" not in str(error)
     refused = seen["refused"]
     assert refused[0] == (
-        "showing the running group of tiny-flux-dev.safetensors on cpu, cpu (tp 2); this loader asks for "
-        f"{REJECTED} on cpu, cpu; it will load when queued"
+        f"showing the running group of {group}; this loader asks for {REJECTED} on cpu, cpu; it will load when queued"
     )
-    assert refused[1:4] == ["2 workers: cpu, cpu (idle)", "model: tiny-flux-dev.safetensors", "layout: tp 2"]
+    assert refused[1:3] == ["2 workers: cpu, cpu (idle)", "model: tiny-flux-dev.safetensors"]
+    assert refused[3] == f"layout: {running['layout']}"
     # The panel: class name and file name only, cut visibly past 240 characters.
     shown = f"last error: CheckpointError: {message.replace(f'{comfy.base}/models/diffusion_models/', '')}"
     assert refused[-1] == (shown if len(shown) <= 240 else shown[:239] + "…")
     assert seen["mismatch"][0] == (
-        "showing the running group of tiny-flux-dev.safetensors on cpu, cpu (tp 2); this loader asks for "
+        f"showing the running group of {group}; this loader asks for "
         "tiny-flux-dev.safetensors on cpu, cpu, cpu (tp 3); it will load when queued"
     )
     assert seen["mismatch"][-1] == refused[-1]
