@@ -28,8 +28,32 @@ def weight_dtype_name(weight_dtype: str | None) -> str:
     return name
 
 
+PACKAGE = "rocm_parallel"
+# This module's name minus '.backend.config': 'rocm_parallel' when imported as a package (pip, the workers,
+# the tests); ComfyUI imports a custom-node pack under its folder's absolute path instead
+# ('/home/me/ComfyUI/custom_nodes/rocm_parallel.backend.config').
+_IMPORTED_AS = __name__.removesuffix(".backend.config")
+
+
+def package_named(cls: type) -> type:
+    """`cls` named by the module it has in the `rocm_parallel` package, whatever name the pack was imported
+    under. ComfyUI shows an error as `module.qualname` (execution.py `full_type_name`) in its dialog and
+    /history, so a pack loaded from custom_nodes/ would show the user's install path there; this gives the
+    name Python gives the class everywhere else ('rocm_parallel.backend.config.ConfigError'). The class
+    itself is untouched: `except` / `isinstance` match it as before."""
+    if cls.__module__ == _IMPORTED_AS or cls.__module__.startswith(_IMPORTED_AS + "."):
+        cls.__module__ = PACKAGE + cls.__module__[len(_IMPORTED_AS) :]
+    return cls
+
+
+@package_named
 class ConfigError(ValueError):
-    """Bad input from a user or a caller; the message says what to change."""
+    """Bad input from a user or a caller; the message says what to change. Its subclasses (a checkpoint or
+    LoRA refused, the admission refusal) are named by the package too (`package_named`)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        package_named(cls)
 
 
 def _divisors(n: int) -> list[int]:

@@ -10,37 +10,37 @@ const STATUS = "RocmParallelStatus";
 const ROUTE = "/rocm_parallel/status";
 const LINE = 15;
 
-const panel = { state: null, error: null };
+// `state`: the last snapshot; `byLoader`: the snapshot as answered for each loader's widgets (it adds
+// `mismatch` when the running group is not what that loader asks for).
+const panel = { state: null, error: null, byLoader: {} };
 window.__rocmParallel = panel; // read by the browser test
 
-function size(bytes) {
-  return bytes >= 1e9 ? (bytes / 1e9).toFixed(2) + " GB" : (bytes / 1e6).toFixed(1) + " MB";
-}
-
+// The server formats what it measures (sizes, units: nodes/registry.py `rank_line`, the Status node's
+// too), so the panel and the Status node say the same thing in the same words.
 export function panelLines(state, now = Date.now()) {
   if (!state) return ["ROCm Parallel: waiting for status..."];
-  if (!state.devices || !state.devices.length) return ["ROCm Parallel: workers not started"];
-  let phase = state.phase;
-  if (phase === "sampling" && state.total) phase += ` ${state.step || 0}/${state.total}`;
-  if (phase === "loading" && state.since) phase += ` ${Math.round(now / 1000 - state.since)} s`;
-  const lines = [
-    `${state.devices.length} workers: ${state.devices.join(", ")} (${phase})`,
-    `model: ${state.checkpoint || "none loaded"}`,
-  ];
-  if (state.layout) lines.push(`layout: ${state.layout}`);
-  if (state.loading) lines.push(`loading: ${state.loading}`);
-  // The planner's one-line reason, split at "; " so it fits the node's width.
-  if (state.auto) lines.push(...state.auto.split("; "));
-  // A batch degree above the model calls' batch (its groups idle), said where the layout is shown.
-  if (state.note) lines.push(state.note);
-  for (const r of state.ranks || []) {
-    let line = `rank ${r.rank} ${r.device}: ${size(r.parameter_bytes || 0)} weights`;
-    if (r.total_gb) line += `, ${r.allocated_gb.toFixed(2)}/${r.total_gb.toFixed(1)} GB used`;
-    lines.push(line);
+  const lines = [];
+  if (state.mismatch) lines.push(state.mismatch);
+  if (!state.devices || !state.devices.length) {
+    lines.push("ROCm Parallel: workers not started");
+  } else {
+    let phase = state.phase;
+    if (phase === "sampling" && state.total) phase += ` ${state.step || 0}/${state.total}`;
+    if (phase === "loading" && state.since) phase += ` ${Math.round(now / 1000 - state.since)} s`;
+    lines.push(`${state.devices.length} workers: ${state.devices.join(", ")} (${phase})`);
+    lines.push(`model: ${state.checkpoint || "none loaded"}`);
+    if (state.layout) lines.push(`layout: ${state.layout}`);
+    if (state.loading) lines.push(`loading: ${state.loading}`);
+    // The planner's one-line reason, split at "; " so it fits the node's width.
+    if (state.auto) lines.push(...state.auto.split("; "));
+    // A batch degree above the model calls' batch (its groups idle), said where the layout is shown.
+    if (state.note) lines.push(state.note);
+    for (const r of state.ranks || []) lines.push(r.text);
+    if (state.last) lines.push(`last job: ${state.last}`);
   }
-  if (state.last) lines.push(`last job: ${state.last}`);
   if (state.error) {
-    // Wrapped when drawn; only a very long message is cut, and then visibly.
+    // Wrapped when drawn; only a very long message is cut, and then visibly. Shown also when no group
+    // runs: an input refused before any worker started is the last error too.
     const line = `last error: ${state.error}`;
     lines.push(line.length > 240 ? line.slice(0, 239) + "…" : line);
   }
@@ -89,16 +89,36 @@ function loaders() {
   return (app.graph?._nodes || []).filter((n) => n.comfyClass === LOADER || n.type === LOADER);
 }
 
+// What a loader asks for, as the route's query (the server compares it with the running group).
+function request(node) {
+  const value = (name) => node.widgets?.find((w) => w.name === name)?.value ?? "";
+  return new URLSearchParams({
+    checkpoint: String(value("checkpoint")),
+    devices: String(value("devices")),
+    preload: String(value("preload")),
+  }).toString();
+}
+
 async function poll() {
-  if (!loaders().length) return;
+  const nodes = loaders();
+  if (!nodes.length) return;
   try {
-    const response = await api.fetchApi(ROUTE);
-    panel.state = await response.json();
+    const queries = [...new Set(nodes.map(request))];
+    const answers = await Promise.all(
+      queries.map(async (q) => [q, await (await api.fetchApi(`${ROUTE}?${q}`)).json()]),
+    );
+    panel.byLoader = Object.fromEntries(answers);
+    panel.state = answers[0][1];
     panel.error = null;
   } catch (e) {
     panel.error = String(e);
   }
   app.graph?.setDirtyCanvas(true, false);
+}
+
+// This loader's snapshot; until the next poll after its widgets changed, the last one without a notice.
+function stateFor(node) {
+  return panel.byLoader[request(node)] ?? (panel.state && { ...panel.state, mismatch: null });
 }
 
 app.registerExtension({
@@ -130,9 +150,10 @@ app.registerExtension({
     nodeType.prototype.onDrawForeground = function (ctx) {
       draw?.apply(this, arguments);
       if (this.flags?.collapsed) return;
-      const lines = panel.error ? [`ROCm Parallel: ${panel.error}`] : panelLines(panel.state);
+      const state = stateFor(this);
+      const lines = panel.error ? [`ROCm Parallel: ${panel.error}`] : panelLines(state);
       this.rocmParallelLines = lines;
-      drawLines(this, ctx, lines, panel.state?.error ? "#f0a0a0" : "#b8e0b8");
+      drawLines(this, ctx, lines, state?.error ? "#f0a0a0" : state?.mismatch ? "#f0d890" : "#b8e0b8");
     };
   },
 });

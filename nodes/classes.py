@@ -11,7 +11,7 @@ from typing import Any
 
 from . import checks, inputs, loading
 from .inputs import CATEGORY, HANDLE_TYPE, LayoutRequest, ParallelHandle
-from .registry import REGISTRY
+from .registry import REGISTRY, shows_errors
 from .status import status_text
 
 SEED_MAX = 0xFFFFFFFFFFFFFFFF  # ComfyUI's KSampler seed range
@@ -198,6 +198,7 @@ class RocmParallelLoader:
             return str(exc)
         return True
 
+    @shows_errors
     def load(
         self, checkpoint: str, devices: str, dtype: str, preload: str, weight_dtype: str = "default"
     ) -> tuple[ParallelHandle]:
@@ -285,6 +286,7 @@ class RocmParallelTPSampler(_ParallelSampler):
         }
         return {"required": _sampler_inputs(), "optional": optional}
 
+    @shows_errors
     def sample(
         self,
         parallel_flux: ParallelHandle,
@@ -350,6 +352,7 @@ class RocmParallelRingSampler(_ParallelSampler):
         }
         return {"required": required, "optional": optional}
 
+    @shows_errors
     def sample(
         self,
         parallel_flux: ParallelHandle,
@@ -424,6 +427,7 @@ class RocmParallelModel:
             }
         }
 
+    @shows_errors
     def model(
         self, parallel_flux: ParallelHandle, layout: str, ring_degree: int, ulysses_degree: int
     ) -> tuple[Any]:
@@ -475,6 +479,7 @@ class RocmParallelLoRA:
             }
         }
 
+    @shows_errors
     def add_lora(
         self, parallel_flux: ParallelHandle, lora_name: str, strength_model: float
     ) -> tuple[ParallelHandle]:
@@ -522,6 +527,7 @@ class RocmParallelStatus:
     def IS_CHANGED(cls, **kwargs: Any) -> float:
         return float("nan")  # never cached: the group's state changes between runs
 
+    @shows_errors
     def status(self, action: str, parallel_flux: ParallelHandle | None = None) -> dict[str, Any]:
         devices = parallel_flux.devices if parallel_flux is not None else None
         text = status_text(REGISTRY, action, devices)

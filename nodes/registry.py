@@ -5,13 +5,14 @@ and the plain snapshot of them the web panel reads. No ComfyUI and no torch at i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .inputs import describe_layout
 
@@ -56,6 +57,22 @@ def public_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {public_text(str(exc).splitlines()[0] if str(exc) else '')}"
 
 
+def size_text(nbytes: float) -> str:
+    """'2.3 MB', '23.80 GB': the one unit style of the panel and the Status node."""
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
+
+
+def rank_line(rank: Mapping[str, Any]) -> str:
+    """One rank as the panel and the Status node both show it ('rank 0 cuda:0: 5.95 GB weights, 6.20 /
+    63.9 GB allocated'); the panel draws the text the snapshot carries, so both say the same."""
+    line = (
+        f"rank {rank.get('rank')} {rank.get('device')}: {size_text(rank.get('parameter_bytes') or 0)} weights"
+    )
+    if rank.get("total_gb"):
+        line += f", {rank.get('allocated_gb', 0):.2f} / {rank['total_gb']:.1f} GB allocated"
+    return line
+
+
 def _relabel(activity: str, label: str) -> str:
     """The group names a ComfyUI model call 'model call'; the panel knows which step it is."""
     return label + activity[len("model call") :] if activity.startswith("model call") else activity
@@ -78,7 +95,15 @@ def threads_from_env() -> int | None:
 
 def _default_factory(devices: tuple[str, ...]) -> ParallelFlux:
     from ..backend.api import ParallelFlux
+    from ..backend.config import package_named
+    from ..backend.launch import WorkerError
+    from ..backend.watch import JobTimeout
 
+    # The worker-group errors reach ComfyUI from any node or sampler that uses this group: named by the
+    # package, not by the folder ComfyUI imported the pack from (config.package_named; ConfigError and its
+    # subclasses are named so where they are defined).
+    for error in (WorkerError, JobTimeout):
+        package_named(error)
     return ParallelFlux(list(devices), threads=threads_from_env())
 
 
@@ -137,6 +162,7 @@ class Registry:
         for key in ("error", "last"):
             if state.get(key):
                 state[key] = public_text(str(state[key]))
+        state["ranks"] = [{**r, "text": rank_line(r)} for r in state.get("ranks", [])]
         activity = self._flux.activity if self._flux is not None else None
         if activity:
             step, total = state.get("step"), state.get("total")
@@ -162,6 +188,18 @@ class Registry:
             raise
         self.update(phase="idle")
 
+    @contextmanager
+    def refusals(self) -> Iterator[None]:
+        """Around a node's run: an error raised outside a phase (input refused before any worker starts: a
+        layout that does not fit the model, a file that is no checkpoint, the admission refusal, a LoRA
+        that does not fit) is the panel's last error too, as a phase's own error is."""
+        try:
+            yield
+        except BaseException as exc:
+            if not is_cancel(exc):
+                self.update(error=public_error(exc), last=None)
+            raise
+
     def record_resident(self, flux: ParallelFlux) -> None:
         """Name what the workers really hold (never a file that was asked for and rejected)."""
         resident = flux.resident
@@ -180,3 +218,68 @@ class Registry:
 
 
 REGISTRY = Registry()
+
+Node = TypeVar("Node", bound=Callable[..., Any])
+
+
+def shows_errors(function: Node) -> Node:
+    """A node's FUNCTION whose errors the panel shows as its last error (`Registry.refusals` on REGISTRY,
+    looked up when the node runs)."""
+
+    @functools.wraps(function)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with REGISTRY.refusals():
+            return function(*args, **kwargs)
+
+    return run  # type: ignore[return-value]
+
+
+def loader_request(checkpoint: str, devices: str, preload: str) -> dict[str, Any]:
+    """What a loader with these widgets would ask the workers for: its checkpoint's file name, the devices
+    its text names (None when refused: the queue will say why) and, for preload 'tp' / 'context', the
+    layout ('auto' and 'none' leave the layout to the planner or the sampler: None)."""
+    from ..backend.client import validate_devices
+    from ..backend.config import ConfigError, ParallelLayout
+    from .inputs import parse_devices, tp_layout
+
+    try:
+        wanted: tuple[str, ...] | None = validate_devices(parse_devices(devices))
+    except ConfigError:
+        wanted = None
+    layout = None
+    if wanted and preload in ("tp", "context"):
+        try:
+            made = (
+                tp_layout(len(wanted))
+                if preload == "tp"
+                else ParallelLayout.make("context", len(wanted), 0, 0)
+            )
+            layout = describe_layout(made)
+        except ConfigError:
+            layout = None
+    return {"checkpoint": _file_name(checkpoint) or None, "devices": wanted, "layout": layout}
+
+
+def _group_text(checkpoint: str | None, devices: Sequence[str], layout: str | None) -> str:
+    where = f"{checkpoint or 'no model'} on {', '.join(devices)}"
+    return f"{where} ({layout})" if layout else where
+
+
+def mismatch(state: Mapping[str, Any], request: Mapping[str, Any]) -> str | None:
+    """The panel's notice when the running group (`state`, a snapshot) is not what this loader asks for
+    (`request`, `loader_request`): another device list, another resident checkpoint, another layout.
+    None when they agree, when nothing runs, or when the loader's devices would be refused anyway."""
+    running = list(state.get("devices") or [])
+    wanted = request.get("devices")
+    if not running or wanted is None:
+        return None
+    resident, layout = state.get("checkpoint"), state.get("layout")
+    differs = list(wanted) != running
+    differs |= bool(resident) and request.get("checkpoint") != resident
+    differs |= bool(resident and layout and request.get("layout")) and request.get("layout") != layout
+    if not differs:
+        return None
+    return (
+        f"showing the running group of {_group_text(resident, running, layout)}; this loader asks for "
+        f"{_group_text(request.get('checkpoint'), wanted, request.get('layout'))}; it will load when queued"
+    )

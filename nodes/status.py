@@ -7,7 +7,7 @@ from typing import Any
 
 from ..backend.config import ConfigError
 from .inputs import STATUS_ACTIONS
-from .registry import Registry
+from .registry import Registry, rank_line
 
 
 def status_text(registry: Registry, action: str, devices: Sequence[str] | None = None) -> str:
@@ -44,27 +44,23 @@ def doctor_text(registry: Registry, devices: Sequence[str] | None = None) -> str
 
 
 def format_state(state: dict[str, Any]) -> str:
-    """Human text of a registry snapshot (the status node's STRING)."""
+    """Human text of a registry snapshot (the status node's STRING); ranks and sizes as the panel shows them
+    (`registry.rank_line`)."""
     if not state.get("devices"):
-        return "ROCm Parallel: no worker group is running"
-    lines = [
-        f"ROCm Parallel: {len(state['devices'])} workers on {', '.join(state['devices'])} ({state['phase']})",
-        f"model: {state.get('checkpoint') or 'none loaded'}"
-        + (f", {state['layout']}" if state.get("layout") else ""),
-    ]
-    if state.get("loading"):
-        lines.append(f"loading: {state['loading']}")
-    for r in state.get("ranks", []):
-        line = (
-            f"  rank {r.get('rank')} {r.get('device')}: {r.get('parameter_bytes', 0) / 1e9:.3f} GB parameters"
-        )
-        if "allocated_gb" in r:
-            line += f", {r['allocated_gb']:.2f} / {r.get('total_gb', 0):.2f} GB allocated"
-        lines.append(line)
-    if state.get("auto"):
-        lines.append(state["auto"])
-    if state.get("last"):
-        lines.append(f"last job: {state['last']}")
+        lines = ["ROCm Parallel: no worker group is running"]
+    else:
+        lines = [
+            f"ROCm Parallel: {len(state['devices'])} workers on {', '.join(state['devices'])} ({state['phase']})",
+            f"model: {state.get('checkpoint') or 'none loaded'}"
+            + (f", {state['layout']}" if state.get("layout") else ""),
+        ]
+        if state.get("loading"):
+            lines.append(f"loading: {state['loading']}")
+        lines += [f"  {rank_line(r)}" for r in state.get("ranks", [])]
+        if state.get("auto"):
+            lines.append(state["auto"])
+        if state.get("last"):
+            lines.append(f"last job: {state['last']}")
     if state.get("error"):
         lines.append(f"last error: {state['error']}")
     return "\n".join(lines)

@@ -919,3 +919,159 @@ def test_reference_shapes_are_one_calls_references() -> None:
     assert checks.reference_shapes(conds) == [(1, 16, 5, 7), (1, 16, 3, 3)]
     assert checks.reference_shapes({"positive": [{"cross_attn": torch.zeros(1, 8, 32)}]}) == []
     assert checks.reference_shapes(None) == []
+
+
+# --- ComfyUI polish: names without the install path, one unit style, refusals and mismatches on the panel
+
+
+COMFYUI_IMPORT = """
+import importlib.util, sys
+# As ComfyUI 0.3.75 / 0.33.0 nodes.py load_custom_node imports a pack folder: named after its path.
+name = sys.argv[1]
+spec = importlib.util.spec_from_file_location(name, sys.argv[2])
+pack = importlib.util.module_from_spec(spec)
+sys.modules[name] = pack
+spec.loader.exec_module(pack)
+config = sys.modules[name + ".backend.config"]
+from importlib import import_module
+files = import_module(name + ".backend.checkpoint.files")
+lora = import_module(name + ".backend.checkpoint.lora.records")
+registry = import_module(name + ".nodes.registry")
+launch = import_module(name + ".backend.launch")
+watch = import_module(name + ".backend.watch")
+registry._default_factory(("cpu", "cpu"))  # the nodes' first group: names the worker-group errors
+for cls in (config.ConfigError, files.CheckpointError, lora.LoraError, launch.WorkerError, watch.JobTimeout):
+    print(cls.__module__ + "." + cls.__qualname__)  # ComfyUI's execution.full_type_name
+try:
+    raise files.CheckpointError("x")
+except config.ConfigError as exc:  # still caught as what it is
+    print("caught", type(exc) is files.CheckpointError)
+"""
+
+
+def test_errors_reach_comfyui_named_by_the_package_not_the_install_path(tmp_path: Path) -> None:
+    """ComfyUI imports a custom-node folder under its absolute path and shows an error as module.qualname."""
+    installed = tmp_path / "custom_nodes" / "rocm_parallel_pack"
+    installed.parent.mkdir()
+    installed.symlink_to(PACK_ROOT, target_is_directory=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run(
+        [sys.executable, "-c", COMFYUI_IMPORT, str(installed), str(installed / "__init__.py")],
+        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "rocm_parallel.backend.config.ConfigError",
+        "rocm_parallel.backend.checkpoint.files.CheckpointError",
+        "rocm_parallel.backend.checkpoint.lora.records.LoraError",
+        "rocm_parallel.backend.launch.WorkerError",
+        "rocm_parallel.backend.watch.JobTimeout",
+        "caught True",
+    ]
+
+
+def test_the_panel_and_the_status_node_say_the_same_sizes_in_the_same_words() -> None:
+    registry = Registry(factory=RecordingFlux)
+    registry.flux_for(("cpu", "cuda:1"))
+    memory = {"allocated_gb": 6.2, "peak_gb": 7.0, "free_gb": 50.0, "total_gb": 63.98}
+    registry.update(
+        ranks=[
+            {"rank": 0, "device": "cpu", "parameter_bytes": 2_300_000},
+            {"rank": 1, "device": "cuda:1", "parameter_bytes": 23_800_000_000, **memory},
+        ]
+    )
+    shown = [r["text"] for r in registry.snapshot()["ranks"]]  # what the panel draws
+    assert shown == [
+        "rank 0 cpu: 2.3 MB weights",
+        "rank 1 cuda:1: 23.80 GB weights, 6.20 / 64.0 GB allocated",
+    ]
+    assert format_state(registry.snapshot()).splitlines()[2:] == [f"  {line}" for line in shown]
+
+
+def test_a_refusal_before_any_worker_starts_is_the_panels_last_error(
+    comfy: FakeComfy, dev_checkpoint: str, recording_registry: tuple[Registry, list]
+) -> None:
+    registry, _ = recording_registry
+    handle = ParallelHandle(str(comfy.models / dev_checkpoint), dev_checkpoint, ("cpu",) * 3, None)
+    with pytest.raises(ConfigError, match="tp_degree=3"):
+        NODE_CLASS_MAPPINGS["RocmParallelModel"]().model(
+            parallel_flux=handle, layout="tp", ring_degree=0, ulysses_degree=0
+        )
+    assert not registry.current.started
+    state = registry.snapshot()
+    assert (state["phase"], state["error"]) == (
+        "idle",
+        "ConfigError: tp_degree=3 does not divide 4 attention heads; use 2 or 4",
+    )
+    # With no group running (closed), a refused loader input is still shown, under "no group".
+    registry.close()
+    (comfy.models / "not-flux.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    with pytest.raises(ConfigError):
+        NODE_CLASS_MAPPINGS["RocmParallelLoader"]().load(
+            checkpoint="not-flux.safetensors", devices="cpu x2", dtype="float32", preload="auto"
+        )
+    assert not registry.current.started
+    text = format_state({**registry.snapshot(), "devices": []})
+    assert text.splitlines()[0] == "ROCm Parallel: no worker group is running"
+    assert text.splitlines()[-1].startswith("last error: CheckpointError: 'not-flux.safetensors' ")
+    assert str(comfy.models) not in text
+    # A cancel is no error.
+    registry.update(error=None)
+    with pytest.raises(InterruptProcessingException), registry.refusals():
+        raise InterruptProcessingException()
+    assert registry.snapshot()["error"] is None
+
+
+def _running(**fields: object) -> dict:
+    return {"devices": ["cpu", "cpu"], "checkpoint": "tiny-dev.safetensors", "layout": "tp 2", **fields}
+
+
+@pytest.mark.parametrize(
+    ("widgets", "state", "notice"),
+    [
+        ({"checkpoint": "tiny-dev.safetensors", "devices": "cpu x2", "preload": "tp"}, _running(), None),
+        # another spelling of the same devices, a subfolder, or no layout asked: the same request
+        (
+            {"checkpoint": "flux/tiny-dev.safetensors", "devices": "cpu, cpu", "preload": "none"},
+            _running(),
+            None,
+        ),
+        ({"checkpoint": "tiny-dev.safetensors", "devices": "cpu x2", "preload": "auto"}, _running(), None),
+        ({"checkpoint": "other.safetensors", "devices": "cpu x2", "preload": "tp"}, {"devices": []}, None),
+        ({"checkpoint": "tiny-dev.safetensors", "devices": "cpu x0", "preload": "tp"}, _running(), None),
+        (
+            {"checkpoint": "other.safetensors", "devices": "cpu x4", "preload": "tp"},
+            _running(),
+            "showing the running group of tiny-dev.safetensors on cpu, cpu (tp 2); this loader asks for "
+            "other.safetensors on cpu, cpu, cpu, cpu (tp 4); it will load when queued",
+        ),
+        (
+            {"checkpoint": "tiny-dev.safetensors", "devices": "cpu x2", "preload": "context"},
+            _running(),
+            "showing the running group of tiny-dev.safetensors on cpu, cpu (tp 2); this loader asks for "
+            "tiny-dev.safetensors on cpu, cpu (ring 2); it will load when queued",
+        ),
+        (
+            {"checkpoint": "other.safetensors", "devices": "cpu x2", "preload": "none"},
+            _running(),
+            "showing the running group of tiny-dev.safetensors on cpu, cpu (tp 2); this loader asks for "
+            "other.safetensors on cpu, cpu; it will load when queued",
+        ),
+        (
+            {"checkpoint": "tiny-dev.safetensors", "devices": "cpu x3", "preload": "none"},
+            _running(checkpoint=None, layout=None),
+            "showing the running group of no model on cpu, cpu; this loader asks for "
+            "tiny-dev.safetensors on cpu, cpu, cpu; it will load when queued",
+        ),
+    ],
+)
+def test_the_panel_says_when_the_running_group_is_not_what_the_loader_asks_for(
+    widgets: dict, state: dict, notice: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rocm_parallel.nodes import routes
+
+    registry = Registry(factory=RecordingFlux)
+    registry.state = {**registry.state, **state}
+    monkeypatch.setattr(registry_module, "REGISTRY", registry)
+    assert routes.answer(widgets)["mismatch"] == notice
+    assert "mismatch" not in routes.answer({})  # the plain snapshot, for the Status node and old pages

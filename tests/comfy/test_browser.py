@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 import shutil
 import subprocess
 import tempfile
@@ -23,7 +24,9 @@ from typing import Any
 
 import pytest
 from comfy_server import (
+    PACK_DIR_NAME,
     PACK_ROOT,
+    REJECTED,
     Comfy,
     absolute_paths,
     loader_node,
@@ -164,9 +167,10 @@ async def close_dialogs(tools: DevTools) -> None:
 
 
 async def show(tools: DevTools, node_type: str, scale: float = 1.3) -> None:
+    """`node_type` near the top left, clear of the frontend's side bar and graph menu (both versions)."""
     await tools.evaluate(
         f"(() => {{ const n = {node_js(node_type)}; app.canvas.ds.scale = {scale};"
-        f" app.canvas.ds.offset = [40 / {scale} - n.pos[0], 80 / {scale} - n.pos[1]];"
+        f" app.canvas.ds.offset = [120 / {scale} - n.pos[0], 170 / {scale} - n.pos[1]];"
         " app.graph.setDirtyCanvas(true, true); })()"
     )
 
@@ -194,11 +198,17 @@ def test_panel_shows_the_worker_group(comfy: Comfy, browser: str) -> None:
         await tools.evaluate(f"app.loadGraphData({json.dumps(loader_workflow())})")
         await close_dialogs(tools)
         await show(tools, LOADER)
-        lines = await tools.wait_for(lines_when(LOADER, "l[0].startsWith('2 workers')"), timeout=60)
+        lines = await tools.wait_for(lines_when(LOADER, "l.some(x => x.startsWith('2 workers'))"), 60)
         await screenshot(tools, comfy, "loader_panel.png")
         return lines
 
-    lines = in_page(browser, comfy, scenario)
+    notice, *lines = in_page(browser, comfy, scenario)
+    # The shipped workflow's loader preloads tp; the Ring Attention Sampler's planner left ring 2 resident.
+    layout = lines[2].removeprefix("layout: ")
+    assert notice == (
+        f"showing the running group of tiny-flux-dev.safetensors on cpu, cpu ({layout}); this loader asks "
+        "for tiny-flux-dev.safetensors on cpu, cpu (tp 2); it will load when queued"
+    )
     assert lines[0] == "2 workers: cpu, cpu (idle)"
     assert lines[1] == "model: tiny-flux-dev.safetensors"
     assert lines[2].startswith("layout: ring 2")
@@ -231,11 +241,12 @@ def test_loading_line_then_the_status_node_draws_its_report(comfy: Comfy, browse
         loading = await tools.wait_for(lines_when(LOADER, "l.some(x => x.startsWith('loading: '))"), 300)
         await screenshot(tools, comfy, "loader_loading.png")
         status = await tools.wait_for(lines_when(STATUS, "true"), timeout=600)
+        panel = await tools.wait_for(lines_when(LOADER, "l.some(x => x.startsWith('rank 1 '))"), 60)
         await screenshot(tools, comfy, "status_node.png")
         rows = await tools.evaluate(f"{node_js(STATUS)}.rocmParallelRows")
-        return stopped, loading, status, rows
+        return stopped, loading, status, rows, panel
 
-    stopped, loading, status, rows = in_page(browser, comfy, scenario)
+    stopped, loading, status, rows, panel = in_page(browser, comfy, scenario)
     assert stopped == ["ROCm Parallel: workers not started"]
     # While the workers start and load, the file being loaded is named as such, never as the model.
     assert loading[0].startswith("2 workers: cpu, cpu (")
@@ -250,6 +261,9 @@ def test_loading_line_then_the_status_node_draws_its_report(comfy: Comfy, browse
     assert status[0] == "ROCm Parallel: 2 workers on cpu, cpu (idle)"
     assert status[1] == "model: tiny-flux-dev.safetensors, tp 2"
     assert [line.split(":")[0] for line in status[2:]] == ["  rank 0 cpu", "  rank 1 cpu"]
+    # One unit style: the panel under the loader says exactly what the Status node says about each rank.
+    assert [line for line in panel if line.startswith("rank ")] == [line.strip() for line in status[2:]]
+    assert re.fullmatch(r"rank 0 cpu: \d+\.\d MB weights", status[2].strip()), status
     assert rows > len(status)  # the long model line wraps at the node's width
 
 
@@ -261,7 +275,9 @@ def test_panel_after_a_cancel_and_a_rejected_checkpoint(comfy: Comfy, browser: s
         # Cancel a long run the way ComfyUI's Cancel button does (/interrupt) after a few steps.
         prompt = sampling_prompt(steps=5000, prefix="browser_cancelled", seed=77, samplers=("ring",))
         prompt_id = comfy.post("/prompt", {"prompt": prompt})["prompt_id"]
-        await tools.wait_for(lines_when(LOADER, r"/\(sampling ([3-9]|\d\d+)\/5000\)/.test(l[0])"), 300)
+        await tools.wait_for(
+            lines_when(LOADER, r"l.some(x => /\(sampling ([3-9]|\d\d+)\/5000\)/.test(x))"), 300
+        )
         comfy.post("/interrupt", {"prompt_id": prompt_id})
         assert comfy.wait_done(prompt_id, timeout=120)["status"]["status_str"] == "error"
         cancelled = await tools.wait_for(lines_when(LOADER, "l.some(x => x.startsWith('last job: '))"), 60)
@@ -276,6 +292,9 @@ def test_panel_after_a_cancel_and_a_rejected_checkpoint(comfy: Comfy, browser: s
         return cancelled, failed, state
 
     cancelled, failed, state = in_page(browser, comfy, scenario)
+    # this loader preloads tp, the group holds the sampler's ring 2: said first (test above), then the group
+    assert cancelled[0].startswith("showing the running group") and failed[0] == cancelled[0]
+    cancelled, failed = cancelled[1:], failed[1:]
     assert cancelled[0] == "2 workers: cpu, cpu (idle)"
     assert cancelled[-1] == "last job: sampling cancelled by the user"
     assert not [line for line in cancelled if line.startswith("last error")]
@@ -285,6 +304,98 @@ def test_panel_after_a_cancel_and_a_rejected_checkpoint(comfy: Comfy, browser: s
     assert failed[-1].startswith("last error: ") and "not-a-flux.safetensors" in failed[-1]
     assert state["checkpoint"] == "tiny-flux-dev.safetensors" and state["last"] is None
     assert absolute_paths(state["error"]) == [] and str(comfy.base) not in state["error"]
+
+
+def _error_shown(word: str) -> str:
+    """JS: the text of the innermost elements showing `word` once ComfyUI shows its execution error report
+    (frontend 1.32: the error dialog's 'Show Report'; 1.49: the toast's 'View details', its Errors panel)."""
+    return (
+        "(() => { const more = [...document.querySelectorAll('button')]"
+        ".find(b => ['View details', 'Show Report'].includes(b.innerText.trim())); if (more) more.click();"
+        f" const has = e => e.innerText && e.innerText.includes({json.dumps(word)});"
+        " const hits = [...document.querySelectorAll('body *')]"
+        ".filter(e => has(e) && ![...e.children].some(has));"
+        " return hits.length ? hits.map(e => e.innerText).join('\\n') : null; })()"
+    )
+
+
+def test_a_refusal_before_any_worker_starts_and_a_loader_that_asks_for_another_group(
+    comfy: Comfy, browser: str
+) -> None:
+    """Queued from the editor: a loader whose file is no checkpoint ('auto' reads its header before
+    anything else) while the running group holds the test model. ComfyUI's error dialog names the error
+    by its class without the install path; the panel shows it as the last error and says that the group
+    it shows is not the one this loader asks for; then a loader asking for 3 devices says so too."""
+    ready = comfy.post("/prompt", {"prompt": status_prompt("report", loader_node())})["prompt_id"]
+    assert comfy.wait_done(ready)["status"]["status_str"] == "success"
+    # cpu x2 and tiny-flux-dev; the layout is tp 2, or the ring sampler's when ComfyUI cached this loader
+    running = comfy.get("/rocm_parallel/status")
+    assert (running["devices"], running["checkpoint"]) == (["cpu", "cpu"], "tiny-flux-dev.safetensors")
+    group = f"tiny-flux-dev.safetensors on cpu, cpu ({running['layout']})"
+    before = set(comfy.get("/history"))
+
+    async def scenario(tools: DevTools) -> dict[str, Any]:
+        await close_dialogs(tools)
+        await tools.evaluate(
+            "(async () => { app.graph.clear();"
+            f" const l = LiteGraph.createNode('{LOADER}'); l.pos = [60, 80]; app.graph.add(l);"
+            f" const s = LiteGraph.createNode('{STATUS}'); s.pos = [560, 80]; app.graph.add(s);"
+            " l.connect(0, s, 0); l.size[0] = 460;"
+            " const set = (k, v) => { l.widgets.find(w => w.name === k).value = v; };"
+            f" set('checkpoint', {json.dumps(REJECTED)}); set('devices', 'cpu x2'); set('preload', 'auto');"
+            " app.graph.setDirtyCanvas(true, true); await app.queuePrompt(0, 1); })()"
+        )
+        seen: dict[str, Any] = {"dialog": await tools.wait_for(_error_shown("CheckpointError"), 120)}
+        await screenshot(tools, comfy, "error_dialog.png")
+        await close_dialogs(tools)
+        await show(tools, LOADER, scale=1.1)
+        seen["refused"] = await tools.wait_for(
+            lines_when(LOADER, "l.some(x => x.startsWith('last error: ')) && l[0].startsWith('showing')"), 60
+        )
+        await screenshot(tools, comfy, "loader_refused_before_start.png")
+        await tools.evaluate(
+            f"(() => {{ const l = {node_js(LOADER)};"
+            " const set = (k, v) => { l.widgets.find(w => w.name === k).value = v; };"
+            " set('checkpoint', 'tiny-flux-dev.safetensors'); set('devices', 'cpu x3'); set('preload', 'tp');"
+            " app.graph.setDirtyCanvas(true, true); })()"
+        )
+        seen["mismatch"] = await tools.wait_for(lines_when(LOADER, "l[0].includes('cpu, cpu, cpu')"), 60)
+        await screenshot(tools, comfy, "loader_mismatch.png")
+        return seen
+
+    with rejected_checkpoint(comfy):
+        seen = in_page(browser, comfy, scenario)
+    (prompt_id,) = set(comfy.get("/history")) - before
+    messages = comfy.get(f"/history/{prompt_id}")[prompt_id]["status"]["messages"]
+    error = next(data for kind, data in messages if kind == "execution_error")
+    print(
+        "\ndialog:",
+        seen["dialog"],
+        "\nerror:",
+        {k: error[k] for k in ("exception_type", "exception_message")},
+    )
+    print("refused:", seen["refused"], "\nmismatch:", seen["mismatch"])
+    assert error["exception_type"] == "rocm_parallel.backend.checkpoint.files.CheckpointError"
+    message = error["exception_message"].strip()
+    assert message.startswith(f"'{comfy.base}/models/diffusion_models/{REJECTED}' is not a FLUX.1")
+    # The dialog names the class as /history does; the pack's folder appears only as file paths in the
+    # stack trace, never as a module name (what ComfyUI showed: '<install path>.backend.config.ConfigError').
+    assert error["exception_type"] in seen["dialog"]
+    assert f"{PACK_DIR_NAME}.backend" not in seen["dialog"] and f"{PACK_DIR_NAME}.backend" not in str(error)
+    refused = seen["refused"]
+    assert refused[0] == (
+        f"showing the running group of {group}; this loader asks for {REJECTED} on cpu, cpu; it will load when queued"
+    )
+    assert refused[1:3] == ["2 workers: cpu, cpu (idle)", "model: tiny-flux-dev.safetensors"]
+    assert refused[3] == f"layout: {running['layout']}"
+    # The panel: class name and file name only, cut visibly past 240 characters.
+    shown = f"last error: CheckpointError: {message.replace(f'{comfy.base}/models/diffusion_models/', '')}"
+    assert refused[-1] == (shown if len(shown) <= 240 else shown[:239] + "…")
+    assert seen["mismatch"][0] == (
+        f"showing the running group of {group}; this loader asks for "
+        "tiny-flux-dev.safetensors on cpu, cpu, cpu (tp 3); it will load when queued"
+    )
+    assert seen["mismatch"][-1] == refused[-1]
 
 
 def _overlaps(a: list[float], b: list[float]) -> bool:
