@@ -29,11 +29,11 @@ from collections.abc import Callable, Sequence
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge, wait
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import psutil
 
-from .config import ConfigError
+from .config import ConfigError, package_named
 from .exits import MemoryReading, exit_reason, oom_kill_count
 from .heartbeat import read_state, state_path
 from .liveness import DEFAULT_WATCHDOG, Hang, Liveness, Process, Watchdog, describe
@@ -64,8 +64,14 @@ _BOOTSTRAP = (
 )
 
 
+@package_named
 class WorkerError(RuntimeError):
-    """A worker failed: `rank` names it, the message carries its error or exit status."""
+    """A worker failed: `rank` names it, the message carries its error or exit status. It and its
+    subclasses are named by the package in ComfyUI's error dialog (config.package_named)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        package_named(cls)
 
     def __init__(self, message: str, rank: int | None = None, remote_type: str | None = None):
         super().__init__(message)

@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from .config import package_named
 from .dtypes import DTYPES
 
 INLINE_LIMIT = 64 * 1024  # bytes; smaller tensors travel inside the message
@@ -125,8 +126,13 @@ ENVELOPES = {cls.__name__: cls for cls in (Hello, StorePort, Ready, Request, Pro
 Envelope = Hello | StorePort | Ready | Request | Progress | Reply
 
 
+@package_named
 class ProtocolError(RuntimeError):
     """A message that is not what the protocol allows (a class named in a pickle, an unknown envelope)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        package_named(cls)  # UnknownRecord: named by the package in ComfyUI's error dialog too
 
 
 class _PlainUnpickler(pickle.Unpickler):

@@ -95,15 +95,7 @@ def threads_from_env() -> int | None:
 
 def _default_factory(devices: tuple[str, ...]) -> ParallelFlux:
     from ..backend.api import ParallelFlux
-    from ..backend.config import package_named
-    from ..backend.launch import WorkerError
-    from ..backend.watch import JobTimeout
 
-    # The worker-group errors reach ComfyUI from any node or sampler that uses this group: named by the
-    # package, not by the folder ComfyUI imported the pack from (config.package_named; ConfigError and its
-    # subclasses are named so where they are defined).
-    for error in (WorkerError, JobTimeout):
-        package_named(error)
     return ParallelFlux(list(devices), threads=threads_from_env())
 
 

@@ -939,8 +939,9 @@ lora = import_module(name + ".backend.checkpoint.lora.records")
 registry = import_module(name + ".nodes.registry")
 launch = import_module(name + ".backend.launch")
 watch = import_module(name + ".backend.watch")
-registry._default_factory(("cpu", "cpu"))  # the nodes' first group: names the worker-group errors
-for cls in (config.ConfigError, files.CheckpointError, lora.LoraError, launch.WorkerError, watch.JobTimeout):
+transport = import_module(name + ".backend.transport")
+for cls in (config.ConfigError, files.CheckpointError, lora.LoraError, launch.WorkerError, watch.JobTimeout,
+            transport.UnknownRecord):
     print(cls.__module__ + "." + cls.__qualname__)  # ComfyUI's execution.full_type_name
 try:
     raise files.CheckpointError("x")
@@ -966,6 +967,7 @@ def test_errors_reach_comfyui_named_by_the_package_not_the_install_path(tmp_path
         "rocm_parallel.backend.checkpoint.lora.records.LoraError",
         "rocm_parallel.backend.launch.WorkerError",
         "rocm_parallel.backend.watch.JobTimeout",
+        "rocm_parallel.backend.transport.UnknownRecord",
         "caught True",
     ]
 
