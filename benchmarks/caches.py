@@ -41,6 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", type=int, default=3, help="timed images per model and node (default 3)")
     parser.add_argument("--cfg", type=float, default=2.5, help="cfg, with a negative prompt (default 2.5)")
     parser.add_argument("--sampler", default="dpmpp_2m", help="ComfyUI sampler (default dpmpp_2m)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help="CPU workers of the parallel MODEL: 2 (TP 2, default) or 1 (no split: the pack's own cost alone)",
+    )
 
 
 def _import_comfy() -> None:
@@ -81,14 +88,14 @@ def _own_model(model: torch.nn.Module) -> Any:
         detection.detect_unet_config = original
 
 
-def _parallel_model(checkpoint: str, flux: ParallelFlux) -> Any:
+def _parallel_model(checkpoint: str, flux: ParallelFlux, workers: int) -> Any:
     from ..nodes import comfy_model
     from ..nodes.inputs import LayoutRequest, ParallelHandle
     from ..nodes.registry import Registry
 
     registry = Registry(factory=lambda devices: flux)
-    handle = ParallelHandle(checkpoint, Path(checkpoint).name, ("cpu", "cpu"), "float32")
-    return comfy_model.parallel_model(handle, LayoutRequest(ParallelLayout(tp=2)), registry)
+    handle = ParallelHandle(checkpoint, Path(checkpoint).name, ("cpu",) * workers, "float32")
+    return comfy_model.parallel_model(handle, LayoutRequest(ParallelLayout(tp=workers)), registry)
 
 
 def _with_node(model: Any, node: str | None) -> Any:
@@ -128,11 +135,12 @@ def run(args: argparse.Namespace) -> str:
     with tempfile.TemporaryDirectory(prefix="rocm-parallel-bench-") as folder:
         checkpoint = str(Path(folder) / "tiny-flux.safetensors")
         save_checkpoint(weights, checkpoint)
-        with ParallelFlux(["cpu", "cpu"], threads=1) as flux:
-            ours = _parallel_model(checkpoint, flux)
+        with ParallelFlux(["cpu"] * args.workers, threads=1) as flux:
+            ours = _parallel_model(checkpoint, flux, args.workers)
             runner = ours.model.diffusion_model.runner
             _sample(ours, args)  # load the model, first (warm-up) run
             plain: dict[str, float] = {}
+            ours_name = f"TP {args.workers}" if args.workers > 1 else "1 worker (no split)"
             for node in nodes:
                 times: dict[str, list[float]] = {"own": [], "ours": []}
                 calls = {}
@@ -143,7 +151,10 @@ def run(args: argparse.Namespace) -> str:
                     before = runner.calls
                     times["ours"].append(_sample(_with_node(ours, node), args))
                     calls["ours"] = runner.calls - before
-                for side, label in (("own", "ComfyUI's own model"), ("ours", "ROCm Parallel Model, TP 2")):
+                for side, label in (
+                    ("own", "ComfyUI's own model"),
+                    ("ours", f"ROCm Parallel Model, {ours_name}"),
+                ):
                     seconds = statistics.median(times[side])
                     plain.setdefault(side, seconds)
                     rows.append((node or "none", label, f"{calls[side]} of {args.steps}",
