@@ -125,6 +125,9 @@ def compile_repeated_blocks(model: nn.Module, mode: str) -> int:
         import torch._inductor.config as inductor_config
 
         inductor_config.compile_threads = 1
+    # A size seen second makes the dimensions that changed dynamic (one recompile, then any size reuses
+    # it). torch's default, set here so that the guarantee does not rest on a default.
+    torch._dynamo.config.automatic_dynamic_shapes = True
     names = set(repeated_block_classes(model))
     backend = _counting_backend(mode)
     blocks = [m for m in model.modules() if type(m).__name__ in names]
