@@ -146,6 +146,12 @@ class ParallelFlux(ResidentGroup):
         return self._forwards.sender.sent_bytes
 
     @property
+    def compiles(self) -> list[str]:
+        """One line per `forward` since the load that compiled the blocks (load(compile=...)): the first call
+        and each new input size, with the sizes and the call's time (rank 0's words)."""
+        return list(self._forwards.compiles)
+
+    @property
     def last_forward_seconds(self) -> float:
         """The ranks' own time for the latest `forward` (rank 0)."""
         return self._forwards.last_seconds

@@ -16,6 +16,7 @@ and gets the tensors again.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -132,6 +133,7 @@ class ForwardClient:
     def __init__(self) -> None:
         self.sender = ConditioningSender()
         self.last_seconds = 0.0  # the ranks' own time for the latest call (rank 0)
+        self.compiles: list[str] = []  # rank 0's line for each call that compiled the blocks (compile.py)
 
     def call(
         self,
@@ -173,6 +175,9 @@ class ForwardClient:
                 continue
             if checked.pop():
                 self.last_seconds = reply.seconds
+                if reply.compiled:  # the first call, or a new size: say so (the call took longer)
+                    self.compiles.append(reply.compiled)
+                    logging.getLogger("rocm_parallel.compile").info(reply.compiled)
                 if check_output and not bool(torch.isfinite(reply.out).all()):
                     sigmas = ", ".join(f"{float(t):g}" for t in timestep.flatten()[:4])
                     raise FloatingPointError(

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import CheckpointInfo, apply_loras, inspect_lora, load_model
+from .compile import compile_repeated_blocks
 from .messages import DeviceMemory, LoadReport, LoadRequest, Lora, RankStatus, Unloaded
 from .parallel.mesh import ParallelGroups, parallel_groups, parallelize
 from .parallel.tensor import parameter_bytes
@@ -122,6 +123,7 @@ def load(ctx: WorkerContext, request: LoadRequest) -> LoadReport:
     )  # fmt: skip
     lora = _apply_loras(ctx, model, info, request.loras, groups) if request.loras else {}
     parallelize(model, groups, attention=request.attention)  # context parallelism; TP is the loader's
+    compile_repeated_blocks(model, request.compile)  # marks the blocks; they compile at the first call
     ctx.synchronize()
     ctx.resident.set(model, wanted)
     return _report(ctx, reused=False, seconds=time.perf_counter() - started, **lora)

@@ -66,6 +66,7 @@ class Loaded:
     weight_dtype: str
     attention: str | None = None
     loras: tuple[Lora, ...] = ()
+    compile: str = "off"  # compile.COMPILE_MODES: the repeated blocks compiled on every rank
 
     def same_weights(self, other: Any) -> bool:
         """The same model in the same layout, whatever the LoRAs: a LoRA change re-reads only what they touch."""
@@ -79,7 +80,8 @@ class LoadRequest:
 
     `info` is the caller's reading of the checkpoint's header (read once per run and carried along);
     `dtype` the compute dtype (None: the devices' default); `weight_dtype` how the linear weights are held
-    (config.WEIGHT_DTYPE_BYTES: 'default', 'fp8_e4m3fn', 'fp8_e5m2', 'compute').
+    (config.WEIGHT_DTYPE_BYTES: 'default', 'fp8_e4m3fn', 'fp8_e5m2', 'compute'); `compile` whether the
+    repeated transformer blocks run compiled (compile.py; 'off', 'inductor', 'aot_eager').
     """
 
     checkpoint: str
@@ -89,9 +91,18 @@ class LoadRequest:
     weight_dtype: str = "default"
     attention: str | None = None
     loras: tuple[Lora, ...] = ()
+    compile: str = "off"
 
     def loaded(self) -> Loaded:
-        return Loaded(self.checkpoint, self.layout, self.dtype, self.weight_dtype, self.attention, self.loras)
+        return Loaded(
+            self.checkpoint,
+            self.layout,
+            self.dtype,
+            self.weight_dtype,
+            self.attention,
+            self.loras,
+            self.compile,
+        )
 
 
 @record
@@ -177,6 +188,7 @@ class ForwardReply:
     rank: int
     out: torch.Tensor | None  # rank 0: the output [B, C, H, W] in the compute dtype; other ranks: None
     seconds: float  # the forward on this rank
+    compiled: str | None = None  # compile.note_compiles' line when this call compiled the blocks
 
 
 class ConditioningSlots:

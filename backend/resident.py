@@ -24,6 +24,7 @@ from .checkpoint import (
     resolve_dtype,
 )
 from .client import ProgressCallback, WorkerError, WorkerGroup, check_group_options, validate_devices
+from .compile import compile_mode
 from .config import FluxDims, ParallelLayout, weight_dtype_name
 from .forward_client import ForwardClient
 from .messages import LinkReport, LoadReport, LoadRequest, RankStatus
@@ -173,6 +174,7 @@ class ResidentGroup:
         loras: Sequence[tuple[str | os.PathLike[str], float]] = (),
         progress: ProgressCallback | None = None,
         timeout: float | None = None,
+        compile: str | None = "off",
     ) -> list[LoadReport]:
         """Make `checkpoint` resident in `layout`; reuses what is already there.
 
@@ -195,11 +197,14 @@ class ResidentGroup:
         `progress(done, total)` runs as the tensors arrive; raising from it stops the load between
         tensors on every rank (nothing stays resident then). Returns each rank's report (its status after
         the load: device, parameter bytes, memory; and whether the model was reused).
+        `compile`: 'inductor' compiles the repeated transformer blocks on every rank (compile.py; the first
+        call of each new input size pays the compile, `compiles` names those calls), 'aot_eager' traces
+        them without generating code, 'off' (the default) runs eager. Changing it re-loads the model.
         """
         with self._lock:
             request = self.check_load(
                 checkpoint, layout=layout, ring=ring, ulysses=ulysses, dtype=dtype, weight_dtype=weight_dtype,
-                loras=loras,
+                loras=loras, compile=compile,
             )  # fmt: skip
             return self._load_resident(dataclasses.replace(request, attention=attention), progress, timeout)
 
@@ -213,11 +218,13 @@ class ResidentGroup:
         dtype: str | None = None,
         weight_dtype: str | None = None,
         loras: Sequence[tuple[str | os.PathLike[str], float]] = (),
+        compile: str | None = "off",
     ) -> LoadRequest:
         """Validate a load from the checkpoint's and LoRAs' headers alone: no worker starts (except to
         measure the link for 'auto'), nothing is unloaded. Raises ConfigError naming the input; returns
         the request the workers would get."""
         weight_dtype_name(weight_dtype)  # a bad name fails before the checkpoint is read
+        compiled = compile_mode(compile)
         info = checkpoint if isinstance(checkpoint, CheckpointInfo) else inspect_checkpoint(checkpoint)
         checked = check_loras(loras, info)
         resolve_dtype(dtype, self.devices[0])  # a bad dtype fails here, before anything is unloaded
@@ -228,7 +235,7 @@ class ResidentGroup:
         parallel = make_layout(layout, len(self.devices), ring, ulysses)
         parallel.validate(info.dims, devices=len(self.devices))
         path = info.path if isinstance(checkpoint, CheckpointInfo) else str(checkpoint)
-        return LoadRequest(path, info, parallel, dtype, weights, None, checked)
+        return LoadRequest(path, info, parallel, dtype, weights, None, checked, compiled)
 
     def _load_resident(
         self, request: LoadRequest, progress: ProgressCallback | None = None, timeout: float | None = None

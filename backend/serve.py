@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from .compile import note_compiles
 from .family import family_of
 from .messages import ConditioningSlots, ForwardReply, ForwardRequest
 from .parallel.mesh import BatchSplit, groups_of
@@ -61,7 +62,7 @@ def forward(ctx: WorkerContext, request: ForwardRequest) -> ForwardReply:
     x = request.x.to(ctx.device, dtype)
     guidance = request.guidance.to(ctx.device, dtype) if request.guidance is not None else None
     started = time.perf_counter()
-    with torch.inference_mode():
+    with torch.inference_mode(), note_compiles(ctx.rank, (x, conditioning[1])) as compiled:
         split = BatchSplit(groups_of(model), x.shape[0])
         out = None
         if split.runs:  # a group without entries (a call smaller than the batch degree) only gathers
@@ -76,4 +77,5 @@ def forward(ctx: WorkerContext, request: ForwardRequest) -> ForwardReply:
         entry = (family.latent_channels(model.config), *x.shape[2:])
         out = split.gather(out, entry, dtype, ctx.device)
         out = out.cpu() if ctx.rank == 0 else None
-    return ForwardReply(rank=ctx.rank, out=out, seconds=time.perf_counter() - started)
+    said = compiled[0] if compiled else None
+    return ForwardReply(rank=ctx.rank, out=out, seconds=time.perf_counter() - started, compiled=said)

@@ -17,5 +17,6 @@ BENCHMARKS = {
     "step": "one ComfyUI-driven step (a forward request) vs the same forward in one process, 1024x1024",
     "scaling": "sampling steps on 1, 2, 4 CPU workers: latency, time per step, peak memory per worker",
     "call": "one model call broken down: caller wrapper, conditioning key, latent out, compute, collectives, reply",
+    "compile": "compiled repeated blocks (inductor) vs eager per step on CPU workers, first compile apart",
     "caches": "ComfyUI's step caches (EasyCache, LazyCache) on its own model and the parallel MODEL (needs ComfyUI)",
 }

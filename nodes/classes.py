@@ -183,7 +183,19 @@ class RocmParallelLoader:
                         "that fp8 format while loading. fp8 weights are upcast layer by layer.",
                     },
                 ),
-            }
+            },
+            # Optional and last: workflows saved before it load unchanged, with the default.
+            "optional": {
+                "compile": (
+                    list(inputs.COMPILE_CHOICES),
+                    {
+                        "default": "off",
+                        "tooltip": "inductor: torch.compile the repeated transformer blocks on every worker. "
+                        "The first run (and the first run at each new image size) spends extra time "
+                        "compiling; off runs eager. Off by default until measured faster on GPUs.",
+                    },
+                ),
+            },
         }
 
     @classmethod
@@ -200,7 +212,13 @@ class RocmParallelLoader:
 
     @shows_errors
     def load(
-        self, checkpoint: str, devices: str, dtype: str, preload: str, weight_dtype: str = "default"
+        self,
+        checkpoint: str,
+        devices: str,
+        dtype: str,
+        preload: str,
+        weight_dtype: str = "default",
+        compile: str = "off",
     ) -> tuple[ParallelHandle]:
         import folder_paths
 
@@ -212,6 +230,7 @@ class RocmParallelLoader:
             devices=validate_devices(inputs.parse_devices(devices)),
             dtype=inputs.compute_dtype(dtype),
             weight_dtype=inputs.weight_dtype(weight_dtype),
+            compile=inputs.compile_choice(compile),
         )
         if preload != "none":
             from . import comfy_model  # imports torch: only once a node runs

@@ -22,6 +22,8 @@ WEIGHT_DTYPES = ("default", "fp8_e4m3fn", "fp8_e5m2")
 PRELOAD_LAYOUTS = ("none", "tp", "context", "auto")
 MODEL_LAYOUTS = ("tp", "context", "auto")  # the ROCm Parallel Model's words; degrees are written out
 STATUS_ACTIONS = ("report", "unload", "close", "doctor")
+# The loader's compile choices (backend/compile.py; 'aot_eager' is for tests, not offered).
+COMPILE_CHOICES = ("off", "inductor")
 
 
 def parse_devices(text: str, visible_gpus: Callable[[], int] | None = None) -> tuple[str, ...]:
@@ -48,6 +50,16 @@ def weight_dtype(choice: str) -> str | None:
     if choice not in WEIGHT_DTYPES:
         raise ConfigError(f"weight_dtype={choice!r} is not offered; use one of {', '.join(WEIGHT_DTYPES)}")
     return None if choice == "default" else choice
+
+
+def compile_choice(choice: str) -> str:
+    """The loader's optional compile widget ('off' when an older workflow lacks it) -> ParallelFlux.load's."""
+    if choice not in COMPILE_CHOICES:
+        raise ConfigError(
+            f"compile={choice!r} is not offered; use one of {', '.join(COMPILE_CHOICES)} ('inductor' compiles "
+            "the repeated transformer blocks on every worker at the first call, 'off' runs eager)"
+        )
+    return choice
 
 
 def tp_layout(devices: int, batch: int = 1, ring: int = 1, ulysses: int = 1) -> ParallelLayout:
@@ -141,6 +153,7 @@ class ParallelHandle:
     dtype: str | None
     loras: tuple[tuple[str, float], ...] = ()  # (absolute path, strength), applied in this order
     weight_dtype: str | None = None
+    compile: str = "off"  # the loader's compile widget: the repeated blocks compiled on every worker
 
     def __repr__(self) -> str:
         with_loras = "".join(f" + {os.path.basename(p)} x{s:g}" for p, s in self.loras)

@@ -140,8 +140,10 @@ def add_lora(handle: ParallelHandle, path: str, strength: float) -> ParallelHand
 
 
 def load_kwargs(handle: ParallelHandle) -> dict[str, Any]:
-    """`loras=` and `weight_dtype=` for ParallelFlux.load / check_load, passed only when set."""
+    """`loras=`, `weight_dtype=` and `compile=` for ParallelFlux.load / check_load, passed only when set."""
     kwargs: dict[str, Any] = {"loras": list(handle.loras)} if handle.loras else {}
     if handle.weight_dtype is not None:
         kwargs["weight_dtype"] = handle.weight_dtype
+    if handle.compile != "off":
+        kwargs["compile"] = handle.compile
     return kwargs

@@ -391,6 +391,10 @@ def _processor_class(base: type) -> type:
             super().__init__()
             self._call = _with_dispatch(base.__call__, dispatch)
 
+        # Never traced by a compiled block (compile.py): `_call` shares diffusers' code object under other
+        # globals, which dynamo's per-code cache cannot tell apart (NameError on a resumed frame), and the
+        # dispatch around the ring / Ulysses collectives is stateful Python. One deliberate break per call.
+        @torch.compiler.disable
         def __call__(self, attn: Any, *args: Any, **kwargs: Any) -> Any:
             return self._call(self, attn, *args, **kwargs)
 
