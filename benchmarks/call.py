@@ -11,8 +11,10 @@ left of call_all: sending the request, the workers unpacking it and packing the 
 back. Both sides use one thread per process and are interleaved call by call.
 
 The model is a small FLUX with FLUX.1's real conditioning widths (T5 4096, CLIP 768) at the given size, so
-every message is as large as at real widths; real FLUX widths (3072 hidden) cost ~20 s of compute per
-forward on two CPU cores and are left to a GPU run.
+every message is as large as at real widths. `--widths real` takes FLUX.1-dev's own widths (24 heads x 128,
+3072 hidden) with one double and one single block instead of 19 + 38: the messages and the per-call work
+outside the ranks' forward are those of FLUX.1-dev, the collectives are those of one block of each kind,
+and a forward fits a CPU (about 40 s at 1024 x 1024 on one core) where FLUX.1-dev's 57 blocks would not.
 """
 
 from __future__ import annotations
@@ -35,13 +37,27 @@ from ..backend.flux.forward import flux_call
 from ..backend.flux.model import build_flux
 from ..backend.flux.sampling import diffusers_model_fn
 from ..testing.helpers import markdown_table, write_random_checkpoint
-from .step import CONFIG, step_inputs
+from ..testing.models import tiny_flux_config
+from .step import CONFIG, TEXT_TOKENS, step_inputs
 from .tp import compute_time
+
+# Both keep FLUX.1's conditioning widths (T5 4096, CLIP 768): step_inputs builds the same prompt for either.
+REAL_WIDTHS = tiny_flux_config(
+    heads=24, head_dim=128, double_blocks=1, single_blocks=1, text_dim=4096, pooled_dim=768
+)
+WIDTHS = {"small": CONFIG, "real": REAL_WIDTHS}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calls", type=int, default=20, help="measured calls per configuration (default 20)")
     parser.add_argument("--size", type=int, default=1024, help="image side in pixels (default 1024)")
+    parser.add_argument(
+        "--widths",
+        choices=sorted(WIDTHS),
+        default="small",
+        help="small: 4 heads x 16 (default, milliseconds per forward); real: FLUX.1-dev's 24 heads x 128 with "
+        "1 double + 1 single block (tens of seconds per forward on a CPU)",
+    )
 
 
 @contextlib.contextmanager
@@ -78,8 +94,14 @@ def _median_ms(values: list[float]) -> float:
     return sorted(values)[len(values) // 2] * 1e3
 
 
-def measure(checkpoint: str, layout: ParallelLayout, inputs: dict[str, torch.Tensor], calls: int) -> dict:
-    model_fn = diffusers_model_fn(build_flux(CONFIG, seed=0))
+def measure(
+    config: dict[str, Any],
+    checkpoint: str,
+    layout: ParallelLayout,
+    inputs: dict[str, torch.Tensor],
+    calls: int,
+) -> dict:
+    model_fn = diffusers_model_fn(build_flux(config, seed=0))
     spent: dict[str, list[float]] = defaultdict(list)
     local, ranks = [], []
     with ParallelFlux(["cpu"] * layout.world_size, threads=1) as flux, torch.no_grad():
@@ -111,18 +133,26 @@ def measure(checkpoint: str, layout: ParallelLayout, inputs: dict[str, torch.Ten
 
 def run(args: argparse.Namespace) -> str:
     torch.set_num_threads(1)
+    config = WIDTHS[args.widths]
     inputs = step_inputs(args.size)
     layouts = [ParallelLayout(), ParallelLayout(tp=2)]
     rows = []
     with tempfile.TemporaryDirectory(prefix="rocm-parallel-bench-") as folder:
         checkpoint = str(Path(folder) / "tiny-flux.safetensors")
-        write_random_checkpoint(checkpoint, CONFIG)
+        write_random_checkpoint(checkpoint, config)
         for layout in layouts:
-            r = measure(checkpoint, layout, inputs, args.calls)
+            r = measure(config, checkpoint, layout, inputs, args.calls)
             degree = layout.world_size
             compute = (
                 compute_time(
-                    "rocm-parallel", degree, CONFIG, args.size, torch.device("cpu"), torch.float32, 5
+                    "rocm-parallel",
+                    degree,
+                    config,
+                    args.size,
+                    torch.device("cpu"),
+                    torch.float32,
+                    min(5, args.calls),
+                    text_tokens=TEXT_TOKENS,
                 )
                 * 1e3
             )
@@ -139,8 +169,13 @@ def run(args: argparse.Namespace) -> str:
         "conditioning key (ms)", "latent out (ms)", "one rank's compute (ms)", "collectives (ms)",
         "request + reply (ms)", "not the ranks' forward (ms)",
     )  # fmt: skip
+    model = (
+        "small FLUX with FLUX.1's conditioning widths"
+        if args.widths == "small"
+        else "FLUX.1-dev's widths (24 heads x 128), 1 double + 1 single block"
+    )
     text = (
-        f"### One model call, broken down: small FLUX with FLUX.1's conditioning widths, {args.size}x{args.size} "
+        f"### One model call, broken down: {model}, {args.size}x{args.size} "
         f"px, 512-token prompt rebuilt every call, 1 thread per process, medians of {args.calls} calls "
         "interleaved with the same forward in one process\n\n" + markdown_table(header, rows)
     )

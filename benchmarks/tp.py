@@ -130,14 +130,22 @@ def compute_time(
     device: torch.device,
     dtype: torch.dtype,
     repeats: int,
+    text_tokens: int | None = None,
 ) -> float:
+    """Median seconds of one rank's forward under the fake group (no-op collectives): its compute alone.
+
+    `text_tokens` defaults to 512 at 1024 px and up, else 128; a caller comparing against its own inputs
+    passes its own count, or the compute it subtracts is a different forward's.
+    """
+    if text_tokens is None:
+        text_tokens = 512 if size >= 1024 else 128
     dims = FluxDims.from_diffusers_config(config)
     with fake_process_group(degree):
         model = build_flux(config, device="meta", dtype=dtype)
         if degree > 1:
             PLANS[plan](model)
         _materialize(model, device)
-        kwargs = random_inputs(dims, height=size, width=size, text_tokens=512 if size >= 1024 else 128)
+        kwargs = random_inputs(dims, height=size, width=size, text_tokens=text_tokens)
         kwargs = kwargs.to(device, dtype).as_kwargs()
         with torch.inference_mode():
             return median_seconds(lambda: model(**kwargs), repeats, device)
