@@ -21,7 +21,6 @@ the read has just written (on a GPU, device memory): `bench failures` measures i
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +31,7 @@ from safetensors import safe_open
 from torch import nn
 
 from ..dtypes import WEIGHT_DTYPES, stored_dtype
+from ..finite import all_finite, non_finite_kind
 from ..parallel.tensor import Pieces, apply_tensor_parallel, parameter_pieces, resolve_plan
 from ..parallel.weights import is_fp8, keep_fp8_resident
 from .files import CheckpointError, StoredTensor
@@ -40,7 +40,6 @@ from .info import CheckpointInfo, check_weight_dtype, inspect_checkpoint, resolv
 # Attribute of a loaded model: its canonical weight dtype name (LoRA re-reads use the same rule).
 WEIGHT_DTYPE_ATTR = "_rp_weight_dtype"
 CHECK_VALUES = True  # every tensor read is checked for NaN/inf (switched off only to measure its cost)
-_CHECK_CHUNK = 1 << 26  # elements per min/max pass: bounds the float16 copy fp8 weights are checked in
 
 
 def resident_dtype(
@@ -136,25 +135,13 @@ def _read(
 
 
 def check_values(stored: StoredTensor, tensor: torch.Tensor) -> None:
-    """Refuse a tensor holding NaN or inf, naming it. torch.aminmax: one vectorised pass, no temporary
-    (isfinite().all() allocates a mask and runs ~30x slower on a CPU); NaN propagates into both ends and
-    an inf is one of them. fp8 has no min/max kernel: it is checked through float16, which holds every
-    fp8 value (and its NaN) exactly, a chunk at a time."""
-    flat = tensor.detach().reshape(-1)
-    if not flat.is_floating_point():
-        return
-    for start in range(0, flat.numel(), _CHECK_CHUNK):
-        chunk = flat[start : start + _CHECK_CHUNK]
-        if is_fp8(chunk.dtype):
-            chunk = chunk.to(torch.float16)
-        low, high = (float(v) for v in torch.aminmax(chunk))
-        if not (math.isfinite(low) and math.isfinite(high)):
-            bad = "NaN" if math.isnan(low) or math.isnan(high) else "inf"
-            raise CheckpointError(
-                f"'{stored.file}': tensor '{stored.key}' holds {bad} values; the file is damaged (an "
-                "interrupted download or copy, a failing disk) or was saved from a broken model: download "
-                "or copy it again"
-            )
+    """Refuse a tensor holding NaN or inf, naming it (finite.py: one min/max pass, no mask)."""
+    if not all_finite(tensor):
+        raise CheckpointError(
+            f"'{stored.file}': tensor '{stored.key}' holds {non_finite_kind(tensor)} values; the file is damaged "
+            "(an interrupted download or copy, a failing disk) or was saved from a broken model: download "
+            "or copy it again"
+        )
 
 
 def _check_fp8_range(stored: StoredTensor, piece: torch.Tensor, dtype: torch.dtype) -> None:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from ..config import ConfigError
 from ..family import LatentFormat, get_family
+from ..finite import all_finite, non_finite_kind
 from .forward import ModelFn, flux_call
 
 if TYPE_CHECKING:
@@ -185,9 +186,8 @@ class FluxConditioning:
 
 def check_finite(name: str, tensor: torch.Tensor, fix: str) -> None:
     """NaN or inf in an input makes every step NaN: refuse it, naming the input."""
-    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-        bad = "NaN" if bool(torch.isnan(tensor).any()) else "inf"
-        raise ConfigError(f"{name} contains {bad} values; {fix}")
+    if not all_finite(tensor):
+        raise ConfigError(f"{name} contains {non_finite_kind(tensor)} values; {fix}")
 
 
 def check_real(name: str, tensor: torch.Tensor) -> None:
@@ -530,7 +530,7 @@ def euler(
             denoised = denoised * mask + image * keep
         d = (x - denoised) / sigma
         x = x + d * (sigmas[i + 1] - sigma)
-        if not bool(torch.isfinite(x).all()):
+        if not all_finite(x):
             raise FloatingPointError(
                 f"step {i + 1} of {total} produced NaN or inf values (sigma {sigma.item():g}); the model's "
                 "output overflowed: try dtype='bfloat16' or 'float32' instead of float16, or check the inputs"
