@@ -178,7 +178,7 @@ class ForwardClient:
                 if reply.compiled:  # the first call, or a new size: say so (the call took longer)
                     self.compiles.append(reply.compiled)
                     logging.getLogger("rocm_parallel.compile").info(reply.compiled)
-                if check_output and not bool(torch.isfinite(reply.out).all()):
+                if check_output and not reply.finite:
                     sigmas = ", ".join(f"{float(t):g}" for t in timestep.flatten()[:4])
                     raise FloatingPointError(
                         f"the model call at sigma {sigmas} produced NaN or inf values from finite inputs; "

@@ -24,6 +24,7 @@ import torch
 
 from .compile import note_compiles
 from .family import family_of
+from .finite import all_finite
 from .messages import ConditioningSlots, ForwardReply, ForwardRequest
 from .parallel.mesh import BatchSplit, groups_of
 from .parallel.weights import compute_dtype
@@ -78,4 +79,6 @@ def forward(ctx: WorkerContext, request: ForwardRequest) -> ForwardReply:
         out = split.gather(out, entry, dtype, ctx.device)
         out = out.cpu() if ctx.rank == 0 else None
     said = compiled[0] if compiled else None
-    return ForwardReply(rank=ctx.rank, out=out, seconds=time.perf_counter() - started, compiled=said)
+    finite = out is None or all_finite(out)
+    seconds = time.perf_counter() - started
+    return ForwardReply(rank=ctx.rank, out=out, seconds=seconds, compiled=said, finite=finite)
