@@ -153,7 +153,7 @@ class ParallelFlux(ResidentGroup):
 
     @property
     def last_forward_seconds(self) -> float:
-        """The ranks' own time for the latest `forward` (rank 0)."""
+        """The ranks' own time for the latest `forward`: the slowest rank's, which the call waited for."""
         return self._forwards.last_seconds
 
     def forward(

@@ -4,11 +4,13 @@ One call is `ParallelFlux.forward` (what the ROCm Parallel Model's proxy runs fo
 call). Caller-side parts are timed by wrapping, in this process only, the functions that do them:
 `ParallelFlux.forward` (input checks, the resident group: the caller wrapper), `ConditioningSender.key_for`
 (the conditioning key), `transport.pack` (the latent out, into a reused shared-memory file),
-`WorkerGroup.call_all` (request, wait, replies). The ranks time their own forward (`reply.seconds`);
-one rank's compute alone is the same shard's forward under the `fake` process group (no-op collectives,
-benchmarks/tp.py `compute_time`), so the ranks' forward minus it is the collectives. "reply" is what is
-left of call_all: sending the request, the workers unpacking it and packing the output, and reading it
-back. Both sides use one thread per process and are interleaved call by call.
+`WorkerGroup.call_all` (request, wait, replies). The ranks time their own forward (`reply.seconds`), and
+the call waits for the slowest (`ParallelFlux.last_forward_seconds`); one rank's compute alone is the same
+shard's forward under the `fake` process group (no-op collectives, benchmarks/tp.py `compute_time`), so
+the ranks' forward minus it is the collectives, with the ranks' start-up skew (a rank that starts first
+waits for the other in the first collective). "reply" is what is left of call_all: sending the request,
+the workers unpacking it and packing the output, and reading it back. Both sides use one thread per
+process and are interleaved call by call.
 
 The model is a small FLUX with FLUX.1's real conditioning widths (T5 4096, CLIP 768) at the given size, so
 every message is as large as at real widths. `--widths real` takes FLUX.1-dev's own widths (24 heads x 128,

@@ -228,7 +228,8 @@ def test_qwen_image_refusals_before_any_rank_runs(group2: WorkerGroup, qwen_file
     flux = ParallelFlux(group=group2)
     try:
         flux.load(qwen_files["image"][0], layout=ParallelLayout(tp=2), dtype="float32")
-        monkeypatch.setattr(group2, "call", lambda *a, **k: pytest.fail("a rank was called"))
+        for method in ("call", "call_all"):
+            monkeypatch.setattr(group2, method, lambda *a, **k: pytest.fail("a rank was called"))
         inputs = call_inputs()
         with pytest.raises(ConfigError) as err:
             flux.forward(**{**inputs, "x": torch.randn(2, 16, 3, 9, 7)})  # three frames: a video latent
