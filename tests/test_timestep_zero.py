@@ -23,6 +23,10 @@ from rocm_parallel.backend.flux2.model import build_flux2
 from rocm_parallel.testing.models import tiny_flux2_config
 
 TOL = 1e-5
+# ComfyUI's recorded outputs were made on another machine: float32 kernels differ by CPU (an AVX-512/AMX
+# Xeon read 4.8e-5 where the recording machine read under 1e-5, outputs ~3), so a recording is held to the
+# pack's ComfyUI-parity bound, as tests/comfy does; our own processes on one machine keep TOL.
+RECORDED_TOL = 1e-4
 ITZ = "index_timestep_zero"
 # 8 heads: TP 2 and 4, Ulysses 2. A larger random init than the other tests' (0.05) so that the timestep
 # moves the modulation visibly: index_timestep_zero must differ from index by far more than TOL.
@@ -189,5 +193,6 @@ def test_one_process_equals_comfyuis_own_flux2_calls() -> None:
                 index = flux2_call(flux2_model_fn(m), call["x"], call["timestep"], call["context"], None,
                                    call.get("guidance"), refs, "index")  # fmt: skip
             diff = (got - call["output"]).abs().max().item()
-            assert diff <= TOL, (name, diff)
-            assert (index - call["output"]).abs().max().item() > 100 * TOL  # ComfyUI did not run index
+            assert diff <= RECORDED_TOL, (name, diff)
+            gap = (index - call["output"]).abs().max().item()
+            assert gap > 100 * RECORDED_TOL, (name, gap)  # ComfyUI did not run index
