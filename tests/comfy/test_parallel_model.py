@@ -478,7 +478,9 @@ def test_flux2_reference_latents_match_comfyuis_own_calls(comfy, flux2_checkpoin
     assert sorted(got) == sorted(expected)
     diff = max((got[k] - expected[k]).abs().max().item() for k in expected)
     print(f"{name} {layout}: max |diff| {diff:.2e}")
-    assert diff <= 1e-5
+    # The recorded outputs came from another CPU, and these cases' larger random init (outputs ~3) shows
+    # the float32 kernels' differences: 5.1e-5 on an AVX-512/AMX Xeon; held to the ComfyUI-parity bound.
+    assert diff <= 1e-4
 
 
 def test_flux2_fp8_mixed_matches_comfyuis_own_fp8_mixed_model(comfy, registries, tmp_path_factory):
