@@ -321,7 +321,7 @@ def old_ring_merge(ctx, request: OldMerge) -> None:
     """diffusers <= 0.37 unsqueezed the kernel's LSE only on torch < 2.9, so on torch >= 2.9 a kernel that
     returns [B, S, H] (ROCm's flash path, our CPU flash kernel) reached the merge 3-D: the ROCm bug. This
     puts that merge back into diffusers' own `TemplatedRingAttention.forward` (its source with the
-    `lse.ndim == 3` unsqueeze removed), the way /work/plan/mesh/parity.py simulated it."""
+    `lse.ndim == 3` unsqueeze removed)."""
     import inspect
     import re
     import textwrap

@@ -9,8 +9,7 @@ ComfyUI's own Flux2; and ComfyUI's FluxKVCache node refused by name.
 The files are made per session by tests/tools/comfy_models.py with the running ComfyUI: its own model
 classes, its own ModelSave node; no code of the pack writes them.
 
-    source /work/comfy/env.sh 0.33.0; PYTHONPATH=<pack>/.pp:$PYTHONPATH \\
-        python -m pytest -q -s -m comfy tests/comfy/test_comfy_files.py
+    COMFYUI_PATH=/path/to/ComfyUI python -m pytest -q -s -m comfy tests/comfy/test_comfy_files.py
 """
 
 from __future__ import annotations

@@ -8,8 +8,7 @@ LoRA applied by the pack, and must equal what the same ComfyUI version sampled w
 (tests/data/qwen_references_<version>.safetensors) within 1e-4, in TP 2, ring 2, Ulysses 2,
 ring 2 x Ulysses 2 and, for the cases at cfg > 1, batch 2 x tp 2 (cond and uncond split over two TP pairs).
 
-    source /work/comfy/env.sh 0.33.0 && PYTHONPATH=<pack parent>:$PYTHONPATH \\
-        python -m pytest -q -s -m comfy tests/comfy/test_comfy_qwen_image.py
+    COMFYUI_PATH=/path/to/ComfyUI python -m pytest -q -s -m comfy tests/comfy/test_comfy_qwen_image.py
 """
 
 from __future__ import annotations

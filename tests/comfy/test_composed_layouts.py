@@ -4,8 +4,7 @@ with a negative prompt on `batch 2 x tp 2` over 4 CPU workers equals what ComfyU
 uncond going to the workers as one batch that the batch dimension splits over the two TP pairs; and the
 parallel MODEL keeps them in one call when ComfyUI thinks memory is short.
 
-    source /work/comfy/env.sh 0.33.0; export PYTHONPATH=<worktree>/.pp:$PYTHONPATH
-    python3 -m pytest -q -s -p no:cacheprovider -m comfy tests/comfy/test_composed_layouts.py
+    COMFYUI_PATH=/path/to/ComfyUI python -m pytest -q -s -p no:cacheprovider -m comfy tests/comfy/test_composed_layouts.py
 """
 
 from __future__ import annotations

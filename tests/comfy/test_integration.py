@@ -3,7 +3,7 @@
 The prompts use both samplers on 2 CPU workers (one thread each) and must equal ComfyUI's own KSampler
 (the running version's tests/data/comfy_references*.safetensors); a long run is cancelled through /interrupt.
 
-    COMFYUI_PATH=<ComfyUI 0.3.75 checkout> PYTHONPATH=<pack parent>:<comfy shims>:<comfy deps> \\
+    COMFYUI_PATH=<ComfyUI checkout> PYTHONPATH=<pack parent>:<comfy shims>:<comfy deps> \\
         python -m pytest -q -m comfy tests/comfy
 """
 

@@ -6,7 +6,7 @@ pack's MODEL (nodes/comfy_model.py) over real CPU workers; the results must equa
 sampled with its own model (its tests/data/comfy_references*.safetensors) within 1e-4, in TP 2, ring 2, Ulysses 2 and
 ring 2 x Ulysses 2. The /prompt path with the nodes is in test_integration.py.
 
-    COMFYUI_PATH=<ComfyUI 0.3.75 checkout> PYTHONPATH=<pack parent>:<comfy shims>:<comfy deps> \\
+    COMFYUI_PATH=<ComfyUI checkout> PYTHONPATH=<pack parent>:<comfy shims>:<comfy deps> \\
         python -m pytest -q -m comfy tests/comfy/test_parallel_model.py
 """
 

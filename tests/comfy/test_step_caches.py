@@ -7,8 +7,7 @@ LazyCache's predict_noise wrapper) must give ComfyUI's own result within 1e-4 an
 cache that patches inside the transformer (FluxKVCache's attention patch) is refused by name. A node this
 ComfyUI lacks (FluxKVCache before 0.33) is skipped.
 
-    source /work/comfy/env.sh 0.33.0; export PYTHONPATH=<worktree>/.pp:$PYTHONPATH
-    python3 -m pytest -q -s -p no:cacheprovider -m comfy tests/comfy/test_step_caches.py
+    COMFYUI_PATH=/path/to/ComfyUI python -m pytest -q -s -p no:cacheprovider -m comfy tests/comfy/test_step_caches.py
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Small random FLUX.1 / FLUX.2 models built with ComfyUI's OWN model classes and saved by ComfyUI's OWN
 ModelSave, so the pack's loader can be checked against files that no code of ours wrote.
 
-    source /work/comfy/env.sh 0.33.0            # or any ComfyUI checkout: COMFYUI_PATH=/path/to/ComfyUI
+    export COMFYUI_PATH=/path/to/ComfyUI        # a ComfyUI checkout and its environment (docs/testing.md)
     python tests/tools/comfy_models.py --out DIR [--models flux1-dev,flux2-klein] [--no-fp8]
     python tests/tools/comfy_models.py --check DIR [DIR ...]   # load every file of DIR with THIS ComfyUI
 
@@ -555,7 +555,7 @@ def main() -> None:
         comfy = import_comfy(args.comfyui)
     except ModuleNotFoundError as err:
         parser.error(
-            f"{err}: give --comfyui PATH or set COMFYUI_PATH (e.g. source /work/comfy/env.sh 0.33.0)"
+            f"{err}: give --comfyui PATH or set COMFYUI_PATH to a ComfyUI checkout (docs/testing.md)"
         )
     print(f"ComfyUI {comfy['version']} ({comfy['commit'][:8]}) at {comfy['root']}")
     if args.out is not None:

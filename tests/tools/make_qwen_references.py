@@ -2,8 +2,7 @@
 
 Run with a ComfyUI checkout outside this repository, once per ComfyUI version the pack is checked against:
 
-    source /work/comfy/env.sh 0.33.0 && PYTHONPATH=<pack parent>:$PYTHONPATH \\
-        python tests/tools/make_qwen_references.py          # -> tests/data/qwen_references_0.33.0.safetensors
+    COMFYUI_PATH=/path/to/ComfyUI python tests/tools/make_qwen_references.py          # -> tests/data/qwen_references_0.33.0.safetensors
 
 Each model is built with the family's own builder (`build_qwen_image(tiny_qwen_image_config(...), seed=...)`),
 written as the single file users have (`save_checkpoint`: Comfy-Org's layout, diffusers' key names under
