@@ -166,6 +166,28 @@ async def close_dialogs(tools: DevTools) -> None:
     await tools.evaluate("document.querySelectorAll('.p-dialog-close-button').forEach(b => b.click())")
 
 
+async def load_graph(tools: DevTools, workflow: dict[str, Any]) -> None:
+    """Load `workflow` into the editor and wait until the canvas holds its nodes.
+
+    Frontend 1.49 (ComfyUI 0.33) opens each loaded workflow in a new tab asynchronously, and right after a
+    page load (the previous test's tabs restored) it can drop a load: load again when the canvas does not
+    hold the workflow's node types within 10 s.
+    """
+    types = sorted(n["type"] for n in workflow["nodes"])
+    drawn = json.dumps(json.dumps(types, separators=(",", ":")))
+    for attempt in range(4):
+        await tools.evaluate(f"app.loadGraphData({json.dumps(workflow)})")
+        await close_dialogs(tools)
+        try:
+            await tools.wait_for(
+                f"JSON.stringify(app.canvas.graph._nodes.map(n => n.type).sort()) === {drawn}", timeout=10
+            )
+            return
+        except AssertionError:
+            if attempt == 3:
+                raise
+
+
 async def show(tools: DevTools, node_type: str, scale: float = 1.3) -> None:
     """`node_type` near the top left, clear of the frontend's side bar and graph menu (both versions)."""
     await tools.evaluate(
@@ -195,8 +217,7 @@ def test_panel_shows_the_worker_group(comfy: Comfy, browser: str) -> None:
     ] == ("success")
 
     async def scenario(tools: DevTools) -> list[str]:
-        await tools.evaluate(f"app.loadGraphData({json.dumps(loader_workflow())})")
-        await close_dialogs(tools)
+        await load_graph(tools, loader_workflow())
         await show(tools, LOADER)
         lines = await tools.wait_for(lines_when(LOADER, "l.some(x => x.startsWith('2 workers'))"), 60)
         await screenshot(tools, comfy, "loader_panel.png")
@@ -269,8 +290,7 @@ def test_loading_line_then_the_status_node_draws_its_report(comfy: Comfy, browse
 
 def test_panel_after_a_cancel_and_a_rejected_checkpoint(comfy: Comfy, browser: str) -> None:
     async def scenario(tools: DevTools) -> tuple[list[str], list[str], dict[str, Any]]:
-        await tools.evaluate(f"app.loadGraphData({json.dumps(loader_workflow())})")
-        await close_dialogs(tools)
+        await load_graph(tools, loader_workflow())
         await show(tools, LOADER)
         # Cancel a long run the way ComfyUI's Cancel button does (/interrupt) after a few steps.
         prompt = sampling_prompt(steps=5000, prefix="browser_cancelled", seed=77, samplers=("ring",))
@@ -346,6 +366,7 @@ def test_a_refusal_before_any_worker_starts_and_a_loader_that_asks_for_another_g
             " app.graph.setDirtyCanvas(true, true); await app.queuePrompt(0, 1); })()"
         )
         seen: dict[str, Any] = {"dialog": await tools.wait_for(_error_shown("CheckpointError"), 120)}
+        await show(tools, LOADER, scale=1.0)  # the panel readable beside the dialog
         await screenshot(tools, comfy, "error_dialog.png")
         await close_dialogs(tools)
         await show(tools, LOADER, scale=1.1)
@@ -416,27 +437,8 @@ def test_shipped_workflows_load_without_overlapping_nodes(comfy: Comfy, browser:
     async def scenario(tools: DevTools) -> dict[str, Any]:
         seen = {}
         for name in names:
-            # Frontend 1.49 (ComfyUI 0.33) opens each loaded workflow in a new tab asynchronously, and right
-            # after a page load (the previous test's tabs restored) it can drop a load: wait until the canvas
-            # holds this workflow's node types, loading again if it does not, then let it draw at least once
-            # (the loader's panel has its rows).
-            types = sorted(
-                n["type"] for n in json.loads((PACK_ROOT / "workflows" / name).read_text())["nodes"]
-            )
-            drawn = json.dumps(json.dumps(types, separators=(",", ":")))
-            for attempt in range(4):
-                await tools.evaluate(f"app.loadGraphData({json.dumps(loader_workflow(name))})")
-                await close_dialogs(tools)
-                try:
-                    await tools.wait_for(
-                        f"JSON.stringify(app.canvas.graph._nodes.map(n => n.type).sort()) === {drawn}",
-                        timeout=10,
-                    )
-                    break
-                except AssertionError:
-                    if attempt == 3:
-                        raise
-            await asyncio.sleep(1.0)
+            await load_graph(tools, loader_workflow(name))
+            await asyncio.sleep(1.0)  # let it draw at least once (the loader's panel has its rows)
             # The graph on screen: the canvas's (each loadGraphData opens a workflow tab since frontend 1.49,
             # ComfyUI 0.33's).
             seen[name] = await tools.evaluate(
