@@ -36,13 +36,13 @@ def activation_estimate(
     text_tokens: int,
     reference_tokens: int = 0,
 ) -> float:
-    """Peak activation bytes on one rank for one model call on a latent of `shape` [B, C, H, W]."""
-    batch, height, width = int(shape[0]), int(shape[-2]), int(shape[-1])  # [B, C, (1,) H, W]
-    family = info.model_family
-    px_width, px_height = family.planned_pixels(height, width)
+    """Peak activation bytes on one rank for one model call on a latent of `shape` ([B, C, H, W] or
+    [B, C, T, H, W]: every frame counts)."""
+    frames, px_height, px_width = info.model_family.planned_size(shape)
     setup = Setup(
-        info.dims, width=px_width, height=px_height, batch=batch, text_tokens=max(1, text_tokens),
+        info.dims, width=px_width, height=px_height, batch=int(shape[0]), text_tokens=max(1, text_tokens),
         dtype=dtype, devices=layout.world_size, family=info.family, reference_tokens=reference_tokens,
+        frames=frames,
     )  # fmt: skip
     return activation_bytes(setup, layout)
 
@@ -87,11 +87,11 @@ def admit(
     )
     if estimate <= limit:
         return
-    batch, height, width = int(shape[0]), int(shape[-2]), int(shape[-1])  # [B, C, (1,) H, W]
-    family = info.model_family
-    px_width, px_height = family.planned_pixels(height, width)
+    batch = int(shape[0])
+    frames, px_height, px_width = info.model_family.planned_size(shape)
+    size = f"{px_width}x{px_height} px" + (f" x {frames} frames" if frames > 1 else "")
     word = "CPU worker" if devices[0] == "cpu" else "GPU"
-    fits = _largest_square(info, layout, batch, limit, dtype=dtype, text_tokens=text_tokens)
+    fits = _largest_square(info, layout, batch, limit, dtype=dtype, text_tokens=text_tokens, shape=shape)
     fit = (
         f"at most {fits}x{fits} px per image in this layout"
         if fits
@@ -99,7 +99,7 @@ def admit(
     )
     smaller_batch = f", or fewer than {batch} images at once" if batch > 1 else ""
     raise ConfigError(
-        f"{what} of {px_width}x{px_height} px (batch {batch}, shape {list(shape)}) needs about "
+        f"{what} of {size} (batch {batch}, shape {list(shape)}) needs about "
         f"{estimate / GB:.1f} GB of activations per {word} in layout {layout} ({dtype}), but {why}: the limit "
         f"is {limit / GB:.1f} GB per {word}. What fits: {fit}{smaller_batch}; or more devices, or a smaller "
         "image, then upscale"
@@ -107,17 +107,26 @@ def admit(
 
 
 def _largest_square(
-    info: CheckpointInfo, layout: ParallelLayout, batch: int, limit: float, *, dtype: str, text_tokens: int
+    info: CheckpointInfo,
+    layout: ParallelLayout,
+    batch: int,
+    limit: float,
+    *,
+    dtype: str,
+    text_tokens: int,
+    shape: Sequence[int],
 ) -> int:
-    """The largest square image side in pixels (a multiple of 64) whose call fits `limit`; 0 when none."""
+    """The largest square image side in pixels (a multiple of 64) whose call fits `limit` with the frames
+    of `shape`; 0 when none."""
     family = info.model_family
     latent_per_64 = 64 // family.latent.downscale  # latent pixels per 64 image pixels
+    frames = tuple(shape[2:3]) if len(shape) == 5 else ()
 
     def fits(side: int) -> bool:
         latent = side * latent_per_64
         return (
             activation_estimate(
-                info, layout, (batch, 0, latent, latent), dtype=dtype, text_tokens=text_tokens
+                info, layout, (batch, 0, *frames, latent, latent), dtype=dtype, text_tokens=text_tokens
             )
             <= limit
         )

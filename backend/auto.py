@@ -11,8 +11,8 @@ import dataclasses
 
 from .checkpoint import resolve_dtype
 from .client import WorkerGroup
-from .config import ConfigError, FluxDims, ParallelLayout
-from .family import get_family
+from .config import ConfigError, ModelDims, ParallelLayout
+from .family import families, get_family
 from .messages import LinkReport, LinkRequest
 from .plan import Choice, Link, Setup, choose
 
@@ -26,7 +26,7 @@ def make_layout(
 ) -> ParallelLayout:
     """The layout a caller names: a ParallelLayout, 'tp', 'context' (with `ring` / `ulysses`), degrees
     such as 'batch 2 x tp 2' (`ParallelLayout.make`), or 'auto': the planner's choice for `setup` (see
-    ParallelFlux.auto_layout, which also explains it). Degrees that do not apply are refused."""
+    ParallelModel.auto_layout, which also explains it). Degrees that do not apply are refused."""
     if isinstance(kind, ParallelLayout):
         for name, value in (("ring", ring), ("ulysses", ulysses)):
             if value:
@@ -51,7 +51,7 @@ def measure_machine(group: WorkerGroup) -> LinkReport:
 def choose_layout(
     machine: LinkReport,
     devices: tuple[str, ...],
-    dims: FluxDims,
+    dims: ModelDims,
     width: int,
     height: int,
     batch: int,
@@ -59,11 +59,12 @@ def choose_layout(
     dtype: str | None,
     fixed: dict[str, int],
     weight_dtype: str,
-    family: str,
+    family: str | None,
     reference_tokens: int,
+    frames: int = 1,
 ) -> Choice:
     """The planner's layout for this image on these devices, keeping the `fixed` degrees
-    (ParallelFlux.auto_layout documents the arguments)."""
+    (ParallelModel.auto_layout documents the arguments)."""
     cpu = devices[0].startswith("cpu")
     link = Link(
         machine.gbps if machine.gbps is not None else 1.0,
@@ -75,6 +76,7 @@ def choose_layout(
     setup = Setup(
         dims, width, height, batch, dtype=compute, devices=len(devices), memory_gb=machine.memory_bytes / 1e9,
         link=link, tflops=machine.tflops, device_word="CPU worker" if cpu else "GPU", weight_dtype=weight_dtype,
-        family=family, text_tokens=get_family(family).text.tokens, reference_tokens=reference_tokens,
+        family=family, text_tokens=(get_family(family) if family else families()[0]).text.tokens,
+        reference_tokens=reference_tokens, frames=frames,
     )  # fmt: skip
     return choose(setup, fixed)

@@ -1,21 +1,19 @@
-"""What the caller checks before any rank runs: a model call's shapes and values (every step, so cheap:
-the latent, sigma and guidance are scanned for NaN and inf each call, the conditioning once per prompt,
-when it is sent) and a sampling job (once), each against the resident checkpoint; messages name
-ComfyUI's inputs and nodes.
+"""What the caller checks before any rank runs: a sampling job (once) and the pieces every family's call
+checks are made of (backend/call.py runs a call's checks on every step: cheap ones only), each against the
+resident checkpoint; messages name ComfyUI's inputs and nodes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from .checkpoint import CheckpointInfo
 from .config import ConfigError
-from .family import ModelFamily, families
-from .flux.sampling import SamplingPlan, check_finite, check_real
-from .messages import LoadRequest
+from .family import families
+from .sampling import SamplingPlan, SamplingRequest
 
 # An additive mask value at or below this drops its key (exp of it is 0 in float32): ComfyUI's own masks are
 # 0 / -finfo.max (comfy/ldm/qwen_image/model.py turns an integer mask into that form).
@@ -23,19 +21,15 @@ DROPPED_KEY = -1e4
 
 
 def check_sample(
-    info: CheckpointInfo,
-    positive: Any,
-    latent: dict[str, Any],
-    *,
-    seed: int,
-    steps: int,
-    denoise: float = 1.0,
-    sigmas: Sequence[float] | torch.Tensor | None = None,
-    shift_mu: float | None = None,
+    info: CheckpointInfo, positive: Any, latent: Mapping[str, Any], request: SamplingRequest
 ) -> SamplingPlan:
-    """A sampling job validated and decided (noise, sigmas, conditioning) by the checkpoint's family."""
-    if not isinstance(latent, dict) or "samples" not in latent:
-        raise ConfigError("latent must be a LATENT dict with 'samples' [batch, 16, height/8, width/8]")
+    """A sampling job validated and decided (noise, sigmas, the call's inputs) by the checkpoint's family."""
+    if not isinstance(latent, Mapping) or "samples" not in latent:
+        fmt = info.model_family.latent
+        raise ConfigError(
+            f"latent must be a LATENT dict with 'samples' as {fmt.empty_node} or VAE Encode make it; got "
+            f"{type(latent).__name__}"
+        )
     family = info.model_family
     if info.input_channels != family.latent_channels(info.config):
         raise ConfigError(
@@ -43,122 +37,88 @@ def check_sample(
             "channels), which sample() does not supply: drive it step by step with forward() (in ComfyUI: "
             "the ROCm Parallel Model with InpaintModelConditioning and KSampler)"
         )
-    return family.sampling(
-        info, latent["samples"], positive, seed=seed, steps=steps, denoise=denoise, sigmas=sigmas,
-        noise_mask=latent.get("noise_mask"), batch_index=latent.get("batch_index"), shift_mu=shift_mu,
-    )  # fmt: skip
+    return family.sampling(info, latent, positive, request)
 
 
-def check_forward(
-    x: torch.Tensor,
-    timestep: torch.Tensor,
-    context: torch.Tensor,
-    y: torch.Tensor,
-    guidance: torch.Tensor | None,
-    resident: LoadRequest,
-    refs: Sequence[torch.Tensor] = (),
-    ref_method: str = "offset",
-    attention_mask: torch.Tensor | None = None,
-) -> torch.Tensor | None:
-    """The shapes a model call needs, named by ComfyUI's argument names; cheap enough for every step.
-    Returns the text's key mask (`text_key_mask`) for a family that takes one."""
-    info = resident.info
-    dims, family = info.dims, info.model_family
+# --- pieces of a family's call checks (backend/call.py `CallSpec.check`) ------------------------------
+
+
+def latent_shaped(x: Any, channels: int, info: CheckpointInfo) -> bool:
+    """[B, C, H, W], or the format's [B, C, T, H, W] (T = 1 unless the family takes several frames)."""
+    family = info.model_family
+    if not torch.is_tensor(x) or x.shape[1:2] != (channels,) or 0 in x.shape:
+        return False
+    if x.ndim == 4:
+        return True
+    return x.ndim == 2 + family.latent.dimensions == 5 and (x.shape[2] == 1 or family.geometry.frames)
+
+
+def latent_dims(channels: int, info: CheckpointInfo) -> str:
+    family = info.model_family
+    if family.latent.dimensions == 3:
+        frames = "frames" if family.geometry.frames else "1"
+        return f"[batch, {channels}, {frames}, height, width] (or [batch, {channels}, height, width])"
+    return f"[batch, {channels}, height, width]"
+
+
+def check_latent_input(info: CheckpointInfo, x: Any) -> int:
+    """x as the checkpoint's model takes it (its input channels: the latent's plus any a ComfyUI node
+    concatenates); returns its batch."""
+    family = info.model_family
     channels, latent = info.input_channels, family.latent_channels(info.config)
-    given = {"x": x, "timestep": timestep, "context": context, "y (pooled_output)": y, "guidance": guidance}
-    for i, ref in enumerate(refs):
-        given[f"ref_latents[{i}]"] = ref
-    for name, tensor in given.items():
-        if torch.is_tensor(tensor):
-            check_real(name, tensor)
-    if not _latent_shaped(x, channels, family):
+    if not latent_shaped(x, channels, info):
         shape = tuple(x.shape) if torch.is_tensor(x) else type(x).__name__
         if channels == latent:
             raise ConfigError(
-                f"x has shape {shape}; {info.model_name} takes {_latent_dims(channels, family)} "
-                f"latents (encode with {family.latent.vae}, or use {family.latent.empty_node})"
+                f"x has shape {shape}; {info.model_name} takes {latent_dims(channels, info)} latents (encode "
+                f"with {family.latent.vae}, or use {family.latent.empty_node})"
             )
         raise ConfigError(
             f"x has shape {shape}; {info.model_name} takes [batch, {channels}, height, width]: the {latent}-channel "
             f"latent with the {channels - latent} channels of the masked image and mask appended "
             "(ComfyUI's InpaintModelConditioning supplies them)"
         )
-    batch = x.shape[0]
+    return int(x.shape[0])
+
+
+def check_timestep(timestep: Any, batch: int) -> None:
+    if not torch.is_tensor(timestep) or timestep.numel() != batch:
+        raise ConfigError(f"timestep must hold one value per latent ({batch}); got {timestep!r}")
+
+
+def check_text(info: CheckpointInfo, context: Any, batch: int, name: str = "context") -> None:
+    """The text features [batch, tokens, text_dim] of the checkpoint's encoder."""
+    width, encoder = info.dims.text_dim, info.model_family.text.encoder
     if (
         not torch.is_tensor(context)
         or context.ndim != 3
         or context.shape[0] != batch
-        or (context.shape[-1] != dims.text_dim)
+        or context.shape[-1] != width
     ):
         shape = tuple(context.shape) if torch.is_tensor(context) else type(context).__name__
         raise ConfigError(
-            f"context has shape {shape}; {info.model_name} expects [{batch}, tokens, {dims.text_dim}] (text "
-            f"features for each latent): encode the prompt with {family.text.encoder}"
+            f"{name} has shape {shape}; {info.model_name} expects [{batch}, tokens, {width}] (text "
+            f"features for each latent): encode the prompt with {encoder}"
         )
-    if family.text.pooled and (not torch.is_tensor(y) or tuple(y.shape) != (batch, dims.pooled_dim)):
-        shape = tuple(y.shape) if torch.is_tensor(y) else type(y).__name__
+
+
+def check_vector(info: CheckpointInfo, name: str, value: Any, batch: int, width: int, what: str) -> None:
+    """A [batch, width] vector input (a pooled text vector, an image embedding)."""
+    if not torch.is_tensor(value) or tuple(value.shape) != (batch, width):
+        shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
         raise ConfigError(
-            f"y (pooled_output) has shape {shape}; {info.model_name} expects [{batch}, {dims.pooled_dim}] "
-            f"(CLIP-L pooled): encode the prompt with {family.text.encoder}"
+            f"{name} has shape {shape}; {info.model_name} expects [{batch}, {width}] ({what}): encode the "
+            f"prompt with {info.model_family.text.encoder}"
         )
-    if not torch.is_tensor(timestep) or timestep.numel() != batch:
-        raise ConfigError(f"timestep must hold one value per latent ({batch}); got {timestep!r}")
-    if info.variant == "dev" and guidance is None:
-        raise ConfigError(
-            f"guidance is None; {info.model_name} needs one per latent (FluxGuidance, e.g. 3.5)"
-        )
-    check_refs(refs, ref_method, batch, channels, latent, info)
-    tokens = family.image_tokens(*x.shape[-2:]) + sum(family.image_tokens(*r.shape[-2:]) for r in refs)
-    resident.layout.validate_sequence(tokens)
-    check_finite(
-        "x", x, "the latent entering this model call is broken: check the nodes before the sampler (a VAE "
-        "Encode of a broken image, a latent upscale, a noise node)",
-    )  # fmt: skip
-    check_finite("timestep", timestep, "it is the sampler's sigma: check the scheduler or SIGMAS input")
-    if guidance is not None:
-        check_finite("guidance", guidance, "set a finite value with FluxGuidance (e.g. 3.5)")
-
-    return text_key_mask(attention_mask, context, info)
-
-
-def check_conditioning_values(
-    context: torch.Tensor, pooled: torch.Tensor, refs: Sequence[torch.Tensor] = ()
-) -> None:
-    """No NaN or inf in a prompt's tensors (checked once per prompt, when it is first sent)."""
-    fix = "re-encode the prompt (a broken text encoder or a bad upstream node)"
-    check_finite("context", context, fix)
-    check_finite("y (pooled_output)", pooled, fix)
-    for i, ref in enumerate(refs):
-        check_finite(
-            f"ref_latents[{i}]", ref, "encode the reference image again (VAE Encode into ReferenceLatent)"
-        )
-
-
-def _latent_shaped(x: Any, channels: int, family: ModelFamily) -> bool:
-    """[B, C, H, W], or the format's [B, C, 1, H, W] (an image in a 3-D latent format: Wan 2.1's)."""
-    if not torch.is_tensor(x) or x.shape[1:2] != (channels,) or 0 in x.shape:
-        return False
-    return x.ndim == 4 or (x.ndim == 2 + family.latent.dimensions == 5 and x.shape[2] == 1)
-
-
-def _latent_dims(channels: int, family: ModelFamily) -> str:
-    if family.latent.dimensions == 3:
-        return f"[batch, {channels}, 1, height, width] (or [batch, {channels}, height, width])"
-    return f"[batch, {channels}, height, width]"
 
 
 def text_key_mask(mask: Any, context: torch.Tensor, info: CheckpointInfo) -> torch.Tensor | None:
     """ComfyUI's text `attention_mask` [B, T] as a boolean key mask (True = a real token), or None when no
     token is padding. ComfyUI passes integers (1 real, 0 padding) or its additive form (0, or a value that
-    removes the key: -finfo.max); anything else would weigh keys, which no Qwen-Image input does."""
+    removes the key: -finfo.max); anything else would weigh keys, which no text mask does."""
     if mask is None:
         return None
     family = info.model_family
-    if not family.text.mask:
-        raise ConfigError(
-            f"attention_mask is not None; {info.model_name} takes no text mask (ComfyUI's own model would not "
-            "use one): remove the node that adds it to the conditioning"
-        )
     batch, tokens = context.shape[:2]
     if not torch.is_tensor(mask) or tuple(mask.shape) != (batch, tokens) or mask.is_complex():
         shape = tuple(mask.shape) if torch.is_tensor(mask) else type(mask).__name__
@@ -180,22 +140,38 @@ def text_key_mask(mask: Any, context: torch.Tensor, info: CheckpointInfo) -> tor
     return None if bool(keys.all()) else keys.cpu()
 
 
+# --- reference latents ------------------------------------------------------------------------------
+
+
 def check_refs(
-    refs: Sequence[torch.Tensor], method: str, batch: int, channels: int, latent: int, info: CheckpointInfo
+    refs: Sequence[torch.Tensor],
+    method: str,
+    batch: int,
+    channels: int,
+    latent: int,
+    info: CheckpointInfo,
+    guided: bool = False,
 ) -> None:
-    """Reference latents (Kontext, FLUX.2, Qwen-Image-Edit): what the family's ComfyUI model can concatenate,
-    placed by a method ComfyUI's own model of the checkpoint's family runs (`ModelFamily.references`)."""
+    """Reference latents (ReferenceLatent, ComfyUI's edit models): what the family's ComfyUI model can
+    concatenate, placed by a method ComfyUI's own model of the checkpoint's family runs (`references`).
+    `guided`: the checkpoint has a guidance embedder (some placements then run at batch 1 only)."""
     if not refs:
         return
-    check_ref_method(method, batch, info)
+    family = info.model_family
+    if family.references is None:
+        raise ConfigError(
+            f"{info.model_name} takes no reference latents (ReferenceLatent); remove the ReferenceLatent node "
+            "from the conditioning"
+        )
+    check_ref_method(method, batch, info, guided)
     if channels != latent:
         raise ConfigError(
-            f"reference latents (ReferenceLatent) cannot be combined with a {channels}-channel model (FLUX.1 "
-            "Fill): its tokens are wider than a reference latent's; remove the ReferenceLatent node or load a "
-            "FLUX.1 Kontext checkpoint"
+            f"reference latents (ReferenceLatent) cannot be combined with a {channels}-channel model "
+            f"({info.model_name}): its tokens are wider than a reference latent's; remove the ReferenceLatent "
+            "node or load a checkpoint that takes references"
         )
     for i, ref in enumerate(refs):
-        ok = _latent_shaped(ref, latent, info.model_family)
+        ok = latent_shaped(ref, latent, info)
         if not ok or ref.shape[0] != batch:
             shape = tuple(ref.shape) if torch.is_tensor(ref) else type(ref).__name__
             raise ConfigError(
@@ -208,15 +184,16 @@ def check_refs(
 METHOD_NODE = "Edit Model Reference Method (FluxKontextMultiReferenceLatentMethod)"
 
 
-def check_ref_method(method: str, batch: int, info: CheckpointInfo) -> None:
+def check_ref_method(method: str, batch: int, info: CheckpointInfo, guided: bool = False) -> None:
     """`method` is a placement ComfyUI's own model of `info`'s family runs, at this batch; else a
     ConfigError naming why (the family's own reason when another family runs it) and what to set."""
     family = info.model_family
     refs = family.references
+    assert refs is not None
     shown = ", ".join("uxo/uno" if m == "uxo" else m for m in refs.methods)
     if method in refs.methods:
         reason = refs.batch_one_with_guidance.get(method)
-        if reason is not None and batch > 1 and info.variant == "dev":
+        if reason is not None and batch > 1 and guided:
             raise ConfigError(
                 f"ref_latents_method={method!r} with {info.model_name} at batch {batch}: {reason}. Sample one "
                 f"image at a time with cfg 1 ({info.model_name} is guided by FluxGuidance; cfg > 1 batches the "
@@ -224,7 +201,7 @@ def check_ref_method(method: str, batch: int, info: CheckpointInfo) -> None:
                 f"{family.ref_method!r}"
             )
         return
-    others = [f.title for f in families() if method in f.references.methods]
+    others = [f.title for f in families() if f.references is not None and method in f.references.methods]
     if others:
         why = refs.refused.get(method, f"ComfyUI's own {family.title} does not run it")
         raise ConfigError(
@@ -232,9 +209,21 @@ def check_ref_method(method: str, batch: int, info: CheckpointInfo) -> None:
             f"({shown}): {why}. Set the {METHOD_NODE} node to one of {shown}, or load a "
             f"{' or '.join(others)} checkpoint"
         )
-    known = sorted({m for f in families() for m in f.references.methods})
+    known = sorted({m for f in families() if f.references is not None for m in f.references.methods})
     raise ConfigError(
         f"ref_latents_method={method!r} is not a reference placement ComfyUI's models run ({', '.join(known)}); "
         f"it came with the conditioning (the {METHOD_NODE} node, or a custom node that sets it): set that "
         f"node to one of {shown} for {info.model_name}"
     )
+
+
+def reference_inputs(
+    info: CheckpointInfo, x: torch.Tensor, inputs: dict[str, Any], batch: int, guided: bool = False
+) -> tuple[tuple[torch.Tensor, ...], str]:
+    """The call's reference latents (a tuple, empty when none) and their placement (the checkpoint's default
+    when the call names none), checked."""
+    refs = tuple(inputs.get("ref_latents") or ())
+    method = inputs.get("ref_latents_method") or info.model_family.default_ref_method(info.config)
+    channels, latent = info.input_channels, info.model_family.latent_channels(info.config)
+    check_refs(refs, method, batch, channels, latent, info, guided)
+    return refs, method

@@ -33,13 +33,17 @@ def _benchmark_names() -> dict[str, str] | None:
     return importlib.import_module(f"{_ROOT_PACKAGE}.benchmarks").BENCHMARKS
 
 
+def _demo_module() -> Any:
+    """The demo of the first registered family that has one (its `ModelFamily.demo` module)."""
+    family = next(f for f in families() if f.demo is not None)
+    return importlib.import_module(family.demo, __package__)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m rocm_parallel", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="the main job on a built-in FLUX: split across workers, check, time")
-    from . import demo as demo_module
-
-    demo_module.add_arguments(demo)
+    demo = sub.add_parser("demo", help="the main job on a built-in model: split across workers, check, time")
+    _demo_module().add_arguments(demo)
     _add_plan_arguments(sub.add_parser("plan", help="per-GPU memory, bytes moved and step time per layout"))
     from . import doctor
 
@@ -187,9 +191,7 @@ def _run(args: argparse.Namespace) -> int:
 
         return doctor.run(args)
     if args.command == "demo":
-        from . import demo
-
-        return demo.run(args)
+        return _demo_module().run(args)
     if _benchmark_names() is None:
         print(f"error: {NO_BENCHMARKS}", file=sys.stderr)
         return 2

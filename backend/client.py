@@ -60,7 +60,7 @@ def check_group_options(
     devices: Sequence[str] | None = None,
     backend: str | None = None,
 ) -> None:
-    """What `ParallelFlux(...)` passes on to its group, refused before anything starts where it would be
+    """What `ParallelModel(...)` passes on to its group, refused before anything starts where it would be
     ignored: a bad thread count or time limit, or devices, backend or threads that differ from those of
     the group it adopts."""
     check_threads(threads)

@@ -7,7 +7,6 @@ message that names the input, the value, the limit and the fix.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -27,6 +26,10 @@ def weight_dtype_name(weight_dtype: str | None) -> str:
         )
     return name
 
+
+# The resident model a request names when the caller keeps one model per worker group (a group keeps one per
+# slot: `ParallelModel.load(..., slot=...)`, each ComfyUI loader its own).
+DEFAULT_SLOT = "default"
 
 PACKAGE = "rocm_parallel"
 # This module's name minus '.backend.config': 'rocm_parallel' when imported as a package (pip, the workers,
@@ -71,50 +74,36 @@ def _one_of(values: list[int]) -> str:
 
 
 @dataclass(frozen=True)
-class FluxDims:
-    """The shape facts of a FLUX transformer that parallel layouts depend on."""
+class ModelDims:
+    """The shape facts of a transformer that layouts, the checks and the planner depend on, for any family.
+
+    - `heads` x `head_dim` = `hidden`: what tensor parallelism and Ulysses split;
+    - `mlp`: the feed-forward width tensor parallelism splits too;
+    - `text_dim`: the width of the text features a call takes (`context`);
+    - `token_channels`: the features of one latent token going in and out (the latent's channels times the
+      patch volume: 64 for FLUX.1's 16 channels in 2 x 2 patches), what a gathered output carries.
+
+    A family's `dims(config)` gives its own subclass (its folder's: block counts, a pooled width, ...),
+    which only the family reads; everything generic reads these fields.
+    """
 
     heads: int
     head_dim: int
-    double_blocks: int
-    single_blocks: int
-    guidance: bool
-    mlp_ratio: float = 4.0
-    text_dim: int = 4096
-    pooled_dim: int = 768
-    in_channels: int = 64
+    mlp: int = 0
+    text_dim: int = 0
+    token_channels: int = 0
 
     @property
     def hidden(self) -> int:
         return self.heads * self.head_dim
 
-    @property
-    def mlp(self) -> int:
-        # diffusers computes the single-block MLP width as int(dim * mlp_ratio); FeedForward uses dim * 4.
-        return int(self.hidden * self.mlp_ratio)
 
-    @classmethod
-    def from_diffusers_config(cls, config: Mapping[str, Any]) -> FluxDims:
-        return cls(
-            heads=int(config["num_attention_heads"]),
-            head_dim=int(config["attention_head_dim"]),
-            double_blocks=int(config["num_layers"]),
-            single_blocks=int(config["num_single_layers"]),
-            guidance=bool(config.get("guidance_embeds", False)),
-            # FLUX.1's config has no mlp_ratio (4.0 is built in); FLUX.2's has 3.0.
-            mlp_ratio=float(config.get("mlp_ratio", 4.0)),
-            text_dim=int(config.get("joint_attention_dim", 4096)),
-            pooled_dim=int(config.get("pooled_projection_dim", 768)),
-            in_channels=int(config.get("in_channels", 64)),
-        )
-
-
-def validate_tp_degree(degree: int, dims: FluxDims) -> None:
+def validate_tp_degree(degree: int, dims: ModelDims) -> None:
     """Raise ConfigError unless `degree` splits every width tensor parallelism shards.
 
-    Heads are checked first because they are the binding constraint of FLUX (hidden = heads * head_dim
-    and every other sharded width is a multiple of hidden); the other widths are checked too so that a
-    model with an unusual MLP ratio still fails here, not with a shape error deep in a forward.
+    Heads are checked first because they are the usual binding constraint (hidden = heads * head_dim); the
+    other widths are checked too so that a model with an unusual MLP width still fails here, not with a
+    shape error deep in a forward.
     """
     if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
         raise ConfigError(f"tp_degree={degree!r} must be a positive integer; use 1 for no tensor parallelism")
@@ -129,7 +118,7 @@ def validate_tp_degree(degree: int, dims: FluxDims) -> None:
             raise ConfigError(f"tp_degree={degree} does not divide the {name} {width}; use {_one_of(valid)}")
 
 
-def validate_ulysses_degree(degree: int, dims: FluxDims, tp: int = 1) -> None:
+def validate_ulysses_degree(degree: int, dims: ModelDims, tp: int = 1) -> None:
     """Ulysses gives each rank whole attention heads (all-to-all from tokens to heads): it divides the heads
     a rank holds, all of them, or under tensor parallelism the heads / tp of the rank's shard."""
     local = dims.heads // tp
@@ -208,7 +197,7 @@ class ParallelLayout:
         - degrees ('batch 2 x tp 2', see `parse`): exactly those.
         A degree that does not apply to `kind` is refused, never ignored (ring=2 with 'tp' would be a
         tp x ring layout the caller did not write down). 'auto' is the planner's choice and needs the
-        model and image (`auto.make_layout`, `ParallelFlux.auto_layout`).
+        model and image (`auto.make_layout`, `ParallelModel.auto_layout`).
         """
         if isinstance(kind, str) and kind.strip().lower() in LAYOUT_KINDS:
             kind = kind.strip().lower()
@@ -226,7 +215,7 @@ class ParallelLayout:
         if kind == "auto":
             raise ConfigError(
                 "layout='auto' needs the model, image size and device memory; "
-                "use ParallelFlux.auto_layout(...) or pass setup=plan.Setup(...)"
+                "use ParallelModel.auto_layout(...) or pass setup=plan.Setup(...)"
             )
         return cls.parse(kind)
 
@@ -295,7 +284,7 @@ class ParallelLayout:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}_degree={value!r} must be a positive integer; use 1 to turn it off")
 
-    def validate(self, dims: FluxDims, devices: int | None = None) -> None:
+    def validate(self, dims: ModelDims, devices: int | None = None) -> None:
         """Raise ConfigError unless this layout works for a model of `dims` on `devices` devices: the
         degrees multiply to the devices, tp divides the widths, Ulysses the heads a rank holds."""
         self.check_degrees()
@@ -304,7 +293,7 @@ class ParallelLayout:
         validate_tp_degree(self.tp, dims)
         validate_ulysses_degree(self.ulysses, dims, self.tp)
 
-    def _device_count_message(self, dims: FluxDims, devices: int) -> str:
+    def _device_count_message(self, dims: ModelDims, devices: int) -> str:
         fixes = []
         for name, value in self.degrees.items():
             others = self.world_size // value
@@ -331,8 +320,8 @@ class ParallelLayout:
         if image_tokens < degree:
             raise ConfigError(
                 f"an image of {image_tokens} tokens is too short for ring={self.ring} x "
-                f"ulysses={self.ulysses} = {degree} devices: each needs at least one image token "
-                f"(16x16 pixels); use an image of at least {degree} tokens or fewer devices"
+                f"ulysses={self.ulysses} = {degree} devices: each needs at least one image token; use an "
+                f"image of at least {degree} tokens or fewer devices"
             )
 
 

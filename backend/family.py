@@ -9,8 +9,9 @@ ever reads these fields:
 * context parallelism (parallel/context.py): `cp`, the attention processors it may rebuild;
 * the planner (backend/plan/): `dims`, `config_from_dims` (its meta model), `planner` (calibration);
 * the command line: `presets`;
-* the worker's forward service and the ComfyUI proxy MODEL: `call`, `model_fn`, `latent`, `text`,
-  `comfy_model`.
+* the model call (its inputs, checks and token geometry), read by the worker's forward service, the
+  checks, admission, the planner and the ComfyUI proxy MODEL: `call_spec`, `call`, `model_fn`,
+  `geometry`, `latent`, `text`, `references`, `comfy_model`.
 
 So adding a family touches its folder, `BUILTIN` below, its docs and its tests; nothing else branches on
 a family. Style: torchtitan's plans-as-data and diffusers' `_tp_plan` / `_cp_plan`.
@@ -35,15 +36,17 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .config import ConfigError, FluxDims
+from .config import ConfigError, ModelDims
 
 if TYPE_CHECKING:  # the records' types; importing them here would make this module import torch
     from torch import nn
 
+    from .call import CallSpec
     from .checkpoint.keys import KeyLayout, Source
     from .parallel.context import ContextParallelSpec
     from .parallel.tensor import TensorParallelSpec
@@ -70,6 +73,12 @@ class LatentFormat:
     std: tuple[float, ...] | None = None  # per channel (latents_std)
     # ComfyUI's latent_dimensions: 2 for [B, C, H, W]; 3 for [B, C, T, H, W] (T = 1 for an image)
     dimensions: int = 2
+    # video frames per latent frame after the first (Wan's VAE: 4; 1 + 4k frames make 1 + k latent frames)
+    temporal_downscale: int = 1
+
+    def latent_frames(self, frames: int) -> int:
+        """Latent frames of a video of `frames` frames (1 for an image)."""
+        return (frames - 1) // self.temporal_downscale + 1
 
     def process_in(self, x: Any) -> Any:
         """VAE latent -> the space the sampler works in, in ComfyUI's operation order (x: a tensor, channels
@@ -99,15 +108,30 @@ class LatentFormat:
 
 
 @dataclass(frozen=True)
+class TokenGeometry:
+    """How a latent becomes the transformer's tokens: `patch` latent pixels per token along (frames,
+    height, width), a partial patch padded (ComfyUI's pad_to_patch_size); `frames`: the model takes latents
+    of several frames ([B, C, T, H, W], T > 1: video). FLUX.1 and Qwen-Image: (1, 2, 2); FLUX.2: (1, 1, 1)."""
+
+    patch: tuple[int, int, int]
+    frames: bool = False
+
+    def tokens(self, shape: Sequence[int]) -> int:
+        """Tokens of one batch entry of a latent of `shape` ([B, C, H, W] or [B, C, T, H, W])."""
+        t = int(shape[2]) if len(shape) == 5 else 1
+        sizes = (t, int(shape[-2]), int(shape[-1]))
+        return math.prod(-(-n // p) for n, p in zip(sizes, self.patch, strict=True))
+
+
+@dataclass(frozen=True)
 class TextInputs:
     """The text conditioning a model call takes, for messages and the planner."""
 
     encoder: str  # how a ComfyUI user makes it (errors name it), e.g. "a FLUX DualCLIPLoader (...)"
     tokens: int  # text tokens of a short prompt as ComfyUI passes it (the planner prices these)
-    pooled: bool  # whether a call takes a pooled vector `y` (FLUX.1's CLIP-L); FLUX.2 takes none
-    # whether a call takes the text encoder's attention mask (ComfyUI's `attention_mask`, 1 = a real token):
-    # Qwen-Image does; FLUX's text is never masked (the proxy refuses a mask for it)
-    mask: bool = False
+    # whether the text joins the image tokens in one self-attention (FLUX, Qwen-Image: joint attention,
+    # which context parallelism splits too) or is only attended to from them (cross-attention)
+    joint: bool = True
 
 
 @dataclass(frozen=True)
@@ -168,35 +192,38 @@ class ModelFamily:
       none on the meta device (the loader builds on meta, shards, then fills from the file).
     - `presets`: released configs by the name `plan --model` offers ("flux1-dev"); `aliases`: older
       names for some of them ("dev" -> "flux1-dev").
-    - `dims(config)`: the shape facts layouts depend on (FluxDims); `config_from_dims(dims)`: a config
-      with those dims, from which the planner builds its meta model.
+    - `dims(config)`: the shape facts layouts depend on (a `ModelDims`, or the family's own subclass);
+      `config_from_dims(dims)`: a config with those dims, from which the planner builds its meta model.
     Checkpoint
     - `keys`: the BFL <-> diffusers key layout (data); `matches_bfl(keys)` / `matches_diffusers(keys)`:
       header detection (keys without `model.diffusion_model.`); `config_from_bfl(shapes)` /
       `config_from_diffusers(shapes)`: the config from a header's shapes.
-    - `variant(config)`: the schedule / guidance kind ("dev" needs a guidance value, "schnell" has none);
-      `describe(config)`: the model's name for messages; `input_channels(config)`: channels of `x` in a
-      model call (latent plus concatenated extras); `latent_channels(config)`: of the latent itself.
+    - `variant(config)`: the family's word for the checkpoint's kind (messages, the panel; only the family
+      reads it); `describe(config)`: the model's name for messages; `input_channels(config)`: channels of
+      `x` in a model call (latent plus concatenated extras); `latent_channels(config)`: of the latent itself.
     Parallelism and planning
     - `tp`: the tensor-parallel spec (plan, block forwards, modulation source, attention processors);
       `cp`: what context parallelism may rebuild and returns; `planner`: the measured activation units.
-    ComfyUI
-    - `patch`: latent pixels per token on each side; `latent`, `text`: the latent format and text
-      conditioning; `ref_method`: ComfyUI's default placement of reference latents (a checkpoint may set
-      its own: `default_ref_method(config)`); `references`: the placements the family runs
-      (`ReferenceLatents`), and what messages say about them.
+    The model call (ComfyUI's)
+    - `call_spec`: the call as data (backend/call.py `CallSpec`): its inputs by ComfyUI's names, which are a
+      prompt's and which change every step, which carry the batch or add tokens, and the family's checks.
+    - `call(model_fn, x, timestep, **inputs)`: one model call with ComfyUI's semantics (pad, patchify, ids,
+      crop) on the inputs `call_spec` declares; `model_fn(model)` adapts the diffusers model to it.
+    - `geometry`: how a latent becomes tokens (`TokenGeometry`: patch per frame, row, column);
+      `latent`, `text`: the latent format and the text conditioning (for messages and the planner).
+    - `references`: the reference latents the family's model takes (`ReferenceLatents`: placements, and
+      what messages say about them), None when it takes none; `ref_method`: ComfyUI's default placement (a
+      checkpoint may set its own: `default_ref_method(config)`).
     - `comfy_model(config)`: the ComfyUI model config the proxy MODEL is built from.
-    - `call(model_fn, x, timestep, context, pooled, guidance, ref_latents=(), ref_method=...)`: one model
-      call with ComfyUI's semantics (pad, patchify, ids, crop); a family whose text takes a mask
-      (`text.mask`) also takes `attention_mask=` (a boolean [B, T], given only when some token is padding).
-      `model_fn(model)` adapts the diffusers model to the `model_fn` contract `call` takes.
     - `lora_prefixes`: key prefixes ComfyUI's LoRA loader maps onto the checkpoint's modules besides
       `diffusion_model.`, `lora_unet_` and the diffusers names (comfy/lora.py; Qwen-Image's bare names).
     Sampling
-    - `sampling(info, latent, positive, *, seed, steps, denoise, sigmas, noise_mask, batch_index,
-      shift_mu)`: the `flux.sampling.SamplingPlan` `ParallelFlux.sample` runs (its Euler loop) for a
-      checkpoint of this family: ComfyUI's default graph for it (FLUX.1: KSampler euler/simple on the
-      dev/schnell table; FLUX.2: Flux2Scheduler).
+    - `sampling(info, latent, positive, request)`: the `sampling.SamplingPlan` `ParallelModel.sample` runs
+      (its Euler loop) for a checkpoint of this family, from ComfyUI's LATENT dict, a CONDITIONING and a
+      `sampling.SamplingRequest`: ComfyUI's default graph for it (FLUX.1: KSampler euler/simple on the
+      dev/schnell table; FLUX.2: Flux2Scheduler; Qwen-Image: ModelSamplingAuraFlow).
+    - `demo`: the module (relative to the backend package) whose `add_arguments(parser)` and `run(args)`
+      are `python -m rocm_parallel demo`, for a family that has one (the CLI runs the first).
     """
 
     name: str
@@ -204,8 +231,8 @@ class ModelFamily:
     diffusers_class: str
     build: Callable[..., nn.Module]
     presets: Mapping[str, Mapping[str, Any]]
-    dims: Callable[[Mapping[str, Any]], FluxDims]
-    config_from_dims: Callable[[FluxDims], dict[str, Any]]
+    dims: Callable[[Mapping[str, Any]], ModelDims]
+    config_from_dims: Callable[[Any], dict[str, Any]]
     keys: KeyLayout
     matches_bfl: Callable[[Collection[str]], bool]
     config_from_bfl: Callable[[Shapes], dict[str, Any]]
@@ -219,31 +246,68 @@ class ModelFamily:
     cp: ContextParallelSpec
     planner: PlannerFacts
     latent: LatentFormat
-    patch: int
+    geometry: TokenGeometry
     text: TextInputs
-    ref_method: str
-    references: ReferenceLatents
     comfy_model: Callable[[Mapping[str, Any]], ComfyModel]
+    call_spec: CallSpec
     call: Callable[..., Any]
     model_fn: Callable[[Any], Callable[..., Any]]
     sampling: Callable[..., Any]
+    references: ReferenceLatents | None = None
+    ref_method: str = ""
     aliases: Mapping[str, str] = field(default_factory=dict)
     lora_prefixes: tuple[str, ...] = ()
+    demo: str | None = None
 
     def default_ref_method(self, config: Mapping[str, Any]) -> str:
         """How reference latents are placed when a call names no method: the checkpoint's own default
         (its ComfyUI unet_config's `default_ref_method`, e.g. Qwen-Image-Edit-2511's), else the family's."""
         return str(self.comfy_model(config).unet_config.get("default_ref_method", self.ref_method))
 
-    def image_tokens(self, height: int, width: int) -> int:
-        """Tokens of a latent of height x width latent pixels (ComfyUI pads a partial patch)."""
-        return -(-height // self.patch) * -(-width // self.patch)
+    def tokens(self, shape: Sequence[int]) -> int:
+        """Tokens of one batch entry of a latent of `shape` (`geometry`)."""
+        return self.geometry.tokens(shape)
 
-    def planned_pixels(self, height: int, width: int) -> tuple[int, int]:
-        """(width, height) in pixels the planner prices for a latent of height x width latent pixels: padded
-        to whole patches, as the model pads it, so an odd latent is priced by the tokens it becomes."""
-        pad = self.patch * self.latent.downscale
-        return -(-width // self.patch) * pad, -(-height // self.patch) * pad
+    def token_pixels(self) -> tuple[int, int]:
+        """Image pixels per token along (height, width): the patch times the VAE's scale (16 for FLUX.1,
+        FLUX.2 and Qwen-Image alike)."""
+        _, ph, pw = self.geometry.patch
+        return ph * self.latent.downscale, pw * self.latent.downscale
+
+    def planned_size(self, shape: Sequence[int]) -> tuple[int, int, int]:
+        """(frames, height, width) in pixels the planner prices for a latent of `shape` ([B, C, H, W] or
+        [B, C, T, H, W]): padded to whole patches, as the model pads it, so an odd latent is priced by the
+        tokens it becomes. Frames are the video's (1 + temporal scale x (T - 1))."""
+        t = int(shape[2]) if len(shape) == 5 else 1
+        pt, ph, pw = self.geometry.patch
+        rows, cols = -(-int(shape[-2]) // ph) * ph, -(-int(shape[-1]) // pw) * pw
+        frames = -(-t // pt) * pt
+        scale = self.latent.downscale
+        return (frames - 1) * self.latent.temporal_downscale + 1, rows * scale, cols * scale
+
+    def tensor_parallel(self, model: nn.Module, group: Any = None) -> nn.Module:
+        """`model` (of this family) sharded in place across `group` (None: the world) with this family's
+        TP spec: parallel/tensor.py `apply_tensor_parallel`, the specs passed down from here."""
+        from .parallel.tensor import apply_tensor_parallel
+
+        return apply_tensor_parallel(model, group, self.tp, self.dims(model.config))
+
+    def context_parallel(
+        self,
+        model: nn.Module,
+        ring: int = 1,
+        ulysses: int = 1,
+        *,
+        mesh: Any = None,
+        attention: str | None = None,
+    ) -> nn.Module:
+        """`model` (of this family) split over ring x ulysses ranks with this family's CP spec:
+        parallel/context.py `apply_context_parallel`, the specs passed down from here."""
+        from .parallel.context import apply_context_parallel
+
+        return apply_context_parallel(
+            model, ring, ulysses, spec=self.cp, dims=self.dims(model.config), mesh=mesh, attention=attention
+        )
 
     def parameter_shapes(self, config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
         """diffusers parameter name -> shape of a model of `config`: its meta model's (built once per config)."""
@@ -381,6 +445,7 @@ __all__ = [
     "PlannerFacts",
     "ReferenceLatents",
     "TextInputs",
+    "TokenGeometry",
     "build_diffusers",
     "detect_bfl",
     "detect_diffusers",

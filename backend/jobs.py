@@ -1,9 +1,10 @@
 """The jobs a worker runs for users: load a checkpoint in a layout, unload it, report status.
 
-A load takes the caller's `LoadRequest`: the checkpoint's header as the caller read it, the layout and
-the LoRAs. The layout's device mesh (parallel/mesh.py) is built once per layout and kept: each rank reads
+A load takes the caller's `LoadRequest`: the checkpoint's header as the caller read it, the layout, the
+LoRAs and the slot: a rank keeps several models resident, one per slot (a graph that uses two models, such
+as Wan 2.2's two experts, keeps both), each with its own layout, shards, LoRA state and conditioning. The layout's device mesh (parallel/mesh.py) is built once per layout and kept: each rank reads
 the slices of its rank in the tp group, and context parallelism runs on the ring x ulysses sub-mesh.
-Sampling is not a job: the caller's loop (`ParallelFlux.sample`) sends one `flux_forward` request per
+Sampling is not a job: the caller's loop (`ParallelModel.sample`) sends one `model_call` request per
 step (serve.py, which splits each call's batch over the mesh's batch dimension).
 """
 
@@ -17,11 +18,21 @@ import torch.distributed as dist
 
 from .checkpoint import CheckpointInfo, apply_loras, inspect_lora, load_model
 from .compile import compile_repeated_blocks
-from .messages import DeviceMemory, LoadReport, LoadRequest, Lora, RankStatus, Unloaded
+from .messages import (
+    DEFAULT_SLOT,
+    DeviceMemory,
+    LoadReport,
+    LoadRequest,
+    Lora,
+    RankStatus,
+    ResidentModel,
+    Unloaded,
+    UnloadRequest,
+)
 from .parallel.mesh import ParallelGroups, parallel_groups, parallelize
 from .parallel.tensor import parameter_bytes
 from .parallel.weights import resident_bytes_by_dtype
-from .worker import WorkerContext, handler
+from .worker import Resident, WorkerContext, handler
 
 # Attribute of a resident model: the parameters that currently hold LoRA deltas.
 LORA_PATCHED = "_rocm_parallel_lora_patched"
@@ -39,16 +50,33 @@ def _memory(device: torch.device) -> DeviceMemory | None:
     )
 
 
+def _model_status(slot: str, resident: Resident) -> ResidentModel:
+    model = resident.model
+    return ResidentModel(
+        slot=slot,
+        loaded=resident.key,
+        parameter_bytes=parameter_bytes(model) if model is not None else 0,
+        parameter_bytes_by_dtype=resident_bytes_by_dtype(model) if model is not None else {},
+    )
+
+
 @handler("status")
 def status(ctx: WorkerContext) -> RankStatus:
-    model = ctx.resident.model
+    """This rank's device, memory and every resident model (slots that hold none are left out)."""
+    models = tuple(_model_status(slot, r) for slot, r in ctx.residents.items() if r.model is not None)
+    by_dtype: dict[str, int] = {}
+    for m in models:
+        for dtype, n in m.parameter_bytes_by_dtype.items():
+            by_dtype[dtype] = by_dtype.get(dtype, 0) + n
+    main = next((m for m in models if m.slot == DEFAULT_SLOT), models[0] if len(models) == 1 else None)
     return RankStatus(
         rank=ctx.rank,
         device=str(ctx.device),
-        loaded=ctx.resident.key,
-        parameter_bytes=parameter_bytes(model) if model is not None else 0,
-        parameter_bytes_by_dtype=resident_bytes_by_dtype(model) if model is not None else {},
+        loaded=main.loaded if main is not None else None,
+        parameter_bytes=sum(m.parameter_bytes for m in models),
+        parameter_bytes_by_dtype=by_dtype,
         memory=_memory(ctx.device),
+        models=models,
     )
 
 
@@ -56,13 +84,25 @@ def _report(ctx: WorkerContext, **what_the_load_did: float | int | bool) -> Load
     return LoadReport(**vars(status(ctx)), **what_the_load_did)
 
 
-@handler("unload")
-def unload(ctx: WorkerContext) -> Unloaded:
-    """Drop the resident model and give its memory back to the device."""
-    had = ctx.resident.clear()
+def _free(ctx: WorkerContext) -> None:
     gc.collect()
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+@handler("unload")
+def unload(ctx: WorkerContext) -> Unloaded:
+    """Drop every resident model and give their memory back to the device."""
+    had = [r.clear() for r in ctx.residents.values()]
+    _free(ctx)
+    return Unloaded(rank=ctx.rank, unloaded=any(had))
+
+
+@handler("unload_slot", UnloadRequest)
+def unload_slot(ctx: WorkerContext, request: UnloadRequest) -> Unloaded:
+    """Drop the model resident in one slot; the others stay."""
+    had = ctx.model(request.slot).clear()
+    _free(ctx)
     return Unloaded(rank=ctx.rank, unloaded=had)
 
 
@@ -99,22 +139,25 @@ def load(ctx: WorkerContext, request: LoadRequest) -> LoadReport:
     A failure or cancel while LoRAs are applied leaves some tensors patched and others not: the model is
     dropped then, so no rank keeps weights that no record describes.
     """
-    wanted, held = request.loaded(), ctx.resident.key
+    resident = ctx.model(request.slot)
+    wanted, held = request.loaded(), resident.key
     info, layout = request.info, request.layout
+    family = info.model_family
     if wanted.same_weights(held):
         if held == wanted:
             return _report(ctx, reused=True)
-        model = ctx.resident.model
-        ctx.resident.clear()  # until the new set is on every tensor, this rank holds no described model
+        model = resident.model
+        resident.clear()  # until the new set is on every tensor, this rank holds no described model
         try:
             lora = _apply_loras(ctx, model, info, request.loras, parallel_groups(layout, ctx.device))
         except BaseException:
             del model
-            unload(ctx)
+            _free(ctx)
             raise
-        ctx.resident.set(model, wanted)
+        resident.set(model, wanted, family)
         return _report(ctx, reused=True, **lora)
-    unload(ctx)
+    resident.clear()
+    _free(ctx)
     started = time.perf_counter()
     groups = parallel_groups(layout, ctx.device)
     model = load_model(
@@ -122,8 +165,8 @@ def load(ctx: WorkerContext, request: LoadRequest) -> LoadReport:
         group=groups.tp_group, progress=ctx.load_progress,
     )  # fmt: skip
     lora = _apply_loras(ctx, model, info, request.loras, groups) if request.loras else {}
-    parallelize(model, groups, attention=request.attention)  # context parallelism; TP is the loader's
+    parallelize(model, groups, family, attention=request.attention)  # context parallelism; TP is the loader's
     compile_repeated_blocks(model, request.compile)  # marks the blocks; they compile at the first call
     ctx.synchronize()
-    ctx.resident.set(model, wanted)
+    resident.set(model, wanted, family)
     return _report(ctx, reused=False, seconds=time.perf_counter() - started, **lora)

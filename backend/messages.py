@@ -8,8 +8,9 @@ The tests' own worker methods define their records next to them (tests/worker_jo
 |---------------------------------|------------------|-----------------------------------------|
 | ping (worker.py)                | -                | RankInfo                                |
 | load (jobs.py)                  | LoadRequest      | LoadReport (a RankStatus plus the load) |
-| status, unload (jobs.py)        | -                | RankStatus, Unloaded                    |
-| flux_forward (serve.py)         | ForwardRequest   | ForwardReply                            |
+| status, unload (jobs.py)        | -                | RankStatus, Unloaded (every slot)       |
+| unload_slot (jobs.py)           | UnloadRequest    | Unloaded                                |
+| model_call (serve.py)           | ForwardRequest   | ForwardReply                            |
 | measure_link (probe.py)         | LinkRequest      | LinkReport                              |
 | health_check (probe.py)         | HealthRequest    | HealthReport                            |
 | attention_kernels (probe.py)    | -                | AttentionReport                         |
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 
 from .checkpoint import CheckpointInfo, StoredTensor
-from .config import ParallelLayout
+from .config import DEFAULT_SLOT, ParallelLayout
 from .transport import record, register
 
 # The layout and the checkpoint's header travel as they are: the workers neither rebuild the layout from
@@ -76,12 +77,13 @@ class Loaded:
 @record
 @dataclass(frozen=True)
 class LoadRequest:
-    """Make `checkpoint` resident in `layout` with `loras` applied; what `ParallelFlux.resident` keeps.
+    """Make `checkpoint` resident in `layout` with `loras` applied; what `ParallelModel.resident` keeps.
 
     `info` is the caller's reading of the checkpoint's header (read once per run and carried along);
     `dtype` the compute dtype (None: the devices' default); `weight_dtype` how the linear weights are held
     (config.WEIGHT_DTYPE_BYTES: 'default', 'fp8_e4m3fn', 'fp8_e5m2', 'compute'); `compile` whether the
-    repeated transformer blocks run compiled (compile.py; 'off', 'inductor', 'aot_eager').
+    repeated transformer blocks run compiled (compile.py; 'off', 'inductor', 'aot_eager'); `slot` which of
+    the group's resident models it is (a graph that uses two models keeps both, each in its own slot).
     """
 
     checkpoint: str
@@ -92,6 +94,7 @@ class LoadRequest:
     attention: str | None = None
     loras: tuple[Lora, ...] = ()
     compile: str = "off"
+    slot: str = DEFAULT_SLOT  # which of the group's resident models this is (several can be resident)
 
     def loaded(self) -> Loaded:
         return Loaded(
@@ -118,8 +121,21 @@ class DeviceMemory:
 
 @record
 @dataclass(frozen=True)
+class ResidentModel:
+    """One of a rank's resident models: its slot, what it is and its parameter bytes."""
+
+    slot: str
+    loaded: Any  # a Loaded, or a test's own record describing random weights
+    parameter_bytes: int = 0  # fp8 weights count 1 byte each
+    parameter_bytes_by_dtype: dict[str, int] = field(default_factory=dict)
+
+
+@record
+@dataclass(frozen=True)
 class RankStatus:
-    """One rank's device, resident model and memory."""
+    """One rank's device, resident models and memory. `loaded` and the parameter bytes are the rank's
+    whole: the default slot's model (or the only one held), and the bytes of every resident model;
+    `models` lists each."""
 
     rank: int
     device: str
@@ -127,7 +143,8 @@ class RankStatus:
     parameter_bytes: int = 0  # resident parameter bytes (fp8 weights count 1 byte each)
     parameter_bytes_by_dtype: dict[str, int] = field(default_factory=dict)
     memory: DeviceMemory | None = None
-    busy: bool = False  # ParallelFlux.status() while a job runs: the last report, not a fresh one
+    busy: bool = False  # ParallelModel.status() while a job runs: the last report, not a fresh one
+    models: tuple[ResidentModel, ...] = ()
 
 
 @record
@@ -139,6 +156,14 @@ class LoadReport(RankStatus):
     seconds: float = 0.0  # reading the checkpoint (0 when reused)
     lora_tensors: int = 0  # tensors the LoRA change rewrote
     lora_seconds: float = 0.0
+
+
+@record
+@dataclass(frozen=True)
+class UnloadRequest:
+    """`unload_slot`: drop the model resident in `slot` (the others stay)."""
+
+    slot: str = DEFAULT_SLOT
 
 
 @record
@@ -157,29 +182,26 @@ CONDITIONING_SLOTS = 4  # prompts kept per rank: a CFG batch, a second sampler, 
 @record
 @dataclass(frozen=True)
 class Conditioning:
-    """A prompt as the model call takes it (the text features, FLUX.1's pooled vector, or an empty one for
-    FLUX.2 and Qwen-Image), the reference latents (Kontext, FLUX.2 and Qwen-Image editing) and the text's
-    key mask (Qwen-Image: boolean [B, T], None when no token is padding): sent once, kept by every rank
-    under a key."""
+    """A prompt's inputs of a model call, by the family's names (its `CallSpec`'s held inputs: the text
+    features, a pooled vector, reference latents, a text key mask, ...; None where a prompt has none): sent
+    once, kept by every rank under a key."""
 
-    context: torch.Tensor
-    pooled: torch.Tensor
-    ref_latents: tuple[torch.Tensor, ...] = ()
-    attention_mask: torch.Tensor | None = None
+    inputs: dict[str, Any]
 
 
 @record
 @dataclass(frozen=True)
 class ForwardRequest:
-    """One model call, ComfyUI's `Flux.forward(x, timestep, context, y, guidance, ref_latents,
-    ref_latents_method=)`: the conditioning held under `cond_key`, sent along as `cond` when the ranks lack it."""
+    """One model call, ComfyUI's `diffusion_model(x, timestep, **inputs)`: the prompt's inputs held under
+    `cond_key` (sent along as `cond` when the ranks lack them) and the inputs that change every call
+    (`inputs`: guidance, a placement) on the model resident in `slot`."""
 
     x: torch.Tensor
     timestep: torch.Tensor
     cond_key: int
-    guidance: torch.Tensor | None = None
+    inputs: dict[str, Any] = field(default_factory=dict)
     cond: Conditioning | None = None
-    ref_method: str = "offset"
+    slot: str = DEFAULT_SLOT
 
 
 @record
@@ -232,7 +254,7 @@ class LinkRequest:
 @record
 @dataclass(frozen=True)
 class LinkReport:
-    """What the planner needs about this machine (`ParallelFlux.machine()`: memory is the least rank's)."""
+    """What the planner needs about this machine (`ParallelModel.machine()`: memory is the least rank's)."""
 
     rank: int
     device: str

@@ -1,7 +1,10 @@
-"""A worker group with one model resident on every rank: the part of `ParallelFlux` that starts the
-group, loads, re-loads after a failure, unloads, reports status and plans 'auto' layouts.
+"""A worker group with models resident on every rank: the part of `ParallelModel` that starts the group,
+loads, re-loads after a failure, unloads, reports status and plans 'auto' layouts.
 
-`ParallelFlux` (api.py) adds what runs on the resident model: `forward` and `sample`.
+A group keeps several models resident at once, each in its own slot (a ComfyUI graph with two models, such
+as Wan 2.2's high- and low-noise experts or a text encoder beside a diffusion model, keeps both): each slot
+has its own layout, shards, LoRA state and conditioning. `ParallelModel` (api.py) adds what runs on a
+resident model: `forward` and `sample`; a call names its slot, the default one when it does not.
 """
 
 from __future__ import annotations
@@ -10,8 +13,11 @@ import contextlib
 import dataclasses
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
+import psutil
 import torch
 
 from .auto import choose_layout, make_layout, measure_machine
@@ -25,24 +31,72 @@ from .checkpoint import (
 )
 from .client import ProgressCallback, WorkerError, WorkerGroup, check_group_options, validate_devices
 from .compile import compile_mode
-from .config import FluxDims, ParallelLayout, weight_dtype_name
+from .config import ConfigError, ModelDims, ParallelLayout, weight_dtype_name
+from .dtypes import WEIGHT_DTYPES, compute_dtype_named
 from .forward_client import ForwardClient
-from .messages import LinkReport, LoadReport, LoadRequest, RankStatus
+from .messages import DEFAULT_SLOT, LinkReport, LoadReport, LoadRequest, RankStatus, UnloadRequest
 from .plan import Choice
 from .platforms import DeviceSpec, parse_devices
+from .text import GB
 
 Checkpoint = str | os.PathLike[str] | CheckpointInfo  # a path, or its header as inspect_checkpoint read it
 
 
 def default_devices() -> list[str]:
     """All visible GPUs (ROCm GPUs are 'cuda' devices in torch); an error naming the torch build when
-    there is none (CPU workers are for testing: ask for them, e.g. ParallelFlux(["cpu", "cpu"]))."""
+    there is none (CPU workers are for testing: ask for them, e.g. ParallelModel(["cpu", "cpu"]))."""
     return list(parse_devices("all"))
 
 
+Loras = Sequence[tuple[str | os.PathLike[str], float]]
+
+# Of a device's memory (a GPU's, or the host's for CPU workers), the share the weights of every resident
+# model may take together before the least recently used is unloaded for a new one: the rest is for
+# activations, the runtime and (on GPU 0) ComfyUI's own models.
+RESIDENT_SHARE = 0.75
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadOptions:
+    """How to make a checkpoint resident: one record for `load`, `check_load`, the nodes and the checks.
+
+    `layout`: 'tp' (every device shards the weights), 'context' (ring x Ulysses: `ring` / `ulysses`, None or
+    0 filling the rest), degrees such as 'batch 2 x tp 2' (a ParallelLayout's `str`; the product is the
+    device count), a ParallelLayout, or 'auto' (the planner's choice). `ring` / `ulysses` go with 'context'
+    only: with anything else they are refused. `dtype` is the compute dtype; `weight_dtype` how linear
+    weights stay resident ('default' (None): an fp8 file's stay fp8; 'fp8_e4m3fn' / 'fp8_e5m2': converted at
+    load; 'compute': upcast at load). `attention` overrides the attention kernel. `loras`: (path, strength)
+    pairs applied in order on top (each rank patches its own shard). `compile`: 'inductor' / 'aot_eager'
+    compile the repeated blocks (compile.py), 'off' runs eager. `slot`: which of the group's resident
+    models this is (several stay resident, one per slot).
+    """
+
+    layout: str | ParallelLayout = "tp"
+    ring: int | None = None
+    ulysses: int | None = None
+    dtype: str | None = None
+    weight_dtype: str | None = None
+    attention: str | None = None
+    loras: tuple[tuple[str, float], ...] = ()
+    compile: str | None = "off"
+    slot: str = DEFAULT_SLOT
+
+    @classmethod
+    def make(cls, options: LoadOptions | None = None, **given: Any) -> LoadOptions:
+        """`options` with `given` fields replaced (LoRAs as a tuple of (path, strength) pairs)."""
+        if "loras" in given:
+            given["loras"] = tuple((os.fspath(path), strength) for path, strength in given["loras"] or ())
+        unknown = sorted(set(given) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ConfigError(
+                f"{', '.join(unknown)} is not a load option; use {', '.join(f.name for f in dataclasses.fields(cls))}"
+            )
+        return dataclasses.replace(options or cls(), **given)
+
+
 class ResidentGroup:
-    """A worker group (started on first use, started again after a failure closed it) and the one model
-    all its ranks hold: `resident`, the `LoadRequest` every rank answered, or None.
+    """A worker group (started on first use, started again after a failure closed it) and the models its
+    ranks hold: `residents`, slot -> the `LoadRequest` every rank answered (`resident`: the default slot's).
 
     Thread-safe: calls from several threads run one at a time; `status()` never waits for a running
     job (it answers from the last report, marked busy).
@@ -66,13 +120,15 @@ class ResidentGroup:
         self.devices = validate_devices(devices if devices is not None else default_devices(), backend)
         self.threads, self.start_timeout = threads, start_timeout
         self._group: WorkerGroup | None = group
-        self.resident: LoadRequest | None = None  # what every rank holds
-        self._loaded_in: WorkerGroup | None = None
+        # slot -> what every rank holds there, in least recently used order (the first is evicted first)
+        self.residents: OrderedDict[str, LoadRequest] = OrderedDict()
+        self._loaded_in: dict[str, WorkerGroup] = {}
         self.auto_choice: Choice | None = None  # the latest 'auto' decision; .explanation for the node
         self._machine: tuple[WorkerGroup, LinkReport] | None = None
         self._lock = threading.RLock()
         self._last_status: list[RankStatus] = []
-        self._forwards = ForwardClient()  # what the ranks hold for `forward`
+        self._forwards: dict[str, ForwardClient] = {}  # what the ranks hold for `forward`, per slot
+        self.evicted: list[str] = []  # one line per model unloaded to make room for another (the panel)
 
     # ------------------------------------------------------------------ group
 
@@ -112,7 +168,9 @@ class ResidentGroup:
         with self._lock:
             if self._group is not None:
                 self._group.close()
-            self._group, self._loaded_in = None, None
+            self._group = None
+            self.residents.clear()
+            self._loaded_in.clear()
 
     def __enter__(self) -> ResidentGroup:
         return self
@@ -131,118 +189,110 @@ class ResidentGroup:
 
     def auto_layout(
         self,
-        dims: FluxDims,
+        dims: ModelDims,
         width: int = 1024,
         height: int = 1024,
         batch: int = 1,
         dtype: str | None = None,
         context_only: bool = False,
         weight_dtype: str = "compute",
-        family: str = "flux1",
+        family: str | None = None,
         reference_tokens: int = 0,
         fixed: dict[str, int] | None = None,
+        frames: int = 1,
     ) -> Choice:
-        """The planner's layout for this image on these devices; `.explanation` is one line for the node.
+        """The planner's layout for this image (or video: `frames`) on these devices; `.explanation` is one
+        line for the node.
 
         `batch` is the model call's batch (`plan.call_batch`: the images, twice them when cond and uncond
         run together at cfg != 1): the planner never picks a batch degree above it. `context_only` keeps
         tp at 1 (the Ring Attention Sampler's auto); `fixed` keeps other degrees too ({"batch": 2}).
         `weight_dtype`: the planner's name ('compute', 'fp8_e4m3fn', 'fp8_e5m2'; see
         `load.planned_weight_dtype` for a checkpoint's 'default'). `family` is the checkpoint's model
-        family (CheckpointInfo.family): FLUX.2's shapes and text length differ. `reference_tokens`: the
-        image tokens of Kontext / FLUX.2 reference latents, which every step carries next to the image's.
+        family (CheckpointInfo.family; the first registered one when None). `reference_tokens`: the image
+        tokens of reference latents, which every step carries next to the image's.
         """
         keep = {**(fixed or {}), **({"tp": 1} if context_only else {})}
         self.auto_choice = choose_layout(
             self.machine(), self.devices, dims, width, height, batch, dtype=dtype, fixed=keep,
-            weight_dtype=weight_dtype, family=family, reference_tokens=reference_tokens,
+            weight_dtype=weight_dtype, family=family, reference_tokens=reference_tokens, frames=frames,
         )  # fmt: skip
         return self.auto_choice
 
-    # ------------------------------------------------------------------ model
+    # ------------------------------------------------------------------ models
+
+    @property
+    def resident(self) -> LoadRequest | None:
+        """What the default slot holds (the one model of a caller that keeps one), or None."""
+        return self.residents.get(DEFAULT_SLOT)
 
     def load(
         self,
         checkpoint: Checkpoint,
+        options: LoadOptions | None = None,
         *,
-        layout: str | ParallelLayout = "tp",
-        ring: int | None = None,
-        ulysses: int | None = None,
-        dtype: str | None = None,
-        weight_dtype: str | None = None,
-        attention: str | None = None,
-        loras: Sequence[tuple[str | os.PathLike[str], float]] = (),
         progress: ProgressCallback | None = None,
         timeout: float | None = None,
-        compile: str | None = "off",
+        **given: Any,
     ) -> list[LoadReport]:
-        """Make `checkpoint` resident in `layout`; reuses what is already there.
-
-        `layout`: 'tp' (every device shards the weights), 'context' (ring x Ulysses: `ring` / `ulysses`,
-        None or 0 filling the rest), degrees such as 'batch 2 x tp 2' or 'tp2xring2' (a ParallelLayout's
-        `str`; the product is the device count), a ParallelLayout, or 'auto' (the planner's choice).
-        `ring` / `ulysses` go with 'context' only: with anything else they are refused.
+        """Make `checkpoint` resident as `options` (a LoadOptions, and/or its fields as keywords: `layout`,
+        `ring`, `ulysses`, `dtype`, `weight_dtype`, `attention`, `loras`, `compile`, `slot`) say; reuses
+        what is already there.
 
         `checkpoint`: a path, or the CheckpointInfo a caller read from it already (the header is read once
         per run and carried to the workers, which do not read it again).
         'auto' plans for a 1024x1024 image; `sample(layout='auto')` re-plans for the latent's size.
-        `loras`: (path, strength) pairs applied in order on top (each rank patches its own shard); when
-        only they change, the workers re-read just the affected tensors from the checkpoint and apply
-        the new set, so `loras=()` gives back the checkpoint's weights bit for bit. Reports then carry
-        `lora_tensors` (tensors rewritten) and `lora_seconds`.
-        `dtype` is the compute dtype; `weight_dtype` how linear weights stay resident: 'default' (None:
-        an fp8 file's weights stay fp8), 'fp8_e4m3fn' / 'fp8_e5m2' (converted at load), 'compute' (upcast
-        at load). fp8 weights are upcast per layer: same outputs, half the bytes of bf16. A LoRA-patched
-        weight is held in the compute dtype (flux/lora.py says why).
+        When only the LoRAs change, the workers re-read just the affected tensors from the checkpoint and
+        apply the new set, so `loras=()` gives back the checkpoint's weights bit for bit. Reports then carry
+        `lora_tensors` (tensors rewritten) and `lora_seconds`. fp8 weights are upcast per layer: same
+        outputs, half the bytes of bf16. A LoRA-patched weight is held in the compute dtype.
+        Another slot's model stays resident, unless the weights of all of them would not fit the devices
+        together: the least recently used are unloaded first (`evicted` says so).
         `progress(done, total)` runs as the tensors arrive; raising from it stops the load between
-        tensors on every rank (nothing stays resident then). Returns each rank's report (its status after
-        the load: device, parameter bytes, memory; and whether the model was reused).
-        `compile`: 'inductor' compiles the repeated transformer blocks on every rank (compile.py; the first
-        call of each new input size pays the compile, `compiles` names those calls), 'aot_eager' traces
-        them without generating code, 'off' (the default) runs eager. Changing it re-loads the model.
+        tensors on every rank (nothing stays resident in that slot then). Returns each rank's report (its
+        status after the load: device, parameter bytes, memory; and whether the model was reused).
+        Changing `compile` re-loads the model.
         """
         with self._lock:
-            request = self.check_load(
-                checkpoint, layout=layout, ring=ring, ulysses=ulysses, dtype=dtype, weight_dtype=weight_dtype,
-                loras=loras, compile=compile,
-            )  # fmt: skip
-            return self._load_resident(dataclasses.replace(request, attention=attention), progress, timeout)
+            request = self.check_load(checkpoint, options, **given)
+            return self._load_resident(request, progress, timeout)
 
     def check_load(
-        self,
-        checkpoint: Checkpoint,
-        *,
-        layout: str | ParallelLayout = "tp",
-        ring: int | None = None,
-        ulysses: int | None = None,
-        dtype: str | None = None,
-        weight_dtype: str | None = None,
-        loras: Sequence[tuple[str | os.PathLike[str], float]] = (),
-        compile: str | None = "off",
+        self, checkpoint: Checkpoint, options: LoadOptions | None = None, **given: Any
     ) -> LoadRequest:
         """Validate a load from the checkpoint's and LoRAs' headers alone: no worker starts (except to
         measure the link for 'auto'), nothing is unloaded. Raises ConfigError naming the input; returns
         the request the workers would get."""
-        weight_dtype_name(weight_dtype)  # a bad name fails before the checkpoint is read
-        compiled = compile_mode(compile)
+        opts = LoadOptions.make(options, **given)
+        weight_dtype_name(opts.weight_dtype)  # a bad name fails before the checkpoint is read
+        compiled = compile_mode(opts.compile)
+        if not isinstance(opts.slot, str) or not opts.slot:
+            raise ConfigError(f"slot={opts.slot!r} must be a non-empty name")
         info = checkpoint if isinstance(checkpoint, CheckpointInfo) else inspect_checkpoint(checkpoint)
-        checked = check_loras(loras, info)
-        resolve_dtype(dtype, self.devices[0])  # a bad dtype fails here, before anything is unloaded
-        weights = check_weight_dtype(weight_dtype, info)
+        checked = check_loras(opts.loras, info)
+        resolve_dtype(opts.dtype, self.devices[0])  # a bad dtype fails here, before anything is unloaded
+        weights = check_weight_dtype(opts.weight_dtype, info)
+        layout = opts.layout
         if layout == "auto":
             planned = planned_weight_dtype(weights, info)
-            layout = self.auto_layout(info.dims, dtype=dtype, weight_dtype=planned, family=info.family).layout
-        parallel = make_layout(layout, len(self.devices), ring, ulysses)
+            layout = self.auto_layout(
+                info.dims, dtype=opts.dtype, weight_dtype=planned, family=info.family
+            ).layout
+        parallel = make_layout(layout, len(self.devices), opts.ring, opts.ulysses)
         parallel.validate(info.dims, devices=len(self.devices))
         path = info.path if isinstance(checkpoint, CheckpointInfo) else str(checkpoint)
-        return LoadRequest(path, info, parallel, dtype, weights, None, checked, compiled)
+        return LoadRequest(
+            path, info, parallel, opts.dtype, weights, opts.attention, checked, compiled, slot=opts.slot
+        )
 
     def _load_resident(
         self, request: LoadRequest, progress: ProgressCallback | None = None, timeout: float | None = None
     ) -> list[LoadReport]:
-        """Load on the workers; `self.resident` names the request only once every rank holds it."""
+        """Load on the workers; `residents` names the request only once every rank holds it."""
         group = self.group
-        self.resident, self._loaded_in = None, None  # the workers drop what they held first
+        slot = request.slot
+        self._forget(slot)  # the workers drop what they held there first
+        self._make_room(request, group)
         try:
             reports = group.call_all("load", request, timeout=timeout, progress=progress)
         except BaseException:
@@ -250,28 +300,78 @@ class ResidentGroup:
             # the new model and others nothing: drop it everywhere, so no rank holds what no record names.
             if group.alive:
                 with contextlib.suppress(WorkerError):
-                    group.call_all("unload")
+                    group.call_all("unload_slot", UnloadRequest(slot))
             raise
-        self.resident, self._loaded_in = request, group
-        self._last_status, self._forwards = reports, ForwardClient()
+        self.residents[slot], self._loaded_in[slot] = request, group
+        self._last_status = reports
+        self._forwards[slot] = ForwardClient(request.info.model_family.call_spec, slot)
         return reports
 
+    def _forget(self, slot: str) -> None:
+        self.residents.pop(slot, None)
+        self._loaded_in.pop(slot, None)
+        self._forwards.pop(slot, None)
+
     def _resident_group(self, request: LoadRequest) -> WorkerGroup:
-        """The group holding `request`, loading it first when the ranks hold something else (or the
-        group was restarted after a failure)."""
-        if request != self.resident or self._loaded_in is not self._group or not self.started:
+        """The group holding `request` in its slot, loading it first when the ranks hold something else
+        there (or the group was restarted after a failure); the slot becomes the most recently used."""
+        slot = request.slot
+        held = self.residents.get(slot)
+        if held != request or self._loaded_in.get(slot) is not self._group or not self.started:
             self._load_resident(request)
+        self.residents.move_to_end(slot)
         return self.group
 
-    def unload(self) -> None:
-        """Free the model on every device; the worker group stays up."""
+    def _make_room(self, request: LoadRequest, group: WorkerGroup) -> None:
+        """Unload the least recently used other slots while every resident model's weights and the new one's
+        would not fit the devices together (`RESIDENT_SHARE` of the smallest device's memory)."""
+        others = [
+            s for s, r in self.residents.items() if s != request.slot and self._loaded_in.get(s) is group
+        ]
+        if not others:
+            return
+        limit = self._weight_limit()
+        if limit is None:
+            return
+        held = {s: weight_bytes_per_rank(self.residents[s], self.devices[0]) for s in others}
+        need = weight_bytes_per_rank(request, self.devices[0])
+        for slot in others:  # least recently used first
+            if sum(held.values()) + need <= limit:
+                return
+            dropped = self.residents[slot]
+            with contextlib.suppress(WorkerError):
+                group.call_all("unload_slot", UnloadRequest(slot))
+            self._forget(slot)
+            held.pop(slot)
+            self.evicted.append(
+                f"unloaded {os.path.basename(dropped.checkpoint)} ({slot}) to make room for "
+                f"{os.path.basename(request.checkpoint)}: their weights ({(sum(held.values()) + need) / GB:.1f} GB "
+                f"with the rest) would not fit {limit / GB:.1f} GB per device together"
+            )
+
+    def _weight_limit(self) -> float | None:
+        """Bytes per rank the weights of all resident models may take together, or None when unknown (a
+        GPU group that has not reported its memory yet)."""
+        if self.devices[0] == "cpu":
+            memory = psutil.virtual_memory()
+            held = sum(r.parameter_bytes for r in self._last_status)
+            return (memory.available + held) * RESIDENT_SHARE / len(self.devices)
+        totals = [r.memory.total_gb for r in self._last_status if r.memory is not None]
+        return min(totals) * GB * RESIDENT_SHARE if totals else None
+
+    def unload(self, slot: str | None = None) -> None:
+        """Free the model in `slot` (every model when None) on every device; the worker group stays up."""
         with self._lock:
             if self.started:
-                self.group.call_all("unload")
-            self.resident, self._loaded_in = None, None
+                if slot is None:
+                    self.group.call_all("unload")
+                else:
+                    self.group.call_all("unload_slot", UnloadRequest(slot))
+            for name in list(self.residents) if slot is None else [slot]:
+                self._forget(name)
 
     def status(self) -> list[RankStatus]:
-        """Each rank's device, resident model and memory. While a job runs (another thread), the last
+        """Each rank's device, resident models and memory. While a job runs (another thread), the last
         report, each marked `busy`, instead of waiting for the job."""
         if not self._lock.acquire(blocking=False):
             return [dataclasses.replace(r, busy=True) for r in self._last_status]
@@ -283,7 +383,42 @@ class ResidentGroup:
         finally:
             self._lock.release()
 
+    def _slot_request(self, slot: str | None) -> LoadRequest:
+        """The request resident in `slot` (the default one when None), or ConfigError naming what is."""
+        name = DEFAULT_SLOT if slot is None else slot
+        request = self.residents.get(name)
+        if request is None:
+            if not self.residents:
+                raise ConfigError("no checkpoint is loaded; call load(checkpoint) first")
+            raise ConfigError(
+                f"no checkpoint is loaded in slot {name!r}; loaded: {', '.join(map(repr, self.residents))}"
+            )
+        return request
+
+    def compute_dtype_of(self, slot: str | None = None) -> torch.dtype:
+        """The dtype the workers compute the slot's model in (its load's, else the devices' default)."""
+        request = self.residents.get(DEFAULT_SLOT if slot is None else slot)
+        return resolve_dtype(request.dtype if request else None, self.devices[0])
+
     @property
     def compute_dtype(self) -> torch.dtype:
-        """The dtype the workers compute in (the resident load's, else the default for the devices)."""
-        return resolve_dtype(self.resident.dtype if self.resident else None, self.devices[0])
+        """The dtype the workers compute in (the default slot's load's, else the devices' default)."""
+        return self.compute_dtype_of(None)
+
+
+def weight_bytes_per_rank(request: LoadRequest, device: str) -> int:
+    """Parameter bytes one rank holds for `request` (the planner's exact count for its layout and dtypes)."""
+    from .plan import weight_bytes
+
+    info = request.info
+    compute = str(resolve_dtype(request.dtype, device)).removeprefix("torch.")
+    planned = planned_weight_dtype(request.weight_dtype, info)
+    fp8 = WEIGHT_DTYPES.get(planned)
+    bytes_ = compute_dtype_named(compute).bytes
+    return weight_bytes(
+        info.dims,
+        request.layout,
+        bytes_,
+        family=info.family,
+        linear_bytes=fp8.bytes if fp8 is not None else None,
+    )

@@ -2,79 +2,102 @@
 samplers call a model (forward_client.py is the caller's side).
 
 Where a step runs: ComfyUI's sampler calls the proxy MODEL's diffusion model (`nodes/comfy_model.py`),
-or `ParallelFlux.sample` runs its Euler loop; either calls `ParallelFlux.forward` (backend/api.py),
-which sends one `flux_forward` request to every rank. Each rank runs its family's model call
-(`flux.forward.flux_call` for FLUX.1, `flux2.forward.flux2_call` for FLUX.2, `qwen_image.forward.qwen_call`
-for Qwen-Image) on its shard in the resident layout and rank 0 returns the full output. Under a batch degree
+or `ParallelModel.sample` runs its Euler loop; either calls `ParallelModel.forward` (backend/api.py),
+which sends one `model_call` request to every rank. Each rank runs its family's model call
+(`ModelFamily.call`, on the inputs the family's `CallSpec` declares) on its shard in the resident layout and
+rank 0 returns the full output. Under a batch degree
 (`batch 2 x tp 2`) each group of tp x ring x ulysses ranks computes its share of the call's batch (cond and
 uncond at cfg > 1 go to different groups) and the outputs are gathered over the batch dimension
 (parallel/mesh.py `BatchSplit`).
 
-Conditioning (the text features, FLUX.1's CLIP pooled vector, reference latents, Qwen-Image's text mask)
-is the same for every step of a job, often megabytes: the client sends it once under a key and every rank
-keeps it on its device (`messages.ConditioningSlots`: both sides evict alike), so a step moves only the latent. A
+A prompt's inputs (the family's held inputs: text features, a pooled vector, reference latents, a text mask)
+are the same for every step of a job, often megabytes: the client sends them once under a key and every rank
+keeps them on its device (`messages.ConditioningSlots`: both sides evict alike), so a step moves only the latent. A
 rank that lacks a key says so (`ConditioningMissing`) and gets the tensors again.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
 from .compile import note_compiles
-from .family import family_of
+from .family import ModelFamily, family_of
 from .finite import all_finite
 from .messages import ConditioningSlots, ForwardReply, ForwardRequest
 from .parallel.mesh import BatchSplit, groups_of
 from .parallel.weights import compute_dtype
-from .worker import WorkerContext, handler
+from .worker import Resident, WorkerContext, handler
 
 
 class ConditioningMissing(KeyError):
     """A rank does not hold the conditioning the client named (evicted, or the worker restarted)."""
 
 
-def _slots(ctx: WorkerContext) -> ConditioningSlots:
-    return ctx.resident.caches.setdefault("conditioning", ConditioningSlots())
+def _slots(resident: Resident) -> ConditioningSlots:
+    return resident.caches.setdefault("conditioning", ConditioningSlots())
 
 
-@handler("flux_forward", ForwardRequest)
+def _on_device(value: Any, cast: bool, device: torch.device, dtype: torch.dtype) -> Any:
+    """An input value on this rank's device: floating tensors in the compute dtype when `cast`."""
+    if torch.is_tensor(value):
+        return value.to(device, dtype) if cast and value.is_floating_point() else value.to(device)
+    if isinstance(value, list | tuple):
+        return tuple(_on_device(v, cast, device, dtype) for v in value)
+    return value
+
+
+def _take(split: BatchSplit, value: Any) -> Any:
+    """This batch group's share of an input (each tensor of a sequence)."""
+    if isinstance(value, tuple):
+        return tuple(split.take(v) for v in value)
+    return split.take(value) if torch.is_tensor(value) else value
+
+
+def _family(resident: Resident, model: torch.nn.Module) -> ModelFamily:
+    """The resident model's family, as its load named it (a test's own resident: by the model's class)."""
+    return resident.family if resident.family is not None else family_of(model)
+
+
+@handler("model_call", ForwardRequest)
 def forward(ctx: WorkerContext, request: ForwardRequest) -> ForwardReply:
-    """One model call on the resident model: ComfyUI's Flux.forward(x, timestep, context, y, guidance,
-    ref_latents, ref_latents_method=ref_method), run by the resident model's family (backend/family.py).
+    """One model call on the model resident in the request's slot: ComfyUI's `diffusion_model(x, timestep,
+    **inputs)`, run by its family (`ModelFamily.call` with the inputs its `CallSpec` declares).
 
-    Rank 0 returns the output (x's shape: [B, C, H, W], or Qwen-Image's [B, C, 1, H, W]) in the model's
-    dtype; the others return none.
+    Rank 0 returns the output (x's shape) in the model's dtype; the others return none.
     """
-    model = ctx.resident.require()
-    family = family_of(model)
+    resident = ctx.model(request.slot)
+    model = resident.require()
+    family = _family(resident, model)
+    spec = family.call_spec
     dtype = compute_dtype(model)
-    slots = _slots(ctx)
+    slots = _slots(resident)
     cond = request.cond
     if cond is not None:
-        held = tuple(t.to(ctx.device, dtype) for t in (cond.context, cond.pooled, *cond.ref_latents))
-        mask = None if cond.attention_mask is None else cond.attention_mask.to(ctx.device)
-        slots.put(request.cond_key, (mask, *held))
+        held = {i.name: _on_device(cond.inputs.get(i.name), i.cast, ctx.device, dtype) for i in spec.held()}
+        slots.put(request.cond_key, held)
     conditioning = slots.get(request.cond_key)
     if conditioning is None:
         raise ConditioningMissing(f"conditioning {request.cond_key} is not held on rank {ctx.rank}")
-    mask, context, pooled, *refs = conditioning
+    per_call = {
+        i.name: _on_device(request.inputs.get(i.name), i.cast, ctx.device, dtype) for i in spec.per_call()
+    }
+    inputs = {**conditioning, **per_call}
     x = request.x.to(ctx.device, dtype)
-    guidance = request.guidance.to(ctx.device, dtype) if request.guidance is not None else None
     started = time.perf_counter()
-    with torch.inference_mode(), note_compiles(ctx.rank, (x, conditioning[1])) as compiled:
+    first_text = next((t for t in inputs.values() if torch.is_tensor(t)), x)
+    with torch.inference_mode(), note_compiles(ctx.rank, (x, first_text)) as compiled:
         split = BatchSplit(groups_of(model), x.shape[0])
         out = None
         if split.runs:  # a group without entries (a call smaller than the batch degree) only gathers
-            take = split.take
-            # the text mask only for a family whose text takes one (backend/family.py `TextInputs.mask`)
-            masked = {} if mask is None else {"attention_mask": take(mask)}
+            mine = {
+                i.name: _take(split, inputs[i.name]) if i.batched else inputs[i.name] for i in spec.inputs
+            }
             out = family.call(
-                family.model_fn(model), take(x), take(request.timestep.to(ctx.device)), take(context),
-                take(pooled), take(guidance), ref_latents=[take(r) for r in refs], ref_method=request.ref_method,
-                **masked,
-            )  # fmt: skip
+                family.model_fn(model), split.take(x), split.take(request.timestep.to(ctx.device)), **mine
+            )
         entry = (family.latent_channels(model.config), *x.shape[2:])
         out = split.gather(out, entry, dtype, ctx.device)
         out = out.cpu() if ctx.rank == 0 else None

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .heartbeat import Heartbeat
-from .messages import RankInfo
+from .messages import DEFAULT_SLOT, RankInfo
 from .parallel.comm import synchronize
 from .transport import Hello, Progress, Ready, Reply, Request, StorePort, is_record, pack, recv, send, unpack
 
@@ -70,23 +70,25 @@ class JobCancelled(RuntimeError):
 
 @dataclass
 class Resident:
-    """The one owner of the model this rank keeps between jobs, and what it is (`key`: a record such as
-    messages.Loaded, or a test's record describing random weights). Set and cleared only through
-    `set`/`clear`, so the record can never describe another model than the one held."""
+    """The one owner of a model this rank keeps between jobs, and what it is (`key`: a record such as
+    messages.Loaded, or a test's record describing random weights; `family`: the ModelFamily its load
+    named, which runs its calls). Set and cleared only through `set`/`clear`, so the record can never
+    describe another model than the one held."""
 
     model: torch.nn.Module | None = None
     key: Any = None
+    family: Any = None
     # What jobs keep on the device for this model between calls (the forward service's conditioning);
     # emptied with the model, so nothing computed for one model is used with another.
     caches: dict[str, Any] = field(default_factory=dict)
 
-    def set(self, model: torch.nn.Module, key: Any) -> None:
-        self.model, self.key = model, key
+    def set(self, model: torch.nn.Module, key: Any, family: Any = None) -> None:
+        self.model, self.key, self.family = model, key, family
         self.caches.clear()
 
     def clear(self) -> bool:
         had = self.model is not None
-        self.model, self.key = None, None
+        self.model, self.key, self.family = None, None, None
         self.caches.clear()
         return had
 
@@ -98,16 +100,25 @@ class Resident:
 
 @dataclass
 class WorkerContext:
-    """What a handler may use: this rank's identity, device, process group and resident model."""
+    """What a handler may use: this rank's identity, device, process group and resident models (one per
+    slot: a graph that uses two models keeps both; `resident` is the default slot's)."""
 
     rank: int
     world_size: int
     device: torch.device
-    resident: Resident = field(default_factory=Resident)
+    residents: dict[str, Resident] = field(default_factory=dict)
     conn: Connection | None = None
     shm_dir: str = ""
     job: int = 0
     heartbeat: Heartbeat | None = None  # what this rank reports it is doing (heartbeat.py)
+
+    def model(self, slot: str = DEFAULT_SLOT) -> Resident:
+        """The resident model of `slot` (an empty one when nothing was loaded there)."""
+        return self.residents.setdefault(slot, Resident())
+
+    @property
+    def resident(self) -> Resident:
+        return self.model(DEFAULT_SLOT)
 
     @property
     def backend(self) -> str:

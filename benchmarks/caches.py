@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..backend.api import ParallelFlux
+from ..backend.api import ParallelModel
 from ..backend.checkpoint import diffusers_to_bfl, save_checkpoint
 from ..backend.config import ParallelLayout
 from ..backend.flux.model import build_flux
@@ -88,7 +88,7 @@ def _own_model(model: torch.nn.Module) -> Any:
         detection.detect_unet_config = original
 
 
-def _parallel_model(checkpoint: str, flux: ParallelFlux, workers: int) -> Any:
+def _parallel_model(checkpoint: str, flux: ParallelModel, workers: int) -> Any:
     from ..nodes import comfy_model
     from ..nodes.inputs import LayoutRequest, ParallelHandle
     from ..nodes.registry import Registry
@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> str:
     with tempfile.TemporaryDirectory(prefix="rocm-parallel-bench-") as folder:
         checkpoint = str(Path(folder) / "tiny-flux.safetensors")
         save_checkpoint(weights, checkpoint)
-        with ParallelFlux(["cpu"] * args.workers, threads=1) as flux:
+        with ParallelModel(["cpu"] * args.workers, threads=1) as flux:
             ours = _parallel_model(checkpoint, flux, args.workers)
             runner = ours.model.diffusion_model.runner
             _sample(ours, args)  # load the model, first (warm-up) run

@@ -1,11 +1,11 @@
 """`bench call`: where the time of one model call goes, against the same forward in one process.
 
-One call is `ParallelFlux.forward` (what the ROCm Parallel Model's proxy runs for every ComfyUI model
+One call is `ParallelModel.forward` (what the ROCm Parallel Model's proxy runs for every ComfyUI model
 call). Caller-side parts are timed by wrapping, in this process only, the functions that do them:
-`ParallelFlux.forward` (input checks, the resident group: the caller wrapper), `ConditioningSender.key_for`
+`ParallelModel.forward` (input checks, the resident group: the caller wrapper), `ConditioningSender.key_for`
 (the conditioning key), `transport.pack` (the latent out, into a reused shared-memory file),
 `WorkerGroup.call_all` (request, wait, replies). The ranks time their own forward (`reply.seconds`), and
-the call waits for the slowest (`ParallelFlux.last_forward_seconds`); one rank's compute alone is the same
+the call waits for the slowest (`ParallelModel.last_forward_seconds`); one rank's compute alone is the same
 shard's forward under the `fake` process group (no-op collectives, benchmarks/tp.py `compute_time`), so
 the ranks' forward minus it is the collectives, with the ranks' start-up skew (a rank that starts first
 waits for the other in the first collective). "reply" is what is left of call_all: sending the request,
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ..backend import client, forward_client
-from ..backend.api import ParallelFlux
+from ..backend.api import ParallelModel
 from ..backend.config import ParallelLayout
 from ..backend.flux.forward import flux_call
 from ..backend.flux.model import build_flux
@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def timed(spent: dict[str, list[float]]) -> Iterator[None]:
     """Wrap the caller-side functions of one call so each call's time in them lands in `spent`."""
     targets = [
-        (ParallelFlux, "forward", "total"),
+        (ParallelModel, "forward", "total"),
         (forward_client.ConditioningSender, "key_for", "key"),
         (client.WorkerGroup, "call_all", "call_all"),
         (client, "pack", "pack"),
@@ -106,7 +106,7 @@ def measure(
     model_fn = diffusers_model_fn(build_flux(config, seed=0))
     spent: dict[str, list[float]] = defaultdict(list)
     local, ranks = [], []
-    with ParallelFlux(["cpu"] * layout.world_size, threads=1) as flux, torch.no_grad():
+    with ParallelModel(["cpu"] * layout.world_size, threads=1) as flux, torch.no_grad():
         flux.load(checkpoint, layout=layout, dtype="float32")
         for i in range(calls + 2):  # two warm-up calls (the first sends the conditioning)
             fresh = {k: v.clone() for k, v in inputs.items()}  # ComfyUI builds new tensors each step

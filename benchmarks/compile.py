@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..backend.api import ParallelFlux
+from ..backend.api import ParallelModel
 from ..backend.config import ParallelLayout
 from ..testing.helpers import markdown_table, write_random_checkpoint
 from ..testing.models import tiny_flux_config
@@ -51,7 +51,7 @@ def _median_ms(times: list[float]) -> float:
 
 
 def _steps(
-    flux: ParallelFlux, inputs: dict[str, torch.Tensor], steps: int
+    flux: ParallelModel, inputs: dict[str, torch.Tensor], steps: int
 ) -> tuple[list[float], list[torch.Tensor]]:
     times, outs = [], []
     for i in range(steps):
@@ -65,7 +65,7 @@ def _steps(
 def measure(
     checkpoint: str, layout: ParallelLayout, inputs: dict[str, torch.Tensor], steps: int
 ) -> dict[str, Any]:
-    with ParallelFlux(["cpu"] * layout.world_size, threads=1) as flux:
+    with ParallelModel(["cpu"] * layout.world_size, threads=1) as flux:
         flux.load(checkpoint, layout=layout, dtype="float32")
         _steps(flux, inputs, 2)  # warm-up: the conditioning is sent, the allocator settles
         eager, eager_out = _steps(flux, inputs, steps)

@@ -21,14 +21,15 @@ from typing import Any
 
 import torch
 
-from ..backend.config import FluxDims, ParallelLayout
+from ..backend.config import ParallelLayout
+from ..backend.flux.dims import FluxDims
 from ..backend.flux.model import FLUX_DEV, build_flux
-from ..backend.parallel.context import apply_context_parallel
 from ..backend.text import GB
 from ..testing.fake import fake_process_group
 from ..testing.helpers import DEMO_CONFIG, median_seconds
 from ..testing.meta import measure_on_meta
 from ..testing.models import random_inputs
+from ..testing.parallel import apply_context_parallel
 
 LAYOUTS = ["2x1", "1x2", "4x1", "1x4", "2x2", "8x1", "1x8", "2x4", "4x2"]
 

@@ -32,7 +32,7 @@ from typing import Any
 import psutil
 import torch
 
-from ..backend.api import ParallelFlux
+from ..backend.api import ParallelModel
 from ..backend.checkpoint import load as load_module
 from ..backend.checkpoint import load_model
 from ..backend.client import WorkerGroup
@@ -68,7 +68,7 @@ def _group() -> WorkerGroup:
 
 
 def _sample(
-    flux: ParallelFlux, job: dict[str, Any], progress: Callable[[int, int], None] | None = None
+    flux: ParallelModel, job: dict[str, Any], progress: Callable[[int, int], None] | None = None
 ) -> Any:
     return flux.sample(
         job["positive"], job["latent"], seed=job["seed"], steps=job["steps"], progress=progress
@@ -89,12 +89,12 @@ def _sampling(
     checkpoint: str,
     job: dict[str, Any],
     expected: torch.Tensor,
-    inject: Callable[[ParallelFlux], Any],
+    inject: Callable[[ParallelModel], Any],
     at: int,
 ) -> Row:
     """Arm the fault (`inject` runs before the job; it may return a progress hook) for step `at` of the next
     job, and time the error from the start of that step."""
-    with ParallelFlux(group=_group()) as flux:
+    with ParallelModel(group=_group()) as flux:
         flux.load(checkpoint, layout="tp", dtype="float32")
         hook = inject(flux)
         marks: dict[str, float] = {}
@@ -118,8 +118,8 @@ def _sampling(
                     bool(torch.equal(out, expected)))  # fmt: skip
 
 
-def _arm(kind: str, at: int = FAULT_STEP, seconds: float = 0.0) -> Callable[[ParallelFlux], None]:
-    def inject(flux: ParallelFlux) -> None:
+def _arm(kind: str, at: int = FAULT_STEP, seconds: float = 0.0) -> Callable[[ParallelModel], None]:
+    def inject(flux: ParallelModel) -> None:
         flux.group.call(
             "arm_failure", _fault_methods().OnRank(rank=1, at_step=at, kind=kind, seconds=seconds)
         )
@@ -127,7 +127,7 @@ def _arm(kind: str, at: int = FAULT_STEP, seconds: float = 0.0) -> Callable[[Par
     return inject
 
 
-def _kill_at_fault(flux: ParallelFlux) -> Callable[[int, int], None]:
+def _kill_at_fault(flux: ParallelModel) -> Callable[[int, int], None]:
     victim = flux.group.pids[1]
 
     def hook(step: int, total: int) -> None:
@@ -137,8 +137,8 @@ def _kill_at_fault(flux: ParallelFlux) -> Callable[[int, int], None]:
     return hook
 
 
-def _raise_at_fault(error: type[BaseException]) -> Callable[[ParallelFlux], Callable[[int, int], None]]:
-    def inject(flux: ParallelFlux) -> Callable[[int, int], None]:
+def _raise_at_fault(error: type[BaseException]) -> Callable[[ParallelModel], Callable[[int, int], None]]:
+    def inject(flux: ParallelModel) -> Callable[[int, int], None]:
         def hook(step: int, total: int) -> None:
             if step == FAULT_STEP - 1:
                 raise error("user pressed Cancel") if error is InterruptedError else error()
@@ -154,7 +154,7 @@ def _loading(
 ) -> Row:  # fmt: skip
     """A fault at tensor 3 of the next load (with `lora`: of the LoRA change on the resident model)."""
     at = 3
-    with ParallelFlux(group=_group()) as flux:
+    with ParallelModel(group=_group()) as flux:
         flux.load(checkpoint, layout="tp", dtype="float32")
         if lora is None:
             flux.unload()
@@ -289,7 +289,7 @@ def run(args: argparse.Namespace) -> str:
     with tempfile.TemporaryDirectory(prefix="rocm-parallel-bench-") as folder:
         checkpoint = write_random_checkpoint(Path(folder) / "tiny-flux.safetensors", CONFIG)
         lora = write_random_lora(Path(folder) / "tiny-lora.safetensors", CONFIG, "bfl")
-        with ParallelFlux(group=_group()) as flux:
+        with ParallelModel(group=_group()) as flux:
             flux.load(checkpoint, layout="tp", dtype="float32")
             expected = _sample(flux, job)["samples"]
         sampled = lambda inject, at=FAULT_STEP: lambda: _sampling(checkpoint, job, expected, inject, at)  # noqa: E731

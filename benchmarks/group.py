@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..backend.api import ParallelFlux
+from ..backend.api import ParallelModel
 from ..backend.flux.model import build_flux
 from ..backend.flux.sampling import diffusers_model_fn, sample_flux
 from ..testing.helpers import TINY_CONFIG as CONFIG
@@ -50,7 +50,7 @@ def in_group(checkpoint: str, devices: list[str], job: dict[str, Any], jobs: int
     model_fn = diffusers_model_fn(build_flux(CONFIG, seed=0))
     local_job(model_fn, job)  # warm-up
     t0 = time.perf_counter()
-    with ParallelFlux(devices, threads=1) as flux:
+    with ParallelModel(devices, threads=1) as flux:
         flux.start()
         t1 = time.perf_counter()
         flux.load(checkpoint, layout="tp", dtype="float32")

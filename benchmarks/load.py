@@ -103,8 +103,9 @@ def child(spec_json: str) -> None:
 
     from ..backend.checkpoint import bfl_to_diffusers, inspect_checkpoint, load_model
     from ..backend.flux.model import build_flux
-    from ..backend.parallel.tensor import apply_tensor_parallel, parameter_bytes
+    from ..backend.parallel.tensor import parameter_bytes
     from ..testing.fake import fake_process_group
+    from ..testing.parallel import apply_tensor_parallel
 
     dtype = getattr(torch, spec["dtype"])
     path, degree, rank = spec["path"], spec["degree"], spec["rank"]

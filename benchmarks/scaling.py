@@ -1,4 +1,4 @@
-"""`bench scaling`: a few sampling steps through `ParallelFlux` on 1, 2, 4 workers of the devices present.
+"""`bench scaling`: a few sampling steps through `ParallelModel` on 1, 2, 4 workers of the devices present.
 
 On this machine the workers are CPU processes (gloo), the model a scaled-down FLUX (random weights,
 written as a BFL checkpoint to a temp dir, loaded the way users load theirs). Per configuration:
@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from ..backend.config import ConfigError, FluxDims, ParallelLayout
+from ..backend.config import ConfigError, ParallelLayout
+from ..backend.flux.dims import FluxDims
 from ..backend.launch import validate_devices
 from ..backend.plan import Setup, estimate
 from ..backend.text import GB, MB
@@ -98,9 +99,9 @@ def _inputs(size: int, text_tokens: int, dims: FluxDims) -> tuple[list[Any], dic
 
 
 def measure(flux: Any, checkpoint: str, layout: ParallelLayout, args: argparse.Namespace, bar: Bar) -> dict:
-    from ..backend.api import ParallelFlux
+    from ..backend.api import ParallelModel
 
-    assert isinstance(flux, ParallelFlux)
+    assert isinstance(flux, ParallelModel)
     dims = FluxDims.from_diffusers_config(CONFIG)
     gpu = flux.devices[0].startswith("cuda")
     flux.load(checkpoint, layout=layout, dtype=None if gpu else "float32")
@@ -189,7 +190,7 @@ def _devices(spec: str | None, most: int) -> tuple[str, ...]:
 
 
 def run(args: argparse.Namespace) -> str:
-    from ..backend.api import ParallelFlux
+    from ..backend.api import ParallelModel
 
     counts = [int(n) for n in args.workers.split(",")]
     pool = _devices(args.devices, max(counts))
@@ -212,7 +213,7 @@ def run(args: argparse.Namespace) -> str:
         checkpoint = write_random_checkpoint(Path(folder) / "scaled-down-flux-dev.safetensors", CONFIG)
         for n in counts:
             devices = list(pool[:n])
-            with ParallelFlux(devices, threads=1) as flux:
+            with ParallelModel(devices, threads=1) as flux:
                 flux.group.call_all("ping")
                 for layout in (p for p in plans if p.world_size == n):
                     row = measure(flux, checkpoint, layout, args, bar)

@@ -1,7 +1,7 @@
 """`bench step`: what one ComfyUI-driven step costs on top of the model itself.
 
 ComfyUI's samplers call the model once per step (twice with CFG unless batched, twice per step for
-heun): each call is one `ParallelFlux.forward` request to every rank. This measures that call
+heun): each call is one `ParallelModel.forward` request to every rank. This measures that call
 against the same `flux_call` in this one process, on a 1024x1024 latent (4096 image tokens) with a
 512-token prompt whose tensors are rebuilt for every step, as ComfyUI does (the service must recognise
 them by content and not send them again). Both sides run one thread and are interleaved, so they see
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..backend.api import ParallelFlux
+from ..backend.api import ParallelModel
 from ..backend.config import ParallelLayout
 from ..backend.flux.forward import flux_call
 from ..backend.flux.model import build_flux
@@ -61,7 +61,7 @@ def measure(
 ) -> dict[str, Any]:
     model_fn = diffusers_model_fn(build_flux(CONFIG, seed=0))
     local, driven, ranks = [], [], []
-    with ParallelFlux(["cpu"] * layout.world_size, threads=1) as flux, torch.no_grad():
+    with ParallelModel(["cpu"] * layout.world_size, threads=1) as flux, torch.no_grad():
         flux.load(checkpoint, layout=layout, dtype="float32")
         for i in range(steps + 2):  # two warm-up steps (the first sends the conditioning)
             fresh = {k: v.clone() for k, v in inputs.items()}  # ComfyUI builds new tensors each step

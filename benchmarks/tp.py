@@ -17,15 +17,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..backend.config import FluxDims, ParallelLayout
+from ..backend.config import ParallelLayout
 from ..backend.family import ModelFamily, families
+from ..backend.flux.dims import FluxDims
 from ..backend.flux.model import FLUX_DEV, build_flux
-from ..backend.parallel.tensor import apply_tensor_parallel
 from ..backend.text import GB, MB
 from ..testing.fake import fake_process_group
 from ..testing.helpers import markdown_table, median_seconds
 from ..testing.meta import measure_on_meta
 from ..testing.models import random_inputs, tiny_flux_config
+from ..testing.parallel import apply_tensor_parallel
 
 # What a CPU can time in seconds: FLUX.1's structure with 24 heads x 32 (hidden 768), 2 + 4 blocks.
 CPU_CONFIG = tiny_flux_config(

@@ -30,6 +30,10 @@ export function panelLines(state, now = Date.now()) {
     lines.push(`${state.devices.length} workers: ${state.devices.join(", ")} (${phase})`);
     lines.push(`model: ${state.checkpoint || "none loaded"}`);
     if (state.layout) lines.push(`layout: ${state.layout}`);
+    // Several loaders on these devices: every model stays resident (the one above was used last).
+    if (state.models && state.models.length > 1)
+      lines.push(`resident: ${state.models.map((m) => `${m.checkpoint} (${m.layout})`).join(", ")}`);
+    if (state.evicted) lines.push(state.evicted);
     if (state.loading) lines.push(`loading: ${state.loading}`);
     // The planner's one-line reason, split at "; " so it fits the node's width.
     if (state.auto) lines.push(...state.auto.split("; "));

@@ -1,6 +1,6 @@
 """What the nodes refuse before anything runs, and what the parallel MODEL refuses at run time: inputs
-ComfyUI's own FLUX would use and the workers cannot (ControlNet, attention masks, model patches), bad
-conditioning widths, latents of another family. Each message names the node to change.
+ComfyUI's own model would use and the workers cannot (ControlNet, inputs the family's call does not take,
+model patches), bad conditioning widths, latents of another family. Each message names the node to change.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..backend.config import ConfigError
 from .inputs import LayoutRequest, ParallelHandle
-from .loading import load_kwargs, read_checkpoint
+from .loading import load_options, read_checkpoint
 from .registry import Registry
 
 if TYPE_CHECKING:
@@ -36,6 +36,11 @@ KV_CACHE_MESSAGE = (
 def references_message(family: ModelFamily) -> str:
     """Why the TP / Ring Attention Sampler refuse the family's reference latents, and the family's own way."""
     refs = family.references
+    if refs is None:
+        return (
+            f"{family.title} takes no reference latents (ReferenceLatent): remove the ReferenceLatent node from "
+            "the conditioning"
+        )
     graph = (
         f"the {refs.workflow} workflow's graph"
         if refs.workflow
@@ -66,7 +71,7 @@ LORA_ON_MODEL_MESSAGE = (
 
 def patches_message(kind: str, names: Sequence[str]) -> str:
     return (
-        f"a model patch ({kind}: {', '.join(sorted(names))}) would change the FLUX transformer's blocks or "
+        f"a model patch ({kind}: {', '.join(sorted(names))}) would change the transformer's blocks or "
         "attention, which run in the ROCm Parallel workers and cannot be patched from ComfyUI; remove the node "
         "that adds it (e.g. a PAG, attention-couple or block-patch node) from the ROCm Parallel Model's path"
     )
@@ -74,26 +79,21 @@ def patches_message(kind: str, names: Sequence[str]) -> str:
 
 def unknown_input_message(name: str) -> str:
     return (
-        f"ComfyUI passed '{name}' to the FLUX model; the ROCm Parallel Model does not implement it and "
+        f"ComfyUI passed '{name}' to the diffusion model; the ROCm Parallel Model does not implement it and "
         "ignoring it would change the image. Remove the node that adds it to the conditioning or the model"
     )
 
 
-# Keyword inputs of ComfyUI's Flux.forward the proxy receives and understands (ref_latents is an argument).
-_UNDERSTOOD = {"ref_latents_method"}  # Kontext: how reference latents are placed (passed to the workers)
-
-
 def unsupported_forward_inputs(
-    control: Any, transformer_options: dict[str, Any], extra: dict[str, Any]
+    control: Any, transformer_options: dict[str, Any], inputs: dict[str, Any], takes: Sequence[str]
 ) -> str | None:
-    """Why the proxy cannot run this forward as ComfyUI's Flux would, or None when it can."""
+    """Why the proxy cannot run this forward as ComfyUI's own model would, or None when it can. `takes`:
+    the input names the family's model call declares (anything else with a value is refused)."""
     if control is not None:
         return CONTROLNET_MESSAGE
-    if extra.get("attention_mask") is not None:
-        return ATTENTION_MASK_MESSAGE
-    for name, value in extra.items():
-        if name not in _UNDERSTOOD and value is not None:
-            return unknown_input_message(name)
+    for name, value in inputs.items():
+        if name not in takes and value is not None:
+            return ATTENTION_MASK_MESSAGE if name == "attention_mask" else unknown_input_message(name)
     attn1 = (transformer_options.get("patches") or {}).get("attn1_patch") or ()
     if any(type(p).__name__ == "KV_Attn_Input" for p in attn1):  # comfy_extras/nodes_flux.py FluxKVCache
         return KV_CACHE_MESSAGE
@@ -128,7 +128,8 @@ def _conditioning_entries(name: str, conditioning: Any) -> list[tuple[Any, dict[
 def check_conditioning(name: str, conditioning: Any, info: CheckpointInfo) -> None:
     """Widths against the checkpoint `info` (a SD or SDXL text encoder is the usual mistake), and the
     extras the proxy refuses at run time, refused here before anything starts."""
-    text, text_dim, pooled_dim = info.model_family.text, info.dims.text_dim, info.dims.pooled_dim
+    family = info.model_family
+    text, text_dim, spec = family.text, info.dims.text_dim, family.call_spec
     for i, (cond, extras) in enumerate(_conditioning_entries(name, conditioning)):
         where = f"{name}[{i}]" if len(conditioning) > 1 else name
         if getattr(cond, "ndim", 0) != 3 or cond.shape[-1] != text_dim:
@@ -136,17 +137,13 @@ def check_conditioning(name: str, conditioning: Any, info: CheckpointInfo) -> No
                 f"{where}: the text embedding is {list(getattr(cond, 'shape', []))} but {info.model_name} takes "
                 f"[batch, tokens, {text_dim}]; encode the prompt with {text.encoder} and CLIPTextEncode"
             )
-        pooled = extras.get("pooled_output")
-        if text.pooled and pooled is not None and pooled.shape[-1] != pooled_dim:
-            raise ConfigError(
-                f"{where}: pooled_output is {list(pooled.shape)} but {info.model_name} takes [batch, "
-                f"{pooled_dim}] (CLIP-L); encode the prompt with {text.encoder}"
-            )
+        if spec.check_prompt is not None:
+            spec.check_prompt(info, cond, extras, where)
         if extras.get("control") is not None:
             raise ConfigError(CONTROLNET_MESSAGE)
         if extras.get("reference_latents") is not None:
-            raise ConfigError(references_message(info.model_family))
-        if extras.get("attention_mask") is not None:
+            raise ConfigError(references_message(family))
+        if extras.get("attention_mask") is not None and "attention_mask" not in spec.names:
             raise ConfigError(ATTENTION_MASK_MESSAGE)
 
 
@@ -210,7 +207,7 @@ def check_sampler_inputs(
     elif not math.isclose(cfg, 1.0):
         raise ConfigError(
             f"cfg={cfg:g} needs a negative prompt: connect a CONDITIONING to 'negative' (e.g. CLIPTextEncode "
-            "with an empty text, or ConditioningZeroOut), or set cfg to 1.0 (FLUX dev is usually run at cfg "
+            "with an empty text, or ConditioningZeroOut), or set cfg to 1.0 (guidance-distilled models run at cfg "
             "1.0 with FluxGuidance instead)"
         )
     if sigmas is not None and (getattr(sigmas, "ndim", 0) != 1 or len(sigmas) < 1):
@@ -218,6 +215,6 @@ def check_sampler_inputs(
             f"sigmas must be a 1-D SIGMAS schedule; got shape {list(getattr(sigmas, 'shape', []))}"
         )
     if request.layout is not None:
-        flux = registry.flux_for(handle.devices)  # does not start workers
-        flux.check_load(info, layout=request.layout, dtype=handle.dtype, **load_kwargs(handle))
+        model = registry.group_for(handle.devices)  # does not start workers
+        model.check_load(info, load_options(handle, request.layout))
     return info

@@ -37,11 +37,12 @@ def _sampler_lists() -> tuple[list[str], list[str]]:
 def _sampler_inputs() -> dict[str, Any]:
     samplers, schedulers = _sampler_lists()
     return {
-        "parallel_flux": (HANDLE_TYPE, {"tooltip": _HANDLE_TOOLTIP}),
+        "parallel_model": (HANDLE_TYPE, {"tooltip": _HANDLE_TOOLTIP}),
         "positive": (
             "CONDITIONING",
             {
-                "tooltip": "The FLUX prompt: CLIPTextEncode (with a FLUX DualCLIPLoader), then FluxGuidance for dev."
+                "tooltip": "The prompt: CLIPTextEncode with the model's text encoder (and FluxGuidance for a "
+                "guidance-distilled model)."
             },
         ),
         "latent_image": (
@@ -73,9 +74,9 @@ def _sampler_inputs() -> dict[str, Any]:
                 "max": 100.0,
                 "step": 0.1,
                 "round": 0.01,
-                "tooltip": "Classifier-free guidance scale, as in KSampler. FLUX dev: keep 1.0 and set "
-                "FluxGuidance instead; above 1.0 a negative prompt is needed (positive and negative then "
-                "run as one batch on the workers).",
+                "tooltip": "Classifier-free guidance scale, as in KSampler. Guidance-distilled models: keep 1.0 "
+                "and set FluxGuidance instead; above 1.0 a negative prompt is needed (positive and negative "
+                "then run as one batch on the workers).",
             },
         ),
         "sampler_name": (samplers, {"tooltip": "ComfyUI's sampling algorithm (every KSampler sampler)."}),
@@ -125,12 +126,13 @@ def _degree(tooltip: str) -> tuple[str, dict[str, Any]]:
 
 class RocmParallelLoader:
     DESCRIPTION = (
-        "Starts one worker process per device and loads a FLUX.1 or FLUX.2 diffusion model on them. The workers "
-        "stay resident between queue runs; running again with the same devices reuses them."
+        "Starts one worker process per device and loads a diffusion model on them (the families the pack "
+        "supports: docs/models.md). The workers and the model stay resident between queue runs; running again "
+        "with the same devices reuses them, and a second loader on the same devices keeps its model resident too."
     )
     CATEGORY = CATEGORY
     RETURN_TYPES = (HANDLE_TYPE,)
-    RETURN_NAMES = ("parallel_flux",)
+    RETURN_NAMES = ("parallel_model",)
     OUTPUT_TOOLTIPS = ("The resident worker group and checkpoint, for a TP or Ring Attention Sampler.",)
     FUNCTION = "load"
 
@@ -142,11 +144,7 @@ class RocmParallelLoader:
             "required": {
                 "checkpoint": (
                     folder_paths.get_filename_list("diffusion_models"),
-                    {
-                        "tooltip": "A FLUX.1 (dev, schnell, Kontext, Fill) or FLUX.2 ([dev], [klein]) transformer "
-                        "from models/diffusion_models. FLUX.2 samples through the ROCm Parallel Model, or the "
-                        "samplers with Flux2Scheduler's SIGMAS."
-                    },
+                    {"tooltip": inputs.checkpoint_tooltip()},
                 ),
                 "devices": (
                     "STRING",
@@ -184,6 +182,8 @@ class RocmParallelLoader:
                     },
                 ),
             },
+            # The node's id names its model among the group's resident ones (two loaders, two models).
+            "hidden": {"unique_id": "UNIQUE_ID"},
             # Optional and last: workflows saved before it load unchanged, with the default.
             "optional": {
                 "compile": (
@@ -219,6 +219,7 @@ class RocmParallelLoader:
         preload: str,
         weight_dtype: str = "default",
         compile: str = "off",
+        unique_id: str | None = None,
     ) -> tuple[ParallelHandle]:
         import folder_paths
 
@@ -231,6 +232,7 @@ class RocmParallelLoader:
             dtype=inputs.compute_dtype(dtype),
             weight_dtype=inputs.weight_dtype(weight_dtype),
             compile=inputs.compile_choice(compile),
+            slot=inputs.loader_slot(unique_id),
         )
         if preload != "none":
             from . import comfy_model  # imports torch: only once a node runs
@@ -249,7 +251,7 @@ class _ParallelSampler:
     def _run(
         self,
         request: LayoutRequest,
-        parallel_flux: ParallelHandle,
+        parallel_model: ParallelHandle,
         positive: Any,
         latent_image: dict[str, Any],
         seed: int,
@@ -263,11 +265,11 @@ class _ParallelSampler:
     ) -> tuple[dict[str, Any]]:
         # Before any worker starts, any weight loads or ComfyUI's models are moved.
         info = checks.check_sampler_inputs(
-            REGISTRY, parallel_flux, request, positive, negative, latent_image, cfg=cfg, sigmas=sigmas
+            REGISTRY, parallel_model, request, positive, negative, latent_image, cfg=cfg, sigmas=sigmas
         )
         from . import comfy_model
 
-        model = comfy_model.parallel_model(parallel_flux, request, REGISTRY, info)
+        model = comfy_model.parallel_model(parallel_model, request, REGISTRY, info)
         # At cfg 1.0 ComfyUI never evaluates the negative (checked above that cfg is 1.0 when it is absent).
         negative = negative if negative is not None else []
         if sigmas is None:
@@ -284,7 +286,7 @@ class _ParallelSampler:
 class RocmParallelTPSampler(_ParallelSampler):
     DESCRIPTION = (
         "ComfyUI's KSampler (every sampler and scheduler, cfg with an optional negative, denoise, optional "
-        "SIGMAS like SamplerCustom) with the FLUX weights split over every device of the loader (tensor "
+        "SIGMAS like SamplerCustom) with the model's weights split over every device of the loader (tensor "
         "parallelism): the way to fit a model that is too big for one GPU. Optional degrees compose with it: "
         "batch_degree 2 on 4 GPUs runs cond and uncond on two TP pairs ('batch 2 x tp 2' on the panel)."
     )
@@ -308,7 +310,7 @@ class RocmParallelTPSampler(_ParallelSampler):
     @shows_errors
     def sample(
         self,
-        parallel_flux: ParallelHandle,
+        parallel_model: ParallelHandle,
         positive: Any,
         latent_image: dict[str, Any],
         seed: int,
@@ -323,10 +325,10 @@ class RocmParallelTPSampler(_ParallelSampler):
         ring_degree: int = 1,
         ulysses_degree: int = 1,
     ) -> tuple[dict[str, Any]]:
-        layout = inputs.tp_layout(len(parallel_flux.devices), batch_degree, ring_degree, ulysses_degree)
+        layout = inputs.tp_layout(len(parallel_model.devices), batch_degree, ring_degree, ulysses_degree)
         request = LayoutRequest(layout)
         return self._run(
-            request, parallel_flux, positive, latent_image, seed, steps, cfg, sampler_name, scheduler, denoise,
+            request, parallel_model, positive, latent_image, seed, steps, cfg, sampler_name, scheduler, denoise,
             negative, sigmas,
         )  # fmt: skip
 
@@ -374,7 +376,7 @@ class RocmParallelRingSampler(_ParallelSampler):
     @shows_errors
     def sample(
         self,
-        parallel_flux: ParallelHandle,
+        parallel_model: ParallelHandle,
         positive: Any,
         latent_image: dict[str, Any],
         seed: int,
@@ -390,21 +392,21 @@ class RocmParallelRingSampler(_ParallelSampler):
         batch_degree: int = 1,
         tp_degree: int = 1,
     ) -> tuple[dict[str, Any]]:
-        devices = len(parallel_flux.devices)
+        devices = len(parallel_model.devices)
         layout = inputs.context_layout(ring_degree, ulysses_degree, devices, batch_degree, tp_degree)
         request = LayoutRequest(layout, context_only=True, batch=batch_degree, tp=tp_degree)
         return self._run(
-            request, parallel_flux, positive, latent_image, seed, steps, cfg, sampler_name, scheduler, denoise,
+            request, parallel_model, positive, latent_image, seed, steps, cfg, sampler_name, scheduler, denoise,
             negative, sigmas,
         )  # fmt: skip
 
 
 class RocmParallelModel:
     DESCRIPTION = (
-        "A standard ComfyUI MODEL whose FLUX transformer runs on the ROCm Parallel workers: connect it to "
+        "A standard ComfyUI MODEL whose diffusion transformer runs on the ROCm Parallel workers: connect it to "
         "ComfyUI's KSampler, KSamplerAdvanced, SamplerCustom, or CFGGuider/BasicGuider + "
-        "SamplerCustomAdvanced, with ModelSamplingFlux and FluxGuidance as usual; for FLUX.2 (ComfyUI >= "
-        "0.3.75) with EmptyFlux2LatentImage and Flux2Scheduler. Its layout composes every degree "
+        "SamplerCustomAdvanced, with the model's own nodes as usual (its latent node, ModelSampling*, "
+        "guidance and scheduler nodes, ReferenceLatent). Its layout composes every degree "
         "('batch 2 x tp 2', 'tp 2 x ulysses 2'); at cfg > 1 it makes ComfyUI send cond and uncond as one "
         "batch, which a batch degree splits over groups of GPUs. For LoRAs use the ROCm Parallel LoRA node "
         "before this one."
@@ -420,7 +422,7 @@ class RocmParallelModel:
         degree = {"default": 0, "min": 0, "max": 64}
         return {
             "required": {
-                "parallel_flux": (HANDLE_TYPE, {"tooltip": _HANDLE_TOOLTIP}),
+                "parallel_model": (HANDLE_TYPE, {"tooltip": _HANDLE_TOOLTIP}),
                 "layout": (
                     "STRING",
                     {
@@ -448,27 +450,26 @@ class RocmParallelModel:
 
     @shows_errors
     def model(
-        self, parallel_flux: ParallelHandle, layout: str, ring_degree: int, ulysses_degree: int
+        self, parallel_model: ParallelHandle, layout: str, ring_degree: int, ulysses_degree: int
     ) -> tuple[Any]:
         from . import comfy_model
 
-        request = inputs.model_layout(layout, ring_degree, ulysses_degree, len(parallel_flux.devices))
-        info = loading.read_checkpoint(parallel_flux)  # once: the MODEL carries it to every load
+        request = inputs.model_layout(layout, ring_degree, ulysses_degree, len(parallel_model.devices))
+        info = loading.read_checkpoint(parallel_model)  # once: the MODEL carries it to every load
         if request.layout is not None:  # a layout the checkpoint cannot take fails here, not mid-sampling
-            REGISTRY.flux_for(parallel_flux.devices).check_load(
-                info, layout=request.layout, dtype=parallel_flux.dtype, **loading.load_kwargs(parallel_flux)
-            )
-        return (comfy_model.parallel_model(parallel_flux, request, REGISTRY, info),)
+            options = loading.load_options(parallel_model, request.layout)
+            REGISTRY.group_for(parallel_model.devices).check_load(info, options)
+        return (comfy_model.parallel_model(parallel_model, request, REGISTRY, info),)
 
 
 class RocmParallelLoRA:
     DESCRIPTION = (
-        "Adds a FLUX LoRA from models/loras to the ROCm Parallel model (applied on the workers; chain several). "
+        "Adds a LoRA from models/loras to the ROCm Parallel model (applied on the workers; chain several). "
         "ComfyUI's LoraLoaderModelOnly cannot patch the parallel MODEL: use this node instead."
     )
     CATEGORY = CATEGORY
     RETURN_TYPES = (HANDLE_TYPE,)
-    RETURN_NAMES = ("parallel_flux",)
+    RETURN_NAMES = ("parallel_model",)
     OUTPUT_TOOLTIPS = (
         "The same model with this LoRA, for a sampler, the ROCm Parallel Model or another LoRA.",
     )
@@ -480,10 +481,12 @@ class RocmParallelLoRA:
 
         return {
             "required": {
-                "parallel_flux": (HANDLE_TYPE, {"tooltip": _HANDLE_TOOLTIP}),
+                "parallel_model": (HANDLE_TYPE, {"tooltip": _HANDLE_TOOLTIP}),
                 "lora_name": (
                     folder_paths.get_filename_list("loras"),
-                    {"tooltip": "A FLUX LoRA from models/loras (BFL, kohya or diffusers/PEFT keys)."},
+                    {
+                        "tooltip": "A LoRA for the loader's model from models/loras (BFL, kohya, diffusers/PEFT or LyCORIS keys)."
+                    },
                 ),
                 "strength_model": (
                     "FLOAT",
@@ -500,12 +503,12 @@ class RocmParallelLoRA:
 
     @shows_errors
     def add_lora(
-        self, parallel_flux: ParallelHandle, lora_name: str, strength_model: float
+        self, parallel_model: ParallelHandle, lora_name: str, strength_model: float
     ) -> tuple[ParallelHandle]:
         import folder_paths
 
         path = folder_paths.get_full_path_or_raise("loras", lora_name)
-        return (loading.add_lora(parallel_flux, path, strength_model),)
+        return (loading.add_lora(parallel_model, path, strength_model),)
 
 
 class RocmParallelStatus:
@@ -535,7 +538,7 @@ class RocmParallelStatus:
                 )
             },
             "optional": {
-                "parallel_flux": (
+                "parallel_model": (
                     HANDLE_TYPE,
                     {"tooltip": _HANDLE_TOOLTIP + " Connect it to run after the loader."},
                 ),
@@ -547,7 +550,7 @@ class RocmParallelStatus:
         return float("nan")  # never cached: the group's state changes between runs
 
     @shows_errors
-    def status(self, action: str, parallel_flux: ParallelHandle | None = None) -> dict[str, Any]:
-        devices = parallel_flux.devices if parallel_flux is not None else None
+    def status(self, action: str, parallel_model: ParallelHandle | None = None) -> dict[str, Any]:
+        devices = parallel_model.devices if parallel_model is not None else None
         text = status_text(REGISTRY, action, devices)
         return {"ui": {"text": [text]}, "result": (text,)}

@@ -1,14 +1,14 @@
 """The one module that touches ComfyUI's model internals: the ROCm Parallel Model as a ComfyUI MODEL.
 
-A real `comfy.model_patcher.ModelPatcher` around a real `comfy.model_base.Flux` / `Flux2`, built from the
-`comfy.supported_models` config ComfyUI's own loader would pick for the checkpoint (`Flux`,
-`FluxSchnell`, `FluxInpaint`, `Flux2`: the model family decides it from the header, backend/family.py), so
-model_sampling, the latent format, FluxGuidance, ModelSamplingFlux, ReferenceLatent (Kontext) and
-InpaintModelConditioning's `c_concat` (Fill) behave exactly as with ComfyUI's loader, with
-`disable_unet_model_creation` so no weights exist here. Checked against the ComfyUI versions in
-`TESTED_COMFYUI` (the comfy tier, tests/comfy); FLUX.2 needs `model_base.Flux2` (ComfyUI >= 0.3.72, with fixes
-up to 0.3.75). Its `diffusion_model` is `ParallelDiffusionModel`, a small proxy whose forward is one
-`ParallelFlux.forward` on the workers. ComfyUI's samplers, schedulers, CFG, guiders and sigma nodes run
+A real `comfy.model_patcher.ModelPatcher` around a real `comfy.model_base` model (Flux, Flux2, QwenImage,
+...), built from the `comfy.supported_models` config ComfyUI's own loader would pick for the checkpoint
+(the model family decides it from the header: `ModelFamily.comfy_model`, backend/family.py), so
+model_sampling, the latent format, guidance nodes, ModelSampling* nodes, ReferenceLatent and concatenated
+inputs (`c_concat`) behave exactly as with ComfyUI's loader, with `disable_unet_model_creation` so no
+weights exist here. Checked against the ComfyUI versions in
+`TESTED_COMFYUI` (the comfy tier, tests/comfy); a family whose class is newer than the oldest claimed ComfyUI
+fails naming what this ComfyUI lacks. Its `diffusion_model` is `ParallelDiffusionModel`, a small proxy whose
+forward is one `ParallelModel.forward` on the workers, with the inputs the family's `CallSpec` declares. ComfyUI's samplers, schedulers, CFG, guiders and sigma nodes run
 unchanged around it.
 
 Imported lazily, only inside ComfyUI. Every ComfyUI internal it needs is named in `_REQUIRED`; a missing
@@ -90,37 +90,33 @@ def require_internals(required: tuple[tuple[str, str], ...] = _REQUIRED) -> None
 
 
 class ParallelDiffusionModel(torch.nn.Module):
-    """ComfyUI's `Flux` diffusion model, as far as ComfyUI sees it; each call runs on the workers.
+    """ComfyUI's diffusion model of the checkpoint's family, as far as ComfyUI sees it; each call runs on the
+    workers.
 
     No parameters: ComfyUI's memory management finds nothing to move. `dtype` is the workers' compute
-    dtype, so ComfyUI casts the inputs as it would for its own model of that dtype.
+    dtype, so ComfyUI casts the inputs as it would for its own model of that dtype. The inputs a call may
+    carry are the family's (`ModelFamily.call_spec`, by ComfyUI's names): anything else ComfyUI passes with
+    a value is refused by name, never ignored.
     """
 
     def __init__(
         self,
         runner: ModelRunner,
         dtype: torch.dtype,
-        guidance_embed: bool,
-        patch_size: int = 2,
-        pooled: bool = True,
-        default_ref_method: str = "offset",
-        text_mask: bool = False,
+        patch_size: Any = 2,
+        default_ref_method: str = "",
     ) -> None:
         super().__init__()
-        self.runner, self.dtype, self.guidance_embed = runner, dtype, guidance_embed
-        # Read by ComfyUI's Flux.extra_conds (attention-mask upscaling): 2 for FLUX.1, 1 for FLUX.2.
+        self.runner, self.dtype = runner, dtype
+        # Read by ComfyUI's model classes (FLUX's extra_conds upscales attention masks by it): the family's
+        # unet_config value as ComfyUI's own model has it (an int for FLUX, Wan's (1, 2, 2) tuple).
         self.patch_size = patch_size
-        # FLUX.1 takes CLIP-L's pooled vector (vec_in_dim); FLUX.2 has none (comfy/model_detection.py sets
-        # vec_in_dim None) and its Flux ignores `y`.
-        self.pooled = pooled
         # comfy/ldm/flux/model.py Flux._forward: `kwargs.get("ref_latents_method",
         # self.params.default_ref_method)`; FLUX.2's unet_config says "index", FLUX.1's default "offset".
         # (ComfyUI 0.33's FluxKVCache object-patches this attribute when the model has no `params`; its
         # attention patches are refused with checks.KV_CACHE_MESSAGE.) Every method is checked against the
         # family's `references` before a rank runs (backend/checks.py).
         self.default_ref_method = default_ref_method
-        # Qwen-Image on ComfyUI 0.33 passes the text encoder's `attention_mask` (model_base.QwenImage.extra_conds)
-        self.text_mask = text_mask
 
     def __getattr__(self, name: str) -> Any:
         # A missing attribute names the proxy as its `obj`, so forward() can tell a diffusion_model wrapper
@@ -129,7 +125,7 @@ class ParallelDiffusionModel(torch.nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             raise AttributeError(
-                f"'{type(self).__name__}' has no attribute '{name}': the FLUX transformer's layers live in "
+                f"'{type(self).__name__}' has no attribute '{name}': the transformer's layers live in "
                 "the ROCm Parallel workers",
                 name=name,
                 obj=self,
@@ -139,17 +135,15 @@ class ParallelDiffusionModel(torch.nn.Module):
         self,
         x: torch.Tensor,
         timestep: torch.Tensor,
-        context: torch.Tensor,
-        y: torch.Tensor | None = None,
-        guidance: torch.Tensor | None = None,
-        ref_latents: Any = None,
+        *args: Any,
         control: Any = None,
         transformer_options: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        """ComfyUI's Flux.forward: the diffusion_model wrappers (EasyCache's, which skips or reuses whole
-        calls) run around the call to the workers, seeing the same inputs and outputs as around ComfyUI's
-        own model; one that reaches into the model (`executor.class_obj`) for its layers is refused."""
+        """ComfyUI's diffusion model forward: the diffusion_model wrappers (EasyCache's, which skips or
+        reuses whole calls) run around the call to the workers, seeing the same inputs and outputs as around
+        ComfyUI's own model; one that reaches into the model (`executor.class_obj`) for its layers is
+        refused."""
         import comfy.patcher_extension as extension
 
         options = transformer_options if transformer_options is not None else {}
@@ -157,7 +151,7 @@ class ParallelDiffusionModel(torch.nn.Module):
         executor = extension.WrapperExecutor.new_class_executor(self._forward, self, wrappers)
         try:
             return executor.execute(
-                x, timestep, context, y, guidance, ref_latents, control, options, **kwargs
+                x, timestep, *args, control=control, transformer_options=options, **kwargs
             )
         except AttributeError as err:
             if wrappers and getattr(err, "obj", None) is self:
@@ -169,40 +163,23 @@ class ParallelDiffusionModel(torch.nn.Module):
         self,
         x: torch.Tensor,
         timestep: torch.Tensor,
-        context: torch.Tensor,
-        y: torch.Tensor | None = None,
-        guidance: torch.Tensor | None = None,
-        ref_latents: Any = None,
+        *args: Any,
         control: Any = None,
         transformer_options: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        """One model call on the workers, after the wrappers."""
+        """One model call on the workers, after the wrappers: the family's inputs by ComfyUI's names
+        (positional ones in the family's order, as ComfyUI's own model takes them)."""
         options = transformer_options or {}
-        mask = kwargs.pop("attention_mask", None) if self.text_mask else None
-        refused = checks.unsupported_forward_inputs(control, options, kwargs)
+        spec = self.runner.info.model_family.call_spec
+        given = dict(zip(spec.positional, args, strict=False))
+        given.update(kwargs)
+        refused = checks.unsupported_forward_inputs(control, options, given, spec.names)
         if refused is not None:
             raise RuntimeError(refused)
-        # Kontext: ComfyUI's Flux.extra_conds hands the reference latents (after process_in) and their
-        # placement (FluxKontextMultiReferenceLatentMethod) to every call; the workers append them as
-        # extra tokens exactly as comfy/ldm/flux/model.py Flux._forward does.
-        if self.pooled and y is None:  # ComfyUI's Flux uses zeros when no pooled output came with the prompt
-            raise RuntimeError(
-                "the conditioning has no pooled_output (CLIP-L); encode the prompt with a FLUX DualCLIPLoader "
-                "(clip_l + t5xxl, type flux) and CLIPTextEncode"
-            )
-        # schnell has no guidance embedding: ComfyUI's Flux ignores the guidance it is handed.
-        out = self.runner.forward(
-            x,
-            timestep,
-            context,
-            y,
-            guidance if self.guidance_embed else None,
-            step_of(options),
-            ref_latents=ref_latents,
-            ref_method=kwargs.get("ref_latents_method", self.default_ref_method),
-            attention_mask=mask,
-        )
+        if "ref_latents_method" in spec.names and given.get("ref_latents_method") is None:
+            given["ref_latents_method"] = self.default_ref_method
+        out = self.runner.forward(x, timestep, given, step_of(options))
         return out.to(x.device)
 
 
@@ -289,12 +266,11 @@ def parallel_model(
         make_room=lambda: free_comfy_models(handle.devices),
     )
     family = runner.info.model_family
-    wanted = runner.comfy_model()  # Flux, FluxSchnell, FluxInpaint or Flux2, with the header's unet_config
-    # FLUX.2 came with ComfyUI 0.3.75: an older ComfyUI fails here naming what it lacks, FLUX.1 still runs.
+    wanted = runner.comfy_model()  # the supported_models class ComfyUI's loader picks, with its unet_config
+    # A family's class newer than the oldest claimed ComfyUI fails here naming what this ComfyUI lacks.
     require_internals((("comfy.supported_models", wanted.config_class),))
     config_class = getattr(comfy.supported_models, wanted.config_class)
     unet_config = {**wanted.unet_config, "disable_unet_model_creation": True}
-    guidance_embed = bool(unet_config.get("guidance_embed", False))
     dtype = runner.compute_dtype()
     model_config = config_class(unet_config)
     model_config.set_inference_dtype(dtype, None)
@@ -304,11 +280,8 @@ def parallel_model(
     model.diffusion_model = ParallelDiffusionModel(
         runner,
         dtype,
-        guidance_embed=guidance_embed,
-        patch_size=int(unet_config.get("patch_size", 2)),
-        pooled=family.text.pooled,  # FLUX.1's CLIP-L vector; FLUX.2 and Qwen-Image take none
+        patch_size=unet_config.get("patch_size", 2),
         default_ref_method=str(unet_config.get("default_ref_method", family.ref_method)),
-        text_mask=family.text.mask,
     )
     if _PATCHER_CLASS is None:
         _PATCHER_CLASS = _parallel_patcher_class()

@@ -9,7 +9,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..backend.config import ConfigError, ParallelLayout
+from ..backend.config import DEFAULT_SLOT, ConfigError, ParallelLayout
 
 # The socket type between the loader and the samplers (ComfyUI matches custom types by string).
 HANDLE_TYPE = "PARALLEL_FLUX"
@@ -45,7 +45,7 @@ def compute_dtype(choice: str) -> str | None:
 
 
 def weight_dtype(choice: str) -> str | None:
-    """The loader's weight_dtype widget -> ParallelFlux.load's weight_dtype ('default' -> None: an fp8
+    """The loader's weight_dtype widget -> ParallelModel.load's weight_dtype ('default' -> None: an fp8
     checkpoint's weights stay fp8)."""
     if choice not in WEIGHT_DTYPES:
         raise ConfigError(f"weight_dtype={choice!r} is not offered; use one of {', '.join(WEIGHT_DTYPES)}")
@@ -53,7 +53,7 @@ def weight_dtype(choice: str) -> str | None:
 
 
 def compile_choice(choice: str) -> str:
-    """The loader's optional compile widget ('off' when an older workflow lacks it) -> ParallelFlux.load's."""
+    """The loader's optional compile widget ('off' when an older workflow lacks it) -> ParallelModel.load's."""
     if choice not in COMPILE_CHOICES:
         raise ConfigError(
             f"compile={choice!r} is not offered; use one of {', '.join(COMPILE_CHOICES)} ('inductor' compiles "
@@ -144,7 +144,9 @@ class ParallelHandle:
     (`dtype`) and weight dtype (`weight_dtype`, None: the checkpoint's own fp8 stays fp8).
 
     Plain, hashable data: the resident worker group itself stays in the registry, so a handle from a
-    cached node output still finds (or restarts) the group that serves its devices.
+    cached node output still finds (or restarts) the group that serves its devices. `slot` names the
+    loader's model among the group's resident ones (a graph with two loaders on the same devices keeps both
+    models resident).
     """
 
     checkpoint: str  # absolute path
@@ -154,6 +156,8 @@ class ParallelHandle:
     loras: tuple[tuple[str, float], ...] = ()  # (absolute path, strength), applied in this order
     weight_dtype: str | None = None
     compile: str = "off"  # the loader's compile widget: the repeated blocks compiled on every worker
+    # which resident model of the group this loader's is (its node: two loaders keep two models resident)
+    slot: str = DEFAULT_SLOT
 
     def __repr__(self) -> str:
         with_loras = "".join(f" + {os.path.basename(p)} x{s:g}" for p, s in self.loras)
@@ -165,3 +169,22 @@ class ParallelHandle:
         if strength == 0:
             return self
         return dataclasses.replace(self, loras=(*self.loras, (path, float(strength))))
+
+
+def loader_slot(unique_id: str | None) -> str:
+    """The resident-model slot of a loader node: its node id (ComfyUI's UNIQUE_ID), so two loaders on the
+    same devices keep two models resident and a loader's next run finds its own; the default slot without
+    one (a caller outside ComfyUI's executor)."""
+    return f"loader {unique_id}" if unique_id not in (None, "") else DEFAULT_SLOT
+
+
+def checkpoint_tooltip() -> str:
+    """The loader's checkpoint tooltip, naming the registered families (imports them: only from INPUT_TYPES)."""
+    from ..backend.family import families
+
+    titles = ", ".join(f.title for f in families())
+    return (
+        f"A diffusion transformer from models/diffusion_models ({titles}): a single file as ComfyUI's Load "
+        "Diffusion Model reads it, or a diffusers folder. Sample it through the ROCm Parallel Model with "
+        "ComfyUI's own sampler nodes, or with the TP / Ring Attention Sampler."
+    )

@@ -1,20 +1,21 @@
 """Starting the workers and making a checkpoint resident for the nodes: the loader's preload, the
 planner's 'auto', LoRAs, and the panel's 'loading' phase. The checkpoint's header is read once per node
-run (`CheckpointInfo`) and carried to ParallelFlux and the workers.
+run (`CheckpointInfo`) and carried to ParallelModel and the workers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..backend.config import ConfigError, ParallelLayout
 from .inputs import PRELOAD_LAYOUTS, ParallelHandle, tp_layout
 from .registry import Registry
 
 if TYPE_CHECKING:
-    from ..backend.api import ParallelFlux
+    from ..backend.api import ParallelModel
     from ..backend.checkpoint import CheckpointInfo
+    from ..backend.resident import LoadOptions
 
 
 def needs_gpu_memory(devices: Sequence[str]) -> bool:
@@ -37,11 +38,11 @@ def load(
     ring: int = 0,
     ulysses: int = 0,
     interrupted: Callable[[], None] | None = None,
-) -> ParallelFlux:
+) -> ParallelModel:
     """Start (or reuse) the group for the handle's devices and, unless preload is 'none', load the model."""
     if preload not in PRELOAD_LAYOUTS:
         raise ConfigError(f"preload={preload!r} is not offered; use one of {', '.join(PRELOAD_LAYOUTS)}")
-    flux = registry.flux_for(handle.devices)
+    flux = registry.group_for(handle.devices)
     if preload == "none":
         start_workers(registry, flux)  # now, so the first sampler run only loads weights
         return flux
@@ -60,7 +61,7 @@ def load(
     return flux
 
 
-def start_workers(registry: Registry, flux: ParallelFlux) -> None:
+def start_workers(registry: Registry, flux: ParallelModel) -> None:
     """Start the worker processes if they are not running, showing 'starting' meanwhile."""
     if not flux.started:
         with registry.phase("starting workers"):
@@ -69,7 +70,7 @@ def start_workers(registry: Registry, flux: ParallelFlux) -> None:
 
 def auto_layout(
     registry: Registry,
-    flux: ParallelFlux,
+    flux: ParallelModel,
     handle: ParallelHandle,
     info: CheckpointInfo,
     width: int,
@@ -78,16 +79,18 @@ def auto_layout(
     context_only: bool,
     reference_tokens: int = 0,
     fixed: dict[str, int] | None = None,
+    frames: int = 1,
 ) -> ParallelLayout:
     """The planner's layout for this image (link and memory measured once per group); its reason is shown.
     `batch`: the model call's batch (cond + uncond at cfg > 1). `reference_tokens`: the tokens of
-    reference latents (ReferenceLatent) each step carries too. `fixed`: degrees auto keeps."""
+    reference latents (ReferenceLatent) each step carries too. `fixed`: degrees auto keeps. `frames`: a
+    video's frames."""
     from ..backend.checkpoint import planned_weight_dtype
 
     choice = flux.auto_layout(
         info.dims, width, height, batch, handle.dtype, context_only=context_only,
         weight_dtype=planned_weight_dtype(handle.weight_dtype, info), family=info.family,
-        reference_tokens=reference_tokens, fixed=fixed,
+        reference_tokens=reference_tokens, fixed=fixed, frames=frames,
     )  # fmt: skip
     registry.update(auto=choice.explanation)
     return choice.layout
@@ -95,7 +98,7 @@ def auto_layout(
 
 def ensure_loaded(
     registry: Registry,
-    flux: ParallelFlux,
+    flux: ParallelModel,
     handle: ParallelHandle,
     info: CheckpointInfo | None,
     layout: ParallelLayout,
@@ -116,14 +119,13 @@ def ensure_loaded(
     with registry.phase("loading", loading=handle.name, step=0, total=0):
         try:
             info = info if info is not None else read_checkpoint(handle)
-            flux.check_load(info, layout=layout, dtype=handle.dtype, **load_kwargs(handle))
+            options = load_options(handle, layout)
+            flux.check_load(info, options)
             if not flux.started:  # started only once the load is known to be valid
                 registry.update(phase="starting workers")
                 flux.start()
                 registry.update(phase="loading")
-            reports = flux.load(
-                info, layout=layout, dtype=handle.dtype, progress=check, **load_kwargs(handle)
-            )
+            reports = flux.load(info, options, progress=check)
         finally:
             registry.update(loading=None)
             registry.record_resident(flux)
@@ -139,11 +141,11 @@ def add_lora(handle: ParallelHandle, path: str, strength: float) -> ParallelHand
     return handle.with_lora(path, strength)
 
 
-def load_kwargs(handle: ParallelHandle) -> dict[str, Any]:
-    """`loras=`, `weight_dtype=` and `compile=` for ParallelFlux.load / check_load, passed only when set."""
-    kwargs: dict[str, Any] = {"loras": list(handle.loras)} if handle.loras else {}
-    if handle.weight_dtype is not None:
-        kwargs["weight_dtype"] = handle.weight_dtype
-    if handle.compile != "off":
-        kwargs["compile"] = handle.compile
-    return kwargs
+def load_options(handle: ParallelHandle, layout: ParallelLayout) -> LoadOptions:
+    """The backend's LoadOptions for the handle's model in `layout` (ParallelModel.load / check_load)."""
+    from ..backend.resident import LoadOptions
+
+    return LoadOptions(
+        layout=layout, dtype=handle.dtype, weight_dtype=handle.weight_dtype, loras=handle.loras,
+        compile=handle.compile, slot=handle.slot,
+    )  # fmt: skip

@@ -1,4 +1,4 @@
-"""The resident worker groups of this ComfyUI (one ParallelFlux per device set, kept between queue runs)
+"""The resident worker groups of this ComfyUI (one ParallelModel per device set, kept between queue runs)
 and the plain snapshot of them the web panel reads. No ComfyUI and no torch at import time.
 """
 
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from .inputs import describe_layout
 
 if TYPE_CHECKING:
-    from ..backend.api import ParallelFlux
+    from ..backend.api import ParallelModel
     from ..backend.messages import RankStatus
 
 # Worker threads per process (torch.set_num_threads); unset leaves torch's default. Tests and shared
@@ -93,22 +93,22 @@ def threads_from_env() -> int | None:
     return int(text)
 
 
-def _default_factory(devices: tuple[str, ...]) -> ParallelFlux:
-    from ..backend.api import ParallelFlux
+def _default_factory(devices: tuple[str, ...]) -> ParallelModel:
+    from ..backend.api import ParallelModel
 
-    return ParallelFlux(list(devices), threads=threads_from_env())
+    return ParallelModel(list(devices), threads=threads_from_env())
 
 
 class Registry:
-    """One ParallelFlux per device set, kept between queue runs; asking for another set closes the old.
+    """One ParallelModel per device set, kept between queue runs; asking for another set closes the old.
 
     `state` is a plain snapshot for the web panel, updated by the nodes as they run, so the HTTP route
     never talks to the workers (a job may be running on them from ComfyUI's execution thread).
     """
 
-    def __init__(self, factory: Callable[[tuple[str, ...]], ParallelFlux] = _default_factory) -> None:
+    def __init__(self, factory: Callable[[tuple[str, ...]], ParallelModel] = _default_factory) -> None:
         self._factory = factory
-        self._flux: ParallelFlux | None = None
+        self._flux: ParallelModel | None = None
         self._lock = threading.Lock()
         self.state: dict[str, Any] = self._idle_state()
 
@@ -117,11 +117,11 @@ class Registry:
         return {"devices": [], "checkpoint": None, "layout": None, "phase": "stopped", "ranks": []}
 
     @property
-    def current(self) -> ParallelFlux | None:
+    def current(self) -> ParallelModel | None:
         return self._flux
 
-    def flux_for(self, devices: Sequence[str]) -> ParallelFlux:
-        """The resident ParallelFlux for exactly these devices (started lazily by the backend)."""
+    def group_for(self, devices: Sequence[str]) -> ParallelModel:
+        """The resident ParallelModel for exactly these devices (started lazily by the backend)."""
         key = tuple(devices)
         if self._flux is not None and tuple(self._flux.devices) == key:
             return self._flux
@@ -151,7 +151,10 @@ class Registry:
         for key in ("checkpoint", "loading"):
             if state.get(key):
                 state[key] = _file_name(str(state[key]))
-        for key in ("error", "last"):
+        state["models"] = [
+            {**m, "checkpoint": _file_name(str(m["checkpoint"]))} for m in state.get("models") or ()
+        ]
+        for key in ("error", "last", "evicted"):
             if state.get(key):
                 state[key] = public_text(str(state[key]))
         state["ranks"] = [{**r, "text": rank_line(r)} for r in state.get("ranks", [])]
@@ -192,12 +195,20 @@ class Registry:
                 self.update(error=public_error(exc), last=None)
             raise
 
-    def record_resident(self, flux: ParallelFlux) -> None:
-        """Name what the workers really hold (never a file that was asked for and rejected)."""
-        resident = flux.resident
+    def record_resident(self, model: ParallelModel) -> None:
+        """Name what the workers really hold (never a file that was asked for and rejected): the model
+        used last as `checkpoint` / `layout`, every resident model in `models` (a graph with two loaders on
+        these devices keeps both), and the latest model unloaded to make room for another (`evicted`)."""
+        residents = list(model.residents.values())
+        latest = residents[-1] if residents else None
         self.update(
-            checkpoint=os.path.basename(resident.checkpoint) if resident is not None else None,
-            layout=describe_layout(resident.layout) if resident is not None else None,
+            checkpoint=os.path.basename(latest.checkpoint) if latest is not None else None,
+            layout=describe_layout(latest.layout) if latest is not None else None,
+            models=[
+                {"checkpoint": os.path.basename(r.checkpoint), "layout": describe_layout(r.layout)}
+                for r in residents
+            ],
+            evicted=model.evicted[-1] if model.evicted else None,
         )
 
     def record_ranks(self, reports: Sequence[RankStatus]) -> None:

@@ -1,6 +1,6 @@
 """The plain-Python side of the parallel MODEL (nodes/comfy_model.py wraps it for ComfyUI): which
 checkpoint in which layout, made resident before ComfyUI's sampling starts, then one
-`ParallelFlux.forward` per model call. No ComfyUI here.
+`ParallelModel.forward` per model call. No ComfyUI here.
 """
 
 from __future__ import annotations
@@ -9,19 +9,20 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from ..backend.call import LATENT_TOKENS, tensors_of
 from ..backend.config import ParallelLayout
 from .inputs import LayoutRequest, ParallelHandle
 from .loading import auto_layout, ensure_loaded, read_checkpoint
 from .registry import Registry
 
 if TYPE_CHECKING:
-    from ..backend.api import ParallelFlux
+    from ..backend.api import ParallelModel
     from ..backend.checkpoint import CheckpointInfo
 
 
 class ModelRunner:
     """The plain-Python side of the parallel MODEL: which checkpoint (and LoRAs) in which layout, made
-    resident before ComfyUI's sampling starts, then one `ParallelFlux.forward` per model call.
+    resident before ComfyUI's sampling starts, then one `ParallelModel.forward` per model call.
 
     `comfy_model` wraps it into ComfyUI's MODEL; nothing here imports ComfyUI. `info` is the checkpoint's
     header as the node's run read it (read here when not given), carried to every load. `interrupted()`
@@ -58,31 +59,31 @@ class ModelRunner:
 
     def prepare(
         self, shape: Sequence[int], references: Sequence[Sequence[int]] = (), call_batch: int | None = None
-    ) -> ParallelFlux:
-        """Make the model resident for a latent of `shape` [B, C, H, W] (auto layouts are planned for it,
-        with the tokens of the reference latents of shapes `references`, Kontext / FLUX.2 editing).
+    ) -> ParallelModel:
+        """Make the model resident for a latent of `shape` ([B, C, H, W] or [B, C, T, H, W]; auto layouts are
+        planned for it, with the tokens of the reference latents of shapes `references`).
         `call_batch`: the batch of each model call (B, or 2B when ComfyUI sends cond and uncond together;
         `call_batch_of`): what a batch degree splits. A layout whose batch degree exceeds it is run as
         asked, and the panel says that groups idle."""
         if self.make_room is not None:
             self.make_room()
-        flux = self.registry.flux_for(self.handle.devices)
+        model = self.registry.group_for(self.handle.devices)
         calls = call_batch if call_batch is not None else shape[0]
         if self.request.layout is None:
-            h, w = shape[-2:]  # [B, C, H, W], or Qwen-Image's [B, C, 1, H, W]
             family = self.info.model_family
-            width, height = family.planned_pixels(h, w)
-            extra = sum(family.image_tokens(*ref[-2:]) for ref in references)
+            frames, height, width = family.planned_size(shape)  # [B, C, H, W] or [B, C, T, H, W]
+            extra = sum(family.tokens(ref) for ref in references)
             self.layout = auto_layout(
-                self.registry, flux, self.handle, self.info, width, height, calls,
+                self.registry, model, self.handle, self.info, width, height, calls,
                 context_only=self.request.context_only, reference_tokens=extra, fixed=self.request.fixed(),
+                frames=frames,
             )  # fmt: skip
         else:
             self.registry.update(auto=None)
         self.registry.update(note=idle_note(self.layout, calls))
-        ensure_loaded(self.registry, flux, self.handle, self.info, self.layout, self.interrupted)
-        self._resident = flux.resident
-        return flux
+        ensure_loaded(self.registry, model, self.handle, self.info, self.layout, self.interrupted)
+        self._resident = model.residents.get(self.handle.slot)
+        return model
 
     @contextmanager
     def sampling(
@@ -98,31 +99,20 @@ class ModelRunner:
             yield
 
     def forward(
-        self,
-        x: Any,
-        timestep: Any,
-        context: Any,
-        y: Any,
-        guidance: Any,
-        step: tuple[int, int] | None = None,
-        ref_latents: Any = None,
-        ref_method: str | None = None,
-        attention_mask: Any = None,
+        self, x: Any, timestep: Any, inputs: Mapping[str, Any], step: tuple[int, int] | None = None
     ) -> Any:
-        """One transformer forward on every rank (ComfyUI's `Flux.forward(x, timestep, context, y,
-        guidance, ref_latents, ref_latents_method=)`, or QwenImage's with its text `attention_mask`);
-        `step` (done, total) is shown on the panel."""
-        flux = self.registry.flux_for(self.handle.devices)
-        if self._resident is None or flux.resident is not self._resident:
+        """One transformer forward on every rank: ComfyUI's `diffusion_model(x, timestep, **inputs)` with
+        the family's inputs by name; `step` (done, total) is shown on the panel."""
+        model = self.registry.group_for(self.handle.devices)
+        if self._resident is None or model.residents.get(self.handle.slot) is not self._resident:
             # Called outside ComfyUI's sampling, or another node loaded something else meanwhile.
-            self.prepare(x.shape, [r.shape for r in ref_latents or ()])
+            refs = [r.shape for item in self.info.model_family.call_spec.inputs if item.tokens == LATENT_TOKENS
+                    for r in tensors_of(inputs.get(item.name))]  # fmt: skip
+            self.prepare(x.shape, refs)
         if step is not None:
             self.registry.update(step=step[0], total=step[1])
         self.calls += 1
-        masked = {} if attention_mask is None else {"attention_mask": attention_mask}  # Qwen-Image's text
-        return flux.forward(
-            x, timestep, context, y, guidance, ref_latents=ref_latents, ref_method=ref_method, **masked
-        )
+        return model.forward(x, timestep, slot=self.handle.slot, **inputs)
 
 
 def idle_note(layout: ParallelLayout | None, call_batch: int) -> str | None:

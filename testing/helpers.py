@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from ..backend.checkpoint import save_checkpoint
-from ..backend.config import FluxDims
-from ..backend.demo import DEMO_CONFIG
+from ..backend.flux.demo import DEMO_CONFIG
+from ..backend.flux.dims import FluxDims
 from ..backend.flux.model import build_flux
 from ..backend.parallel.comm import synchronize
 from ..backend.text import markdown_row, markdown_table
@@ -49,7 +49,7 @@ def write_random_checkpoint(path: str | Path, config: dict[str, Any], seed: int 
 
 
 def sampling_job(config: dict[str, Any], size: int, steps: int, seed: int) -> dict[str, Any]:
-    """A ComfyUI-shaped job for `ParallelFlux.sample`: random conditioning (16 tokens) and an empty latent."""
+    """A ComfyUI-shaped job for `ParallelModel.sample`: random conditioning (16 tokens) and an empty latent."""
     dims = FluxDims.from_diffusers_config(config)
     g = torch.Generator().manual_seed(0)
     positive = [

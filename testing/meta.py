@@ -18,9 +18,10 @@ from ..backend.config import ParallelLayout
 from ..backend.family import get_family
 from ..backend.parallel.comm import CountCollectives
 from ..backend.parallel.context import cp_group
-from ..backend.parallel.mesh import BatchSplit, groups_of, parallel_groups, parallelize
+from ..backend.parallel.mesh import BatchSplit, groups_of, parallel_groups
 from .fake import fake_process_group
 from .models import ModelInputs, random_inputs
+from .parallel import parallelize
 
 
 def local_parameter_bytes(model: nn.Module) -> int:

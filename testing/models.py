@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from ..backend.config import FluxDims
 from ..backend.family import ModelFamily, get_family
+from ..backend.flux.dims import FluxDims
 from ..backend.flux.keys import rope_axes
 from ..backend.flux.model import FLUX_DEV
 from ..backend.flux2.model import FLUX2_DEV
@@ -173,21 +173,22 @@ def random_inputs(
     if height % 16 or width % 16:
         raise ValueError(f"image size {width}x{height} must be a multiple of 16 pixels")
     scale = fam.latent.downscale
-    shapes = {
-        "x": (batch, fam.input_channels(fam.config_from_dims(dims)), height // scale, width // scale),
-        "context": (batch, text_tokens, dims.text_dim),
-    }
-    if fam.text.pooled:
-        shapes["pooled"] = (batch, dims.pooled_dim)
+    x_shape = (batch, fam.input_channels(fam.config_from_dims(dims)), height // scale, width // scale)
+    # the family's example inputs: text features and vectors are drawn after x, in the call's order;
+    # a per-latent scalar (guidance) is 3.5
+    inputs = fam.call_spec.example(dims, batch, text_tokens, "meta")
+    drawn = {"x": x_shape, **{k: tuple(v.shape) for k, v in inputs.items() if torch.is_tensor(v) and v.ndim >= 2}}
     if str(device) == "meta":
-        drawn = {k: torch.empty(s, device="meta") for k, s in shapes.items()}
+        values = {k: torch.empty(shape, device="meta") for k, shape in drawn.items()}
     else:
         g = torch.Generator().manual_seed(seed)
-        drawn = {k: torch.randn(s, generator=g).to(device) for k, s in shapes.items()}
+        values = {k: torch.randn(shape, generator=g).to(device) for k, shape in drawn.items()}
+    for name, value in inputs.items():
+        if torch.is_tensor(value):
+            inputs[name] = values[name] if name in values else torch.full(value.shape, 3.5, device=device)
     timestep = torch.full((batch,), 0.75, device=device)
-    guidance = torch.full((batch,), 3.5, device=device) if dims.guidance else None
     model = _Recorder()
-    fam.call(fam.model_fn(model), drawn["x"], timestep, drawn["context"], drawn.get("pooled"), guidance)
+    fam.call(fam.model_fn(model), values["x"], timestep, **inputs)
     return ModelInputs(model.kwargs)
 
 

@@ -73,7 +73,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def flux2_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """The FLUX.2 reference models (tests/data/comfy_references.safetensors) as ComfyUI single files:
-    `ParallelFlux.sample` plans from a checkpoint's header."""
+    `ParallelModel.sample` plans from a checkpoint's header."""
     from test_sampling import FLUX2_MODELS, flux2_model
 
     from rocm_parallel.backend.checkpoint import save_checkpoint

@@ -12,13 +12,14 @@ from typing import Any
 import torch
 from model_methods import Built, Inputs, Output
 
-from rocm_parallel.backend.config import FluxDims, ParallelLayout
+from rocm_parallel.backend.config import ParallelLayout
+from rocm_parallel.backend.flux.dims import FluxDims
 from rocm_parallel.backend.flux2.model import build_flux2
-from rocm_parallel.backend.parallel.context import apply_context_parallel
-from rocm_parallel.backend.parallel.tensor import apply_tensor_parallel, parameter_bytes
+from rocm_parallel.backend.parallel.tensor import parameter_bytes
 from rocm_parallel.backend.transport import record
 from rocm_parallel.backend.worker import WorkerContext, handler
 from rocm_parallel.testing.models import ModelInputs
+from rocm_parallel.testing.parallel import apply_context_parallel, apply_tensor_parallel
 
 
 @record

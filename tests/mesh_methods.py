@@ -25,7 +25,7 @@ from rocm_parallel.backend.worker import WorkerContext, handler
 @record
 @dataclass(frozen=True)
 class CountedForward:
-    """What one `flux_forward` did on a rank: its mesh coordinate, its collectives ('dim:kind' -> count),
+    """What one `model_call` did on a rank: its mesh coordinate, its collectives ('dim:kind' -> count),
     the LSE layout its ring guard probed, and (rank 0) the output."""
 
     rank: int

@@ -13,15 +13,16 @@ from typing import Any
 
 import torch
 
-from rocm_parallel.backend.config import ConfigError, FluxDims, ParallelLayout
+from rocm_parallel.backend.config import ConfigError, ParallelLayout
 from rocm_parallel.backend.dtypes import COMPUTE_DTYPES
+from rocm_parallel.backend.flux.dims import FluxDims
 from rocm_parallel.backend.flux.model import build_flux
-from rocm_parallel.backend.parallel.context import apply_context_parallel
-from rocm_parallel.backend.parallel.tensor import apply_tensor_parallel, parameter_bytes
+from rocm_parallel.backend.parallel.tensor import parameter_bytes
 from rocm_parallel.backend.parallel.weights import compute_dtype
 from rocm_parallel.backend.transport import record
 from rocm_parallel.backend.worker import WorkerContext, handler
 from rocm_parallel.testing.models import ModelInputs
+from rocm_parallel.testing.parallel import apply_context_parallel, apply_tensor_parallel
 
 
 @record

@@ -2,7 +2,7 @@
 before the caller allocates anything for it and before any rank runs, with the size, the estimate, the
 limit and what would fit. Steps are bounded as ComfyUI bounds them.
 
-Mutation tried: with the `self._admit(...)` line removed from `ParallelFlux.sample`, the first test fails
+Mutation tried: with the `self._admit(...)` line removed from `ParallelModel.sample`, the first test fails
 (the refusal does not come; the caller's noise alone grows it by 1 GB).
 """
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rocm_parallel.backend.admission import activation_estimate
-from rocm_parallel.backend.api import ParallelFlux
+from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.checkpoint import inspect_checkpoint
 from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError, ParallelLayout
@@ -44,7 +44,7 @@ def _side_beyond(info, layout: ParallelLayout, limit: float) -> int:
 def test_an_image_too_large_for_the_machine_is_refused_before_anything_runs(
     group2: WorkerGroup, checkpoints: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    flux = ParallelFlux(group=group2)
+    flux = ParallelModel(group=group2)
     flux.load(checkpoints["dev"], layout="tp", dtype="float32")
     info = inspect_checkpoint(checkpoints["dev"])
     side = _side_beyond(info, ParallelLayout(tp=2), psutil.virtual_memory().total)  # more than all RAM
@@ -88,7 +88,7 @@ def test_an_image_too_large_for_the_machine_is_refused_before_anything_runs(
 def test_a_model_call_too_large_is_refused_before_the_ranks(
     group2: WorkerGroup, checkpoints: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    flux = ParallelFlux(group=group2)
+    flux = ParallelModel(group=group2)
     flux.load(checkpoints["dev"], layout="tp", dtype="float32")
     info = inspect_checkpoint(checkpoints["dev"])
     side = _side_beyond(info, ParallelLayout(tp=2), psutil.virtual_memory().total)
@@ -117,9 +117,9 @@ def test_a_model_call_too_large_is_refused_before_the_ranks(
 def test_steps_are_bounded_as_comfyui_bounds_them(checkpoints: dict[str, str], steps: int) -> None:
     info = inspect_checkpoint(checkpoints["dev"])
     with pytest.raises(ConfigError) as err:
-        ParallelFlux.check_sample(
+        ParallelModel.check_sample(
             _prompt(info), {"samples": torch.zeros(1, 16, 8, 8)}, checkpoint=info, seed=0, steps=steps
         )
     assert str(err.value) == (
-        f"steps={steps} must be from 1 to 10000, as ComfyUI's KSampler allows (FLUX: 20-50 for dev, 4 for schnell)"
+        f"steps={steps} must be from 1 to 10000, as ComfyUI's KSampler allows"
     )

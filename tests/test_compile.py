@@ -2,7 +2,7 @@
 
 The workers compile with 'aot_eager' (dynamo traces the blocks, TP's all-reduce becomes a functional
 collective, the graphs run eagerly: what can break is all there, without inductor's code-generation
-time); one in-process test runs inductor itself on a single block. `ParallelFlux.compiles` holds rank 0's
+time); one in-process test runs inductor itself on a single block. `ParallelModel.compiles` holds rank 0's
 line for each call in which its backend compiled graphs, so its length is the count of compiling calls.
 """
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_sampling import flux_model
 
-from rocm_parallel.backend.api import ParallelFlux
+from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.compile import LOG, compile_mode, compile_repeated_blocks
 from rocm_parallel.backend.config import ConfigError
@@ -46,7 +46,7 @@ def eager(model: torch.nn.Module, inputs: dict[str, torch.Tensor], sigma: float)
         )
 
 
-def parallel(flux: ParallelFlux, inputs: dict[str, torch.Tensor], sigma: float) -> torch.Tensor:
+def parallel(flux: ParallelModel, inputs: dict[str, torch.Tensor], sigma: float) -> torch.Tensor:
     t = torch.full((2,), sigma)
     return flux.forward(inputs["x"], t, inputs["context"], inputs["y"], inputs["guidance"])
 
@@ -59,7 +59,7 @@ def test_tp_compiles_once_per_size_and_matches_eager(
     group2: WorkerGroup, checkpoints: dict[str, str]
 ) -> None:
     model = flux_model("dev").float()
-    flux = ParallelFlux(group=group2)
+    flux = ParallelModel(group=group2)
     flux.load(checkpoints["dev"], layout="tp", dtype="float32", compile="aot_eager")
     first, other_prompt = flux_inputs(), flux_inputs(seed=2)  # same shapes, other cond / uncond tensors
     for sigma in (1.0, 0.75, 0.5):  # steps: only the tensors' values change
@@ -84,7 +84,7 @@ def test_context_parallel_compiles_around_its_attention(
     """Ring attention's dispatch stays eager (parallel/context.py says why): the blocks compile around it,
     once, and the numbers match eager."""
     model = flux_model("dev").float()
-    flux = ParallelFlux(group=group2)
+    flux = ParallelModel(group=group2)
     flux.load(checkpoints["dev"], layout="ring 2", dtype="float32", compile="aot_eager")
     inputs = flux_inputs()
     for sigma in (1.0, 0.5):
@@ -106,7 +106,7 @@ def test_flux2_tp_compiled_matches_eager(group2: WorkerGroup, tmp_path: pytest.T
     g = torch.Generator().manual_seed(3)
     x, context = torch.randn(2, 32, 5, 7, generator=g), torch.randn(2, 9, 24, generator=g)
     t, guidance = torch.tensor([0.8, 0.8]), torch.full((2,), 4.0)
-    flux = ParallelFlux(group=group2)
+    flux = ParallelModel(group=group2)
     flux.load(path, layout="tp", dtype="float32", compile="aot_eager")
     for sigma in (0.8, 0.4):
         out = flux.forward(x, t * 0 + sigma, context, None, guidance)
@@ -134,7 +134,7 @@ def test_inductor_block_matches_eager_in_process() -> None:
 
 
 def test_a_bad_compile_mode_fails_before_any_worker_starts(checkpoints: dict[str, str]) -> None:
-    flux = ParallelFlux(["cpu", "cpu"], threads=1)
+    flux = ParallelModel(["cpu", "cpu"], threads=1)
     with pytest.raises(ConfigError) as error:
         flux.load(checkpoints["dev"], layout="tp", compile="fast")
     assert str(error.value) == (

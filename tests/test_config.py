@@ -2,7 +2,8 @@
 
 import pytest
 
-from rocm_parallel.backend.config import ConfigError, FluxDims, ParallelLayout, validate_tp_degree
+from rocm_parallel.backend.config import ConfigError, ParallelLayout, validate_tp_degree
+from rocm_parallel.backend.flux.dims import FluxDims
 from rocm_parallel.backend.flux.model import FLUX_DEV
 
 DEV = FluxDims.from_diffusers_config(FLUX_DEV)

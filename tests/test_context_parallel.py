@@ -8,11 +8,11 @@ from diffusers.utils import is_torch_version
 from model_methods import BuildRandom, Inputs
 
 from rocm_parallel.backend.client import WorkerError, WorkerGroup
-from rocm_parallel.backend.config import ConfigError, FluxDims, ParallelLayout
+from rocm_parallel.backend.config import ConfigError, ParallelLayout
+from rocm_parallel.backend.flux.dims import FluxDims
 from rocm_parallel.backend.flux.model import build_flux
 from rocm_parallel.backend.parallel.comm import CountCollectives
 from rocm_parallel.backend.parallel.context import (
-    apply_context_parallel,
     cpu_flash_forward_op,
     masked_forward_op,
     math_forward_op,
@@ -31,6 +31,7 @@ from rocm_parallel.backend.parallel.lse import (
 from rocm_parallel.testing.fake import fake_process_group
 from rocm_parallel.testing.helpers import TEST_CONFIG
 from rocm_parallel.testing.models import random_inputs, tiny_flux_config
+from rocm_parallel.testing.parallel import apply_context_parallel
 
 # 8 heads so that Ulysses 2 and 4 both split them; 2 double + 3 single blocks.
 CONFIG = TEST_CONFIG

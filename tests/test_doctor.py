@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rocm_parallel.backend import doctor
-from rocm_parallel.backend.api import ParallelFlux
+from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.nodes.inputs import STATUS_ACTIONS
 from rocm_parallel.nodes.registry import Registry
@@ -97,8 +97,8 @@ def test_doctor_reports_a_failed_group_with_advice() -> None:
 def test_status_node_doctor_runs_over_the_resident_group(
     group2: WorkerGroup, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    registry = Registry(factory=lambda devices: ParallelFlux(group=group2))
-    registry.flux_for(("cpu", "cpu"))
+    registry = Registry(factory=lambda devices: ParallelModel(group=group2))
+    registry.group_for(("cpu", "cpu"))
     text = status_text(registry, "doctor")
     assert text.splitlines()[0] == "ROCm Parallel doctor"
     assert "group:   2 workers on cpu, cpu, gloo, world size 2" in text

@@ -17,7 +17,7 @@ from test_parallel_sampling import LAYOUTS
 from test_sampling import flux_model, reference
 
 from rocm_parallel.backend import family as registry
-from rocm_parallel.backend.api import ParallelFlux
+from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.checkpoint import diffusers_to_bfl, inspect_checkpoint, save_checkpoint
 from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError, ParallelLayout
@@ -167,7 +167,7 @@ def test_one_process_equals_comfyuis_own_flux_forward(case: str) -> None:
         with torch.no_grad():
             got = flux_call(
                 capturing(diffusers_model_fn(flux_model(variant)), seen), call["x"], call["timestep"],
-                call["context"], call["y"], call["guidance"], ref_latents=refs, ref_method=method or "offset",
+                call["context"], call["y"], call["guidance"], ref_latents=refs, ref_latents_method=method or "offset",
             )  # fmt: skip
         assert got.shape == call["output"].shape
         assert (got - call["output"]).abs().max().item() <= TOL
@@ -186,7 +186,7 @@ def test_the_service_equals_comfyuis_own_flux_forward(
     groups: WorkerGroup, layout: ParallelLayout, checkpoints: dict[str, str]
 ) -> None:
     for case, (variant, method) in COMFY_CASES.items():
-        flux = ParallelFlux(group=groups)
+        flux = ParallelModel(group=groups)
         flux.load(checkpoints[variant], layout=layout, dtype="float32")
         for call in recorded_calls(case):
             got = flux.forward(
@@ -236,7 +236,7 @@ def one_process(variant: str, inputs: dict) -> torch.Tensor:
         return flux_call(
             diffusers_model_fn(flux_model(variant)), inputs["x"], inputs["timestep"], inputs["context"],
             inputs["y"], inputs["guidance"], ref_latents=inputs.get("ref_latents", ()),
-            ref_method=inputs.get("ref_method", "offset"),
+            ref_latents_method=inputs.get("ref_method", "offset"),
         )  # fmt: skip
 
 
@@ -248,7 +248,7 @@ def test_kontext_and_fill_match_one_process_in_every_layout(
         expected = one_process(variant, inputs)
         assert expected.shape == (2, 16, *inputs["x"].shape[-2:])
         for layout in LAYOUTS[groups.world_size]:
-            flux = ParallelFlux(group=groups)
+            flux = ParallelModel(group=groups)
             flux.load(checkpoints[variant], layout=layout, dtype="float32")
             got = flux.forward(**inputs)
             assert (got - expected).abs().max().item() <= TOL, (variant, layout)
@@ -257,7 +257,7 @@ def test_kontext_and_fill_match_one_process_in_every_layout(
 def test_reference_latents_are_sent_once_and_found_by_content(
     group2: WorkerGroup, checkpoints: dict[str, str]
 ) -> None:
-    flux = ParallelFlux(group=group2)
+    flux = ParallelModel(group=group2)
     flux.load(checkpoints["dev"], layout="tp", dtype="float32")
     inputs = kontext_inputs(seed=1)
     sent = sum(t.numel() * 4 for t in (inputs["context"], inputs["y"], *inputs["ref_latents"]))
@@ -300,7 +300,7 @@ def test_reference_latents_are_sent_once_and_found_by_content(
 def test_bad_kontext_and_fill_calls_fail_before_any_rank_runs(
     group2: WorkerGroup, checkpoints: dict[str, str], variant: str, change: dict, message: str
 ) -> None:
-    flux = ParallelFlux(group=group2)
+    flux = ParallelModel(group=group2)
     flux.load(checkpoints[variant], layout="tp", dtype="float32")
     base = kontext_inputs() if variant == "dev" else fill_inputs()
     before = group2._job
@@ -311,7 +311,7 @@ def test_bad_kontext_and_fill_calls_fail_before_any_rank_runs(
 
 def test_fill_is_refused_by_the_built_in_sampler(checkpoints: dict[str, str]) -> None:
     with pytest.raises(ConfigError) as err:
-        ParallelFlux.check_sample(
+        ParallelModel.check_sample(
             [[torch.zeros(1, 8, 32), {"pooled_output": torch.zeros(1, 24)}]],
             {"samples": torch.zeros(1, 16, 8, 8)},
             checkpoint=checkpoints["fill"], seed=0, steps=2,

@@ -8,18 +8,18 @@ from flux2_methods import BuildRandomFlux2
 from model_methods import Inputs
 
 from rocm_parallel.backend.client import WorkerGroup
-from rocm_parallel.backend.config import FluxDims
+from rocm_parallel.backend.flux.dims import FluxDims
 from rocm_parallel.backend.flux2.model import FLUX2_DEV, build_flux2
 from rocm_parallel.backend.flux2.tp import FLUX2_TP_PLAN
 from rocm_parallel.backend.parallel.comm import CountCollectives
 from rocm_parallel.backend.parallel.tensor import (
     PackedColumn,
-    apply_tensor_parallel,
     parameter_bytes,
     shard_pieces,
 )
 from rocm_parallel.testing.fake import fake_process_group
 from rocm_parallel.testing.models import random_inputs, tiny_flux2_config
+from rocm_parallel.testing.parallel import apply_tensor_parallel
 
 # 8 heads so that TP 2/4 and Ulysses 2 split them; 2 double + 3 single blocks, SwiGLU MLP x3.
 CONFIG = tiny_flux2_config(
@@ -124,6 +124,7 @@ def test_flux2_dev_bytes_per_rank_on_meta() -> None:
 @pytest.mark.parametrize("degree", [2, 4, 8])
 def test_planner_weight_bytes_are_what_the_engine_holds(degree: int) -> None:
     from rocm_parallel.backend.config import ParallelLayout
+    from rocm_parallel.backend.flux.dims import FluxDims
     from rocm_parallel.backend.plan import weight_bytes
 
     dims = FluxDims.from_diffusers_config(FLUX2_DEV)

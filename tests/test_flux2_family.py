@@ -10,15 +10,16 @@ from safetensors.torch import load_file
 
 from rocm_parallel.backend import family as registry
 from rocm_parallel.backend.checkpoint import bfl_to_diffusers, inspect_checkpoint, load_model, save_checkpoint
-from rocm_parallel.backend.config import ConfigError, FluxDims
+from rocm_parallel.backend.config import ConfigError
+from rocm_parallel.backend.flux.dims import FluxDims
 from rocm_parallel.backend.flux2.family import FLUX2
 from rocm_parallel.backend.flux2.forward import flux2_call, flux2_model_fn, flux2_text_ids
 from rocm_parallel.backend.flux2.keys import config_from_diffusers
 from rocm_parallel.backend.flux2.model import FLUX2_DEV, FLUX2_KLEIN_9B, build_flux2
 from rocm_parallel.backend.flux2.tp import FLUX2_TP_PLAN
-from rocm_parallel.backend.parallel.tensor import apply_tensor_parallel
 from rocm_parallel.testing.fake import fake_process_group
 from rocm_parallel.testing.models import tiny_flux2_config
+from rocm_parallel.testing.parallel import apply_tensor_parallel
 
 CONFIG = tiny_flux2_config(
     heads=8, head_dim=16, double_blocks=2, single_blocks=3, text_dim=32, in_channels=16
@@ -104,12 +105,13 @@ def test_comfy_model_is_comfyuis_flux2_detection() -> None:
 
 def test_auto_prices_a_flux2_checkpoint_as_flux2(tmp_path: Path, group2) -> None:
     """check_load(layout='auto') on a FLUX.2 file: the planner's weights are FLUX.2's, per layout."""
-    from rocm_parallel.backend.api import ParallelFlux
+    from rocm_parallel.backend.api import ParallelModel
     from rocm_parallel.backend.config import ParallelLayout
+    from rocm_parallel.backend.flux.dims import FluxDims
     from rocm_parallel.backend.plan import weight_bytes
 
     path = save_checkpoint(build_flux2(CONFIG, seed=5), tmp_path / "flux2.safetensors")
-    flux = ParallelFlux(group=group2)
+    flux = ParallelModel(group=group2)
     resident = flux.check_load(path, layout="auto", dtype="float32")
     choice = flux.auto_choice
     assert resident.layout == choice.layout

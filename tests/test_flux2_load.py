@@ -28,13 +28,13 @@ from rocm_parallel.backend.checkpoint import (
 )
 from rocm_parallel.backend.checkpoint.quant import dequantize
 from rocm_parallel.backend.client import WorkerGroup
-from rocm_parallel.backend.config import FluxDims
+from rocm_parallel.backend.flux.dims import FluxDims
 from rocm_parallel.backend.flux2.keys import config_from_bfl
 from rocm_parallel.backend.flux2.model import FLUX2_DEV, FLUX2_KLEIN_4B, build_flux2
-from rocm_parallel.backend.parallel.tensor import apply_tensor_parallel
 from rocm_parallel.backend.parallel.weights import linear_weight
 from rocm_parallel.testing.fake import fake_process_group
 from rocm_parallel.testing.models import random_inputs, tiny_flux2_config
+from rocm_parallel.testing.parallel import apply_tensor_parallel
 from rocm_parallel.testing.writers import MIXED_FORMS, save_mixed_checkpoint
 
 CONFIG = tiny_flux2_config(
@@ -188,12 +188,12 @@ def test_workers_fp8_mixed_tp_and_ring_equal_dequantized(
     """Through the API on a gloo group: TP=2 and ring=2 of an fp8 mixed file, fp8-resident and upcast at
     load, give the same output exactly, within float32 rounding of the single-process forward of the
     dequantized file."""
-    from rocm_parallel.backend.api import ParallelFlux
+    from rocm_parallel.backend.api import ParallelModel
 
     path = save_mixed_checkpoint(model, tmp_path / "flux2_fp8mixed.safetensors", fp8_mixed="metadata")
     expected = _forward(_dequantized(path))
     inputs = random_inputs(DIMS, height=48, width=80, text_tokens=7, family="flux2").as_kwargs()
-    flux = ParallelFlux(group=group2)
+    flux = ParallelModel(group=group2)
     try:
         for layout in ("tp", "context"):
             outs = {}
@@ -248,7 +248,7 @@ UNKNOWN = (
 def test_unknown_quant_formats_are_refused_naming_the_layer(tmp_path: Path, model: torch.nn.Module) -> None:
     """nvfp4 (block scales + a second scale) declared either way is refused, and so before any worker
     starts (check_load of a group that was never started)."""
-    from rocm_parallel.backend.api import ParallelFlux
+    from rocm_parallel.backend.api import ParallelModel
 
     path, tensors, _ = _mixed(tmp_path, model)
     tensors["single_blocks.2.linear2.comfy_quant"] = _marker("nvfp4")
@@ -257,7 +257,7 @@ def test_unknown_quant_formats_are_refused_naming_the_layer(tmp_path: Path, mode
         f"'{path}': layer 'single_blocks.2.linear2' is quantized as 'nvfp4' (its 'comfy_quant' tensor); "
         + UNKNOWN
     )
-    flux = ParallelFlux(["cpu", "cpu"])
+    flux = ParallelModel(["cpu", "cpu"])
     with pytest.raises(CheckpointError, match="is quantized as 'nvfp4'"):
         flux.check_load(str(path))
     assert not flux.started

@@ -1,5 +1,5 @@
-"""FLUX.2 end to end through the public API: a BFL file loaded by `ParallelFlux.load` on the workers and
-called as ComfyUI's samplers call ComfyUI's own FLUX.2 (`ParallelFlux.forward`), in every layout, against
+"""FLUX.2 end to end through the public API: a BFL file loaded by `ParallelModel.load` on the workers and
+called as ComfyUI's samplers call ComfyUI's own FLUX.2 (`ParallelModel.forward`), in every layout, against
 the same call in one process; what the API refuses for FLUX.2, before any worker runs; and the planner
 fed FLUX.2's sizes (1/16 latents, 512 text tokens) and reference latents' tokens."""
 
@@ -13,11 +13,12 @@ import torch
 from safetensors.torch import load_file
 from test_parallel_sampling import LAYOUTS
 
-from rocm_parallel.backend.api import ParallelFlux
+from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.checkpoint import bfl_to_diffusers, inspect_checkpoint
 from rocm_parallel.backend.checkpoint.lora import inspect_lora
 from rocm_parallel.backend.client import WorkerGroup
-from rocm_parallel.backend.config import ConfigError, FluxDims, ParallelLayout
+from rocm_parallel.backend.config import ConfigError, ParallelLayout
+from rocm_parallel.backend.flux.dims import FluxDims
 from rocm_parallel.backend.flux2.forward import flux2_call, flux2_model_fn
 from rocm_parallel.backend.flux2.model import FLUX2_DEV, build_flux2
 from rocm_parallel.backend.plan import Setup, plan
@@ -43,8 +44,8 @@ def flux2_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, torch.nn.
     return path, model
 
 
-def loaded(group: WorkerGroup, path: str, layout: ParallelLayout) -> ParallelFlux:
-    flux = ParallelFlux(group=group)
+def loaded(group: WorkerGroup, path: str, layout: ParallelLayout) -> ParallelModel:
+    flux = ParallelModel(group=group)
     flux.load(path, layout=layout, dtype="float32")
     return flux
 
@@ -119,7 +120,7 @@ def test_flux2_forward_refuses_flux1_inputs_before_any_rank_runs(
         no_call.stop()
 
 
-def _refusals(flux: ParallelFlux, inputs: dict) -> None:
+def _refusals(flux: ParallelModel, inputs: dict) -> None:
     with pytest.raises(ConfigError) as err:
         flux.forward(
             torch.randn(2, 16, 5, 7), inputs["timestep"], inputs["context"], None, inputs["guidance"]
@@ -163,11 +164,11 @@ def test_auto_plans_flux2_latents_and_their_references(
     group2: WorkerGroup, flux2_file: tuple[str, torch.nn.Module], tmp_path: Path
 ) -> None:
     path, _ = flux2_file
-    registry = Registry(factory=lambda devices: ParallelFlux(group=group2))
+    registry = Registry(factory=lambda devices: ParallelModel(group=group2))
     handle = ParallelHandle(path, "flux2-tiny.safetensors", ("cpu", "cpu"), "float32")
     runner = ModelRunner(registry, handle, LayoutRequest(None))
     with mock.patch.object(
-        ParallelFlux, "auto_layout", autospec=True, side_effect=ParallelFlux.auto_layout
+        ParallelModel, "auto_layout", autospec=True, side_effect=ParallelModel.auto_layout
     ) as spy:
         runner.prepare((1, 32, 5, 7), references=[(1, 32, 3, 4), (1, 32, 4, 4)])
     try:
@@ -215,7 +216,7 @@ def test_flux2_loras_patch_each_rank_and_restore_exactly(
     info = inspect_checkpoint(path)
     assert len(inspect_lora(bfl, info).modules) == len(targets)
     expected = one_process(merged_flux2(path, [(bfl, 0.7)]), call_inputs(refs=1))
-    flux = ParallelFlux(group=group2)
+    flux = ParallelModel(group=group2)
     try:
         for layout in (ParallelLayout(tp=2), ParallelLayout(ring=2)):
             flux.unload()

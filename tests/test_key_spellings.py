@@ -26,9 +26,9 @@ from rocm_parallel.backend.checkpoint import (
 from rocm_parallel.backend.checkpoint import load as load_module
 from rocm_parallel.backend.checkpoint.keys import transformer_prefix
 from rocm_parallel.backend.family import get_family
-from rocm_parallel.backend.parallel.tensor import apply_tensor_parallel
 from rocm_parallel.testing.fake import fake_process_group
 from rocm_parallel.testing.models import tiny_flux2_config, tiny_flux_config
+from rocm_parallel.testing.parallel import apply_tensor_parallel
 from rocm_parallel.testing.writers import quantize_fp8
 
 MODELS = {

@@ -11,7 +11,8 @@ import json
 import pytest
 
 from rocm_parallel.backend.api import make_layout
-from rocm_parallel.backend.config import ConfigError, FluxDims, ParallelLayout
+from rocm_parallel.backend.config import ConfigError, ParallelLayout
+from rocm_parallel.backend.flux.dims import FluxDims
 from rocm_parallel.backend.flux.model import FLUX_DEV
 from rocm_parallel.backend.flux2.model import FLUX2_DEV
 from rocm_parallel.backend.plan import PCIE4, Setup, call_batch, candidate_layouts, choose, plan

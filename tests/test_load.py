@@ -24,11 +24,12 @@ from rocm_parallel.backend.checkpoint import (
     resolve_dtype,
 )
 from rocm_parallel.backend.client import WorkerGroup
-from rocm_parallel.backend.config import ConfigError, FluxDims
+from rocm_parallel.backend.config import ConfigError
+from rocm_parallel.backend.flux.dims import FluxDims
 from rocm_parallel.backend.flux.model import build_flux
-from rocm_parallel.backend.parallel.tensor import apply_tensor_parallel
 from rocm_parallel.testing.fake import fake_process_group
 from rocm_parallel.testing.models import random_inputs, tiny_flux_config
+from rocm_parallel.testing.parallel import apply_tensor_parallel
 
 # 8 heads so that TP 2 and 4 both split them.
 CONFIG = tiny_flux_config(heads=8, head_dim=16, double_blocks=2, single_blocks=2)

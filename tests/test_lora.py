@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from worker_jobs import OnRank
 
-from rocm_parallel.backend.api import ParallelFlux
+from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.checkpoint import (
     bfl_to_diffusers,
     diffusers_to_bfl,
@@ -31,10 +31,10 @@ from rocm_parallel.backend.checkpoint.lora.values import scan_values
 from rocm_parallel.backend.client import WorkerError, WorkerGroup
 from rocm_parallel.backend.config import ConfigError
 from rocm_parallel.backend.family import get_family
-from rocm_parallel.backend.parallel.tensor import apply_tensor_parallel
 from rocm_parallel.testing.fake import fake_process_group
 from rocm_parallel.testing.helpers import TEST_CONFIG
 from rocm_parallel.testing.models import random_inputs, tiny_flux2_config
+from rocm_parallel.testing.parallel import apply_tensor_parallel
 from rocm_parallel.testing.writers import LORA_KINDS, write_random_lora
 
 CONFIGS = {
@@ -434,10 +434,10 @@ def assert_equal_ranks(got: list[dict], want: list[dict], what: str) -> None:
 def test_workers_apply_change_and_remove_loras(
     files: dict[str, str], group2: WorkerGroup, family: str, name: str, tensors: int
 ) -> None:
-    """`ParallelFlux.load(loras=...)` on a gloo group, in both layouts: each rank's weights equal the
+    """`ParallelModel.load(loras=...)` on a gloo group, in both layouts: each rank's weights equal the
     slice of the model merged by ComfyUI's formulas (and so does the forward), changing the strength
     equals a fresh load at that strength, and `loras=()` gives back the fresh load, all bit for bit."""
-    flux = ParallelFlux(group=group2)
+    flux = ParallelModel(group=group2)
     ck, lora = files[family], files[name]
     merged = comfy_merge(ck, [(lora, 0.7)], family)
     reference = get_family(family).build(CONFIGS[family], seed=None)
@@ -483,9 +483,9 @@ def test_failed_lora_apply_leaves_no_rank_half_patched(files: dict[str, str], gr
     """Rank 1 runs out of memory at its 3rd patched tensor while rank 0 applies all of them: the load
     fails with rank 1's message and no rank keeps a model (each rank drops its half-patched one, the
     API unloads the rest); the next load with the LoRA works. Mutation tried: without the unload in
-    `ParallelFlux._load_resident`'s except clause, rank 0 kept the patched model ([key, None]). The
+    `ParallelModel._load_resident`'s except clause, rank 0 kept the patched model ([key, None]). The
     worker's own drop of a half-patched model is belt and braces behind it: removing it alone passes."""
-    flux = ParallelFlux(group=group2)
+    flux = ParallelModel(group=group2)
     ck = files["checkpoint"]
     try:
         flux.load(ck, layout="tp", dtype="float32")
@@ -517,7 +517,7 @@ def test_matches_comfyuis_own_lora_loader(
     lora = write_random_lora(
         tmp_path / "lora.safetensors", config, spec["format"], rank=spec["rank"], seed=spec["seed"]
     )
-    flux = ParallelFlux(group=group2)
+    flux = ParallelModel(group=group2)
     flux.load(checkpoints["dev"], layout=layout, dtype="float32", loras=[(lora, spec["strength"])])
     out = flux.sample(
         positive(ref["cond"], ref["pooled"], case["guidance"]), {"samples": ref["latent"]},
@@ -542,7 +542,7 @@ def test_matches_comfyuis_own_lora_loader(
 
 
 def _error(files: dict[str, str], loras: list, family: str = "flux1") -> str:
-    flux = ParallelFlux(["cpu", "cpu"])
+    flux = ParallelModel(["cpu", "cpu"])
     with pytest.raises(LoraError) as err:
         flux.check_load(files[family], loras=loras)
     assert isinstance(err.value, ConfigError)

@@ -1,6 +1,6 @@
 """Composed layouts on one device mesh: batch x tp x ring x ulysses.
 
-* On the session's 4 gloo workers, through the public API (`ParallelFlux.load(layout=...)` and
+* On the session's 4 gloo workers, through the public API (`ParallelModel.load(layout=...)` and
   `forward`, the path ComfyUI's samplers take): tp 2 x ring 2, tp 2 x ulysses 2, batch 2 x tp 2 and
   batch 2 x ring 2 equal the same call in one process within 1e-5 (fp32), for FLUX.1 and FLUX.2, with odd
   token counts (35 image + 3 text tokens: every context-parallel stream padded), and for the batch
@@ -18,9 +18,10 @@ import pytest
 import torch
 from test_sampling import flux2_model, flux_model
 
-from rocm_parallel.backend.api import ParallelFlux
+from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.client import WorkerGroup
-from rocm_parallel.backend.config import FluxDims, ParallelLayout
+from rocm_parallel.backend.config import ParallelLayout
+from rocm_parallel.backend.flux.dims import FluxDims
 from rocm_parallel.backend.flux.forward import flux_call
 from rocm_parallel.backend.flux.model import FLUX_DEV
 from rocm_parallel.backend.flux.sampling import diffusers_model_fn
@@ -67,7 +68,7 @@ def test_composed_layouts_equal_one_process(
     """Mutation tried: BatchSplit taking every group's share from the first entries (1.8 off at batch 2)."""
     path = checkpoints["dev"] if family == "flux1" else flux2_checkpoints["flux2"]
     model = flux_model("dev") if family == "flux1" else flux2_model("flux2")
-    flux = ParallelFlux(group=group4)
+    flux = ParallelModel(group=group4)
     worst = {}
     for layout in DONE_WHEN:
         flux.load(path, layout=layout, dtype="float32")
@@ -97,7 +98,7 @@ def test_each_group_computes_its_share_and_an_idle_group_only_gathers(
     own entry (its all-reduces on its tp group, 2 x 2 double + 2 single blocks); with a call of 1 the
     second pair runs nothing and only takes part in the batch gather. Mutation tried: `BatchSplit.runs`
     always True (the idle pair ran the model on an empty batch: its tp counts appeared)."""
-    flux = ParallelFlux(group=group4)
+    flux = ParallelModel(group=group4)
     flux.load(checkpoints["dev"], layout="batch 2 x tp 2", dtype="float32")
     busy = {"tp:all_reduce": 6, "tp:all_gather": 1, "batch:all_gather": 1}
     both = group4.call_all("counted_forward", _request("flux1", 2, key=9001))
@@ -115,7 +116,7 @@ def test_the_lse_guard_probes_the_ring_sub_group(group4: WorkerGroup, checkpoint
     LSE): each ring of 2 ranks is probed on its own sub-group, answers '4d', and the guarded forward equals
     one process. Without the guard the same forward fails with the ROCm error (tried by hand: 'The size of
     tensor a (2) must match the size of tensor b (17) at non-singleton dimension 3' on every rank)."""
-    flux = ParallelFlux(group=group4)
+    flux = ParallelModel(group=group4)
     group4.call_all("old_ring_merge_on_mesh", _OldRingMerge(True))
     try:
         flux.load(checkpoints["dev"], layout="tp 2 x ring 2", dtype="float32")

@@ -21,10 +21,11 @@ from fake_comfy import SAMPLERS, SCHEDULERS, FakeComfy, InterruptProcessingExcep
 from test_sampling import flux_model, positive, reference
 
 import rocm_parallel
-from rocm_parallel.backend.api import ParallelFlux
+from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.checkpoint import save_checkpoint
 from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError, ParallelLayout
+from rocm_parallel.backend.flux.dims import FluxDims
 from rocm_parallel.backend.messages import RankStatus
 from rocm_parallel.nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS, checks, inputs, loading
 from rocm_parallel.nodes import registry as registry_module
@@ -228,7 +229,7 @@ def test_only_gpu_workers_evict_comfyui_models() -> None:
 
 
 class RecordingFlux:
-    """Stands in for ParallelFlux where only the registry's bookkeeping is under test."""
+    """Stands in for ParallelModel where only the registry's bookkeeping is under test."""
 
     def __init__(self, devices: tuple[str, ...]) -> None:
         self.devices, self.closed = devices, False
@@ -242,7 +243,7 @@ class RecordingFlux:
 
 def test_status_shows_what_start_up_changed() -> None:
     registry = Registry(factory=RecordingFlux)
-    registry.flux_for(("cpu", "cpu")).warnings.append("started again with NCCL_P2P_DISABLE=1")
+    registry.group_for(("cpu", "cpu")).warnings.append("started again with NCCL_P2P_DISABLE=1")
     text = status_text(registry, "report")
     assert text.splitlines()[-1] == "warning: started again with NCCL_P2P_DISABLE=1"
 
@@ -250,10 +251,10 @@ def test_status_shows_what_start_up_changed() -> None:
 def test_registry_keeps_one_group_per_device_set() -> None:
     made: list[RecordingFlux] = []
     registry = Registry(factory=lambda devices: made.append(RecordingFlux(devices)) or made[-1])
-    first = registry.flux_for(("cpu", "cpu"))
-    assert registry.flux_for(("cpu", "cpu")) is first  # same devices: the resident group is reused
+    first = registry.group_for(("cpu", "cpu"))
+    assert registry.group_for(("cpu", "cpu")) is first  # same devices: the resident group is reused
     assert registry.snapshot()["devices"] == ["cpu", "cpu"]
-    other = registry.flux_for(("cpu",) * 4)  # another device set closes the old group first
+    other = registry.group_for(("cpu",) * 4)  # another device set closes the old group first
     assert first.closed and not other.closed
     assert [f.devices for f in made] == [("cpu", "cpu"), ("cpu",) * 4]
     assert status_text(registry, "close") == "ROCm Parallel: no worker group is running"
@@ -273,7 +274,7 @@ def test_handle_is_plain_hashable_data() -> None:
 @pytest.fixture
 def shared_registry(group2: WorkerGroup, monkeypatch: pytest.MonkeyPatch) -> Registry:
     """The nodes' registry, serving 'cpu x2' from the session's worker group."""
-    registry = Registry(factory=lambda devices: ParallelFlux(group=group2))
+    registry = Registry(factory=lambda devices: ParallelModel(group=group2))
     monkeypatch.setattr(registry_module, "REGISTRY", registry)
     monkeypatch.setattr("rocm_parallel.nodes.classes.REGISTRY", registry)
     yield registry
@@ -298,7 +299,7 @@ def test_loader_loads_on_real_workers(
     assert [r["parameter_bytes"] > 0 for r in state["ranks"]] == [True, True]
     # CPU workers need no GPU memory: ComfyUI's own models stay where they are.
     assert "unload_all_models" not in comfy.calls and "check_interrupt" in comfy.calls
-    status = NODE_CLASS_MAPPINGS["RocmParallelStatus"]().status(action="report", parallel_flux=handle)
+    status = NODE_CLASS_MAPPINGS["RocmParallelStatus"]().status(action="report", parallel_model=handle)
     text = status["result"][0]
     assert text.startswith("ROCm Parallel: 2 workers on cpu, cpu (idle)\nmodel: tiny-dev.safetensors, tp 2")
     assert status["ui"]["text"] == [text]
@@ -309,7 +310,6 @@ def test_loader_weight_dtype_keeps_fp8_on_the_workers(
 ) -> None:
     """The loader's weight_dtype widget reaches the workers: fp8_e4m3fn holds the linear weights in one
     byte each (the planner's count), the compute dtype stays float32 for the rest."""
-    from rocm_parallel.backend.config import FluxDims
     from rocm_parallel.backend.plan import weight_bytes
 
     loader = NODE_CLASS_MAPPINGS["RocmParallelLoader"]
@@ -350,9 +350,9 @@ def test_ring_degrees_are_checked_before_anything_starts(
         ConfigError, match=r"ring_degree=2 x ulysses_degree=2 = 4 but the loader has 2 devices"
     ):
         NODE_CLASS_MAPPINGS["RocmParallelRingSampler"]().sample(
-            parallel_flux=handle, cfg=1.0, ring_degree=2, ulysses_degree=2, **_ref_inputs()
+            parallel_model=handle, cfg=1.0, ring_degree=2, ulysses_degree=2, **_ref_inputs()
         )
-    three = Registry(factory=lambda devices: ParallelFlux(list(devices), threads=1))
+    three = Registry(factory=lambda devices: ParallelModel(list(devices), threads=1))
     with pytest.raises(ConfigError, match="tp_degree=3 does not divide 4 attention heads"):
         loading.load(three, ParallelHandle(handle.checkpoint, "x", ("cpu",) * 3, None), "tp")
     assert not three.current.started  # refused before any worker process started
@@ -538,7 +538,7 @@ def test_public_error_names_files_not_paths(message: str, shown: str) -> None:
 def recording_registry(monkeypatch: pytest.MonkeyPatch) -> tuple[Registry, list]:
     """The nodes' registry; records every worker group it would start (none must start here)."""
     started: list[tuple[str, ...]] = []
-    registry = Registry(factory=lambda devices: started.append(devices) or ParallelFlux(list(devices)))
+    registry = Registry(factory=lambda devices: started.append(devices) or ParallelModel(list(devices)))
     monkeypatch.setattr(registry_module, "REGISTRY", registry)
     monkeypatch.setattr("rocm_parallel.nodes.classes.REGISTRY", registry)
     return registry, started
@@ -611,7 +611,7 @@ def test_samplers_validate_before_starting_or_loading(
         ("RocmParallelRingSampler", {"ring_degree": 2, "ulysses_degree": 1}),
     ):
         with pytest.raises(ConfigError) as err:
-            NODE_CLASS_MAPPINGS[node_id]().sample(parallel_flux=handle, **_bad_inputs(case), **extra)
+            NODE_CLASS_MAPPINGS[node_id]().sample(parallel_model=handle, **_bad_inputs(case), **extra)
         assert str(err.value) == message
     assert started == [] and "unload_all_models" not in comfy.calls
 
@@ -623,7 +623,7 @@ def test_samplers_refuse_a_fill_checkpoint_pointing_to_the_parallel_model(
     save_checkpoint(flux_model("fill"), comfy.models / "fill.safetensors")
     handle = ParallelHandle(str(comfy.models / "fill.safetensors"), "fill.safetensors", ("cpu", "cpu"), None)
     with pytest.raises(ConfigError) as err:
-        NODE_CLASS_MAPPINGS["RocmParallelTPSampler"]().sample(parallel_flux=handle, **_bad_inputs("none"))
+        NODE_CLASS_MAPPINGS["RocmParallelTPSampler"]().sample(parallel_model=handle, **_bad_inputs("none"))
     assert str(err.value) == (
         "FLUX.1 Fill needs the masked image and mask in every step, which the TP / Ring Attention Sampler do "
         "not supply: sample it with the ROCm Parallel Model, ComfyUI's InpaintModelConditioning and KSampler"
@@ -733,7 +733,7 @@ def test_the_panel_step_comes_from_comfyuis_sigmas(now, run, step) -> None:
 
 
 class ForwardFlux:
-    """A ParallelFlux stand-in for the runner's bookkeeping: records loads and forwards."""
+    """A ParallelModel stand-in for the runner's bookkeeping: records loads and forwards."""
 
     def __init__(self, devices: tuple[str, ...]) -> None:
         self.devices, self.started, self.resident, self.warnings = devices, True, None, []
@@ -823,9 +823,9 @@ def test_lora_node_chains_loras_onto_the_handle(
     node = NODE_CLASS_MAPPINGS["RocmParallelLoRA"]
     assert node.INPUT_TYPES()["required"]["lora_name"][0] == lora_files
     base = ParallelHandle(str(comfy.models / dev_checkpoint), "dev.safetensors", ("cpu", "cpu"), None)
-    (one,) = node().add_lora(parallel_flux=base, lora_name="style.safetensors", strength_model=0.8)
-    (two,) = node().add_lora(parallel_flux=one, lora_name="kohya.safetensors", strength_model=-0.5)
-    (same,) = node().add_lora(parallel_flux=two, lora_name="style.safetensors", strength_model=0.0)
+    (one,) = node().add_lora(parallel_model=base, lora_name="style.safetensors", strength_model=0.8)
+    (two,) = node().add_lora(parallel_model=one, lora_name="kohya.safetensors", strength_model=-0.5)
+    (same,) = node().add_lora(parallel_model=two, lora_name="style.safetensors", strength_model=0.0)
     assert two.loras == (
         (str(comfy.loras / "style.safetensors"), 0.8),
         (str(comfy.loras / "kohya.safetensors"), -0.5),
@@ -845,7 +845,7 @@ def test_lora_node_refuses_a_file_that_is_no_lora_for_this_model(
     base = ParallelHandle(str(comfy.models / dev_checkpoint), "dev.safetensors", ("cpu", "cpu"), None)
     with pytest.raises(ConfigError) as err:
         NODE_CLASS_MAPPINGS["RocmParallelLoRA"]().add_lora(
-            parallel_flux=base, lora_name="not-a-lora.safetensors", strength_model=1.0
+            parallel_model=base, lora_name="not-a-lora.safetensors", strength_model=1.0
         )
     assert str(err.value).startswith(f"'{comfy.loras / 'not-a-lora.safetensors'}' has no FLUX LoRA keys")
     from rocm_parallel.testing.models import tiny_flux_config
@@ -856,11 +856,11 @@ def test_lora_node_refuses_a_file_that_is_no_lora_for_this_model(
         ConfigError, match=r"has shape \[4, 128\] but this checkpoint's '[^']+' needs \[4, 64\]"
     ):
         NODE_CLASS_MAPPINGS["RocmParallelLoRA"]().add_lora(
-            parallel_flux=base, lora_name="wide.safetensors", strength_model=1.0
+            parallel_model=base, lora_name="wide.safetensors", strength_model=1.0
         )
     with pytest.raises(FileNotFoundError, match=r"'missing\.safetensors' not found"):
         NODE_CLASS_MAPPINGS["RocmParallelLoRA"]().add_lora(
-            parallel_flux=base, lora_name="missing.safetensors", strength_model=1.0
+            parallel_model=base, lora_name="missing.safetensors", strength_model=1.0
         )
 
 
@@ -974,7 +974,7 @@ def test_errors_reach_comfyui_named_by_the_package_not_the_install_path(tmp_path
 
 def test_the_panel_and_the_status_node_say_the_same_sizes_in_the_same_words() -> None:
     registry = Registry(factory=RecordingFlux)
-    registry.flux_for(("cpu", "cuda:1"))
+    registry.group_for(("cpu", "cuda:1"))
     memory = {"allocated_gb": 6.2, "peak_gb": 7.0, "free_gb": 50.0, "total_gb": 63.98}
     registry.update(
         ranks=[
@@ -997,7 +997,7 @@ def test_a_refusal_before_any_worker_starts_is_the_panels_last_error(
     handle = ParallelHandle(str(comfy.models / dev_checkpoint), dev_checkpoint, ("cpu",) * 3, None)
     with pytest.raises(ConfigError, match="tp_degree=3"):
         NODE_CLASS_MAPPINGS["RocmParallelModel"]().model(
-            parallel_flux=handle, layout="tp", ring_degree=0, ulysses_degree=0
+            parallel_model=handle, layout="tp", ring_degree=0, ulysses_degree=0
         )
     assert not registry.current.started
     state = registry.snapshot()

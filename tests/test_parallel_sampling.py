@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import re
 import time
-from functools import partial
 
 import pytest
 import torch
 from test_sampling import CASES, FLUX2_CASES, flux2_job, flux2_model, positive, reference
 
-from rocm_parallel.backend.api import ParallelFlux
+from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError, ParallelLayout
-from rocm_parallel.backend.flux.sampling import euler, resolution_mu
+from rocm_parallel.backend.flux.sampling import resolution_mu
 from rocm_parallel.backend.flux2.forward import flux2_call, flux2_model_fn
+from rocm_parallel.backend.sampling import euler
 
 LAYOUTS = {
     2: [ParallelLayout(tp=2), ParallelLayout(ring=2), ParallelLayout(ulysses=2)],
@@ -33,7 +33,7 @@ LAYOUTS = {
 }
 
 
-def run_case(flux: ParallelFlux, name: str, progress=None) -> torch.Tensor:
+def run_case(flux: ParallelModel, name: str, progress=None) -> torch.Tensor:
     case, ref = CASES[name], reference(name)
     shift = case.get("shift")
     mu = (
@@ -61,7 +61,7 @@ def run_case(flux: ParallelFlux, name: str, progress=None) -> torch.Tensor:
 
 @pytest.mark.parametrize("groups", [2, 4], indirect=True)
 def test_every_layout_matches_comfyui(groups: WorkerGroup, checkpoints: dict[str, str]) -> None:
-    flux = ParallelFlux(group=groups)
+    flux = ParallelModel(group=groups)
     for layout in LAYOUTS[groups.world_size]:
         for variant in ("dev", "schnell"):
             flux.load(checkpoints[variant], layout=layout, dtype="float32")
@@ -73,7 +73,7 @@ def test_every_layout_matches_comfyui(groups: WorkerGroup, checkpoints: dict[str
 
 
 def test_model_stays_resident_between_jobs(group2: WorkerGroup, checkpoints: dict[str, str]) -> None:
-    flux = ParallelFlux(group=group2)
+    flux = ParallelModel(group=group2)
     first = flux.load(checkpoints["dev"], layout="tp", dtype="float32")
     again = flux.load(checkpoints["dev"], layout="tp", dtype="float32")
     assert [r.reused for r in first] == [False, False]
@@ -86,7 +86,7 @@ def test_model_stays_resident_between_jobs(group2: WorkerGroup, checkpoints: dic
 
 
 def test_progress_after_every_step(group2: WorkerGroup, checkpoints: dict[str, str]) -> None:
-    flux = ParallelFlux(group=group2)
+    flux = ParallelModel(group=group2)
     flux.load(checkpoints["dev"], layout="tp", dtype="float32")
     seen: list[tuple[int, int]] = []
     run_case(flux, "dev_4steps", progress=lambda s, t: seen.append((s, t)))
@@ -103,7 +103,7 @@ def test_progress_after_every_step(group2: WorkerGroup, checkpoints: dict[str, s
 def test_bad_latent_fails_before_any_step(
     group2: WorkerGroup, checkpoints: dict[str, str], latent: torch.Tensor, message: str
 ) -> None:
-    flux = ParallelFlux(group=group2)
+    flux = ParallelModel(group=group2)
     flux.load(checkpoints["dev"], layout="tp", dtype="float32")
     ref = reference("dev_4steps")
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -111,7 +111,7 @@ def test_bad_latent_fails_before_any_step(
 
 
 def test_sequence_too_short_for_the_degree(group4: WorkerGroup, checkpoints: dict[str, str]) -> None:
-    flux = ParallelFlux(group=group4)
+    flux = ParallelModel(group=group4)
     flux.load(checkpoints["dev"], layout="context", dtype="float32")
     ref = reference("dev_4steps")
     with pytest.raises(ConfigError) as err:  # 16x32 px = 1x2 image tokens for 4 devices
@@ -125,7 +125,7 @@ def test_sequence_too_short_for_the_degree(group4: WorkerGroup, checkpoints: dic
 
 
 def test_sample_without_a_checkpoint() -> None:
-    flux = ParallelFlux(["cpu", "cpu"])
+    flux = ParallelModel(["cpu", "cpu"])
     with pytest.raises(ConfigError, match=r"no checkpoint is loaded; call load\(checkpoint\) first"):
         flux.sample([], {"samples": torch.zeros(1, 16, 8, 8)}, seed=0, steps=1)
     assert not flux.started  # validation needed no worker
@@ -139,7 +139,7 @@ def test_a_killed_worker_fails_the_job_and_the_next_job_recovers(checkpoints: di
 
     from rocm_parallel.backend.client import WorkerError
 
-    with ParallelFlux(["cpu", "cpu"], threads=1) as flux:
+    with ParallelModel(["cpu", "cpu"], threads=1) as flux:
         flux.load(checkpoints["dev"], layout="tp", dtype="float32")
         victim = flux.group.pids[1]
         ref = reference("dev_4steps")
@@ -175,7 +175,7 @@ def test_cancel_mid_sampling_keeps_the_model_resident(
     class Interrupted(Exception):
         pass
 
-    flux = ParallelFlux(group=group2)
+    flux = ParallelModel(group=group2)
     flux.load(checkpoints["dev"], layout="context", dtype="float32")
     steps: list[int] = []
     forwards: list[dict] = []
@@ -185,7 +185,7 @@ def test_cancel_mid_sampling_keeps_the_model_resident(
         try:
             return call_all(method, *args, **kwargs)
         finally:
-            if method == "flux_forward":
+            if method == "model_call":
                 forwards.append(dict(group2.last_replies))
 
     monkeypatch.setattr(group2, "call_all", spy)
@@ -217,7 +217,7 @@ def test_timeout_bounds_the_whole_job_and_keeps_the_group(
     itself (no deadline for the job) ran all 300 steps."""
     from rocm_parallel.backend.client import JobTimeout
 
-    flux = ParallelFlux(group=group2)
+    flux = ParallelModel(group=group2)
     flux.load(checkpoints["dev"], layout="tp", dtype="float32")
     ref = reference("dev_4steps")
     started = time.monotonic()
@@ -239,14 +239,15 @@ def test_flux2_sample_matches_one_process_and_comfyui(
 ) -> None:
     """Every layout: the same latent as the same loop in one process around the same transformer, and as
     ComfyUI's own FLUX.2 template (tests/test_sampling.py checks the one-process loop against it)."""
-    flux = ParallelFlux(group=groups)
+    flux = ParallelModel(group=groups)
     for name, case in sorted(FLUX2_CASES.items()):
         job = flux2_job(name)
-        plan = ParallelFlux.check_sample(
+        plan = ParallelModel.check_sample(
             job["positive"], job["latent"], checkpoint=flux2_checkpoints[case["variant"]], seed=job["seed"],
             steps=job["steps"],
         )  # fmt: skip
-        one_process = euler(partial(flux2_call, flux2_model_fn(flux2_model(case["variant"]))), plan)
+        fn = flux2_model_fn(flux2_model(case["variant"]))
+        one_process = euler(lambda x, t, inputs: flux2_call(fn, x, t, **inputs), plan)
         for layout in LAYOUTS[groups.world_size]:
             flux.load(flux2_checkpoints[case["variant"]], layout=layout, dtype="float32")
             seen: list[tuple[int, int]] = []

@@ -7,11 +7,12 @@ import math
 import pytest
 import torch
 
-from rocm_parallel.backend.api import ParallelFlux, make_layout
+from rocm_parallel.backend.api import ParallelModel, make_layout
 from rocm_parallel.backend.client import WorkerGroup
-from rocm_parallel.backend.config import ConfigError, FluxDims, ParallelLayout
+from rocm_parallel.backend.config import ConfigError, ParallelLayout
+from rocm_parallel.backend.flux.dims import FluxDims
 from rocm_parallel.backend.flux.model import FLUX_DEV, build_flux
-from rocm_parallel.backend.parallel.tensor import apply_tensor_parallel, parameter_bytes
+from rocm_parallel.backend.parallel.tensor import parameter_bytes
 from rocm_parallel.backend.plan import (
     Link,
     Setup,
@@ -28,6 +29,7 @@ from rocm_parallel.backend.plan import (
 from rocm_parallel.testing.fake import fake_process_group
 from rocm_parallel.testing.meta import measure_on_meta
 from rocm_parallel.testing.models import tiny_flux_config
+from rocm_parallel.testing.parallel import apply_tensor_parallel
 
 DEV = FluxDims.from_diffusers_config(FLUX_DEV)
 TINY_CONFIG = tiny_flux_config(
@@ -229,7 +231,7 @@ def test_make_layout_auto() -> None:
 
 
 def test_auto_layout_measures_the_group(group2: WorkerGroup) -> None:
-    flux = ParallelFlux(group=group2)
+    flux = ParallelModel(group=group2)
     machine = flux.machine()
     assert machine.gbps > 0 and machine.latency_us > 0 and machine.tflops > 0
     assert machine.memory_bytes > 0

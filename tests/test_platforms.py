@@ -15,7 +15,7 @@ def test_api_default_devices_without_gpus_names_the_build(monkeypatch: pytest.Mo
     monkeypatch.setattr(platforms, "visible_gpus", lambda: 0)
     monkeypatch.setattr(platforms, "build_kind", lambda: "cpu")
     with pytest.raises(ConfigError) as err:
-        api.ParallelFlux()
+        api.ParallelModel()
     assert str(err.value).startswith(
         f"devices='all' but no GPU is visible: torch {torch.__version__} is a CPU-only build. Install the ROCm "
         "or CUDA build of torch"
@@ -119,7 +119,7 @@ def test_one_device_vocabulary_for_every_entry_point(spec: platforms.DeviceSpec,
 def test_the_api_takes_the_same_strings_as_the_nodes() -> None:
     """The API used to iterate a string ('cpu x2' -> ['c', 'p', 'u', ...]) although its own messages
     advise 'cpu x2'."""
-    assert api.ParallelFlux("cpu x2").devices == ("cpu", "cpu")
+    assert api.ParallelModel("cpu x2").devices == ("cpu", "cpu")
     assert validate_devices("cpu, cpu") == ("cpu", "cpu")
 
 

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from test_sampling import flux_model, positive, reference
 from worker_jobs import Load, OnRank, Scale, Steps, Value
 
-from rocm_parallel.backend.api import ParallelFlux
+from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.checkpoint import diffusers_to_bfl
 from rocm_parallel.backend.client import WorkerError, WorkerGroup, validate_devices
 from rocm_parallel.backend.config import ConfigError
@@ -52,7 +52,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
-def _sample(flux: ParallelFlux, seed: int = 0, steps: int = 4, progress=None) -> torch.Tensor:
+def _sample(flux: ParallelModel, seed: int = 0, steps: int = 4, progress=None) -> torch.Tensor:
     ref = reference("dev_4steps")
     out = flux.sample(
         positive(ref["cond"], ref["pooled"]),
@@ -95,7 +95,7 @@ def test_a_failure_on_every_rank_keeps_the_group(group2: WorkerGroup) -> None:
 
 def test_api_recovers_after_a_rank_runs_out_of_memory_mid_sampling(checkpoint: str) -> None:
     """The next job after a one-rank failure gives the right image (a fresh group, reloaded)."""
-    with ParallelFlux(group=_group()) as flux:
+    with ParallelModel(group=_group()) as flux:
         flux.load(checkpoint, layout="tp", dtype="float32")
         expected = _sample(flux)
         flux.group.call("arm_failure", OnRank(rank=1, at_step=2))
@@ -108,7 +108,7 @@ def test_api_recovers_after_a_rank_runs_out_of_memory_mid_sampling(checkpoint: s
 def test_a_stopped_rank_is_caught_by_the_watchdog_and_the_next_job_is_correct(checkpoint: str) -> None:
     """Rank 1 stops itself (SIGSTOP) at step 2, in that step's forward. Mutation tried: with `Job._watch`
     returning at once the call never returned (pytest-timeout)."""
-    with ParallelFlux(group=_group()) as flux:
+    with ParallelModel(group=_group()) as flux:
         flux.load(checkpoint, layout="context", dtype="float32")
         expected = _sample(flux)
         flux.group.call("arm_failure", OnRank(rank=1, at_step=2, kind="stop"))
@@ -116,7 +116,7 @@ def test_a_stopped_rank_is_caught_by_the_watchdog_and_the_next_job_is_correct(ch
         with pytest.raises(WorkerError) as err:
             _sample(flux, seed=5)
         assert str(err.value).startswith(
-            f"worker rank 1 (cpu, pid {victim}) is stopped (SIGSTOP or a debugger) while running 'flux_forward'"
+            f"worker rank 1 (cpu, pid {victim}) is stopped (SIGSTOP or a debugger) while running 'model_call'"
         )
         assert _gone([victim])
         assert torch.equal(_sample(flux), expected)
@@ -131,7 +131,7 @@ def test_a_rank_hung_in_a_model_call_is_named_within_seconds(checkpoint: str, at
     every pending rank (as before: `Hang((0, 1), ...)`) failed the rank assertion; without `publish` in the worker's job start, the message said
     'its last report: reading tensor 112 of 112'; before liveness by
     state this took 300 s and named [0, 1]."""
-    with ParallelFlux(group=_group()) as flux:
+    with ParallelModel(group=_group()) as flux:
         flux.load(checkpoint, layout="tp", dtype="float32")
         flux.group.call("arm_failure", OnRank(rank=1, at_step=at_step, kind="native"))
         victim, started = flux.group.pids[1], time.monotonic()
@@ -139,8 +139,8 @@ def test_a_rank_hung_in_a_model_call_is_named_within_seconds(checkpoint: str, at
             _sample(flux)
         took = time.monotonic() - started
         assert str(err.value).startswith(
-            f"worker rank 1 (cpu, pid {victim}) stopped reporting 5 s ago while running 'flux_forward' "
-            "(its last report: computing 'flux_forward' ("
+            f"worker rank 1 (cpu, pid {victim}) stopped reporting 5 s ago while running 'model_call' "
+            "(its last report: computing 'model_call' ("
         ), str(err.value)
         assert "its process is alive but does no work: stuck in a native call or deadlocked" in str(err.value)
         assert "rank 0" not in str(err.value)  # the innocent rank, waiting for it, is not named
@@ -160,7 +160,7 @@ def test_a_rank_hung_while_loading_is_named_within_seconds(
     from rocm_parallel.testing.models import tiny_flux_config
     from rocm_parallel.testing.writers import write_random_lora
 
-    with ParallelFlux(group=_group()) as flux:
+    with ParallelModel(group=_group()) as flux:
         flux.load(checkpoint, layout="tp", dtype="float32")
         loras = []
         if lora:
@@ -380,7 +380,7 @@ def test_a_call_ten_times_slower_than_the_ones_before_completes(checkpoint: str,
     """Steps of a fraction of a second, then one of 10 s more on rank 1 (a bigger image, a first kernel
     autotune): the job completes with the right image. Mutation tried: the old pace watchdog (a forward
     may take max(8 s, 5 x the slowest so far)) killed step 3 at 8 s."""
-    flux = ParallelFlux(group=group2)
+    flux = ParallelModel(group=group2)
     flux.load(checkpoint, layout="tp", dtype="float32")
     expected = _sample(flux)
     flux.group.call("arm_failure", OnRank(rank=1, at_step=3, kind="slow", seconds=10.0))
@@ -402,7 +402,7 @@ def test_a_twenty_second_tensor_read_completes(checkpoint: str, group2: WorkerGr
     """Rank 1 takes 20 s to read its 3rd tensor (a network share), reporting 'reading tensor 3': the load
     completes and samples the same image. Mutation tried: the old gap watchdog (max(8 s, 5 x the longest
     gap between records)) failed the load after 8 s."""
-    flux = ParallelFlux(group=group2)
+    flux = ParallelModel(group=group2)
     flux.load(checkpoint, layout="tp", dtype="float32")
     expected = _sample(flux)
     flux.unload()
@@ -498,7 +498,7 @@ def test_a_reply_from_another_job_is_never_accepted(group2: WorkerGroup) -> None
 def test_cancel_during_a_load_stops_between_tensors(checkpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Mutation tried: `load_progress` not checking the cancel flag → rank 0's load completed (its
     reply was ok) instead of JobCancelled."""
-    with ParallelFlux(group=_group()) as flux:
+    with ParallelModel(group=_group()) as flux:
         seen: list[tuple[int, int]] = []
         load_replies: dict = {}
         call_all = flux.group.call_all
@@ -532,8 +532,8 @@ def test_cancel_during_a_load_stops_between_tensors(checkpoint: str, monkeypatch
 
 def test_a_load_that_fails_on_one_rank_leaves_no_rank_holding_a_model(checkpoint: str) -> None:
     """Rank 1 runs out of memory at its 3rd tensor, rank 0 finishes its load. Mutation tried: without
-    the unload in `ParallelFlux._load_resident`'s except clause, rank 0 still held the model."""
-    with ParallelFlux(group=_group()) as flux:
+    the unload in `ParallelModel._load_resident`'s except clause, rank 0 still held the model."""
+    with ParallelModel(group=_group()) as flux:
         flux.group.call("arm_load_failure", OnRank(rank=1, at_step=3))
         with pytest.raises(WorkerError, match=r"^rank 1 \(cpu\): out of memory on cpu \(rank 1 of 2\)"):
             flux.load(checkpoint, layout="tp", dtype="float32")
@@ -567,7 +567,7 @@ def test_two_threads_share_a_group(group2: WorkerGroup) -> None:
 
 
 def test_status_does_not_wait_for_a_running_job(checkpoint: str, group2: WorkerGroup) -> None:
-    flux = ParallelFlux(group=group2)
+    flux = ParallelModel(group=group2)
     flux.load(checkpoint, layout="tp", dtype="float32")
     reports: list[list[dict]] = []
 
@@ -713,7 +713,7 @@ def _flux_checked(checkpoint: str, **overrides) -> str:
     }
     args.update(overrides)
     with pytest.raises(ConfigError) as err:
-        ParallelFlux.check_sample(args.pop("positive"), args.pop("latent"), checkpoint=checkpoint, **args)
+        ParallelModel.check_sample(args.pop("positive"), args.pop("latent"), checkpoint=checkpoint, **args)
     return str(err.value)
 
 
@@ -821,7 +821,7 @@ def test_nan_or_inf_in_a_model_call_is_refused_before_any_rank_runs(
     returned NaN."""
     from test_service import call_inputs
 
-    flux = ParallelFlux(group=group2)
+    flux = ParallelModel(group=group2)
     flux.load(checkpoint, layout="tp", dtype="float32")
     inputs = call_inputs()
     bad = float("inf") if name in ("timestep", "context") else float("nan")
@@ -843,7 +843,7 @@ def test_a_model_call_whose_output_overflows_names_its_sigma(checkpoint: str, gr
     """Finite inputs, NaN out (the model overflowed): an error naming the call, not a black image."""
     from test_service import call_inputs
 
-    flux = ParallelFlux(group=group2)
+    flux = ParallelModel(group=group2)
     flux.load(checkpoint, layout="tp", dtype="float32")
     inputs = call_inputs()
     inputs["context"] = inputs["context"] * 1e38
@@ -869,7 +869,7 @@ def test_nan_weights_are_refused_at_load_naming_the_tensor(
     state[key][1] = float("nan")
     damaged = str(tmp_path / "damaged.safetensors")
     save_file(state, damaged)
-    flux = ParallelFlux(group=group2)
+    flux = ParallelModel(group=group2)
     with pytest.raises(WorkerError) as err:
         flux.load(damaged, layout="tp", dtype="float32")
     assert str(err.value).split(": ", 1)[1] == (
@@ -918,8 +918,8 @@ def test_a_damaged_header_of_the_right_size_says_what_safetensors_says(tmp_path:
 def test_ignored_group_options_are_refused_before_any_process(options: dict, message: str) -> None:
     """threads=-1 used to start workers with torch's default; start_timeout=0 failed the start at once."""
     before = psutil.Process().children()
-    for make in (WorkerGroup, ParallelFlux):
-        if make is ParallelFlux and "health_timeout" in options:
+    for make in (WorkerGroup, ParallelModel):
+        if make is ParallelModel and "health_timeout" in options:
             continue
         with pytest.raises(ConfigError) as err:
             make(["cpu", "cpu"], **options)
@@ -933,11 +933,11 @@ def test_a_time_limit_must_be_positive(group2: WorkerGroup) -> None:
             ConfigError, match=r"^timeout=.* must be a number of seconds > 0, or None for no limit$"
         ):
             group2.call("ping", timeout=timeout)
-    flux = ParallelFlux(group=group2)
+    flux = ParallelModel(group=group2)
     with pytest.raises(ConfigError, match=r"^threads=3 but the group given runs 1 per worker; pass one$"):
-        ParallelFlux(group=group2, threads=3)
+        ParallelModel(group=group2, threads=3)
     with pytest.raises(ConfigError, match=r"^devices=\['cpu', 'cpu', 'cpu'\] but the group given runs on "):
-        ParallelFlux(["cpu"] * 3, group=group2)
+        ParallelModel(["cpu"] * 3, group=group2)
     assert flux.devices == ("cpu", "cpu")
 
 
@@ -946,7 +946,7 @@ def test_a_workers_own_memory_is_within_the_bound(checkpoint: str, group2: Worke
     worker holds besides its model's weights once it has loaded and sampled one."""
     from rocm_parallel.backend.platforms import WORKER_HOST_BYTES
 
-    flux = ParallelFlux(group=group2)
+    flux = ParallelModel(group=group2)
     flux.load(checkpoint, layout="tp", dtype="float32")
     _sample(flux)
     for pid, status in zip(group2.pids, flux.status(), strict=True):
@@ -955,7 +955,7 @@ def test_a_workers_own_memory_is_within_the_bound(checkpoint: str, group2: Worke
 
 
 def test_a_bad_dtype_leaves_the_resident_model_alone(checkpoint: str, group2: WorkerGroup) -> None:
-    flux = ParallelFlux(group=group2)
+    flux = ParallelModel(group=group2)
     flux.load(checkpoint, layout="tp", dtype="float32")
     with pytest.raises(Exception, match="dtype='int8' is not a compute dtype"):
         flux.load(checkpoint, layout="tp", dtype="int8")
@@ -967,7 +967,7 @@ def test_nan_from_a_step_is_an_error_naming_the_step(checkpoint: str, group2: Wo
     """A finite input can still overflow inside the model (float16): the step that did it is named, and
     the loop (in the caller) stops there. Mutation tried: without the check in `euler` the job returned a
     NaN latent."""
-    flux = ParallelFlux(group=group2)
+    flux = ParallelModel(group=group2)
     flux.load(checkpoint, layout="tp", dtype="float32")
     ref = reference("dev_4steps")
     huge = positive(ref["cond"] * 1e30, ref["pooled"] * 1e30)
@@ -1020,12 +1020,12 @@ def test_a_lora_strength_beyond_comfyuis_range_is_refused_before_any_worker(
     before = psutil.Process().children()
     for strength in (1e30, -100.5):
         with pytest.raises(ConfigError) as err:
-            ParallelFlux(["cpu", "cpu"]).check_load(checkpoint, loras=[(lora, strength)])
+            ParallelModel(["cpu", "cpu"]).check_load(checkpoint, loras=[(lora, strength)])
         assert str(err.value) == (
             f"LoRA '{lora}': strength {strength!r} is beyond +-100 (ComfyUI's LoraLoader range; far beyond it "
             "the patched weights overflow to inf); use e.g. 1.0"
         )
-    ParallelFlux(["cpu", "cpu"]).check_load(checkpoint, loras=[(lora, -100.0)])
+    ParallelModel(["cpu", "cpu"]).check_load(checkpoint, loras=[(lora, -100.0)])
     assert psutil.Process().children() == before
 
 
@@ -1043,7 +1043,7 @@ def test_nan_lora_factors_are_refused_naming_the_file_and_module(
     state[key][1, 0] = float("nan")
     damaged = str(tmp_path / "damaged-lora.safetensors")
     save_file(state, damaged)
-    flux = ParallelFlux(group=group2)
+    flux = ParallelModel(group=group2)
     flux.load(checkpoint, layout="tp", dtype="float32")
     resident = flux.resident
     with pytest.raises(ConfigError) as err:

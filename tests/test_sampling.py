@@ -8,38 +8,35 @@ from __future__ import annotations
 
 import json
 import math
-from functools import cache, partial
+from functools import cache
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from rocm_parallel.backend.api import ParallelFlux
+from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.config import ConfigError
 from rocm_parallel.backend.flux.forward import patchify, unpatchify
 from rocm_parallel.backend.flux.model import build_flux
 from rocm_parallel.backend.flux.sampling import (
-    denoise_schedule,
     diffusers_model_fn,
-    euler,
     flux_sigma_table,
-    prepare_noise,
     resolution_mu,
     sample_flux,
     schnell_sigma_table,
-    simple_schedule,
 )
 from rocm_parallel.backend.flux2.forward import flux2_call, flux2_model_fn
 from rocm_parallel.backend.flux2.model import build_flux2
 from rocm_parallel.backend.flux2.sampling import flux2_schedule
+from rocm_parallel.backend.sampling import denoise_schedule, euler, prepare_noise, simple_schedule
 from rocm_parallel.testing.models import tiny_flux2_config, tiny_flux_config
 
 REFERENCES = Path(__file__).parent / "data" / "comfy_references.safetensors"
 with safe_open(str(REFERENCES), "pt") as _f:
     META = _f.metadata()
 ALL_CASES = json.loads(META["cases"])
-# The cases the built-in Euler loop (`ParallelFlux.sample`, `sample_flux`) reproduces: euler / simple at
+# The cases the built-in Euler loop (`ParallelModel.sample`, `sample_flux`) reproduces: euler / simple at
 # cfg 1 without a LoRA or Kontext's reference latents. The others (ComfyUI's other samplers, CFG, guiders, LoRA) run through ComfyUI's
 # own sampling over the forward service: tests/test_service.py and the real-ComfyUI tier.
 CASES = {
@@ -52,7 +49,7 @@ CASES = {
 }
 MODELS = json.loads(META["models"])
 # FLUX.2 (ComfyUI 0.3.75's template: EmptyFlux2LatentImage, Flux2Scheduler, euler, SamplerCustomAdvanced);
-# the cases `ParallelFlux.sample` reproduces are the ones without ReferenceLatent's latents.
+# the cases `ParallelModel.sample` reproduces are the ones without ReferenceLatent's latents.
 FLUX2_MODELS = json.loads(META["flux2_models"])
 FLUX2_CASES = {
     n: c for n, c in json.loads(META["flux2_cases"]).items() if not {"refs", "record_calls"} & set(c)
@@ -68,7 +65,7 @@ def flux2_model(variant: str) -> torch.nn.Module:
 
 
 def flux2_job(name: str) -> dict:
-    """A FLUX.2 case as `ParallelFlux.sample` takes it: CLIPTextEncode's CONDITIONING (FluxGuidance's value
+    """A FLUX.2 case as `ParallelModel.sample` takes it: CLIPTextEncode's CONDITIONING (FluxGuidance's value
     for [dev]) and EmptyFlux2LatentImage's latent."""
     case, ref = FLUX2_CASES[name], reference(name)
     extras = {"pooled_output": None} | ({"guidance": case["guidance"]} if "guidance" in case else {})
@@ -176,16 +173,17 @@ def test_flux2_sampling_matches_comfyui(name: str, flux2_checkpoints: dict[str, 
     """`sample()`'s plan and loop in one process (the family's schedule, conditioning padded to 512 tokens,
     the identity latent format) around the same transformer ComfyUI sampled."""
     case, job = FLUX2_CASES[name], flux2_job(name)
-    plan = ParallelFlux.check_sample(
+    plan = ParallelModel.check_sample(
         job["positive"], job["latent"], checkpoint=flux2_checkpoints[case["variant"]], seed=job["seed"],
         steps=job["steps"],
     )  # fmt: skip
     assert torch.equal(plan.sigmas, reference(name)["sigmas"])
-    assert plan.cond.encoder_hidden_states.shape[1] == 512 and (plan.cond.guidance is None) == (
+    assert plan.inputs["context"].shape[1] == 512 and (plan.inputs["guidance"] is None) == (
         "guidance" not in case
     )
     steps_seen: list[tuple[int, int]] = []
-    call = partial(flux2_call, flux2_model_fn(flux2_model(case["variant"])))
+    fn = flux2_model_fn(flux2_model(case["variant"]))
+    call = lambda x, t, inputs: flux2_call(fn, x, t, **inputs)  # noqa: E731
     out = euler(call, plan, lambda i, n: steps_seen.append((i, n)))
     diff = (out - reference(name)["output"]).abs().max().item()
     assert diff <= 1e-4, f"{name}: max abs diff {diff:.3g} vs ComfyUI"
@@ -195,7 +193,7 @@ def test_flux2_sampling_matches_comfyui(name: str, flux2_checkpoints: dict[str, 
 def test_flux2_refuses_flux1s_shift_and_names_what_applies(flux2_checkpoints: dict[str, str]) -> None:
     job = flux2_job("flux2_4steps")
     with pytest.raises(ConfigError) as err:
-        ParallelFlux.check_sample(
+        ParallelModel.check_sample(
             job["positive"],
             job["latent"],
             checkpoint=flux2_checkpoints["flux2"],
@@ -208,7 +206,7 @@ def test_flux2_refuses_flux1s_shift_and_names_what_applies(flux2_checkpoints: di
         "schedule, which sets its own shift from the image size and steps: leave shift_mu unset, or pass sigmas"
     )
     with pytest.raises(ConfigError) as err:
-        ParallelFlux.check_sample(
+        ParallelModel.check_sample(
             job["positive"], {"samples": torch.ones(1, 16, 4, 6)}, checkpoint=flux2_checkpoints["flux2"], seed=0,
             steps=4,
         )  # fmt: skip

@@ -16,7 +16,7 @@ import torch
 from test_parallel_sampling import LAYOUTS
 from test_sampling import flux_model, reference
 
-from rocm_parallel.backend.api import ParallelFlux
+from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError, ParallelLayout
 from rocm_parallel.backend.flux.forward import flux_call, pad_to_patch
@@ -58,7 +58,7 @@ def one_process(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
 def test_forward_matches_one_process_in_every_layout(
     groups: WorkerGroup, layout: ParallelLayout, checkpoints: dict[str, str]
 ) -> None:
-    flux = ParallelFlux(group=groups)
+    flux = ParallelModel(group=groups)
     flux.load(checkpoints["dev"], layout=layout, dtype="float32")
     inputs = call_inputs()
     out = flux.forward(**inputs)
@@ -95,7 +95,7 @@ def test_forward_equals_comfyuis_own_flux_forward(
 ) -> None:
     calls = comfy_calls()
     assert len(calls) >= 2 and any(c["x"].shape[-1] % 2 for c in calls)  # odd sizes are in the record
-    flux = ParallelFlux(group=groups)
+    flux = ParallelModel(group=groups)
     flux.load(checkpoints["dev"], layout=layout, dtype="float32")
     for call in calls:
         got = flux.forward(call["x"], call["timestep"], call["context"], call["y"], call["guidance"])
@@ -107,7 +107,7 @@ def test_conditioning_is_sent_once_and_found_by_content(
 ) -> None:
     """Each step builds new tensors with the same values (as ComfyUI does): only the first call sends them;
     a different prompt of the same shape is sent and used, never mistaken for the held one."""
-    flux = ParallelFlux(group=group2)
+    flux = ParallelModel(group=group2)
     flux.load(checkpoints["dev"], layout="tp", dtype="float32")
     inputs = call_inputs(seed=1)
     cond_bytes = (inputs["context"].numel() + inputs["y"].numel()) * 4
@@ -131,7 +131,7 @@ def test_a_lookalike_prompt_is_caught_by_the_full_check(
     Mutation tried: with `Match.verify` always True, the output is the first prompt's."""
     from rocm_parallel.backend.forward_client import SAMPLED_WORDS
 
-    flux = ParallelFlux(group=group2)
+    flux = ParallelModel(group=group2)
     flux.load(checkpoints["dev"], layout="tp", dtype="float32")
     g = torch.Generator().manual_seed(4)
     tokens = SAMPLED_WORDS * 4 // 32  # float32 words over [1, tokens, 32]: a sampling stride of 2 words
@@ -152,7 +152,7 @@ def test_a_rank_that_lost_the_conditioning_gets_it_again(
     group2: WorkerGroup, checkpoints: dict[str, str]
 ) -> None:
     """Mutation tried: without the resend on ConditioningMissing, the second forward fails."""
-    flux = ParallelFlux(group=group2)
+    flux = ParallelModel(group=group2)
     flux.load(checkpoints["dev"], layout="tp", dtype="float32")
     inputs = call_inputs(seed=2)
     flux.forward(**inputs)
@@ -162,7 +162,7 @@ def test_a_rank_that_lost_the_conditioning_gets_it_again(
 
 
 def test_forward_after_a_worker_died_restarts_the_group_and_reloads(checkpoints: dict[str, str]) -> None:
-    with ParallelFlux(["cpu", "cpu"], threads=1) as flux:
+    with ParallelModel(["cpu", "cpu"], threads=1) as flux:
         flux.load(checkpoints["dev"], layout=ParallelLayout(ring=2), dtype="float32")
         inputs = call_inputs(seed=3)
         first = flux.forward(**inputs)
@@ -187,7 +187,7 @@ def test_forward_after_a_worker_died_restarts_the_group_and_reloads(checkpoints:
 def test_bad_calls_fail_before_any_rank_runs(
     group2: WorkerGroup, checkpoints: dict[str, str], change: dict, message: str
 ) -> None:
-    flux = ParallelFlux(group=group2)
+    flux = ParallelModel(group=group2)
     flux.load(checkpoints["dev"], layout="tp", dtype="float32")
     before = group2._job
     with pytest.raises(ConfigError, match=message):
@@ -197,7 +197,7 @@ def test_bad_calls_fail_before_any_rank_runs(
 
 def test_forward_needs_a_loaded_model(group2: WorkerGroup) -> None:
     with pytest.raises(ConfigError, match=r"^no checkpoint is loaded; call load\(checkpoint\) first$"):
-        ParallelFlux(group=group2).forward(**call_inputs())
+        ParallelModel(group=group2).forward(**call_inputs())
 
 
 def test_reused_tensor_files_are_rewritten_in_place(tmp_path) -> None:

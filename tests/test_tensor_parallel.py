@@ -7,20 +7,21 @@ import torch
 from model_methods import BuildRandom, Inputs
 
 from rocm_parallel.backend.client import WorkerError, WorkerGroup
-from rocm_parallel.backend.config import ConfigError, FluxDims
+from rocm_parallel.backend.config import ConfigError
+from rocm_parallel.backend.flux.dims import FluxDims
 from rocm_parallel.backend.flux.model import FLUX_DEV, build_flux
 from rocm_parallel.backend.parallel.comm import CountCollectives
 from rocm_parallel.backend.parallel.tensor import (
     GatheredLinear,
     PackedRow,
     RowParallelLinear,
-    apply_tensor_parallel,
     parameter_bytes,
     shard_pieces,
 )
 from rocm_parallel.testing.fake import fake_process_group
 from rocm_parallel.testing.helpers import TEST_CONFIG
 from rocm_parallel.testing.models import random_inputs, tiny_flux_config
+from rocm_parallel.testing.parallel import apply_tensor_parallel
 
 # 8 heads so that TP 2 and 4 both split them; 2 double + 3 single blocks.
 CONFIG = TEST_CONFIG

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from rocm_parallel.backend.api import ParallelFlux
+from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.checkpoint import save_checkpoint
 from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError, ParallelLayout
@@ -123,7 +123,7 @@ LAYOUTS = [
 @pytest.mark.parametrize(("groups", "layout"), LAYOUTS, indirect=["groups"], ids=str)
 def test_every_layout_equals_one_process(groups: WorkerGroup, layout: ParallelLayout, files: dict) -> None:
     for name in sorted(CONFIGS):
-        flux = ParallelFlux(group=groups)
+        flux = ParallelModel(group=groups)
         flux.load(files[name], layout=layout, dtype="float32")
         call = inputs(name)
         got = flux.forward(call["x"], call["timestep"], call["context"], None, call["guidance"],
@@ -133,7 +133,7 @@ def test_every_layout_equals_one_process(groups: WorkerGroup, layout: ParallelLa
 
 
 def test_dev_at_batch_two_is_refused_before_any_rank_runs(group2: WorkerGroup, files: dict) -> None:
-    flux = ParallelFlux(group=group2)
+    flux = ParallelModel(group=group2)
     flux.load(files["dev"], layout=ParallelLayout(tp=2), dtype="float32")
     call = {**inputs("klein"), "guidance": torch.full((2,), 4.0)}
     before = group2._job

@@ -21,11 +21,12 @@ from model_methods import Inputs
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from rocm_parallel.backend.api import ParallelFlux
+from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.checkpoint import CheckpointError, diffusers_to_bfl, inspect_checkpoint, load_model
 from rocm_parallel.backend.checkpoint.lora import apply_loras, inspect_lora
 from rocm_parallel.backend.client import WorkerGroup
-from rocm_parallel.backend.config import ConfigError, FluxDims, ParallelLayout
+from rocm_parallel.backend.config import ConfigError, ParallelLayout
+from rocm_parallel.backend.flux.dims import FluxDims
 from rocm_parallel.backend.flux.model import FLUX_DEV, build_flux
 from rocm_parallel.backend.flux.sampling import diffusers_model_fn, run_euler
 from rocm_parallel.backend.parallel.tensor import RowParallelLinear, parameter_bytes
@@ -136,7 +137,7 @@ def test_sampled_latent_equals_upcast_at_load(files: dict[str, str]) -> None:
     """A whole 4-step bf16 sampling on CPU: the latents are identical (the bar 'within bf16 rounding' is
     met with a difference of 0; see the module docstring for why nothing larger is acceptable)."""
     job = sampling_job(CONFIG, 64, 4, seed=7)
-    plan = ParallelFlux.check_sample(
+    plan = ParallelModel.check_sample(
         job["positive"], job["latent"], checkpoint=files["e4m3fn"], seed=7, steps=4
     )
     out = {}
@@ -155,7 +156,7 @@ def test_workers_fp8_resident_tp_and_ring_equal_upcast(files: dict[str, str], gr
     Mutation tried: `gather_modulation` reading `m.weight` instead of `linear_weight(m, ...)`: the TP
     forward fails on the workers ('self and mat2 must have the same dtype, but got Float and
     Float8_e4m3fn')."""
-    flux = ParallelFlux(group=group2)
+    flux = ParallelModel(group=group2)
     inputs = random_inputs(DIMS, seed=1).as_kwargs()
     try:
         for layout in ("tp", "context"):
@@ -211,7 +212,7 @@ def test_unknown_weight_dtype(files: dict[str, str]) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_model(files["bf16"], weight_dtype="fp8")
     with pytest.raises(ConfigError, match=re.escape(message)):
-        ParallelFlux(["cpu", "cpu"]).check_load(files["bf16"], weight_dtype="fp8")
+        ParallelModel(["cpu", "cpu"]).check_load(files["bf16"], weight_dtype="fp8")
 
 
 # --------------------------------------------------------------------------------------------------

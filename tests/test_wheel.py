@@ -44,7 +44,7 @@ def test_wheel_holds_the_product_and_nothing_else(wheel: Path) -> None:
         if p.relative_to(ROOT).parts[0] in ("__init__.py", "__main__.py", "backend", "nodes")
     )
     assert [n for n in product if n not in package] == []
-    assert "backend/demo.py" in package  # the README's main job ships
+    assert "backend/flux/demo.py" in package  # the README's main job ships
 
 
 def test_bench_from_the_installed_wheel_says_how_to_get_it(wheel: Path, tmp_path: Path) -> None:

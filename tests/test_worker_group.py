@@ -19,6 +19,7 @@ from worker_jobs import OnRank, Scale, Scaled, Steps
 
 from rocm_parallel.backend.client import JobTimeout, WorkerError, WorkerGroup, validate_devices
 from rocm_parallel.backend.config import ConfigError
+from rocm_parallel.backend.flux.dims import FluxDims
 from rocm_parallel.backend.transport import UnknownRecord
 
 TESTS_DIR = str(Path(__file__).resolve().parent)  # on the workers' sys.path: worker_jobs lives here
@@ -234,7 +235,6 @@ def test_workers_exit_when_the_parent_dies(tmp_path) -> None:
 def test_clean_exit_after_a_parallel_forward() -> None:
     from model_methods import BuildRandom, Inputs
 
-    from rocm_parallel.backend.config import FluxDims
     from rocm_parallel.testing.models import random_inputs, tiny_flux_config
 
     config = tiny_flux_config(heads=4, head_dim=16)

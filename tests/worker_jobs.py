@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rocm_parallel.backend.config import FluxDims
+from rocm_parallel.backend.flux.dims import FluxDims
 from rocm_parallel.backend.transport import record
 from rocm_parallel.backend.worker import HANDLERS, Handler, handler
 from rocm_parallel.testing.models import random_inputs
@@ -213,11 +213,11 @@ def _fail_once(at: int, kind: str, method: str | None = None, seconds: float = 0
 @handler("arm_failure", OnRank)
 def arm_failure(ctx, request: OnRank) -> None:
     """Make `rank` act as `kind` says (see `OnRank`) in step `at_step` of the NEXT sampling job, the way a
-    real GPU fails in the middle of a denoising loop: every step is one `flux_forward`, so its
+    real GPU fails in the middle of a denoising loop: every step is one `model_call`, so its
     `at_step`-th forward acts on entry while its peers run that forward and wait for it in a collective
     (at_step=1: the first model call after a load)."""
     if ctx.rank == request.rank:
-        _fail_once(request.at_step, request.kind, method="flux_forward", seconds=request.seconds)
+        _fail_once(request.at_step, request.kind, method="model_call", seconds=request.seconds)
 
 
 @handler("hang_at", OnRank)

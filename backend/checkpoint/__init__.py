@@ -4,13 +4,15 @@ A family brings only data (its `KeyLayout`, header detection, config from shapes
 everything here works for any registered family.
 
 * files.py  safetensors headers, file-kind and truncation checks (`CheckpointError`)
-* keys.py   `KeyLayout` (BFL <-> diffusers as data), converters and the one writer `save_checkpoint`
+* keys.py   `KeyLayout` (BFL <-> diffusers as data): the machinery a family's layout is made of
+* convert.py whole state dicts BFL <-> diffusers by their family, and the one writer `save_checkpoint`
 * quant.py  ComfyUI's scaled fp8 / quantized "mixed" files
 * info.py   `inspect_checkpoint` -> `CheckpointInfo` (headers only) and the dtype rules
 * load.py   `load_model`: each rank reads only its shard
 * lora/     LoRA files (LoRA, LoHa, LoKr, DoRA, .diff): inspect and check in the caller, apply per rank
 """
 
+from .convert import bfl_to_diffusers, diffusers_to_bfl, save_checkpoint
 from .files import COMFY_PREFIX, CheckpointError, StoredTensor
 from .info import (
     CheckpointInfo,
@@ -21,7 +23,7 @@ from .info import (
     planned_weight_dtype,
     resolve_dtype,
 )
-from .keys import Blocks, Fused, KeyLayout, Source, bfl_to_diffusers, diffusers_to_bfl, save_checkpoint
+from .keys import Blocks, Fused, KeyLayout, Source
 from .load import load_model, read_parameter, resident_dtype
 from .lora import LoraError, LoraInfo, apply_loras, check_loras, inspect_lora
 

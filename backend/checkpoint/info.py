@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..config import FluxDims, weight_dtype_name
+from ..config import ModelDims, weight_dtype_name
 from ..dtypes import COMPUTE_DTYPES, LOADABLE_DTYPES, WEIGHT_DTYPES, compute_dtype_named, stored_dtype
 from ..family import ModelFamily, detect_bfl, detect_diffusers, families, family_for_class, get_family
 from .files import (
@@ -65,7 +65,7 @@ class CheckpointInfo:
     quantization: str = ""
 
     @property
-    def dims(self) -> FluxDims:
+    def dims(self) -> ModelDims:
         return self.model_family.dims(self.config)
 
     @property

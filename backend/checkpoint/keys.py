@@ -13,17 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
-from ..config import FluxDims
+from ..config import ModelDims
 from .files import COMFY_PREFIX, CheckpointError
-from .quant import QUANT_SUFFIXES, dequantize
-
-if TYPE_CHECKING:
-    from ..family import ModelFamily
 
 T = TypeVar("T")
 
@@ -52,10 +47,10 @@ class Source:
 class Fused:
     """A diffusers module reading some of the stacked outputs of one BFL linear, in the order `take`."""
 
-    parts: tuple[str, ...]  # widths of the BFL output blocks, by FluxDims attribute name
+    parts: tuple[str, ...]  # widths of the BFL output blocks, by ModelDims attribute name
     take: tuple[int, ...]
 
-    def rows(self, dims: FluxDims) -> tuple[tuple[int, int], ...]:
+    def rows(self, dims: ModelDims) -> tuple[tuple[int, int], ...]:
         bounds, offset = [], 0
         for part in self.parts:
             width = getattr(dims, part)
@@ -91,7 +86,7 @@ class KeyLayout:
     blocks: tuple[Blocks, ...]
     norm_scale: bool = True
 
-    def source(self, name: str, dims: FluxDims) -> Source | None:
+    def source(self, name: str, dims: ModelDims) -> Source | None:
         """Where diffusers parameter `name` lives in a BFL file (no key prefix); None when nowhere."""
         module, _, param = name.rpartition(".")
         table, inner, prefix = self.top, module, ""
@@ -108,7 +103,7 @@ class KeyLayout:
         return Source(f"{prefix}{bfl_module}.{param}", None if fused is None else fused.rows(dims))
 
     def sources(
-        self, dims: FluxDims, params: Iterable[str], *, known_only: bool = False
+        self, dims: ModelDims, params: Iterable[str], *, known_only: bool = False
     ) -> dict[str, Source]:
         """diffusers parameter name -> where it lives in a BFL checkpoint, for every name in `params`.
 
@@ -124,7 +119,9 @@ class KeyLayout:
                 raise CheckpointError(f"diffusers parameter '{name}' has no place in this BFL key layout")
         return out
 
-    def bfl_shapes(self, dims: FluxDims, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    def bfl_shapes(
+        self, dims: ModelDims, shapes: Mapping[str, tuple[int, ...]]
+    ) -> dict[str, tuple[int, ...]]:
         """BFL key -> shape of the file that stores diffusers parameters of these `shapes`."""
         return bfl_view(self.sources(dims, shapes), shapes)
 
@@ -230,7 +227,7 @@ def bfl_view(
 
 
 def diffusers_config_via_bfl(
-    layout: KeyLayout, dims: FluxDims, shapes: Mapping[str, tuple[int, ...]], config_from_bfl: Any
+    layout: KeyLayout, dims: ModelDims, shapes: Mapping[str, tuple[int, ...]], config_from_bfl: Any
 ) -> dict[str, Any]:
     """The config of a diffusers-keyed file: its shapes seen through `layout` as the BFL file they would
     be, read by the family's one shape reader `config_from_bfl`. `dims` (from the diffusers shapes) give
@@ -272,87 +269,6 @@ def assemble_bfl(
     return out
 
 
-def _family(family: ModelFamily | str | None, detect: Any, keys: Iterable[str], what: str) -> ModelFamily:
-    from ..family import get_family
-
-    if isinstance(family, str):
-        return get_family(family)
-    found = family if family is not None else detect(set(keys))
-    if found is None:
-        raise CheckpointError(f"{what} is not a layout of any registered model family")
-    return found
-
-
-def bfl_to_diffusers(
-    state_dict: Mapping[str, torch.Tensor],
-    family: ModelFamily | str | None = None,
-    dtype: torch.dtype | None = None,
-) -> dict[str, torch.Tensor]:
-    """A BFL / ComfyUI state dict (prefix optional; ComfyUI's fp8 + weight_scale dequantized) in diffusers'
-    keys. `family` (default: detected from the keys) says whose layout it is; `dtype` casts every tensor
-    (default: as stored, a scaled weight in float32)."""
-    from ..family import detect_bfl
-
-    bfl = strip_prefix(state_dict)
-    fam = _family(family, detect_bfl, bfl, "this BFL state dict")
-    bfl = fam.keys.bfl_names(bfl)
-    config = fam.config_from_bfl(shapes_of(bfl))
-    sources = fam.sources(config)
-    known = {s.key for s in sources.values()}
-    unknown = sorted(k for k in bfl if k not in known and not k.endswith(QUANT_SUFFIXES))
-    if unknown:
-        raise CheckpointError(f"{len(unknown)} tensors are not part of {fam.title}, e.g. {unknown[:3]}")
-    out = {}
-    for name, source in sources.items():
-        require(bfl, source.key, fam.title)
-        out[name] = take_rows(dequantize(bfl, source.key, dtype), source.rows)
-    return out
-
-
-def diffusers_to_bfl(
-    state_dict: Mapping[str, torch.Tensor], family: ModelFamily | str | None = None
-) -> dict[str, torch.Tensor]:
-    """A diffusers state dict in its family's BFL layout (fused qkv, linear1, final AdaLN (shift, scale)).
-
-    `family` defaults to the one whose diffusers keys these are. Every tensor is contiguous.
-    """
-    from ..family import detect_diffusers
-
-    fam = _family(family, detect_diffusers, state_dict, "this diffusers state dict")
-    config = fam.config_from_diffusers(shapes_of(state_dict))
-    expected = fam.parameter_shapes(config)
-    missing, unknown = sorted(set(expected) - set(state_dict)), sorted(set(state_dict) - set(expected))
-    if missing or unknown:
-        raise ValueError(
-            f"not a {fam.diffusers_class} state dict: missing {missing[:3]}, unknown {unknown[:3]}"
-        )
-    sources = fam.keys.sources(fam.dims(config), state_dict)
-    return {key: tensor.contiguous() for key, tensor in assemble_bfl(sources, state_dict).items()}
-
-
-def save_checkpoint(
-    model_or_state: torch.nn.Module | Mapping[str, torch.Tensor],
-    path: str | Path,
-    family: ModelFamily | str | None = None,
-    prefix: bool = False,
-) -> str:
-    """Write a diffusers model (or its state dict) as its family's BFL / ComfyUI single file; returns the path.
-
-    `family` defaults to the model's (or the one whose diffusers keys the state dict has); `prefix` puts
-    every key under ComfyUI's `model.diffusion_model.` (a full checkpoint's layout).
-    """
-    from safetensors.torch import save_file
-
-    from ..family import family_of
-
-    if isinstance(model_or_state, torch.nn.Module):
-        family = family if family is not None else family_of(model_or_state)
-        model_or_state = model_or_state.state_dict()
-    bfl = diffusers_to_bfl(model_or_state, family)
-    save_file({(COMFY_PREFIX if prefix else "") + k: v for k, v in bfl.items()}, str(path))
-    return str(path)
-
-
 __all__ = [
     "Blocks",
     "Fused",
@@ -361,13 +277,10 @@ __all__ = [
     "Source",
     "assemble_bfl",
     "bfl_names",
-    "bfl_to_diffusers",
     "bfl_view",
     "block_count",
     "diffusers_config_via_bfl",
-    "diffusers_to_bfl",
     "require",
-    "save_checkpoint",
     "shapes_of",
     "strip_prefix",
     "take_rows",

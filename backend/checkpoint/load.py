@@ -216,7 +216,7 @@ def load_model(
         if not dist.is_initialized() or dist.get_world_size(group) != tp:
             size = dist.get_world_size(group) if dist.is_initialized() else "no process group"
             raise CheckpointError(f"load_model(tp={tp}) needs a process group of {tp} ranks, got {size}")
-        apply_tensor_parallel(model, group, family.tp)
+        apply_tensor_parallel(model, group, family.tp, family.dims(info.config))
         rank, degree = dist.get_rank(group), tp
     dims = info.dims
     parameters = list(model.named_parameters())

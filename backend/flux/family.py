@@ -25,13 +25,16 @@ from ..family import (
     PlannerFacts,
     ReferenceLatents,
     TextInputs,
+    TokenGeometry,
     register,
 )
 from ..parallel.context import ContextParallelSpec
 from . import keys
+from .call import FLUX1_CALL
 from .forward import PATCH, REF_METHODS, flux_call
 from .model import FLUX_DEV, FLUX_SCHNELL, build_flux
 from .sampling import SCALE_FACTOR, SHIFT_FACTOR, diffusers_model_fn, plan_for
+from .sampling import variant as variant
 from .tp import FLUX_TP
 
 # comfy/supported_models.py FluxInpaint: the Fill model's channels per latent pixel (16 latent + 16 masked
@@ -50,7 +53,6 @@ LATENT = LatentFormat(
 TEXT = TextInputs(
     encoder="a FLUX DualCLIPLoader (clip_l + t5xxl, type flux)",
     tokens=256,
-    pooled=True,
 )
 
 
@@ -84,10 +86,6 @@ REFERENCES = ReferenceLatents(
         )
     },
 )
-
-
-def variant(config: Mapping[str, Any]) -> str:
-    return "dev" if config["guidance_embeds"] else "schnell"
 
 
 def input_channels(config: Mapping[str, Any]) -> int:
@@ -146,14 +144,16 @@ FLUX1 = register(
         cp=CP,
         planner=PLANNER,
         latent=LATENT,
-        patch=PATCH,
+        geometry=TokenGeometry((1, PATCH, PATCH)),  # 2 x 2 latent pixels per token
         text=TEXT,
         ref_method=REF_METHODS[0],  # "offset": comfy/ldm/flux/model.py's default for FLUX.1
         references=REFERENCES,
         comfy_model=comfy_model,
+        call_spec=FLUX1_CALL,
         call=flux_call,
         model_fn=diffusers_model_fn,
         sampling=plan_for,  # KSampler(euler, simple) on the dev / schnell table (flux/sampling.py)
+        demo=".flux.demo",  # `python -m rocm_parallel demo`: FLUX.1-dev-shaped random weights
     )
 )
 

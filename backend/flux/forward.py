@@ -125,13 +125,13 @@ def flux_call(
     x: torch.Tensor,
     timestep: torch.Tensor,
     context: torch.Tensor,
-    pooled: torch.Tensor,
-    guidance: torch.Tensor | None,
+    y: torch.Tensor,
+    guidance: torch.Tensor | None = None,
     ref_latents: Sequence[torch.Tensor] = (),
-    ref_method: str = "offset",
+    ref_latents_method: str = "offset",
 ) -> torch.Tensor:
     """ComfyUI's `Flux.forward(x, timestep, context, y, guidance, ref_latents, ref_latents_method=)` over
-    a diffusers `model_fn`.
+    a diffusers `model_fn` (`y`: CLIP-L's pooled vector).
 
     x: [B, C, H, W] in sampler space, any H and W; C is the latent's 16 plus, for Fill, the masked image
     and mask ComfyUI concatenates (`c_concat`). ref_latents (Kontext's ReferenceLatent, already through
@@ -148,10 +148,10 @@ def flux_call(
     tokens = img.shape[1]
     if ref_latents:
         sizes = [(r.shape[-2], r.shape[-1]) for r in ref_latents]
-        placed = reference_placements(h, w, sizes, ref_method)
+        placed = reference_placements(h, w, sizes, ref_latents_method)
         img = torch.cat([img, *(patchify(pad_to_patch(r.to(img.dtype))) for r in ref_latents)], dim=1)
         ids = [patch_ids(rh, rw, *p) for (rh, rw), p in zip(sizes, placed, strict=True)]
         img_ids = torch.cat([img_ids, *(i.to(x.device) for i in ids)], dim=0)
     txt_ids = text_ids(context.shape[1]).to(x.device)
-    out = model_fn(img, context, pooled, timestep, img_ids, txt_ids, guidance)
+    out = model_fn(img, context, y, timestep, img_ids, txt_ids, guidance)
     return unpatchify(out[:, :tokens], ph, pw)[:, :, :h, :w]

@@ -22,7 +22,8 @@ from ..checkpoint.keys import (
     require,
     shapes_of,
 )
-from ..config import ConfigError, FluxDims
+from ..config import ConfigError
+from .dims import FluxDims
 
 TITLE = "FLUX.1"
 

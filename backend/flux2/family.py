@@ -21,14 +21,19 @@ from ..family import (
     PlannerFacts,
     ReferenceLatents,
     TextInputs,
+    TokenGeometry,
     register,
 )
+from ..flux.call import flux_call_spec
 from ..parallel.context import ContextParallelSpec
 from . import keys
 from .forward import REF_METHODS, TIMESTEP_ZERO, flux2_call, flux2_model_fn
 from .model import FLUX2_DEV, FLUX2_KLEIN_4B, FLUX2_KLEIN_9B, build_flux2
 from .sampling import plan_for
 from .tp import FLUX2_TP
+
+# ComfyUI's Flux.forward inputs; the pooled vector `y` is dropped (model_detection: vec_in_dim None)
+FLUX2_CALL = flux_call_spec(pooled=False)
 
 LATENT = LatentFormat(
     comfy_name="Flux2", channels=128, scale=1.0, shift=0.0, downscale=16,
@@ -41,7 +46,6 @@ TEXT_TOKENS = 512  # comfy/model_base.py Flux2.extra_conds pads the text feature
 TEXT = TextInputs(
     encoder="a CLIPLoader of type flux2 (mistral_3_small_flux2 for [dev], qwen_3_4b / qwen_3_8b for [klein])",
     tokens=TEXT_TOKENS,
-    pooled=False,
 )
 
 
@@ -152,11 +156,12 @@ FLUX2 = register(
         cp=CP,
         planner=PLANNER,
         latent=LATENT,
-        patch=1,
+        geometry=TokenGeometry((1, 1, 1)),  # one token per latent pixel
         text=TEXT,
         ref_method="index",  # comfy/model_detection.py flux2 `default_ref_method`
         references=REFERENCES,
         comfy_model=comfy_model,
+        call_spec=FLUX2_CALL,
         call=flux2_call,
         model_fn=flux2_model_fn,
         sampling=plan_for,  # Flux2Scheduler + euler, as ComfyUI's FLUX.2 template (flux2/sampling.py)

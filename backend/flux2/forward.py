@@ -84,14 +84,15 @@ def flux2_call(
     x: torch.Tensor,
     timestep: torch.Tensor,
     context: torch.Tensor,
-    pooled: torch.Tensor | None,
-    guidance: torch.Tensor | None,
+    y: torch.Tensor | None = None,
+    guidance: torch.Tensor | None = None,
     ref_latents: Sequence[torch.Tensor] = (),
-    ref_method: str = "index",
+    ref_latents_method: str = "index",
 ) -> torch.Tensor:
     """ComfyUI's FLUX.2 `Flux.forward(x, timestep, context, None, guidance, ref_latents, ...)`.
 
-    x: [B, 128, H, W] in sampler space; context: [B, T, joint_attention_dim]. Returns [B, 128, H, W].
+    x: [B, 128, H, W] in sampler space; context: [B, T, joint_attention_dim]; `y` (FLUX.1's pooled vector)
+    is ignored, as ComfyUI's Flux2 ignores it. Returns [B, 128, H, W].
     With references and index_timestep_zero, the model is called with the timesteps [t, 0] (2B values),
     each sample's guidance twice, and the image ids' modulation rows (module docstring).
     """
@@ -100,18 +101,18 @@ def flux2_call(
     img_ids = flux2_ids(h, w).to(x.device)
     if ref_latents:
         sizes = [(r.shape[-2], r.shape[-1]) for r in ref_latents]
-        placed = reference_placements(h, w, sizes, ref_method)
+        placed = reference_placements(h, w, sizes, ref_latents_method)
         img = torch.cat([img, *(tokens_of(r.to(img.dtype)) for r in ref_latents)], dim=1)
         ids = [flux2_ids(rh, rw, *p) for (rh, rw), p in zip(sizes, placed, strict=True)]
         img_ids = torch.cat([img_ids, *(i.to(x.device) for i in ids)], dim=0)
-        if ref_method == TIMESTEP_ZERO:
+        if ref_latents_method == TIMESTEP_ZERO:
             rows = torch.zeros(img_ids.shape[0], 1, device=img_ids.device)
             rows[h * w :] = 1.0  # the reference tokens: timestep 0's modulation
             img_ids = torch.cat([img_ids, rows], dim=1)
             timestep = torch.cat([timestep, timestep * 0])
             guidance = None if guidance is None else torch.cat([guidance, guidance])
     txt_ids = flux2_text_ids(context.shape[1]).to(x.device)
-    out = model_fn(img, context, pooled, timestep, img_ids, txt_ids, guidance)
+    out = model_fn(img, context, None, timestep, img_ids, txt_ids, guidance)
     return out[:, : h * w].transpose(1, 2).reshape(b, -1, h, w)
 
 

@@ -42,7 +42,7 @@ from ..checkpoint.keys import (
     require,
     shapes_of,
 )
-from ..config import FluxDims
+from ..flux.dims import FluxDims
 from ..flux.keys import DOUBLE_ATTENTION
 
 # Keys only FLUX.2 has (diffusers' CHECKPOINT_KEY_NAMES["flux2"] tests the single-stream one).
@@ -193,6 +193,7 @@ def config_from_diffusers(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, An
         double_blocks=len({k.split(".")[1] for k in shapes if k.startswith("transformer_blocks.")}),
         single_blocks=single,
         guidance=any(k.startswith("time_guidance_embed.guidance_embedder.") for k in shapes),
+        mlp=mlp,
         mlp_ratio=mlp / hidden,
         text_dim=shapes["context_embedder.weight"][1],
         in_channels=in_channels,

@@ -11,7 +11,7 @@ SamplerCustomAdvanced. Read in comfy_extras/nodes_flux.py and comfy/model_base.p
   guidance is the conditioning's (3.5 when FluxGuidance set none) for models with a guidance embedder.
 - `latent_formats.Flux2`: 128 channels at 1/16 of the pixels, process_in/out the identity.
 
-Noise, the empty-latent rule and the Euler loop are FLUX.1's (flux/sampling.py), as in ComfyUI.
+Noise, the empty-latent rule and the Euler loop are every family's (backend/sampling.py), as in ComfyUI.
 `denoise` < 1 schedules steps/denoise steps and keeps the tail, as ComfyUI's KSampler does with every
 scheduler; `shift_mu` (ModelSamplingFlux) does not apply: Flux2Scheduler sets its own shift.
 """
@@ -19,22 +19,21 @@ scheduler; `shift_mu` (ModelSamplingFlux) does not apply: Flux2Scheduler sets it
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from ..config import ConfigError
-from ..flux.sampling import (
-    FluxConditioning,
+from ..flux.sampling import SUPPORTED_COND_KEYS, guidance_tensor
+from ..sampling import (
     SamplingPlan,
-    check_finite,
-    check_real,
-    guidance_tensor,
+    SamplingRequest,
     make_plan,
     repeat_to_batch_size,
     single_entry,
+    text_features,
 )
 
 if TYPE_CHECKING:
@@ -64,46 +63,25 @@ def flux2_schedule(steps: int, width: int, height: int) -> torch.Tensor:
     return math.exp(mu) / (math.exp(mu) + (1 / t - 1) ** 1.0)
 
 
-def convert_conditioning(positive: Any, batch: int, info: CheckpointInfo) -> FluxConditioning:
-    """A FLUX.2 CONDITIONING `[[features, {"guidance": ..., "pooled_output": None}]]` -> model inputs:
-    the features padded to 512 tokens as ComfyUI pads them, an empty pooled vector (FLUX.2 takes none)."""
-    cond, extras = single_entry(positive)
-    text_dim, encoder = info.dims.text_dim, info.model_family.text.encoder
-    if not torch.is_tensor(cond) or cond.ndim != 3 or cond.shape[-1] != text_dim or cond.shape[0] < 1:
-        shape = tuple(cond.shape) if torch.is_tensor(cond) else type(cond).__name__
-        raise ConfigError(
-            f"conditioning tensor has shape {shape}; {info.model_name} expects [batch, tokens, {text_dim}]: "
-            f"encode the prompt with {encoder}"
-        )
-    check_real("conditioning tensor", cond)
-    check_finite(
-        "conditioning tensor", cond, "re-encode the prompt (a broken text encoder or a bad upstream node)"
-    )
+def convert_conditioning(positive: Any, batch: int, info: CheckpointInfo) -> dict[str, Any]:
+    """A FLUX.2 CONDITIONING `[[features, {"guidance": ..., "pooled_output": None}]]` -> the model call's
+    inputs: the features padded to 512 tokens as ComfyUI pads them, no pooled vector (FLUX.2 takes none)."""
+    cond, extras = single_entry(positive, SUPPORTED_COND_KEYS)
+    cond = text_features(cond, info.dims.text_dim, info.model_name, info.model_family.text.encoder)
     if cond.shape[1] < TEXT_TOKENS:
         cond = F.pad(cond, (0, 0, TEXT_TOKENS - cond.shape[1], 0))
-    features = repeat_to_batch_size(cond.to(torch.float32), batch)
-    return FluxConditioning(
-        encoder_hidden_states=features,
-        pooled_projections=torch.zeros(batch, 0),
-        guidance=guidance_tensor(extras, batch, info.model_name) if info.variant == "dev" else None,
-    )
+    return {
+        "context": repeat_to_batch_size(cond, batch),
+        "y": None,
+        "guidance": guidance_tensor(extras, batch, info.model_name) if info.dims.guidance else None,
+    }
 
 
 def plan_for(
-    info: CheckpointInfo,
-    latent: torch.Tensor,
-    positive: Any,
-    *,
-    seed: int,
-    steps: int,
-    denoise: float = 1.0,
-    sigmas: Sequence[float] | torch.Tensor | None = None,
-    noise_mask: torch.Tensor | None = None,
-    batch_index: Sequence[int] | None = None,
-    shift_mu: float | None = None,
+    info: CheckpointInfo, latent: Mapping[str, Any], positive: Any, request: SamplingRequest
 ) -> SamplingPlan:
     """FLUX.2's `ModelFamily.sampling`: the template's schedule for the latent's size, euler, its latents."""
-    if shift_mu is not None:
+    if request.shift_mu is not None:
         raise ConfigError(
             f"shift_mu is FLUX.1's ModelSamplingFlux shift; {info.model_name} samples with Flux2Scheduler's "
             "schedule, which sets its own shift from the image size and steps: leave shift_mu unset, or pass sigmas"
@@ -111,8 +89,7 @@ def plan_for(
     family = info.model_family
     fmt = family.latent
     return make_plan(
-        latent, seed, steps, denoise, sigmas, noise_mask, batch_index, fmt=fmt, model=info.model_name,
-        channels=family.latent_channels(info.config),
+        latent, request, fmt=fmt, model=info.model_name, channels=family.latent_channels(info.config),
         schedule=lambda n, shape: flux2_schedule(n, shape[-1] * fmt.downscale, shape[-2] * fmt.downscale),
         conditioning=lambda batch: convert_conditioning(positive, batch, info),
     )  # fmt: skip

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import ConfigError, ParallelLayout
+from ..config import ConfigError, ModelDims, ParallelLayout
 from .comm import WaitCollectives
 from .lse import ANY, guard_forward_op, probe_merge_shape, probe_query_shape
 from .weights import compute_dtype
@@ -593,6 +593,8 @@ def apply_context_parallel(
     ring_degree: int = 1,
     ulysses_degree: int = 1,
     *,
+    spec: ContextParallelSpec,
+    dims: ModelDims,
     mesh: Any = None,
     attention: str | None = None,
 ) -> nn.Module:
@@ -602,15 +604,14 @@ def apply_context_parallel(
 
     Collective: every rank of the mesh calls it with the same arguments. A model already tensor-parallel
     keeps its shards: Ulysses then splits the heads each rank holds. `attention` overrides the kernel
-    chosen for the device (one of ATTENTION_KERNELS). Returns the model, whose forward then takes and
-    returns full tensors on every rank (inputs are split and the output gathered by diffusers' hooks).
+    chosen for the device (one of ATTENTION_KERNELS). `spec` is the model's family's `cp` and `dims` its
+    `dims(config)`: the caller that knows the family passes them down (`ModelFamily.context_parallel`).
+    Returns the model, whose forward then takes and returns full tensors on every rank (inputs are split
+    and the output gathered by diffusers' hooks).
     """
-    from ..family import family_of
-
-    family = family_of(model)
     tp = getattr(model, "_rp_tensor_parallel", None)
     layout = ParallelLayout(tp=tp.degree if tp is not None else 1, ring=ring_degree, ulysses=ulysses_degree)
-    layout.validate(family.dims(model.config))
+    layout.validate(dims)
     world = dist.get_world_size()
     if mesh is None and layout.cp not in (1, world):
         raise ConfigError(
@@ -624,7 +625,7 @@ def apply_context_parallel(
 
     device, dtype = _model_device(model)
     state = ContextState(layout=layout, kernel=choose_attention_kernel(device, dtype, attention))
-    _install_processors(model, ContextAttention(state), family.cp)
+    _install_processors(model, ContextAttention(state), spec)
     options: dict[str, Any] = {"ring_degree": layout.ring, "ulysses_degree": layout.ulysses}
     has_mesh = "mesh" in {f.name for f in dataclasses.fields(ContextParallelConfig)}  # diffusers >= 0.37
     if mesh is not None:
@@ -642,6 +643,6 @@ def apply_context_parallel(
     model._parallel_config.context_parallel_config._device = device
     if layout.ring > 1:
         state.lse_shape = _probe_ring(model, device, state)
-    family.cp.padding(model, state, family.cp)
+    spec.padding(model, state, spec)
     model._rp_context_state = state  # for inspection (tests, benchmarks)
     return model

@@ -3,7 +3,7 @@
 A layout (config.ParallelLayout) is realised on torch's `DeviceMesh` (as torchtitan's `ParallelDims` does),
 so every collective runs on the group of its own dimension and nothing uses the world implicitly:
 
-* tensor parallelism on `mesh["tp"]`'s group (`apply_tensor_parallel(model, groups.tp_group)`, and the
+* tensor parallelism on `mesh["tp"]`'s group (`apply_tensor_parallel(model, groups.tp_group, ...)`, and the
   loader reads each rank's slice by its rank in that group);
 * context parallelism on the `mesh["ring", "ulysses"]` sub-mesh, handed to diffusers'
   `ContextParallelConfig(mesh=...)` (context.py checks its shape: diffusers would chunk K/V by the degrees
@@ -108,9 +108,12 @@ def parallel_groups(layout: ParallelLayout, device: torch.device) -> ParallelGro
     return _MESHES[key]  # the shape is the layout: the same degrees in MESH_DIMS order
 
 
-def parallelize(model: nn.Module, groups: ParallelGroups, *, attention: str | None = None) -> nn.Module:
-    """Apply `groups.layout` to `model` (the same model on every rank): tensor parallelism on the tp group
-    unless the loader sharded it already, then context parallelism on the ring x ulysses sub-mesh.
+def parallelize(
+    model: nn.Module, groups: ParallelGroups, family: Any, *, attention: str | None = None
+) -> nn.Module:
+    """Apply `groups.layout` to `model` (the same model on every rank) with its `family`'s specs (a
+    ModelFamily: `tp`, `cp`, `dims`): tensor parallelism on the tp group unless the loader sharded it
+    already, then context parallelism on the ring x ulysses sub-mesh.
 
     TP first: its readiness check accepts only the families' own attention processors, which CP replaces.
     The batch dimension is not the model's: `BatchSplit` runs around each call.
@@ -119,10 +122,14 @@ def parallelize(model: nn.Module, groups: ParallelGroups, *, attention: str | No
     from .tensor import apply_tensor_parallel
 
     layout = groups.layout
+    dims = family.dims(model.config)
     if layout.tp > 1 and getattr(model, "_rp_tensor_parallel", None) is None:
-        apply_tensor_parallel(model, groups.tp_group)
+        apply_tensor_parallel(model, groups.tp_group, family.tp, dims)
     if layout.cp > 1:
-        apply_context_parallel(model, layout.ring, layout.ulysses, mesh=groups.cp_mesh, attention=attention)
+        apply_context_parallel(
+            model, layout.ring, layout.ulysses, spec=family.cp, dims=dims, mesh=groups.cp_mesh,
+            attention=attention,
+        )  # fmt: skip
     setattr(model, GROUPS_ATTR, groups)
     return model
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ConfigError, FluxDims, validate_tp_degree
+from ..config import ConfigError, ModelDims, validate_tp_degree
 from .weights import layer_dtype, linear_weight
 
 # --------------------------------------------------------------------------------------------------
@@ -115,7 +115,7 @@ def _even(size: int, rank: int, degree: int, offset: int = 0) -> tuple[int, int]
 
 
 def shard_pieces(
-    split: Split, param: str, full_shape: tuple[int, ...], rank: int, degree: int, dims: FluxDims
+    split: Split, param: str, full_shape: tuple[int, ...], rank: int, degree: int, dims: ModelDims
 ) -> Pieces | None:
     """The slice of parameter `param` ('weight' or 'bias') that `rank` keeps, or None when replicated."""
     if isinstance(split, Column | Gathered):
@@ -132,7 +132,7 @@ def shard_pieces(
 
 
 def _packed_ranges(
-    parts: tuple[str, ...], total: int, rank: int, degree: int, dims: FluxDims, side: str
+    parts: tuple[str, ...], total: int, rank: int, degree: int, dims: ModelDims, side: str
 ) -> tuple[tuple[int, int], ...]:
     """This rank's range in each part of a packed dimension, in part order."""
     sizes = [getattr(dims, part) for part in parts]
@@ -151,7 +151,7 @@ def parameter_pieces(
     full_shape: tuple[int, ...],
     rank: int,
     degree: int,
-    dims: FluxDims,
+    dims: ModelDims,
 ) -> Pieces | None:
     """The slice of parameter `name` (e.g. 'transformer_blocks.0.attn.to_q.weight') that `rank` keeps.
 
@@ -321,7 +321,7 @@ class TensorParallelInfo:
 
 
 def _split_module(
-    module: nn.Module, split: Split, rank: int, degree: int, dims: FluxDims, group: Any
+    module: nn.Module, split: Split, rank: int, degree: int, dims: ModelDims, group: Any
 ) -> nn.Module:
     """A new (or narrowed) module holding only this rank's shard of `module`'s parameters."""
     if not isinstance(module, nn.Linear):
@@ -365,20 +365,16 @@ def check_tensor_parallel_ready(model: nn.Module, spec: TensorParallelSpec) -> N
 
 
 def apply_tensor_parallel(
-    model: nn.Module, group: Any = None, spec: TensorParallelSpec | None = None
+    model: nn.Module, group: Any, spec: TensorParallelSpec, dims: ModelDims
 ) -> nn.Module:
-    """Shard `model` in place across `group` (default: the world) and return it.
+    """Shard `model` in place across `group` (None: the world) and return it, following `spec` (the model's
+    family's `tp`) for a model of `dims` (its `dims(config)`): the caller that knows the family passes both
+    down (`ModelFamily.tensor_parallel`), nothing here looks a family up.
 
     Works on materialized weights (each rank keeps its slice) and on the meta device (shapes only).
-    All ranks must call it on identical models. Degree 1 leaves the model untouched. `spec` defaults to
-    the spec of the model's family (found by its class in the family registry).
+    All ranks must call it on identical models. Degree 1 leaves the model untouched.
     """
-    from ..family import family_of
-
-    family = family_of(model)
-    spec = family.tp if spec is None else spec
     check_tensor_parallel_ready(model, spec)
-    dims = family.dims(model.config)
     degree, rank = dist.get_world_size(group), dist.get_rank(group)
     validate_tp_degree(degree, dims)
     if degree == 1:

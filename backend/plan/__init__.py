@@ -1,6 +1,6 @@
 """Memory and communication planner: what each layout costs per GPU, and the `auto` choice.
 
-For a model of a registered family (its name + FluxDims + dtype), an image size, a model call's batch
+For a model of a registered family (its name + ModelDims + dtype), an image size, a model call's batch
 (`call_batch`: cond + uncond at cfg != 1), a device count and the memory of one device, every composition
 batch x tp x ring x ulysses the engine accepts (`ParallelLayout.validate`) is priced, except batch
 degrees above the call's batch (they would leave groups idle in every call):

@@ -10,8 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import ConfigError, FluxDims, ParallelLayout
-from ..family import get_family
+from ..config import ConfigError, ModelDims, ParallelLayout
+from ..family import families, get_family
 from ..text import GB
 from .setup import Setup
 from .shapes import model_facts, weight_bytes
@@ -71,12 +71,13 @@ def payload_by_kind(comms: list[Collective]) -> dict[str, int]:
     return payload
 
 
-def modulation_width(dims: FluxDims, family: str = "flux1") -> int:
+def modulation_width(dims: ModelDims, family: str | None = None) -> int:
     """Features of all AdaLN modulation vectors of one forward (the TP plan's single all-gather): the out
     features of the family's Gathered layers. FLUX.1: 12 x hidden per double block, 3 per single block and
     2 for the final layer; FLUX.2 shares its modulation: 6 + 6 + 3 + 2 x hidden, whatever the block counts.
+    `family`: the first registered one when None.
     """
-    return model_facts(family, dims).modulation_width
+    return model_facts(family or families()[0].name, dims).modulation_width
 
 
 def cp_local_tokens(setup: Setup, degree: int) -> tuple[int, bool]:
@@ -85,9 +86,10 @@ def cp_local_tokens(setup: Setup, degree: int) -> tuple[int, bool]:
     The engine pads text and image separately to multiples of the degree (context.py `local_padding`)
     and then carries a validity channel in Q/K/V: head_dim + 1.
     """
-    text = math.ceil(setup.text_tokens / degree)
+    text_tokens = setup.text_tokens if setup.joint_text else 0  # cross-attended text is not split
+    text = math.ceil(text_tokens / degree)
     image = math.ceil(setup.image_tokens / degree)
-    padded = setup.text_tokens % degree != 0 or setup.image_tokens % degree != 0
+    padded = text_tokens % degree != 0 or setup.image_tokens % degree != 0
     return text + image, padded
 
 
@@ -137,10 +139,10 @@ def collectives(setup: Setup, layout: ParallelLayout) -> list[Collective]:
         out.append(Collective("all_gather", attentions, gathered, r, "ring K/V", "ring"))
     if cp > 1:
         image = math.ceil(setup.image_tokens / cp) * cp
-        payload = batch * image * dims.in_channels * b
+        payload = batch * image * dims.token_channels * b
         out.append(Collective("all_gather", 1, payload, cp, "output latent", "cp"))
     if layout.batch > 1:
-        payload = layout.batch * batch * setup.latent_tokens * dims.in_channels * b
+        payload = layout.batch * batch * setup.latent_tokens * dims.token_channels * b
         out.append(Collective("all_gather", 1, payload, layout.batch, "output latent (batch)", "batch"))
     return out
 
@@ -261,7 +263,7 @@ def forward_flops(setup: Setup) -> float:
     """
     facts = model_facts(setup.family, setup.dims)
     s, text, image = setup.tokens, setup.text_tokens, setup.image_tokens
-    macs = image * facts.image_macs + text * facts.text_macs + s * facts.joint_macs
+    macs = image * facts.image_macs + text * facts.text_macs + (image + text) * facts.joint_macs
     attention_macs = facts.attentions * 2 * s * s * setup.dims.hidden  # QK^T and PV
     return 2 * setup.batch * (macs + attention_macs)
 
@@ -361,7 +363,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidate_layouts(dims: FluxDims, devices: int, batch: int | None = None) -> list[ParallelLayout]:
+def candidate_layouts(dims: ModelDims, devices: int, batch: int | None = None) -> list[ParallelLayout]:
     """Every composition batch x tp x ring x ulysses of `devices` devices that ParallelLayout.validate
     accepts for these dims; with the call's `batch`, only batch degrees up to it (a larger one leaves
     groups idle in every call: never a plan). Ordered by batch degree, then TP degree (largest first),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import ConfigError, FluxDims
+from ..config import ConfigError, ModelDims
 from ..dtypes import COMPUTE_DTYPES, WEIGHT_DTYPES, compute_dtype_named
 from ..family import families, get_family
 from ..text import GB
@@ -54,12 +54,12 @@ class Setup:
     the batch dimension of a layout splits.
     """
 
-    dims: FluxDims
+    dims: ModelDims
     width: int = 1024
     height: int = 1024
     batch: int = 1
     # ComfyUI pads FLUX.1's T5 to 256 tokens (longer prompts use more; diffusers: 512) and FLUX.2's text to
-    # 512 (the family's `text.tokens`, which ParallelFlux.auto_layout passes)
+    # 512 (the family's `text.tokens`, which ParallelModel.auto_layout passes)
     text_tokens: int = 256
     dtype: str = "bfloat16"  # the compute dtype (activations, and weights unless weight_dtype is fp8)
     devices: int = 1
@@ -71,15 +71,18 @@ class Setup:
     # how linear weights are held: "compute" (the compute dtype) or "fp8_e4m3fn" / "fp8_e5m2" (1 byte);
     # a checkpoint's "default" is resolved by the caller (load.planned_weight_dtype)
     weight_dtype: str = "compute"
-    family: str = (
-        "flux1"  # a registered model family (backend/family.py): which transformer the dims describe
-    )
-    # image tokens of reference latents (Kontext / FLUX.2 ReferenceLatent): every step carries them after
-    # the image's own, so they are split, attended and held like image tokens
+    # a registered model family (backend/family.py): which transformer the dims describe (None: the first
+    # registered family)
+    family: str | None = None
+    # image tokens of reference latents (ReferenceLatent): every step carries them after the image's own,
+    # so they are split, attended and held like image tokens
     reference_tokens: int = 0
+    frames: int = 1  # a video's frames (1: an image), for a family whose model takes several
 
     def __post_init__(self) -> None:
         known = [f.name for f in families()]
+        if self.family is None:
+            object.__setattr__(self, "family", known[0])
         if self.family not in known:
             raise ConfigError(
                 f"family={self.family!r} is not a model family the planner knows; use {', '.join(known)}"
@@ -93,11 +96,20 @@ class Setup:
                 f"weight_dtype={self.weight_dtype!r} is not supported by the planner; use "
                 f"{', '.join(PLANNED_WEIGHT_DTYPES)} (resolve 'default' from the checkpoint first)"
             )
-        side = self.token_pixels
-        if self.width % side or self.height % side or self.width < side or self.height < side:
+        rows, cols = self.token_pixels
+        if self.width % cols or self.height % rows or self.width < cols or self.height < rows:
+            side = f"{rows}" if rows == cols else f"{cols}x{rows}"
             raise ConfigError(
                 f"image size {self.width}x{self.height} is not a multiple of {side} pixels; use e.g. 1024x1024"
             )
+        family = get_family(self.family)
+        step = family.latent.temporal_downscale * family.geometry.patch[0]
+        if not isinstance(self.frames, int) or self.frames < 1 or (self.frames - 1) % step:
+            raise ConfigError(
+                f"frames={self.frames!r} must be 1 + a multiple of {step} for {family.title} (e.g. {1 + 20 * step})"
+            )
+        if self.frames > 1 and not family.geometry.frames:
+            raise ConfigError(f"frames={self.frames}: {family.title} makes images, not videos; use frames=1")
         for name in ("batch", "devices", "text_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -121,27 +133,37 @@ class Setup:
         return self.bytes if fp8 is None else fp8.bytes
 
     @property
-    def token_pixels(self) -> int:
-        """Pixels per image token on each side: the family's patch x its VAE's scale (16 for FLUX.1 and
-        FLUX.2 alike)."""
-        family = get_family(self.family)
-        return family.patch * family.latent.downscale
+    def token_pixels(self) -> tuple[int, int]:
+        """Pixels per image token along (height, width): the family's patch x its VAE's scale (16 for FLUX.1,
+        FLUX.2 and Qwen-Image alike)."""
+        return get_family(self.family).token_pixels()
 
     @property
-    def image_tokens(self) -> int:
-        """The image's tokens plus the references'."""
-        side = self.token_pixels
-        return (self.width // side) * (self.height // side) + self.reference_tokens
+    def latent_shape(self) -> tuple[int, ...]:
+        """One entry of the latent this image makes, as [1, C, T, H, W] (T: latent frames)."""
+        fmt = get_family(self.family).latent
+        scale = fmt.downscale
+        return (1, fmt.channels, fmt.latent_frames(self.frames), self.height // scale, self.width // scale)
 
     @property
     def latent_tokens(self) -> int:
         """The image's own tokens (a call's output: reference latents' tokens are dropped)."""
-        side = self.token_pixels
-        return (self.width // side) * (self.height // side)
+        return get_family(self.family).tokens(self.latent_shape)
+
+    @property
+    def image_tokens(self) -> int:
+        """The image's tokens plus the references'."""
+        return self.latent_tokens + self.reference_tokens
+
+    @property
+    def joint_text(self) -> bool:
+        """Whether the text joins the image tokens in one self-attention (and is split with them)."""
+        return get_family(self.family).text.joint
 
     @property
     def tokens(self) -> int:
-        return self.image_tokens + self.text_tokens
+        """The tokens a block's self-attention runs over: the image's, with the text's when it joins them."""
+        return self.image_tokens + (self.text_tokens if self.joint_text else 0)
 
     @property
     def usable_bytes(self) -> float:

@@ -20,8 +20,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import FluxDims, ParallelLayout
-from ..family import get_family
+from ..config import ModelDims, ParallelLayout
+from ..family import families, get_family
 
 # The probe call's token counts: distinct, so a layer's input length says which tokens it read.
 _PROBE_IMAGE_PATCHES = (1, 2)  # (rows, columns) of patches: 2 image tokens
@@ -42,7 +42,7 @@ class ModelFacts:
 
 
 @functools.lru_cache(maxsize=32)
-def model_facts(family: str, dims: FluxDims) -> ModelFacts:
+def model_facts(family: str, dims: ModelDims) -> ModelFacts:
     """The facts of `family`'s model with `dims` (built once on the meta device per family and dims)."""
     import torch
     from torch import nn
@@ -83,13 +83,15 @@ def model_facts(family: str, dims: FluxDims) -> ModelFacts:
             module.register_forward_pre_hook(linear)
         elif hasattr(module, "processor"):
             module.register_forward_pre_hook(attention)
-    rows, cols = (n * fam.patch for n in _PROBE_IMAGE_PATCHES)
+    _, ph, pw = fam.geometry.patch
+    rows, cols = _PROBE_IMAGE_PATCHES[0] * ph, _PROBE_IMAGE_PATCHES[1] * pw
     x = torch.empty(1, fam.input_channels(config), rows, cols, device="meta")
-    context = torch.empty(1, _PROBE_TEXT, dims.text_dim, device="meta")
-    pooled = torch.empty(1, dims.pooled_dim, device="meta") if fam.text.pooled else None
+    if fam.latent.dimensions == 3:
+        x = x.unsqueeze(2)  # one frame
     step = torch.empty(1, device="meta")
+    inputs = fam.call_spec.example(dims, 1, _PROBE_TEXT, "meta")
     with torch.no_grad():
-        fam.call(fam.model_fn(model), x, step, context, pooled, step if dims.guidance else None)
+        fam.call(fam.model_fn(model), x, step, **inputs)
     return ModelFacts(
         parameters=parameters,
         modulation_width=modulation,
@@ -102,16 +104,16 @@ def model_facts(family: str, dims: FluxDims) -> ModelFacts:
 
 
 def weight_bytes(
-    dims: FluxDims,
+    dims: ModelDims,
     layout: ParallelLayout,
     dtype_bytes: int,
     rank: int = 0,
-    family: str = "flux1",
+    family: str | None = None,
     linear_bytes: int | None = None,
 ) -> int:
     """Parameter bytes one rank holds in `layout`: a TP shard, or the full model under context parallelism.
 
-    `family`: the model family whose shapes and TP plan count ("flux1", "flux2"). `linear_bytes`: bytes
+    `family`: the model family whose shapes and TP plan count (the first registered when None). `linear_bytes`: bytes
     per element of the linear weights (the 2-D parameters) when they are held in another dtype than the
     rest (fp8 weights: 1); biases and norm scales always take `dtype_bytes`, as in the loader
     (checkpoint/load.py resident_dtype).
@@ -120,7 +122,7 @@ def weight_bytes(
 
     linear = dtype_bytes if linear_bytes is None else linear_bytes
     total = 0
-    for name, shape, split in model_facts(family, dims).parameters:
+    for name, shape, split in model_facts(family or families()[0].name, dims).parameters:
         pieces = None
         if layout.tp > 1 and split is not None:
             pieces = shard_pieces(split, name.rpartition(".")[2], shape, rank, layout.tp, dims)

@@ -24,9 +24,11 @@ from ..family import (
     PlannerFacts,
     ReferenceLatents,
     TextInputs,
+    TokenGeometry,
     register,
 )
 from . import keys
+from .call import QWEN_CALL
 from .cp import QWEN_CP
 from .forward import PATCH, REF_METHODS, qwen_call, qwen_model_fn
 from .model import QWEN_IMAGE, QWEN_IMAGE_EDIT_2511, build_qwen_image
@@ -56,8 +58,6 @@ LATENT = LatentFormat(
 TEXT = TextInputs(
     encoder="a CLIPLoader of type qwen_image (qwen_2.5_vl_7b) and CLIPTextEncode or TextEncodeQwenImageEdit",
     tokens=256,
-    pooled=False,
-    mask=True,
 )
 
 # Live activations at a forward's peak (PlannerFacts): FLUX.1's units (flux/family.py), checked with
@@ -146,11 +146,12 @@ QWEN_IMAGE_FAMILY = register(
         cp=QWEN_CP,
         planner=PLANNER,
         latent=LATENT,
-        patch=PATCH,
+        geometry=TokenGeometry((1, PATCH, PATCH)),  # 2 x 2 latent pixels per token, one frame
         text=TEXT,
         ref_method="index",  # comfy/ldm/qwen_image/model.py's default (0.3.75: `kwargs.get(..., "index")`)
         references=REFERENCES,
         comfy_model=comfy_model,
+        call_spec=QWEN_CALL,
         call=qwen_call,
         model_fn=qwen_model_fn,
         sampling=plan_for,  # ModelSamplingAuraFlow 3.1 + KSampler euler/simple, as the template (sampling.py)

@@ -176,22 +176,20 @@ def qwen_call(
     x: torch.Tensor,
     timestep: torch.Tensor,
     context: torch.Tensor,
-    pooled: torch.Tensor | None = None,
-    guidance: torch.Tensor | None = None,
-    ref_latents: Sequence[torch.Tensor] = (),
-    ref_method: str = "index",
     attention_mask: torch.Tensor | None = None,
+    ref_latents: Sequence[torch.Tensor] = (),
+    ref_latents_method: str = "index",
 ) -> torch.Tensor:
     """ComfyUI's QwenImage `forward(x, timestep, context, attention_mask, ref_latents, ref_latents_method=)`
     over a diffusers `model_fn` (`qwen_model_fn`).
 
     x: [B, 16, 1, H, W] (or [B, 16, H, W]) in sampler space, any H and W; context: [B, T, text_dim];
-    attention_mask: [B, T] boolean (True = a real token) or None; `pooled` and `guidance` are FLUX's
-    arguments, which Qwen-Image has no input for (ignored, as ComfyUI's model has no such parameter).
+    attention_mask: [B, T] boolean (True = a real token) or None.
     Returns [B, 16, 1, H, W] (or 4-D, as x) in the model's dtype.
     """
+    ref_method = ref_latents_method
     if ref_method not in REF_METHODS:
-        raise ValueError(f"ref_method={ref_method!r} is not one of {', '.join(REF_METHODS)}")
+        raise ValueError(f"ref_latents_method={ref_method!r} is not one of {', '.join(REF_METHODS)}")
     four_d = x.ndim == 4
     x = _five_d(x)
     _, _, t, h, w = x.shape

@@ -25,7 +25,7 @@ from typing import Any
 
 from ..checkpoint.files import CheckpointError
 from ..checkpoint.keys import Blocks, KeyLayout, Source, block_count, require, shapes_of, strip_prefix
-from ..config import FluxDims
+from ..config import ModelDims
 from .model import QWEN_IMAGE, TIMESTEP_ZERO_MARKER
 
 TITLE = "Qwen-Image"
@@ -44,7 +44,7 @@ class QwenKeys(KeyLayout):
     """The identity layout: every diffusers parameter (and ComfyUI's marker buffer) is the file key of the
     same name. `blocks` names the numbered blocks for the writers that treat block linears apart (fp8 mixed)."""
 
-    def source(self, name: str, dims: FluxDims) -> Source | None:
+    def source(self, name: str, dims: ModelDims) -> Source | None:
         return Source(name)
 
 
@@ -83,28 +83,33 @@ def rope_axes(head_dim: int) -> tuple[int, int, int]:
     return (head_dim - 2 * b, b, b)
 
 
-def dims(config: Mapping[str, Any]) -> FluxDims:
+@dataclass(frozen=True)
+class QwenDims(ModelDims):
+    """ModelDims plus Qwen-Image's block count (dual-stream blocks only)."""
+
+    blocks: int = 0
+
+
+def dims(config: Mapping[str, Any]) -> QwenDims:
     """The shape facts of a QwenImageTransformer2DModel config: dual-stream blocks only, GELU MLPs 4 x
     hidden, no pooled text vector, no guidance embedder."""
-    return FluxDims(
-        heads=int(config["num_attention_heads"]),
-        head_dim=int(config["attention_head_dim"]),
-        double_blocks=int(config["num_layers"]),
-        single_blocks=0,
-        guidance=False,
-        mlp_ratio=4.0,
+    heads, head_dim = int(config["num_attention_heads"]), int(config["attention_head_dim"])
+    return QwenDims(
+        heads=heads,
+        head_dim=head_dim,
+        mlp=4 * heads * head_dim,
         text_dim=int(config["joint_attention_dim"]),
-        pooled_dim=0,
-        in_channels=int(config["in_channels"]),
+        token_channels=int(config["in_channels"]),
+        blocks=int(config["num_layers"]),
     )
 
 
-def config_from_dims(dims: FluxDims) -> dict[str, Any]:
+def config_from_dims(dims: QwenDims) -> dict[str, Any]:
     """A QwenImageTransformer2DModel config with these dims (the planner builds its meta model from it)."""
     return {
         **QWEN_IMAGE,
-        "in_channels": dims.in_channels,
-        "num_layers": dims.double_blocks,
+        "in_channels": dims.token_channels,
+        "num_layers": dims.blocks,
         "attention_head_dim": dims.head_dim,
         "num_attention_heads": dims.heads,
         "joint_attention_dim": dims.text_dim,
@@ -144,6 +149,7 @@ def config_from_shapes(keys_and_shapes: Mapping[str, Any]) -> dict[str, Any]:
 __all__ = [
     "MARKERS",
     "QWEN_KEYS",
+    "QwenDims",
     "QwenKeys",
     "checked",
     "config_from_dims",

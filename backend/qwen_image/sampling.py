@@ -8,33 +8,32 @@ comfy/model_sampling.py (0.3.75 and 0.33.0, the same):
 - ModelSamplingAuraFlow = ModelSamplingSD3 with multiplier 1: `ModelSamplingDiscreteFlow`, sigma(t) =
   shift t / (1 + (shift - 1) t) over t = 1/1000 .. 1, the timestep handed to the model is sigma itself.
   Without the node the model's own default is ModelSamplingFlux with shift 1.15 (supported_models.QwenImage);
-  the template always sets it, so `ParallelFlux.sample` follows the template (`shift_mu` replaces 3.1, as
+  the template always sets it, so `ParallelModel.sample` follows the template (`shift_mu` replaces 3.1, as
   the node's `shift` input does).
 - latent_formats.Wan21: 16 channels at 1/8, per-channel mean/std, 5-D latents [B, 16, 1, H, W]; an
   EmptySD3LatentImage's 4-D zeros are taken as ComfyUI takes them (fix_empty_latent_channels unsqueezes).
 
-`ParallelFlux.sample` runs the positive prompt only (cfg 1): ComfyUI's KSampler on the ROCm Parallel Model
-runs every cfg (nodes/comfy_model.py). Noise and the Euler loop are FLUX.1's (flux/sampling.py), as in
+`ParallelModel.sample` runs the positive prompt only (cfg 1): ComfyUI's KSampler on the ROCm Parallel Model
+runs every cfg (nodes/comfy_model.py). Noise and the Euler loop are every family's (backend/sampling.py), as in
 ComfyUI.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..config import ConfigError
-from ..flux.sampling import (
-    FluxConditioning,
+from ..sampling import (
     SamplingPlan,
-    check_finite,
-    check_real,
+    SamplingRequest,
     make_plan,
     repeat_to_batch_size,
     simple_schedule,
     single_entry,
+    text_features,
 )
 
 if TYPE_CHECKING:
@@ -61,43 +60,20 @@ def aura_flow_table(shift: float = TEMPLATE_SHIFT, timesteps: int = TIMESTEPS) -
     return time_snr_shift(shift, t / multiplier)
 
 
-def convert_conditioning(positive: Any, batch: int, info: CheckpointInfo) -> FluxConditioning:
-    """A Qwen-Image CONDITIONING `[[features, {"pooled_output": None}]]` -> model inputs (no pooled vector,
-    no guidance), repeated to the latent batch."""
+def convert_conditioning(positive: Any, batch: int, info: CheckpointInfo) -> dict[str, Any]:
+    """A Qwen-Image CONDITIONING `[[features, {"pooled_output": None}]]` -> the model call's inputs (no
+    pooled vector, no guidance), repeated to the latent batch."""
     cond, _ = single_entry(positive, SUPPORTED_COND_KEYS)
-    text_dim, encoder = info.dims.text_dim, info.model_family.text.encoder
-    if not torch.is_tensor(cond) or cond.ndim != 3 or cond.shape[-1] != text_dim or min(cond.shape[:2]) < 1:
-        shape = tuple(cond.shape) if torch.is_tensor(cond) else type(cond).__name__
-        raise ConfigError(
-            f"conditioning tensor has shape {shape}; {info.model_name} expects [batch, tokens, {text_dim}]: "
-            f"encode the prompt with {encoder}"
-        )
-    check_real("conditioning tensor", cond)
-    check_finite(
-        "conditioning tensor", cond, "re-encode the prompt (a broken text encoder or a bad upstream node)"
-    )
-    return FluxConditioning(
-        encoder_hidden_states=repeat_to_batch_size(cond.to(torch.float32), batch),
-        pooled_projections=torch.zeros(batch, 0),
-        guidance=None,
-    )
+    cond = text_features(cond, info.dims.text_dim, info.model_name, info.model_family.text.encoder)
+    return {"context": repeat_to_batch_size(cond, batch)}
 
 
 def plan_for(
-    info: CheckpointInfo,
-    latent: torch.Tensor,
-    positive: Any,
-    *,
-    seed: int,
-    steps: int,
-    denoise: float = 1.0,
-    sigmas: Sequence[float] | torch.Tensor | None = None,
-    noise_mask: torch.Tensor | None = None,
-    batch_index: Sequence[int] | None = None,
-    shift_mu: float | None = None,
+    info: CheckpointInfo, latent: Mapping[str, Any], positive: Any, request: SamplingRequest
 ) -> SamplingPlan:
     """Qwen-Image's `ModelFamily.sampling`: KSampler(euler, simple) on ModelSamplingAuraFlow's table, shift
-    3.1 as the template sets it (`shift_mu`: another shift, as the node's input)."""
+    3.1 as the template sets it (the request's `shift_mu`: another shift, as the node's input)."""
+    shift_mu = request.shift_mu
     shift = TEMPLATE_SHIFT if shift_mu is None else shift_mu
     if isinstance(shift, bool) or not isinstance(shift, int | float) or not 0.0 <= shift <= 100.0:
         raise ConfigError(
@@ -107,8 +83,7 @@ def plan_for(
     table = aura_flow_table(float(shift))
     family = info.model_family
     return make_plan(
-        latent, seed, steps, denoise, sigmas, noise_mask, batch_index, fmt=family.latent, model=info.model_name,
-        channels=family.latent_channels(info.config),
+        latent, request, fmt=family.latent, model=info.model_name, channels=family.latent_channels(info.config),
         schedule=lambda n, shape: simple_schedule(table, n),
         conditioning=lambda batch: convert_conditioning(positive, batch, info),
     )  # fmt: skip

@@ -24,7 +24,7 @@ import pytest
 import torch
 from comfy_server import COMFYUI_PATH, COMFYUI_VERSION, TESTS_DIR
 
-from rocm_parallel.backend.api import ParallelFlux
+from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.checkpoint import inspect_checkpoint
 from rocm_parallel.backend.config import ParallelLayout
 from rocm_parallel.nodes.checks import KV_CACHE_MESSAGE
@@ -66,7 +66,7 @@ def made(tool: Any, comfy: dict[str, Any], tmp_path_factory: pytest.TempPathFact
 
 @pytest.fixture(scope="module")
 def registries() -> Iterator[dict[int, Registry]]:
-    made = {2: Registry(factory=lambda devices: ParallelFlux(list(devices), threads=1))}
+    made = {2: Registry(factory=lambda devices: ParallelModel(list(devices), threads=1))}
     yield made
     for registry in made.values():
         registry.close()
@@ -119,7 +119,7 @@ def test_every_file_comfyui_loads_loads_in_the_pack_and_calls_equal_comfyuis_own
         "prefix-net",
     } <= variants
     inputs = call_inputs(spec)
-    flux = registries[2].flux_for(("cpu", "cpu"))
+    flux = registries[2].group_for(("cpu", "cpu"))
     rows = []
     for entry in loadable:
         path = made["folder"] / entry["file"]

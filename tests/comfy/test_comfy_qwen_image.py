@@ -23,7 +23,7 @@ import pytest
 import torch
 from comfy_server import COMFYUI_PATH, TESTS_DIR
 
-from rocm_parallel.backend.api import ParallelFlux
+from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.config import ParallelLayout
 from rocm_parallel.nodes.inputs import LayoutRequest, ParallelHandle
 from rocm_parallel.nodes.registry import Registry
@@ -84,7 +84,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def registries() -> Iterator[dict[int, Registry]]:
-    made = {n: Registry(factory=lambda devices: ParallelFlux(list(devices), threads=1)) for n in (2, 4)}
+    made = {n: Registry(factory=lambda devices: ParallelModel(list(devices), threads=1)) for n in (2, 4)}
     yield made
     for registry in made.values():
         registry.close()

@@ -21,7 +21,7 @@ from comfy_server import COMFYUI_PATH, TESTS_DIR
 from test_sampling import ALL_CASES as CASES
 from test_sampling import flux_model, reference
 
-from rocm_parallel.backend.api import ParallelFlux
+from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.checkpoint import save_checkpoint
 from rocm_parallel.backend.config import ParallelLayout
 from rocm_parallel.nodes.inputs import LayoutRequest, ParallelHandle
@@ -45,7 +45,7 @@ def comfy() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
-    made = Registry(factory=lambda devices: ParallelFlux(list(devices), threads=1))
+    made = Registry(factory=lambda devices: ParallelModel(list(devices), threads=1))
     yield made
     made.close()
 

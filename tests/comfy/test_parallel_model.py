@@ -26,7 +26,7 @@ from comfy_server import ALL_CASES as CASES
 from comfy_server import COMFYUI_PATH, COMFYUI_VERSION, FLUX2_CASES, MODELS, REFERENCES, TESTS_DIR, reference
 from test_sampling import flux_model
 
-from rocm_parallel.backend.api import ParallelFlux
+from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.checkpoint import save_checkpoint
 from rocm_parallel.backend.config import ParallelLayout
 from rocm_parallel.nodes.checks import LORA_ON_MODEL_MESSAGE
@@ -77,7 +77,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def registries() -> Iterator[dict[int, Registry]]:
     """One registry (one worker group) per device count, one thread per worker."""
-    made = {n: Registry(factory=lambda devices: ParallelFlux(list(devices), threads=1)) for n in (2, 4)}
+    made = {n: Registry(factory=lambda devices: ParallelModel(list(devices), threads=1)) for n in (2, 4)}
     yield made
     for registry in made.values():
         registry.close()
@@ -255,7 +255,7 @@ def test_fp8_weights_match_comfyuis_own_fp8_model(comfy, registries, tmp_path_fa
     handle = ParallelHandle(str(path), path.name, ("cpu", "cpu"), "float32", (), None)
     ours = comfy_model.parallel_model(handle, LayoutRequest(ParallelLayout(tp=2)), registries[2])
     want, got = run_case(comfy, own, "dev_4steps"), run_case(comfy, ours, "dev_4steps")
-    flux = registries[2].flux_for(handle.devices)
+    flux = registries[2].group_for(handle.devices)
     assert flux.resident.weight_dtype == "default"
     assert "float8_e4m3fn" in flux.status()[0].parameter_bytes_by_dtype
     assert (got - want).abs().max().item() <= 1e-4  # measured 1.4e-6
@@ -340,7 +340,9 @@ def test_auto_plans_for_the_reference_latents_in_comfyuis_conds(comfy, checkpoin
     path = checkpoints[case["variant"]]
     handle = ParallelHandle(path, Path(path).name, ("cpu", "cpu"), "float32")
     model = comfy_model.parallel_model(handle, LayoutRequest(None), registries[2])
-    spy = mock.patch.object(ParallelFlux, "auto_layout", autospec=True, side_effect=ParallelFlux.auto_layout)
+    spy = mock.patch.object(
+        ParallelModel, "auto_layout", autospec=True, side_effect=ParallelModel.auto_layout
+    )
     with spy as planned, torch.no_grad():
         got = reference_run_case(comfy, {case["variant"]: model}, name, case, tmp_path)
     recorded = reference(name)
@@ -528,7 +530,7 @@ def test_flux2_fp8_mixed_matches_comfyuis_own_fp8_mixed_model(comfy, registries,
     name = "flux2_4steps"
     want = run_flux2_case(comfy, own, name)[f"{name}.output"]
     got = run_flux2_case(comfy, ours, name)[f"{name}.output"]
-    flux = registries[2].flux_for(handle.devices)
+    flux = registries[2].group_for(handle.devices)
     assert "float8_e4m3fn" in flux.status()[0].parameter_bytes_by_dtype
     diff = (got - want).abs().max().item()
     print(f"{name} fp8 mixed tp2: max |diff| {diff:.2e}")

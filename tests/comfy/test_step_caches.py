@@ -23,7 +23,7 @@ import torch
 from comfy_server import COMFYUI_PATH, TESTS_DIR
 from test_sampling import flux_model
 
-from rocm_parallel.backend.api import ParallelFlux
+from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.checkpoint import diffusers_to_bfl, save_checkpoint
 from rocm_parallel.backend.config import ParallelLayout
 from rocm_parallel.nodes import checks
@@ -67,7 +67,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def registry() -> Iterator[Registry]:
-    made = Registry(factory=lambda devices: ParallelFlux(list(devices), threads=1))
+    made = Registry(factory=lambda devices: ParallelModel(list(devices), threads=1))
     yield made
     made.close()
 

@@ -8,11 +8,12 @@ import pytest
 import torch
 from model_methods import BuildRandom, Inputs
 
-from rocm_parallel.backend.config import FluxDims
+from rocm_parallel.backend.flux.dims import FluxDims
 from rocm_parallel.backend.flux.model import FLUX_DEV, build_flux
-from rocm_parallel.backend.parallel.tensor import apply_tensor_parallel, parameter_bytes
+from rocm_parallel.backend.parallel.tensor import parameter_bytes
 from rocm_parallel.testing.fake import fake_process_group
 from rocm_parallel.testing.models import random_inputs, tiny_flux_config
+from rocm_parallel.testing.parallel import apply_tensor_parallel
 
 TESTS_DIR = str(Path(__file__).resolve().parents[1])  # on the workers' sys.path: model_methods lives there
 
@@ -146,13 +147,13 @@ def test_comfyui_references_on_one_gpu(dtype: str, tolerance: float, layout: str
     from test_parallel_sampling import run_case
     from test_sampling import CASES, flux_model, reference
 
-    from rocm_parallel.backend.api import ParallelFlux
+    from rocm_parallel.backend.api import ParallelModel
     from rocm_parallel.backend.checkpoint import diffusers_to_bfl
 
     path = tmp_path / "tiny-flux-dev.safetensors"
     save_file(diffusers_to_bfl(flux_model("dev").state_dict()), str(path))
     with one_gpu_group(2) as group:
-        flux = ParallelFlux(group=group)
+        flux = ParallelModel(group=group)
         flux.load(str(path), layout=layout, dtype=dtype)
         for name in sorted(n for n, c in CASES.items() if c["variant"] == "dev"):
             expected = reference(name)["output"]

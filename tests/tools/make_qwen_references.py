@@ -63,7 +63,7 @@ CASES: dict[str, dict[str, Any]] = {
         "text": 9, "negative_text": 5, "mask": 3,
         "lora": {"format": "bare", "strength": 0.8, "rank": 4, "seed": 71},
     },
-    # the headless `ParallelFlux.sample` references: the template's schedule, cfg 1, no LoRA; text-to-image
+    # the headless `ParallelModel.sample` references: the template's schedule, cfg 1, no LoRA; text-to-image
     # and an encoded image at denoise 0.6 (the latent format's per-channel process_in and process_out)
     "qwen_t2i_cfg1": {"model": "qwen", "width": 88, "height": 40, "steps": 4, "seed": 52, "shift": 3.1, "text": 7},
     "qwen_img2img_cfg1": {

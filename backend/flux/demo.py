@@ -17,14 +17,15 @@ from pathlib import Path
 
 import torch
 
-from .api import ParallelFlux
-from .checkpoint import save_checkpoint
-from .client import validate_devices
-from .config import ConfigError, FluxDims
-from .flux.keys import rope_axes
-from .flux.model import FLUX_DEV, build_flux
-from .flux.sampling import diffusers_model_fn, sample_flux
-from .text import MB, markdown_table
+from ..api import ParallelModel
+from ..checkpoint import save_checkpoint
+from ..client import validate_devices
+from ..config import ConfigError
+from ..text import MB, markdown_table
+from .dims import FluxDims
+from .keys import rope_axes
+from .model import FLUX_DEV, build_flux
+from .sampling import diffusers_model_fn, sample_flux
 
 # Every code path of FLUX.1 at a size a laptop CPU runs in a second: 8 heads x 64, 2 + 4 blocks.
 DEMO_CONFIG = {
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         save_checkpoint(torch.nn.Module.to(model, dtype), checkpoint)
         del model
         started = time.perf_counter()
-        with ParallelFlux(devices, threads=1 if not on_gpu else None) as flux:
+        with ParallelModel(devices, threads=1 if not on_gpu else None) as flux:
             flux.start()  # now, to time it apart from loading
             print(
                 f"started {len(devices)} workers on {', '.join(devices)} in {time.perf_counter() - started:.2f} s "
