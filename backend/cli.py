@@ -70,8 +70,9 @@ def plan_models() -> dict[str, tuple[ModelFamily, Mapping[str, Any]]]:
 
 
 def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    models = plan_models()
     parser.add_argument(
-        "--model", choices=tuple(plan_models()), default="flux1-dev", help="model (dev/schnell: FLUX.1)"
+        "--model", choices=tuple(models), default=next(iter(models)), help="model (a released config's name)"
     )
     parser.add_argument("--size", default="1024", help="image size in pixels: 1024 or WIDTHxHEIGHT")
     parser.add_argument("--batch", type=int, default=1, help="images per step")
@@ -92,7 +93,7 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--text-tokens",
         type=int,
         default=None,
-        help="text tokens (default: ComfyUI's, 256 FLUX.1, 512 FLUX.2)",  # each family's `text.tokens`
+        help="text tokens (default: ComfyUI's for the model's family, its `text.tokens`)",
     )
     parser.add_argument(
         "--devices",

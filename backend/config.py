@@ -97,6 +97,10 @@ class ModelDims:
     def hidden(self) -> int:
         return self.heads * self.head_dim
 
+    def blocks_text(self) -> str:
+        """The transformer's blocks for tables ('60 blocks'; a family may say more, e.g. '19+38 blocks')."""
+        return f"{getattr(self, 'blocks', 0)} blocks"
+
 
 def validate_tp_degree(degree: int, dims: ModelDims) -> None:
     """Raise ConfigError unless `degree` splits every width tensor parallelism shards.

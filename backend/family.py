@@ -216,7 +216,8 @@ class ModelFamily:
       checkpoint may set its own: `default_ref_method(config)`).
     - `comfy_model(config)`: the ComfyUI model config the proxy MODEL is built from.
     - `lora_prefixes`: key prefixes ComfyUI's LoRA loader maps onto the checkpoint's modules besides
-      `diffusion_model.`, `lora_unet_` and the diffusers names (comfy/lora.py; Qwen-Image's bare names).
+      `diffusion_model.`, `lora_unet_` and the diffusers names (comfy/lora.py; Qwen-Image's bare names);
+      `lora_refusals`: LoRA kinds recognised by their keys and refused by name (FLUX's control LoRAs).
     Sampling
     - `sampling(info, latent, positive, request)`: the `sampling.SamplingPlan` `ParallelModel.sample` runs
       (its Euler loop) for a checkpoint of this family, from ComfyUI's LATENT dict, a CONDITIONING and a
@@ -257,6 +258,9 @@ class ModelFamily:
     ref_method: str = ""
     aliases: Mapping[str, str] = field(default_factory=dict)
     lora_prefixes: tuple[str, ...] = ()
+    # LoRA kinds the family's users have that the pack cannot apply, known by keys that all appear in them:
+    # (keys, ...) -> (what it is, what to use instead); every LoRA is checked against every family's
+    lora_refusals: Mapping[tuple[str, ...], tuple[str, str]] = field(default_factory=dict)
     demo: str | None = None
 
     def default_ref_method(self, config: Mapping[str, Any]) -> str:

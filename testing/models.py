@@ -177,7 +177,10 @@ def random_inputs(
     # the family's example inputs: text features and vectors are drawn after x, in the call's order;
     # a per-latent scalar (guidance) is 3.5
     inputs = fam.call_spec.example(dims, batch, text_tokens, "meta")
-    drawn = {"x": x_shape, **{k: tuple(v.shape) for k, v in inputs.items() if torch.is_tensor(v) and v.ndim >= 2}}
+    drawn = {
+        "x": x_shape,
+        **{k: tuple(v.shape) for k, v in inputs.items() if torch.is_tensor(v) and v.ndim >= 2},
+    }
     if str(device) == "meta":
         values = {k: torch.empty(shape, device="meta") for k, shape in drawn.items()}
     else:

@@ -120,6 +120,4 @@ def test_steps_are_bounded_as_comfyui_bounds_them(checkpoints: dict[str, str], s
         ParallelModel.check_sample(
             _prompt(info), {"samples": torch.zeros(1, 16, 8, 8)}, checkpoint=info, seed=0, steps=steps
         )
-    assert str(err.value) == (
-        f"steps={steps} must be from 1 to 10000, as ComfyUI's KSampler allows"
-    )
+    assert str(err.value) == (f"steps={steps} must be from 1 to 10000, as ComfyUI's KSampler allows")

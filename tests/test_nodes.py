@@ -25,6 +25,7 @@ from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.checkpoint import save_checkpoint
 from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError, ParallelLayout
+from rocm_parallel.backend.family import get_family
 from rocm_parallel.backend.flux.dims import FluxDims
 from rocm_parallel.backend.messages import RankStatus
 from rocm_parallel.nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS, checks, inputs, loading
@@ -644,8 +645,6 @@ def test_the_reference_message_names_each_familys_own_workflow() -> None:
             continue
         assert f"the {family.references.workflow} workflow's graph" in message
         assert (root / f"{family.references.workflow}.json").is_file()
-    from rocm_parallel.backend.family import get_family
-
     assert "FLUX.2's reference images" in checks.references_message(get_family("flux2"))
 
 
@@ -677,12 +676,12 @@ class KV_Attn_Input:  # the class name of ComfyUI's FluxKVCache attention patch,
         ({"extra": {"attention_mask": torch.zeros(1)}}, checks.ATTENTION_MASK_MESSAGE),
         (
             {"extra": {"pulid": torch.zeros(1)}},
-            "ComfyUI passed 'pulid' to the FLUX model; the ROCm Parallel Model does not implement it and "
+            "ComfyUI passed 'pulid' to the diffusion model; the ROCm Parallel Model does not implement it and "
             "ignoring it would change the image. Remove the node that adds it to the conditioning or the model",
         ),
         (
             {"options": {"patches_replace": {"dit": {("double_block", 0): print}}}},
-            "a model patch (patches_replace: dit) would change the FLUX transformer's blocks or attention, which "
+            "a model patch (patches_replace: dit) would change the transformer's blocks or attention, which "
             "run in the ROCm Parallel workers and cannot be patched from ComfyUI; remove the node that adds it "
             "(e.g. a PAG, attention-couple or block-patch node) from the ROCm Parallel Model's path",
         ),
@@ -698,7 +697,8 @@ class KV_Attn_Input:  # the class name of ComfyUI's FluxKVCache attention patch,
 )
 def test_the_proxy_refuses_what_it_would_otherwise_ignore(kwargs: dict, message: str) -> None:
     args = {"control": None, "options": {}, "extra": {}} | kwargs
-    got = checks.unsupported_forward_inputs(args["control"], args["options"], args["extra"])
+    takes = get_family("flux1").call_spec.names
+    got = checks.unsupported_forward_inputs(args["control"], args["options"], args["extra"], takes)
     assert got == message
 
 
@@ -713,8 +713,16 @@ def test_the_proxy_runs_what_comfyui_always_passes() -> None:
         "cond_or_uncond": [0, 1],
     }
     extra = {"ref_latents_method": None, "attention_mask": None}
-    assert checks.unsupported_forward_inputs(None, options, extra) is None
-    assert checks.unsupported_forward_inputs(None, options, {"ref_latents_method": "index"}) is None
+    takes = get_family("flux1").call_spec.names
+    assert checks.unsupported_forward_inputs(None, options, extra, takes) is None
+    assert checks.unsupported_forward_inputs(None, options, {"ref_latents_method": "index"}, takes) is None
+    # a family whose call takes a text mask gets it (Qwen-Image's); FLUX's refuses one by name
+    mask = {"attention_mask": torch.ones(1, 4)}
+    assert (
+        checks.unsupported_forward_inputs(None, options, mask, get_family("qwen_image").call_spec.names)
+        is None
+    )
+    assert checks.unsupported_forward_inputs(None, options, mask, takes) == checks.ATTENTION_MASK_MESSAGE
     assert checks.diffusion_model_wrappers(options) == ["easycache"]
 
 
@@ -736,23 +744,24 @@ class ForwardFlux:
     """A ParallelModel stand-in for the runner's bookkeeping: records loads and forwards."""
 
     def __init__(self, devices: tuple[str, ...]) -> None:
-        self.devices, self.started, self.resident, self.warnings = devices, True, None, []
+        self.devices, self.started, self.warnings, self.evicted = devices, True, [], []
+        self.residents: dict[str, SimpleNamespace] = {}
         self.loads: list[dict] = []
         self.checks: list[dict] = []
         self.forwards: list[tuple] = []
         self.activity: str | None = None  # what the panel shows while a job runs (none here)
 
-    def check_load(self, checkpoint: SimpleNamespace, **kwargs) -> None:
-        self.checks.append(kwargs)
+    def check_load(self, checkpoint: SimpleNamespace, options) -> None:
+        self.checks.append(vars(options))
 
-    def load(self, checkpoint: SimpleNamespace, **kwargs) -> list:
-        self.loads.append(kwargs)
-        self.resident = SimpleNamespace(checkpoint=checkpoint.path, layout=kwargs["layout"])
+    def load(self, checkpoint: SimpleNamespace, options, progress=None) -> list:
+        self.loads.append(vars(options))
+        self.residents[options.slot] = SimpleNamespace(checkpoint=checkpoint.path, layout=options.layout)
         return [RankStatus(rank=0, device="cpu", parameter_bytes=1)]
 
-    def forward(self, x, timestep, context, y, guidance, ref_latents=None, ref_method=None):
-        self.forwards.append((x.shape, timestep, guidance))
-        self.references = (ref_latents, ref_method)
+    def forward(self, x, timestep, slot=None, **inputs):
+        self.forwards.append((x.shape, timestep, inputs.get("guidance")))
+        self.references = (inputs.get("ref_latents"), inputs.get("ref_latents_method"))
         return x * 2
 
     def close(self) -> None:
@@ -761,7 +770,7 @@ class ForwardFlux:
 
 # What a ModelRunner carries from the node's run to every load (the header, read once): the stand-in
 # above only needs its path.
-FAKE_INFO = SimpleNamespace(path="/m/dev.safetensors")
+FAKE_INFO = SimpleNamespace(path="/m/dev.safetensors", model_family=get_family("flux1"))
 
 
 def test_the_runner_loads_once_then_forwards_and_shows_the_step() -> None:
@@ -771,18 +780,18 @@ def test_the_runner_loads_once_then_forwards_and_shows_the_step() -> None:
     x = torch.ones(2, 16, 25, 25)
     with runner.sampling(x.shape, total=3):
         assert registry.snapshot()["phase"] == "sampling"
-        out = runner.forward(x, torch.tensor([1.0, 1.0]), None, None, torch.tensor([3.5, 3.5]), (2, 3))
+        out = runner.forward(x, torch.tensor([1.0, 1.0]), {"guidance": torch.tensor([3.5, 3.5])}, (2, 3))
         assert registry.snapshot()["step"] == 2 and registry.snapshot()["total"] == 3
-        runner.forward(x, torch.tensor([0.5, 0.5]), None, None, None)
+        runner.forward(x, torch.tensor([0.5, 0.5]), {})
     flux = registry.current
     assert torch.equal(out, x * 2) and len(flux.loads) == 1 and len(flux.forwards) == 2
-    assert flux.loads[0]["layout"] == ParallelLayout(tp=2) and "loras" not in flux.loads[0]
+    assert flux.loads[0]["layout"] == ParallelLayout(tp=2) and flux.loads[0]["loras"] == ()
     assert registry.snapshot()["phase"] == "idle"
-    flux.resident = None  # e.g. the Status node unloaded it between two runs: loaded again, not failed
-    runner.forward(x, torch.tensor([1.0, 1.0]), None, None, None)
+    flux.residents.clear()  # e.g. the Status node unloaded it between two runs: loaded again, not failed
+    runner.forward(x, torch.tensor([1.0, 1.0]), {})
     assert len(flux.loads) == 2
     refs = [torch.zeros(2, 16, 4, 4)]  # Kontext: ComfyUI's ref_latents and their placement reach the service
-    runner.forward(x, torch.tensor([1.0, 1.0]), None, None, None, ref_latents=refs, ref_method="index")
+    runner.forward(x, torch.tensor([1.0, 1.0]), {"ref_latents": refs, "ref_latents_method": "index"})
     assert flux.references == (refs, "index")
 
 

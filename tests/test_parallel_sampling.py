@@ -247,7 +247,7 @@ def test_flux2_sample_matches_one_process_and_comfyui(
             steps=job["steps"],
         )  # fmt: skip
         fn = flux2_model_fn(flux2_model(case["variant"]))
-        one_process = euler(lambda x, t, inputs: flux2_call(fn, x, t, **inputs), plan)
+        one_process = euler(lambda x, t, inputs, fn=fn: flux2_call(fn, x, t, **inputs), plan)
         for layout in LAYOUTS[groups.world_size]:
             flux.load(flux2_checkpoints[case["variant"]], layout=layout, dtype="float32")
             seen: list[tuple[int, int]] = []

@@ -58,7 +58,7 @@ class CheckpointInfo:
     stored_bytes: int
     # diffusers parameter name -> where its values are stored (rows of a fused BFL tensor when set)
     sources: dict[str, tuple[StoredTensor, tuple[tuple[int, int], ...] | None]] = field(repr=False)
-    family: str = "flux1"  # the registered model family (backend/family.py) the header matched
+    family: str = ""  # the registered model family (backend/family.py) the header matched
     # ComfyUI scaled fp8 / quantized mixed: stored weight key -> its scalar scale (weight = fp8 x scale)
     scales: dict[str, StoredTensor] = field(default_factory=dict, repr=False)
     # how the scales were declared: "" (none), "scaled_fp8", "comfy_quant", "quantization_metadata"
@@ -262,6 +262,11 @@ def _known_families() -> str:
     return _one_of(f.title for f in _by_name())
 
 
+def _example_files() -> str:
+    """'flux1-dev.safetensors, flux2-dev.safetensors, ...': each family's first preset as a file name."""
+    return ", ".join(f"{next(iter(f.presets))}.safetensors" for f in _by_name() if f.presets)
+
+
 def _one_of(names: Iterable[str]) -> str:
     """'A, B or C' (messages name every registered family)."""
     names = list(names)
@@ -283,8 +288,7 @@ def _inspect_file(path: Path) -> CheckpointInfo:
         return _diffusers_info(path, (str(path),), header, None, family, scales, quantization)
     raise CheckpointError(
         f"'{path}' is not a {_known_families()} checkpoint: {describe_keys(raw)}. "
-        f"Pick a {_known_families()} transformer file (e.g. flux1-dev.safetensors, flux2-dev.safetensors) "
-        "from models/diffusion_models"
+        f"Pick a {_known_families()} transformer file (e.g. {_example_files()}) from models/diffusion_models"
     )
 
 

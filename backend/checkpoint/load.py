@@ -43,10 +43,14 @@ CHECK_VALUES = True  # every tensor read is checked for NaN/inf (switched off on
 
 
 def resident_dtype(
-    stored: StoredTensor, linear_weight: bool, weight_dtype: str, compute: torch.dtype
+    stored: StoredTensor, linear_weight: bool, weight_dtype: str, compute: torch.dtype, fp32: bool = False
 ) -> torch.dtype:
-    """The dtype a parameter is held in: fp8 for linear weights when `weight_dtype` says so (or, for
-    'default', when the file stores them in fp8), the compute dtype for everything else."""
+    """The dtype a parameter is held in: float32 for a parameter of a module the model class keeps in
+    float32 (`fp32`: diffusers' `_keep_in_fp32_modules`, e.g. Wan's time embedder and modulation tables),
+    fp8 for linear weights when `weight_dtype` says so (or, for 'default', when the file stores them in fp8),
+    the compute dtype for everything else."""
+    if fp32 and compute.is_floating_point and torch.finfo(compute).bits < 32:
+        return torch.float32
     if not linear_weight or weight_dtype == "compute":
         return compute
     if weight_dtype == "default":
@@ -55,11 +59,21 @@ def resident_dtype(
     return WEIGHT_DTYPES[weight_dtype].torch
 
 
+def kept_in_fp32(model: nn.Module, name: str) -> bool:
+    """Whether parameter `name` belongs to a module the model's class keeps in float32 whatever the dtype it
+    is loaded in (diffusers' `_keep_in_fp32_modules`, matched on whole path components as diffusers'
+    loader matches them): the loader honours it as `from_pretrained(torch_dtype=...)` does."""
+    keep = getattr(type(model), "_keep_in_fp32_modules", None) or ()
+    parts = name.split(".")
+    return any(m in parts for m in keep)
+
+
 def parameter_dtype(model: nn.Module, stored: StoredTensor, name: str, compute: torch.dtype) -> torch.dtype:
     """`resident_dtype` of parameter `name` of a model `load_model` built (its weight dtype is recorded)."""
     module_name, _, param = name.rpartition(".")
     linear = isinstance(model.get_submodule(module_name), nn.Linear) and param == "weight"
-    return resident_dtype(stored, linear, getattr(model, WEIGHT_DTYPE_ATTR, "compute"), compute)
+    weight = getattr(model, WEIGHT_DTYPE_ATTR, "compute")
+    return resident_dtype(stored, linear, weight, compute, kept_in_fp32(model, name))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -226,9 +240,8 @@ def load_model(
             pieces = parameter_pieces(resolved, name, full_shape(stored, rows), rank, degree, dims)
             module_name, _, param = name.rpartition(".")
             module = model.get_submodule(module_name)
-            target = resident_dtype(
-                stored, isinstance(module, nn.Linear) and param == "weight", weight, dtype
-            )
+            linear = isinstance(module, nn.Linear) and param == "weight"
+            target = resident_dtype(stored, linear, weight, dtype, kept_in_fp32(model, name))
             tensor = read_parameter(info, name, pieces, target, device)
             if tensor.shape != meta.shape:  # the plan and the meta model disagree: a bug, not bad input
                 raise RuntimeError(
@@ -249,6 +262,7 @@ __all__ = [
     "check_values",
     "compose",
     "full_shape",
+    "kept_in_fp32",
     "load_model",
     "parameter_dtype",
     "read_parameter",

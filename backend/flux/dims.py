@@ -31,6 +31,9 @@ class FluxDims(ModelDims):
             object.__setattr__(self, "text_dim", 4096)
         object.__setattr__(self, "token_channels", self.in_channels)
 
+    def blocks_text(self) -> str:
+        return f"{self.double_blocks}+{self.single_blocks} blocks"
+
     @classmethod
     def from_diffusers_config(cls, config: Mapping[str, Any]) -> FluxDims:
         return cls(

@@ -20,7 +20,6 @@ from typing import Any
 
 from ..family import (
     ComfyModel,
-    LatentFormat,
     ModelFamily,
     PlannerFacts,
     ReferenceLatents,
@@ -33,22 +32,13 @@ from . import keys
 from .call import FLUX1_CALL
 from .forward import PATCH, REF_METHODS, flux_call
 from .model import FLUX_DEV, FLUX_SCHNELL, build_flux
-from .sampling import SCALE_FACTOR, SHIFT_FACTOR, diffusers_model_fn, plan_for
+from .sampling import LATENT, diffusers_model_fn, plan_for
 from .sampling import variant as variant
 from .tp import FLUX_TP
 
 # comfy/supported_models.py FluxInpaint: the Fill model's channels per latent pixel (16 latent + 16 masked
 # image + 64 mask, the 8x8 mask pixels under each latent pixel).
 FILL_CHANNELS = 96
-LATENT = LatentFormat(
-    comfy_name="Flux",
-    channels=16,
-    scale=SCALE_FACTOR,
-    shift=SHIFT_FACTOR,
-    downscale=8,
-    vae="the FLUX VAE (ae.safetensors)",
-    empty_node="EmptySD3LatentImage",
-)
 # T5-XXL tokens (ComfyUI pads a short prompt to 256) and CLIP-L's pooled vector, both from DualCLIPLoader.
 TEXT = TextInputs(
     encoder="a FLUX DualCLIPLoader (clip_l + t5xxl, type flux)",
@@ -86,6 +76,18 @@ REFERENCES = ReferenceLatents(
         )
     },
 )
+
+
+# BFL's Canny / Depth control LoRAs: ComfyUI recognises them by these bare keys (comfy/lora_convert.py) and
+# turns them into reshape_weight + set_weight + diff_b patches that widen img_in.
+CONTROL_MARKERS = ("img_in.lora_A.weight", "single_blocks.0.norm.key_norm.scale")
+LORA_REFUSALS = {
+    CONTROL_MARKERS: (
+        f"a FLUX control LoRA (Canny/Depth: '{CONTROL_MARKERS[0]}' widens the image input, '{CONTROL_MARKERS[1]}' "
+        "replaces norm scales)",
+        "Use the matching FLUX control checkpoint (flux1-canny-dev, flux1-depth-dev) instead",
+    )
+}
 
 
 def input_channels(config: Mapping[str, Any]) -> int:
@@ -153,6 +155,7 @@ FLUX1 = register(
         call=flux_call,
         model_fn=diffusers_model_fn,
         sampling=plan_for,  # KSampler(euler, simple) on the dev / schnell table (flux/sampling.py)
+        lora_refusals=LORA_REFUSALS,
         demo=".flux.demo",  # `python -m rocm_parallel demo`: FLUX.1-dev-shaped random weights
     )
 )

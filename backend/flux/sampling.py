@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..config import ConfigError
+from ..family import LatentFormat
 from ..sampling import (
     ModelCall,
     SamplingPlan,
@@ -33,7 +34,6 @@ from .forward import ModelFn, flux_call
 
 if TYPE_CHECKING:
     from ..checkpoint import CheckpointInfo
-    from ..family import LatentFormat
 
 # comfy/latent_formats.py `Flux`.
 LATENT_CHANNELS = 16
@@ -47,6 +47,16 @@ VARIANTS = ("dev", "schnell")
 # reference latents, timestep ranges) changes ComfyUI's result and is refused rather than ignored.
 SUPPORTED_COND_KEYS = ("pooled_output", "guidance")
 DEFAULT_GUIDANCE = 3.5  # comfy/model_base.py Flux.extra_conds: kwargs.get("guidance", 3.5)
+
+LATENT = LatentFormat(
+    comfy_name="Flux",
+    channels=16,
+    scale=SCALE_FACTOR,
+    shift=SHIFT_FACTOR,
+    downscale=8,
+    vae="the FLUX VAE (ae.safetensors)",
+    empty_node="EmptySD3LatentImage",
+)
 
 # --- latent format and tokens ---------------------------------------------------------------------
 
@@ -188,10 +198,8 @@ def plan_sampling(
                 "leave shift_mu unset, or drop sigmas to sample from the shifted table"
             )
     table = sigma_table(variant, shift_mu) if sigmas is None else None
-    if fmt is None:
-        from .family import LATENT as fmt
     return make_plan(
-        latent, request, fmt=fmt, model=model,
+        latent, request, fmt=fmt or LATENT, model=model,
         schedule=lambda n, shape: simple_schedule(table, n),
         conditioning=lambda batch: convert_conditioning(positive, batch, variant, text_dim, pooled_dim),
     )  # fmt: skip

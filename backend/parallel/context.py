@@ -292,6 +292,24 @@ class ContextAttention:
         op = masked_forward_op(op) if masked else op
         return guard_forward_op(op, self.state.lse_shape) if self.state.layout.ring > 1 else op
 
+    def local(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        dropout_p: float,
+        is_causal: bool,
+        scale: float | None,
+        enable_gqa: bool,
+    ) -> torch.Tensor:
+        """Attention that is not split: diffusers passes no parallel config where attention stays local by
+        design (Wan's cross-attention from this rank's tokens to the whole text, and to the image
+        embedding): the device's kernel on what this rank holds, no ring, no padding channel."""
+        return self.state.kernel.forward_op(
+            None, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, False
+        )
+
     def key_validity(self, query: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor | None:
         """[B, S_local] which keys count: the processor's key mask (a text mask: Qwen-Image's builds a bool
         [B, 1, 1, S] over [text | image]) and the padding's; None when neither is given."""
@@ -330,7 +348,7 @@ class ContextAttention:
         from diffusers.models.attention_dispatch import _templated_context_parallel_attention
 
         if parallel_config is None:
-            raise RuntimeError("context-parallel attention was called without a parallel config")
+            return self.local(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         scale = query.shape[-1] ** -0.5 if scale is None else scale  # explicit: Q/K may gain a channel below
         valid = self.key_validity(query, attn_mask)
         masked = self.state.masked or self.state.padding is not None

@@ -82,7 +82,16 @@ class PackedColumn:
     parts: tuple[str, ...]
 
 
-Split = Column | Row | PackedRow | PackedColumn | Gathered
+@dataclass(frozen=True)
+class NormAcrossHeads:
+    """An RMS norm over the whole attention width, all heads together (Wan's `norm_q` / `norm_k`, diffusers'
+    qk_norm "rms_norm_across_heads"), applied to a column-parallel projection's output. Each rank holds its
+    heads' slice of the norm's weight; the mean of squares is a sum over every rank's slice: one small
+    all-reduce of [B, S, 1] per call (`HeadShardedRMSNorm`). A per-rank norm would normalise each rank's heads
+    by their own statistics: silent noise, not an error."""
+
+
+Split = Column | Row | PackedRow | PackedColumn | Gathered | NormAcrossHeads
 
 # --------------------------------------------------------------------------------------------------
 # Slicing: which part of a full tensor a rank keeps. Shared with the checkpoint loader, which reads
@@ -118,7 +127,7 @@ def shard_pieces(
     split: Split, param: str, full_shape: tuple[int, ...], rank: int, degree: int, dims: ModelDims
 ) -> Pieces | None:
     """The slice of parameter `param` ('weight' or 'bias') that `rank` keeps, or None when replicated."""
-    if isinstance(split, Column | Gathered):
+    if isinstance(split, Column | Gathered | NormAcrossHeads):
         return Pieces(0, (_even(full_shape[0], rank, degree),))
     if isinstance(split, PackedColumn):  # weight rows and bias entries alike
         return Pieces(0, _packed_ranges(split.parts, full_shape[0], rank, degree, dims, "output"))
@@ -266,6 +275,26 @@ class ModulationBank:
             m.gathered = None
 
 
+class HeadShardedRMSNorm(nn.Module):
+    """RMS norm over a width split across the tp group (`NormAcrossHeads`): x * rsqrt(mean(x^2) + eps) *
+    weight, the mean's sum of squares all-reduced over the group's slices, computed in float32 as
+    torch's rms_norm accumulates it."""
+
+    def __init__(self, weight: nn.Parameter | None, eps: float | None, width: int, group: Any) -> None:
+        super().__init__()
+        self.weight, self.eps, self.width, self.group = weight, eps, width, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        squares = x.float().pow(2).sum(-1, keepdim=True)
+        dist.all_reduce(squares, group=self.group)
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        out = (x.float() * torch.rsqrt(squares / self.width + eps)).to(x.dtype)
+        return out if self.weight is None else out * self.weight.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"width={self.width}, local={self.weight.shape[0] if self.weight is not None else '?'}, eps={self.eps}"
+
+
 def reduce_streams(
     partials: list[torch.Tensor], layers: list[RowParallelLinear], group: Any
 ) -> list[torch.Tensor]:
@@ -324,8 +353,13 @@ def _split_module(
     module: nn.Module, split: Split, rank: int, degree: int, dims: ModelDims, group: Any
 ) -> nn.Module:
     """A new (or narrowed) module holding only this rank's shard of `module`'s parameters."""
+    if isinstance(split, NormAcrossHeads):
+        return _split_norm(module, rank, degree, dims, group)
     if not isinstance(module, nn.Linear):
-        raise TypeError(f"tensor-parallel plan names a {type(module).__name__}; only nn.Linear can be split")
+        raise TypeError(
+            f"tensor-parallel plan names a {type(module).__name__} as {type(split).__name__}; only nn.Linear "
+            "can be split that way (an RMS norm across heads is NormAcrossHeads)"
+        )
 
     def shard(param: str) -> nn.Parameter | None:
         tensor = getattr(module, param)
@@ -344,6 +378,23 @@ def _split_module(
         return GatheredLinear(weight, bias, group, degree)
     reduce = split.reduce if isinstance(split, Row) else True
     return RowParallelLinear(weight, bias, group, reduce)
+
+
+def _split_norm(module: nn.Module, rank: int, degree: int, dims: ModelDims, group: Any) -> nn.Module:
+    """A `NormAcrossHeads` entry: torch's RMSNorm over the full width, as this rank's slice."""
+    shape = getattr(module, "normalized_shape", None)
+    if not isinstance(module, nn.RMSNorm) or shape is None or len(shape) != 1:
+        raise TypeError(
+            f"tensor-parallel plan names a {type(module).__name__} as NormAcrossHeads; it must be a torch "
+            "RMSNorm over one dimension (diffusers' qk_norm 'rms_norm_across_heads')"
+        )
+    width = int(shape[0])
+    weight = module.weight
+    if weight is not None:
+        pieces = shard_pieces(NormAcrossHeads(), "weight", tuple(weight.shape), rank, degree, dims)
+        assert pieces is not None
+        weight = nn.Parameter(pieces.take(weight.detach()), requires_grad=False)
+    return HeadShardedRMSNorm(weight, module.eps, width, group)
 
 
 def check_tensor_parallel_ready(model: nn.Module, spec: TensorParallelSpec) -> None:
@@ -404,11 +455,13 @@ def apply_tensor_parallel(
                 # 3 x inner_dim : 2 x mlp_hidden_dim; both must shrink alike.
                 module.mlp_hidden_dim //= degree
 
-    bank = ModulationBank(gathered, group, degree)
-    model.get_submodule(spec.modulation_source).register_forward_hook(lambda _m, _i, temb: bank.fill(temb))
-    model.register_forward_pre_hook(lambda *_: bank.clear())
-    model.register_forward_hook(lambda *_: bank.clear())
-    model._rp_modulation_bank = bank
+    if gathered:  # a family whose plan shards modulation linears: one all-gather per forward for all
+        bank = ModulationBank(gathered, group, degree)
+        source = model.get_submodule(spec.modulation_source)
+        source.register_forward_hook(lambda _m, _i, temb: bank.fill(temb))
+        model.register_forward_pre_hook(lambda *_: bank.clear())
+        model.register_forward_hook(lambda *_: bank.clear())
+        model._rp_modulation_bank = bank
     model._rp_tensor_parallel = TensorParallelInfo(degree, rank)
     return model
 
@@ -424,7 +477,9 @@ __all__ = [
     "ConfigError",
     "Gathered",
     "GatheredLinear",
+    "HeadShardedRMSNorm",
     "ModulationBank",
+    "NormAcrossHeads",
     "PackedColumn",
     "PackedRow",
     "Pieces",

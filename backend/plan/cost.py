@@ -123,6 +123,9 @@ def collectives(setup: Setup, layout: ParallelLayout) -> list[Collective]:
         out.append(
             Collective("all_reduce", facts.tp_all_reduces, batch * local * dims.hidden * b, tp, what, "tp")
         )
+        if facts.norm_all_reduces:  # a sum of squares per token (float32) for each norm across heads
+            payload = batch * local * 4
+            out.append(Collective("all_reduce", facts.norm_all_reduces, payload, tp, "norm statistics", "tp"))
         if facts.modulation_width:
             payload = batch * facts.modulation_width * b
             out.append(Collective("all_gather", 1, payload, tp, "AdaLN modulation vectors", "tp"))

@@ -43,7 +43,7 @@ def _weights(setup: Setup) -> str:
 def format_table(setup: Setup, estimates: list[Estimate]) -> str:
     head = (
         f"{get_family(setup.family).planner.table_name} ({setup.dims.heads} heads x "
-        f"{setup.dims.head_dim}, {setup.dims.double_blocks}+{setup.dims.single_blocks} blocks), "
+        f"{setup.dims.head_dim}, {setup.dims.blocks_text()}), "
         f"{setup.dtype}{_weights(setup)}, {setup.width}x{setup.height}, call batch {setup.batch} "
         f"({setup.tokens} tokens), {setup.devices} device(s) x {capacity(setup.memory_gb)} GB, "
         f"{setup.link.describe()}, {setup.tflops:g} TFLOPS per device"

@@ -35,6 +35,7 @@ class ModelFacts:
     parameters: tuple[tuple[str, tuple[int, ...], Any], ...]  # (name, shape, TP split or None)
     modulation_width: int  # features of all Gathered (AdaLN modulation) outputs of one forward
     tp_all_reduces: int  # activation all-reduces of one forward under TP
+    norm_all_reduces: int  # [tokens x 1] statistics all-reduces of norms across heads (NormAcrossHeads)
     attentions: int  # attention calls per forward
     image_macs: int  # multiply-accumulates per image token in the linear layers that read only image tokens
     text_macs: int  # ... only text tokens
@@ -47,7 +48,7 @@ def model_facts(family: str, dims: ModelDims) -> ModelFacts:
     import torch
     from torch import nn
 
-    from ..parallel.tensor import Gathered, PackedRow, Row, resolve_plan
+    from ..parallel.tensor import Gathered, NormAcrossHeads, PackedRow, Row, resolve_plan
 
     fam = get_family(family)
     config = fam.config_from_dims(dims)
@@ -60,6 +61,7 @@ def model_facts(family: str, dims: ModelDims) -> ModelFacts:
         model.get_submodule(m).out_features for m, s in splits.items() if isinstance(s, Gathered)
     )
     reducing = sum(isinstance(s, PackedRow) or (isinstance(s, Row) and s.reduce) for s in splits.values())
+    norms = sum(isinstance(s, NormAcrossHeads) for s in splits.values())
     blocks = resolve_plan(model, fam.tp.block_forwards)
     all_reduces = reducing + sum(b.reductions for b in blocks.values())
 
@@ -96,6 +98,7 @@ def model_facts(family: str, dims: ModelDims) -> ModelFacts:
         parameters=parameters,
         modulation_width=modulation,
         tp_all_reduces=all_reduces,
+        norm_all_reduces=norms,
         attentions=attentions,
         image_macs=macs[image],
         text_macs=macs[_PROBE_TEXT],

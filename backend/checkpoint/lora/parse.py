@@ -15,15 +15,12 @@ from typing import Any
 
 from safetensors import SafetensorError, safe_open
 
+from ...family import families
 from ..files import listing, starts_like_safetensors, truncation_detail
 from ..info import CheckpointInfo
 from .kinds import APPLIED, CONV_ONLY, KINDS, REFUSED, WEIGHT_KINDS
 from .names import LOOKED_FOR, TEXT_ENCODER_PREFIXES, Slot, slot_table, split_key
 from .records import LoraError, LoraInfo, LoraModule, Parsed
-
-# BFL's Canny / Depth control LoRAs: ComfyUI recognises them by these bare keys (comfy/lora_convert.py)
-# and turns them into reshape_weight + set_weight + diff_b patches that widen img_in.
-CONTROL_MARKERS = ("img_in.lora_A.weight", "single_blocks.0.norm.key_norm.scale")
 
 
 def _check_file(path: Path) -> None:
@@ -67,12 +64,10 @@ def inspect_lora(path: str | os.PathLike[str], info: CheckpointInfo) -> LoraInfo
     path = Path(path).expanduser()
     _check_file(path)
     shapes, alphas = read_header(path)
-    if all(k in shapes for k in CONTROL_MARKERS):
-        raise LoraError(
-            f"LoRA '{path}' is a FLUX control LoRA (Canny/Depth: '{CONTROL_MARKERS[0]}' widens the image "
-            f"input, '{CONTROL_MARKERS[1]}' replaces norm scales); ROCm Parallel applies {APPLIED} only. "
-            "Use the matching FLUX control checkpoint (flux1-canny-dev, flux1-depth-dev) instead"
-        )
+    for family in families():  # a kind of LoRA a family knows by its keys and the pack cannot apply
+        for markers, (what, remedy) in family.lora_refusals.items():
+            if all(k in shapes for k in markers):
+                raise LoraError(f"LoRA '{path}' is {what}; ROCm Parallel applies {APPLIED} only. {remedy}")
     skipped = tuple(sorted(k for k in shapes if k.startswith(TEXT_ENCODER_PREFIXES)))
     table = slot_table(info)
     found: dict[str, dict[tuple[str, str], str]] = {}  # module -> {(kind, role): tensor key}
@@ -260,10 +255,9 @@ def _unknown_key(path: Path, key: str, info: CheckpointInfo) -> None:
             f"without {name.split(' (')[0]} patches"
         )
     raise LoraError(
-        f"LoRA '{path}': '{key}' targets '{module}', which this checkpoint "
-        f"({info.dims.double_blocks} double + {info.dims.single_blocks} single blocks, "
-        f"hidden {info.dims.hidden}) does not have; the LoRA was made for a different model"
+        f"LoRA '{path}': '{key}' targets '{module}', which this checkpoint ({info.model_name}, hidden "
+        f"{info.dims.hidden}) does not have; the LoRA was made for a different model"
     )
 
 
-__all__ = ["CONTROL_MARKERS", "inspect_lora", "read_header"]
+__all__ = ["inspect_lora", "read_header"]
