@@ -9,7 +9,9 @@ A use is a module imported (`import comfy.model_management as mm`), an attribute
 positional count and keyword names are bound to the recorded signature), a subclass of a ComfyUI class and
 the methods it overrides (each must still accept every parameter ComfyUI's own method has), the
 (module, attribute) pairs the parallel MODEL checks at run time (nodes/comfy_model.py `_REQUIRED`), and the
-`comfy.supported_models` classes the model families name (`ComfyModel(config_class=...)`).
+`comfy.supported_models` classes the model families name (`ComfyModel(config_class=...)`). A use inside
+`try:` / `except ImportError` (or AttributeError) is a version shim: it may be absent from a version, not
+from all of them.
 
 Why not comfy-import-guard alone: it resolves `comfy.*` only, against a git clone of ComfyUI that CI cannot
 reach, and it does not see `nodes`, `folder_paths`, `server`, `comfy_extras` or the names the pack reaches
@@ -41,6 +43,7 @@ COMFY_ROOTS = (
 # What is scanned: the ComfyUI side of the pack, and the families' ComfyUI config class names.
 SCANNED = ("__init__.py", "nodes/*.py", "backend/**/family.py")
 _LOADERS = ("sys.modules.get", "importlib.import_module")  # calls that return a module by its name
+_GUARDS = {"ImportError", "ModuleNotFoundError", "AttributeError"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +57,7 @@ class Use:
     keywords: tuple[str, ...] = ()  # call: keyword names given
     via_instance: bool = False  # call of a method on an instance (`SamplerCustom().sample(...)`)
     params: tuple[tuple[str, str, bool], ...] = ()  # override: the pack's own method's parameters
+    guarded: bool = False  # inside `try:` whose `except` catches ImportError / AttributeError: may be absent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +66,13 @@ class Finding:
     use: Use
     problem: str  # '' when the use holds
 
+    absent: bool = False  # missing in this version, and the pack handles that (guarded, or an override)
+
     def line(self) -> str:
         status = "FAIL" if self.problem else "ok  "
         text = f"ComfyUI {self.version}  {status} {self.use.where}  {self.use.kind} {self.use.name}"
+        if self.absent:
+            text += " (absent here; the pack handles that)"
         return f"{text}: {self.problem}" if self.problem else text
 
 
@@ -120,7 +128,23 @@ class _Scanner(ast.NodeVisitor):
         return self.uses
 
     def _add(self, node: ast.AST, name: str, kind: str, **extra: Any) -> None:
-        self.uses.append(Use(name, f"{self.rel}:{getattr(node, 'lineno', 0)}", kind, **extra))
+        where = f"{self.rel}:{getattr(node, 'lineno', 0)}"
+        self.uses.append(Use(name, where, kind, guarded=self._guarded(node), **extra))
+
+    def _guarded(self, node: ast.AST) -> bool:
+        """In the body of a `try:` that catches a missing module or attribute (a version shim)."""
+        child, parent = node, self.parents.get(node)
+        while parent is not None:
+            if isinstance(parent, ast.Try) and child in parent.body:
+                caught = {
+                    n.id if isinstance(n, ast.Name) else ""
+                    for h in parent.handlers
+                    for n in ([h.type] if not isinstance(h.type, ast.Tuple) else h.type.elts)
+                }
+                if caught & _GUARDS:
+                    return True
+            child, parent = parent, self.parents.get(parent)
+        return False
 
     def _bind(self, node: ast.Import | ast.ImportFrom) -> None:
         if isinstance(node, ast.Import):
@@ -309,8 +333,8 @@ def problem(use: Use, names: Mapping[str, Any]) -> str:
     if entry is None:
         return "not recorded for this version: run tests/tools/dump_comfy_api.py with this ComfyUI"
     if entry["kind"] == "missing":
-        if use.kind == "override":
-            return ""  # the pack's method exists for newer ComfyUI versions; an older one never calls it
+        if use.kind == "override" or use.guarded:
+            return ""  # an override for newer ComfyUI versions, or a guarded shim: absence is handled
         return "missing in this ComfyUI"
     if use.kind == "call":
         return _call_problem(use, entry)
@@ -323,7 +347,17 @@ def problem(use: Use, names: Mapping[str, Any]) -> str:
 
 def check(uses: Iterable[Use], versions: Mapping[str, Mapping[str, Any]]) -> list[Finding]:
     uses = list(uses)
-    return [Finding(v, u, problem(u, record["names"])) for v, record in versions.items() for u in uses]
+    out = []
+    for version, record in versions.items():
+        names = record["names"]
+        for use in uses:
+            text = problem(use, names)
+            absent = names.get(use.name, {}).get("kind") == "missing"
+            nowhere = all(r["names"].get(use.name, {}).get("kind") == "missing" for r in versions.values())
+            if absent and use.guarded and nowhere:  # a shim for no version at all: a typo or dead code
+                text = f"missing in every recorded version ({', '.join(versions)}), though guarded"
+            out.append(Finding(version, use, text, absent and not text))
+    return out
 
 
 def report(findings: list[Finding], versions: Mapping[str, Mapping[str, Any]]) -> str:

@@ -117,3 +117,20 @@ def test_a_name_no_version_recorded_fails_until_recorded(recorded, tmp_path):
 
 def test_records_are_in_the_data_folder():
     assert sorted(p.name for p in DATA.glob("comfy_api-*.json")) == [f"comfy_api-{v}.json" for v in VERSIONS]
+
+
+def test_a_guarded_shim_may_be_absent_from_a_version_but_not_from_all(recorded):
+    """comfy_beside.dynamic_vram reads comfy.memory_management inside `try: ... except ImportError`: 0.3.75
+    lacks it (fine), a name that no version has is a typo."""
+    use = next(u for u in scan() if u.name == "comfy.memory_management.aimdo_enabled")
+    assert use.guarded
+    by_version = {f.version: f for f in check([use], recorded)}
+    assert by_version["0.3.75"].absent and not by_version["0.3.75"].problem
+    assert not by_version["0.33.0"].absent
+    gone = copy.deepcopy(recorded)
+    gone["0.33.0"]["names"][use.name] = {"kind": "missing"}
+    assert {f.problem for f in check([use], gone)} == {
+        "missing in every recorded version (0.3.75, 0.33.0), though guarded"
+    }
+    unguarded = next(u for u in scan() if u.name == "comfy.model_management.free_memory")
+    assert not unguarded.guarded
