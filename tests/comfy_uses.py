@@ -1,7 +1,7 @@
 """The ComfyUI names the pack uses, found by an AST scan of its sources, checked against what each ComfyUI
 version the pack is tested with really has (tests/data/comfy_api-<version>.json, written from that real
 ComfyUI by tests/tools/dump_comfy_api.py). CI has no ComfyUI checkout, so the record is what it checks;
-the comfy tier (tests/comfy/test_comfy_api.py) checks the record against its live ComfyUI.
+the comfy tier (tests/comfy/test_comfy_api_record.py) checks the record against its live ComfyUI.
 
 A use is a module imported (`import comfy.model_management as mm`), an attribute chain on such a module
 (`mm.unload_all_models`, `comfy.samplers.KSampler.SAMPLERS`; also through `getattr(x, "name", ...)`,

@@ -2,8 +2,8 @@
 tests/data/comfy_api-<version>.json: for each dotted name its kind (module, class, function, method,
 attribute, or missing) and, for callables, the parameter list. CI checks the pack's uses against every
 version's record (tests/test_comfy_api.py); the comfy tier checks the record against its live ComfyUI
-(tests/comfy/test_comfy_api.py). Run it with each ComfyUI version the tier runs, after a change that uses
-a new ComfyUI name:
+(tests/comfy/test_comfy_api_record.py). Run it with each ComfyUI version the tier runs, after a change that
+uses a new ComfyUI name:
 
     COMFYUI_PATH=/path/to/ComfyUI PYTHONPATH=<pack parent>:<comfy deps> python tests/tools/dump_comfy_api.py \\
         --commit <sha> --date <YYYY-MM-DD>
