@@ -395,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         args.report.write_text(text)
     failed = [f for f in findings if f.problem]
     print("\n".join(text.splitlines()[: 3 + len(failed)]))
+    print(f"imports: {len(findings) - len(failed)} passed, {len(failed)} failed")  # CI's plain closing line
     return 1 if failed else 0
 
 
