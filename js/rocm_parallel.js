@@ -39,6 +39,8 @@ export function panelLines(state, now = Date.now()) {
     if (state.auto) lines.push(...state.auto.split("; "));
     // A batch degree above the model calls' batch (its groups idle), said where the layout is shown.
     if (state.note) lines.push(state.note);
+    // ComfyUI's own models moved off the workers' GPUs, and dynamic VRAM's budget beside them.
+    for (const line of state.beside || []) lines.push(line);
     for (const r of state.ranks || []) lines.push(r.text);
     if (state.last) lines.push(`last job: ${state.last}`);
   }

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import checks
+from . import checks, comfy_beside
 from .inputs import LayoutRequest, ParallelHandle
 from .loading import needs_gpu_memory
 from .registry import REGISTRY, Registry
@@ -193,6 +193,9 @@ def _parallel_patcher_class() -> type:
         def add_patches(self, patches: Any, strength_patch: float = 1.0, strength_model: float = 1.0) -> Any:
             raise RuntimeError(checks.LORA_ON_MODEL_MESSAGE)
 
+        def deepclone_multigpu(self, new_load_device: Any = None, models_cache: Any = None) -> Any:
+            raise RuntimeError(comfy_beside.CFG_SPLIT_MESSAGE)  # ComfyUI >= 0.33's MultiGPU nodes
+
     return ParallelModelPatcher
 
 
@@ -215,6 +218,7 @@ def _outer_sample(runner: ModelRunner):
         references = checks.reference_shapes(conds)
         calls = _call_batch(guider, int(noise.shape[0]), runner.info.model_family.text.tokens)
         with runner.sampling(tuple(noise.shape), max(int(sigmas.shape[-1]) - 1, 0), references, calls):
+            comfy_beside.show_dynamic_vram(runner.registry)
             return executor(noise, latent_image, sampler, sigmas, *args, **kw)
 
     return wrapper
@@ -257,13 +261,14 @@ def parallel_model(
     import comfy.patcher_extension
     import comfy.supported_models
 
+    registry = registry if registry is not None else REGISTRY
     runner = ModelRunner(
-        registry if registry is not None else REGISTRY,
+        registry,
         handle,
         request,
         info,
         interrupted=mm.throw_exception_if_processing_interrupted,
-        make_room=lambda: free_comfy_models(handle.devices),
+        make_room=lambda: free_comfy_models(handle.devices, registry),
     )
     family = runner.info.model_family
     wanted = runner.comfy_model()  # the supported_models class ComfyUI's loader picks, with its unet_config
@@ -292,11 +297,13 @@ def parallel_model(
     return patcher
 
 
-def free_comfy_models(devices: tuple[str, ...]) -> None:
-    """Give the GPUs to the workers: ComfyUI's own resident models would otherwise hold their memory."""
+def free_comfy_models(devices: tuple[str, ...], registry: Registry | None = None) -> None:
+    """Give the GPUs to the workers: ComfyUI's own resident models would otherwise hold their memory (those
+    on any worker GPU too, e.g. after Select CLIP / VAE Device; the panel names them)."""
     import comfy.model_management as mm
 
     if needs_gpu_memory(devices):
+        comfy_beside.free_worker_gpus(registry if registry is not None else REGISTRY, devices)
         mm.unload_all_models()
         mm.soft_empty_cache()
 

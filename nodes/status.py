@@ -59,6 +59,7 @@ def format_state(state: dict[str, Any]) -> str:
         lines += [f"  {rank_line(r)}" for r in state.get("ranks", [])]
         if state.get("auto"):
             lines.append(state["auto"])
+        lines += list(state.get("beside", []))
         if state.get("last"):
             lines.append(f"last job: {state['last']}")
     if state.get("error"):

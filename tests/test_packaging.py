@@ -199,3 +199,29 @@ def test_no_placeholder_and_a_license() -> None:
     assert (ROOT / "LICENSE").read_text().lstrip().startswith("Apache License\n")
     assert _pyproject()["project"]["license"] == "Apache-2.0"
     assert "one FLUX.1 image" not in _pyproject()["project"]["description"]
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("."))
+
+
+def test_requires_comfyui_and_the_readme_name_exactly_the_versions_the_tier_runs() -> None:
+    """The comfy tier's versions are those the import check holds records of, each written from that real
+    ComfyUI (tests/data/comfy_api-<version>.json); requires-comfyui's floor is the oldest of them, and the
+    README's version list, the parallel MODEL's TESTED_COMFYUI and docs/models.md's table name exactly them."""
+    records = (ROOT / "tests" / "data").glob("comfy_api-*.json")
+    tier = sorted(
+        (p.name.removeprefix("comfy_api-").removesuffix(".json") for p in records), key=_version_key
+    )
+    assert len(tier) >= 2
+    assert _pyproject()["tool"]["comfy"]["requires-comfyui"] == f">={tier[0]}"
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Supported models and ComfyUI versions", 1)[1].split("\n## ", 1)[0]
+    named = re.findall(r"\*\*(?:ComfyUI )?(\d+\.\d+\.\d+)\*\*", section)
+    assert sorted(named, key=_version_key) == tier
+    tested = re.search(
+        r"^TESTED_COMFYUI = \(([^)]*)\)", (ROOT / "nodes" / "comfy_model.py").read_text(), re.M
+    )
+    assert tested is not None and re.findall(r'"([\d.]+)"', tested.group(1)) == tier
+    table = (ROOT / "docs" / "models.md").read_text().split("| ComfyUI | FLUX.1 |", 1)[1].split("\n\n", 1)[0]
+    assert sorted(re.findall(r"^\| (\d+\.\d+\.\d+) \|", table, re.M), key=_version_key) == tier

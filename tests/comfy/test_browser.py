@@ -328,7 +328,8 @@ def test_panel_after_a_cancel_and_a_rejected_checkpoint(comfy: Comfy, browser: s
 
 def _error_shown(word: str) -> str:
     """JS: the text of the innermost elements showing `word` once ComfyUI shows its execution error report
-    (frontend 1.32: the error dialog's 'Show Report'; 1.49: the toast's 'View details', its Errors panel)."""
+    (frontend 1.32: the error dialog's 'Show Report'; 1.49: the toast's 'View details', its Errors panel;
+    1.58: the toast's 'View details', the Issues panel's error log)."""
     return (
         "(() => { const more = [...document.querySelectorAll('button')]"
         ".find(b => ['View details', 'Show Report'].includes(b.innerText.trim())); if (more) more.click();"
@@ -343,8 +344,8 @@ def test_a_refusal_before_any_worker_starts_and_a_loader_that_asks_for_another_g
     comfy: Comfy, browser: str
 ) -> None:
     """Queued from the editor: a loader whose file is no checkpoint ('auto' reads its header before
-    anything else) while the running group holds the test model. ComfyUI's error dialog names the error
-    by its class without the install path; the panel shows it as the last error and says that the group
+    anything else) while the running group holds the test model. ComfyUI's error dialog (frontend 1.58:
+    its Issues panel) names the error by its class without the install path; the panel shows it as the last error and says that the group
     it shows is not the one this loader asks for; then a loader asking for 3 devices says so too."""
     ready = comfy.post("/prompt", {"prompt": status_prompt("report", loader_node())})["prompt_id"]
     assert comfy.wait_done(ready)["status"]["status_str"] == "success"
@@ -399,9 +400,14 @@ def test_a_refusal_before_any_worker_starts_and_a_loader_that_asks_for_another_g
     assert error["exception_type"] == "rocm_parallel.backend.checkpoint.files.CheckpointError"
     message = error["exception_message"].strip()
     assert message.startswith(f"'{comfy.base}/models/diffusion_models/{REJECTED}' is not a FLUX.1")
-    # The dialog names the class as /history does; the pack's folder appears only as file paths in the
-    # stack trace, never as a module name (what ComfyUI showed: '<install path>.backend.config.ConfigError').
-    assert error["exception_type"] in seen["dialog"]
+    # ComfyUI's report (frontend 1.32's dialog, 1.49's Errors panel, 1.58's when it opens one) names the
+    # class as /history does; frontend 1.58's Issues panel shows its error log instead: the traceback down
+    # to the pack's own `raise CheckpointError(`. The pack's folder appears only as file paths in the stack
+    # trace, never as a module name (what ComfyUI showed: '<install path>.backend.config.ConfigError').
+    dialog, short = seen["dialog"], error["exception_type"].rsplit(".", 1)[1]
+    assert error["exception_type"] in dialog or (
+        "/backend/checkpoint/info.py" in dialog and dialog.rstrip().endswith(f"raise {short}(")
+    )
     assert f"{PACK_DIR_NAME}.backend" not in seen["dialog"] and f"{PACK_DIR_NAME}.backend" not in str(error)
     refused = seen["refused"]
     assert refused[0] == (
