@@ -22,6 +22,7 @@ import torch
 from .admission import admit
 from .auto import make_layout
 from .checkpoint import CheckpointInfo, inspect_checkpoint, planned_weight_dtype
+from .checkpoint.gguf import check_block_splits
 from .checks import check_forward, check_sample
 from .client import ProgressCallback
 from .config import ConfigError, ParallelLayout
@@ -114,6 +115,7 @@ class ParallelFlux(ResidentGroup):
                 wanted = make_layout(layout, len(self.devices), ring, ulysses)
                 if wanted != resident.layout:
                     wanted.validate(info.dims, devices=len(self.devices))
+                    check_block_splits(info, wanted.tp)
                     resident = dataclasses.replace(resident, layout=wanted)
             if shape is not None:  # before any allocation for the job (check_sample draws the noise)
                 self._admit(resident, shape, _text_tokens(positive, info))

@@ -23,6 +23,7 @@ from .checkpoint import (
     planned_weight_dtype,
     resolve_dtype,
 )
+from .checkpoint.gguf import check_block_splits
 from .client import ProgressCallback, WorkerError, WorkerGroup, check_group_options, validate_devices
 from .compile import compile_mode
 from .config import FluxDims, ParallelLayout, weight_dtype_name
@@ -234,6 +235,7 @@ class ResidentGroup:
             layout = self.auto_layout(info.dims, dtype=dtype, weight_dtype=planned, family=info.family).layout
         parallel = make_layout(layout, len(self.devices), ring, ulysses)
         parallel.validate(info.dims, devices=len(self.devices))
+        check_block_splits(info, parallel.tp)  # GGUF: each rank must hold whole quantization blocks
         path = info.path if isinstance(checkpoint, CheckpointInfo) else str(checkpoint)
         return LoadRequest(path, info, parallel, dtype, weights, None, checked, compiled)
 
