@@ -141,11 +141,12 @@ class RocmParallelLoader:
         return {
             "required": {
                 "checkpoint": (
-                    folder_paths.get_filename_list("diffusion_models"),
+                    inputs.diffusion_model_files(folder_paths),
                     {
-                        "tooltip": "A FLUX.1 (dev, schnell, Kontext, Fill) or FLUX.2 ([dev], [klein]) transformer "
-                        "from models/diffusion_models. FLUX.2 samples through the ROCm Parallel Model, or the "
-                        "samplers with Flux2Scheduler's SIGMAS."
+                        "tooltip": "A FLUX.1 (dev, schnell, Kontext, Fill), FLUX.2 ([dev], [klein]) or Qwen-Image "
+                        "transformer from models/diffusion_models or models/unet: safetensors, or GGUF (Q8_0, Q4_K, "
+                        "... as for ComfyUI-GGUF; kept quantized on the GPUs). FLUX.2 samples through the ROCm "
+                        "Parallel Model, or the samplers with Flux2Scheduler's SIGMAS."
                     },
                 ),
                 "devices": (

@@ -8,6 +8,7 @@ import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ..backend.config import ConfigError, ParallelLayout
 
@@ -24,6 +25,22 @@ MODEL_LAYOUTS = ("tp", "context", "auto")  # the ROCm Parallel Model's words; de
 STATUS_ACTIONS = ("report", "unload", "close", "doctor")
 # The loader's compile choices (backend/compile.py; 'aot_eager' is for tests, not offered).
 COMPILE_CHOICES = ("off", "inductor")
+
+
+# ComfyUI lists its own extensions in models/diffusion_models and models/unet, not GGUF's (ComfyUI-GGUF adds
+# them under a key of its own, "unet_gguf"); the loader reads GGUF diffusion models from the same folders.
+GGUF_SUFFIX = ".gguf"
+
+
+def diffusion_model_files(folder_paths: Any) -> list[str]:
+    """The loader's checkpoint list: ComfyUI's diffusion_models files plus the GGUF files in the same
+    folders (names relative to their folder, as ComfyUI lists them and `get_full_path` finds them)."""
+    names = set(folder_paths.get_filename_list("diffusion_models"))
+    for folder in folder_paths.get_folder_paths("diffusion_models"):
+        if os.path.isdir(folder):
+            found, _ = folder_paths.recursive_search(folder, excluded_dir_names=[".git"])
+            names.update(folder_paths.filter_files_extensions(found, {GGUF_SUFFIX}))
+    return sorted(names)
 
 
 def parse_devices(text: str, visible_gpus: Callable[[], int] | None = None) -> tuple[str, ...]:
