@@ -299,3 +299,58 @@ def test_loras_at_call_time_equal_loras_on_the_dequantized_weights(
         assert all(
             getattr(m, "weight_patch", None) is None for m in quantized.modules() if is_held_quantized(m)
         )
+
+
+@pytest.mark.parametrize("degree", [1, 2, 4])
+def test_the_planner_prices_what_each_rank_holds(files: dict[str, str], degree: int) -> None:
+    """The planner's bytes per rank (the file's type's bytes per value) against what load_model holds."""
+    from rocm_parallel.backend.checkpoint import planned_weight_dtype
+    from rocm_parallel.backend.config import ParallelLayout
+    from rocm_parallel.backend.plan import Setup, weight_bytes
+
+    info = inspect_checkpoint(files["Q4_K"])
+    assert planned_weight_dtype(None, info) == "Q4_K"
+    assert planned_weight_dtype("compute", info) == "compute"
+    linear = Setup(info.dims, weight_dtype="Q4_K").linear_bytes
+    planned = weight_bytes(info.dims, ParallelLayout(tp=degree), 4, linear_bytes=linear)
+    with fake_process_group(degree, degree - 1):
+        held = parameter_bytes(load_model(files["Q4_K"], tp=degree))
+    # the planner prices every 2-D weight at Q4_K; the file keeps its three narrow embedders (rows of 24,
+    # 32, 64 values) in F16, held in the compute dtype and replicated: 2.3 % of a rank's bytes at TP 2
+    assert abs(planned - held) <= 0.04 * held, (planned, held)
+
+
+def test_plan_names_the_least_quantized_gguf_that_fits(capsys: pytest.CaptureFixture[str]) -> None:
+    from rocm_parallel.backend.cli import main
+    from rocm_parallel.backend.plan import Setup, plan
+    from rocm_parallel.backend.plan.gguf import LADDER
+
+    argv = [
+        "plan",
+        "--model",
+        "flux2-dev",
+        "--devices",
+        "2",
+        "--memory-gb",
+        "16",
+        "--weight-dtype",
+        "fp8_e4m3fn",
+    ]
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.startswith("gguf: "))
+    assert line.startswith("gguf: a Q6_K GGUF file of this model fits (tp 2: ") and "; Q8_0 does not." in line
+    from rocm_parallel.backend.family import get_family
+    from rocm_parallel.backend.flux2.model import FLUX2_DEV
+
+    dims = get_family("flux2").dims(FLUX2_DEV)
+    fits = {
+        q: any(
+            e.fits
+            for e in plan(
+                Setup(dims, devices=2, memory_gb=16, weight_dtype=q, family="flux2", text_tokens=512)
+            )
+        )
+        for q in LADDER[:2]
+    }
+    assert fits == {"Q8_0": False, "Q6_K": True}

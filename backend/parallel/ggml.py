@@ -20,6 +20,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..dtypes import GGUF_BLOCKS
+
 QK_K = 256
 K_SCALE_SIZE = 12
 # ComfyUI-GGUF's IQ4 lookup table (dequant.py KVALUES).
@@ -194,21 +196,24 @@ def _iq4_xs(blocks: torch.Tensor, block_size: int, type_size: int) -> torch.Tens
 
 
 # GGML type name -> (values per block, bytes per block, the block formula): the types ComfyUI-GGUF
-# dequantizes in torch (its `dequantize_functions`, less BF16, which the loader reads as a plain dtype).
-# Sizes are ggml's (the `gguf` package's GGML_QUANT_SIZES; tests/test_gguf.py checks they agree).
+# dequantizes in torch (its `dequantize_functions`, less BF16, which the loader reads as a plain dtype),
+# with ggml's sizes (dtypes.GGUF_BLOCKS).
+_FORMULAS: dict[str, Blocks] = {
+    "Q8_0": _q8_0,
+    "Q5_1": _q5_1,
+    "Q5_0": _q5_0,
+    "Q4_1": _q4_1,
+    "Q4_0": _q4_0,
+    "Q6_K": _q6_k,
+    "Q5_K": _q5_k,
+    "Q4_K": _q4_k,
+    "Q3_K": _q3_k,
+    "Q2_K": _q2_k,
+    "IQ4_NL": _iq4_nl,
+    "IQ4_XS": _iq4_xs,
+}
 QUANTIZED: dict[str, tuple[int, int, Blocks]] = {
-    "Q8_0": (32, 34, _q8_0),
-    "Q5_1": (32, 24, _q5_1),
-    "Q5_0": (32, 22, _q5_0),
-    "Q4_1": (32, 20, _q4_1),
-    "Q4_0": (32, 18, _q4_0),
-    "Q6_K": (256, 210, _q6_k),
-    "Q5_K": (256, 176, _q5_k),
-    "Q4_K": (256, 144, _q4_k),
-    "Q3_K": (256, 110, _q3_k),
-    "Q2_K": (256, 84, _q2_k),
-    "IQ4_NL": (32, 18, _iq4_nl),
-    "IQ4_XS": (256, 136, _iq4_xs),
+    name: (*GGUF_BLOCKS[name], formula) for name, formula in _FORMULAS.items()
 }
 
 
