@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..config import ConfigError, validate_tp_degree
-from ..parallel.ggml import QUANTIZED, dequantize, is_quantized, row_bytes
+from ..parallel.ggml import QUANTIZED, block_scales, dequantize, is_quantized, row_bytes
 from .files import CheckpointError, StoredTensor, numel
 
 if TYPE_CHECKING:
@@ -206,10 +206,12 @@ def read_gguf(
     return out
 
 
-def values(stored: StoredTensor, tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """What `tensor` read from `stored` holds, as values (raw blocks dequantized): what the NaN check reads."""
+def checked_values(stored: StoredTensor, tensor: torch.Tensor) -> torch.Tensor:
+    """What the NaN / inf check reads of `tensor` read from `stored`: the blocks' float16 scales for raw
+    blocks (their quants are integers: a block holds NaN or inf only through its scales; dequantizing
+    the whole tensor for the check would hold a second, larger copy of it), else the tensor itself."""
     if tensor.dtype == torch.uint8 and is_quantized(stored.dtype):
-        return dequantize(tensor, stored.dtype, shape)
+        return block_scales(tensor, stored.dtype)
     return tensor
 
 
@@ -282,11 +284,11 @@ def check_block_splits(info: CheckpointInfo, tp: int) -> None:
 __all__ = [
     "PLAIN",
     "check_block_splits",
+    "checked_values",
     "quantized_sources",
     "read_gguf",
     "read_gguf_header",
     "supported_types",
     "tensor_bytes",
     "torch_name",
-    "values",
 ]

@@ -36,8 +36,7 @@ from ..parallel.ggml import byte_shape, is_quantized
 from ..parallel.tensor import Pieces, apply_tensor_parallel, parameter_pieces, resolve_plan
 from ..parallel.weights import hold_quantized, is_fp8, keep_fp8_resident
 from .files import CheckpointError, StoredTensor
-from .gguf import check_block_splits, read_gguf
-from .gguf import values as gguf_values
+from .gguf import check_block_splits, checked_values, read_gguf
 from .info import CheckpointInfo, check_weight_dtype, inspect_checkpoint, resolve_dtype
 
 # Attribute of a loaded model: its canonical weight dtype name (LoRA re-reads use the same rule).
@@ -112,7 +111,7 @@ def _read(
     if stored.offset is not None:  # GGUF (gguf.py): no scales; raw blocks checked as their values
         out = read_gguf(stored, file_rows, cols, dtype, device)
         if CHECK_VALUES:
-            check_values(stored, gguf_values(stored, out, _logical(stored, file_rows, cols)))
+            check_values(stored, checked_values(stored, out))
         return out
     shape = (sum(b - a for a, b in file_rows), *stored.shape[1:])
     if cols is not None:
@@ -142,17 +141,6 @@ def _read(
     if scale is not None:
         out.mul_(read_scale(scale).to(dtype))
     return out
-
-
-def _logical(
-    stored: StoredTensor, rows: tuple[tuple[int, int], ...], cols: tuple[tuple[int, int], ...] | None
-) -> tuple[int, ...]:
-    """The shape of the `rows` x `cols` of `stored` as values."""
-    n = sum(b - a for a, b in rows)
-    if len(stored.shape) == 1:
-        return (n,)
-    width = stored.shape[1] if cols is None else sum(d - c for c, d in cols)
-    return (n, width, *stored.shape[2:])
 
 
 def check_values(stored: StoredTensor, tensor: torch.Tensor) -> None:

@@ -217,6 +217,32 @@ QUANTIZED: dict[str, tuple[int, int, Blocks]] = {
 }
 
 
+# Byte range of each block's float16 scales (d, and dmin / m where the format has one), as the formulas
+# above split a block: the only fields of a block that can hold NaN or inf (the rest are integers).
+SCALE_BYTES: dict[str, tuple[int, int]] = {
+    "Q8_0": (0, 2),
+    "Q5_1": (0, 4),
+    "Q5_0": (0, 2),
+    "Q4_1": (0, 4),
+    "Q4_0": (0, 2),
+    "Q6_K": (208, 210),
+    "Q5_K": (0, 4),
+    "Q4_K": (0, 4),
+    "Q3_K": (108, 110),
+    "Q2_K": (80, 84),
+    "IQ4_NL": (0, 2),
+    "IQ4_XS": (0, 2),
+}
+
+
+def block_scales(data: torch.Tensor, qtype: str) -> torch.Tensor:
+    """The float16 scales of every block of the uint8 blocks `data`: [blocks, 1 or 2]."""
+    size = QUANTIZED[qtype][1]
+    start, stop = SCALE_BYTES[qtype]
+    blocks = data.reshape(-1, size)
+    return blocks[:, start:stop].contiguous().view(torch.float16)
+
+
 def is_quantized(qtype: str) -> bool:
     """Whether GGML type `qtype` is one of the block formats above (not F32/F16/BF16)."""
     return qtype in QUANTIZED
@@ -242,4 +268,12 @@ def dequantize(data: torch.Tensor, qtype: str, shape: tuple[int, ...]) -> torch.
     return formula(blocks, block, size).reshape(shape)
 
 
-__all__ = ["QUANTIZED", "byte_shape", "dequantize", "is_quantized", "row_bytes"]
+__all__ = [
+    "QUANTIZED",
+    "SCALE_BYTES",
+    "block_scales",
+    "byte_shape",
+    "dequantize",
+    "is_quantized",
+    "row_bytes",
+]
