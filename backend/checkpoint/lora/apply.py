@@ -39,7 +39,7 @@ from ...parallel.tensor import Pieces, parameter_pieces, resolve_plan
 from ...parallel.weights import compute_dtype, is_fp8, is_held_quantized, linear_weight
 from ..info import CheckpointInfo
 from ..load import full_shape, parameter_dtype, read_parameter
-from .calltime import CallTimePatch, ResidentFile
+from .calltime import CallTimePatch, ResidentFile, rounded_as_stored
 from .dora import decompose, input_norm, output_norm
 from .kinds import KINDS
 from .reading import read_cols, read_rows
@@ -128,6 +128,7 @@ class Patcher:
             fresh = read_parameter(self.info, name, pieces, torch.float32, param.device)
             for patch in patches:
                 self.apply(fresh, name, pieces, patch)
+            fresh = rounded_as_stored(stored, fresh)
             fresh = fresh.to(self.compute if is_fp8(resident) else resident)
             if not bool(torch.isfinite(fresh).all()):  # check_loras bounds this; a file changed since?
                 self._not_finite(name, patches, fresh.dtype)

@@ -10,7 +10,8 @@ rows and columns only), reading the LoRA's tensors from a copy held in host memo
 ComfyUI-GGUF's default `patch_on_device=False`: the factors stay on the CPU and are moved per call).
 
 Numerics: the patches run in float32 on the dequantized weight and the result is cast to the compute
-dtype once. On a CPU in float32 that is ComfyUI-GGUF's arithmetic; in bf16 ComfyUI-GGUF adds each delta
+dtype once. A GGUF file's unquantized F16 weights ComfyUI-GGUF patches once, like any weight, and rounds
+back to float16 (`rounded_as_stored`, which the dense path applies). On a CPU in float32 that is ComfyUI-GGUF's arithmetic; in bf16 ComfyUI-GGUF adds each delta
 already rounded to bf16 into the bf16 weight, so the two may differ by one bf16 rounding per weight.
 """
 
@@ -23,6 +24,7 @@ import torch
 
 if TYPE_CHECKING:
     from ...parallel.tensor import Pieces
+    from ..files import StoredTensor
     from .apply import Patch, Patcher
 
 
@@ -52,6 +54,17 @@ class ResidentFile:
         return _Slice(self.tensors[key])
 
 
+def rounded_as_stored(stored: StoredTensor, patched: torch.Tensor) -> torch.Tensor:
+    """A patched weight as ComfyUI-GGUF holds an *unquantized* GGUF weight: patched once (not per call) in
+    float32, then cast back to the tensor's own dtype (GGUFModelPatcher.patch_weight_to_device ->
+    comfy.float.stochastic_rounding, which rounds to nearest for float16) and so cast to the compute dtype
+    per call. For an F16 tensor that is one float16 rounding; F32 keeps float32, and every other stored
+    tensor is left alone."""
+    if stored.offset is not None and stored.dtype == "F16":
+        return patched.to(torch.float16)
+    return patched
+
+
 class CallTimePatch:
     """One quantized parameter's patches, applied to its dequantized shard on every call."""
 
@@ -65,4 +78,4 @@ class CallTimePatch:
         return work.to(weight.dtype)
 
 
-__all__ = ["CallTimePatch", "ResidentFile"]
+__all__ = ["CallTimePatch", "ResidentFile", "rounded_as_stored"]
