@@ -387,3 +387,32 @@ def test_a_nan_in_a_quantized_tensor_is_refused_at_load(tmp_path: Path) -> None:
         CheckpointError, match=re.escape("tensor 'double_blocks.0.img_mlp.2.weight' holds NaN values")
     ):
         load_model(path)
+
+
+@pytest.mark.parametrize("family", ["flux2", "qwen_image"])
+def test_flux2_and_qwen_image_files_load_by_family_and_shard_on_blocks(tmp_path: Path, family: str) -> None:
+    """FLUX.2 and Qwen-Image GGUF files (ComfyUI's key names, arch 'flux' / 'qwen_image'): the family and
+    config come from the names and shapes, and each TP 2 / TP 4 rank's blocks are the dequantized model's
+    shard."""
+    from rocm_parallel.backend.family import get_family
+    from rocm_parallel.testing.models import tiny_flux2_config, tiny_qwen_image_config
+
+    config = (
+        tiny_flux2_config(heads=8, head_dim=128, double_blocks=1, single_blocks=1)
+        if family == "flux2"
+        else tiny_qwen_image_config(heads=8, head_dim=128, blocks=1)
+    )
+    fam = get_family(family)
+    path = save_gguf(fam.build(config, seed=2), tmp_path / f"{family}-Q4_K.gguf", "Q4_K")
+    info = inspect_checkpoint(path)
+    assert (info.family, info.quantization) == (family, "gguf") and "Q4_K" in info.stored_dtypes
+    assert {k: v for k, v in info.config.items() if k in config} == {
+        k: tuple(v) if isinstance(v, list) else v for k, v in config.items() if k in info.config
+    }
+    for degree in (2, 4):
+        for rank in (0, degree - 1):
+            with fake_process_group(degree, rank):
+                want = apply_tensor_parallel(load_model(path, weight_dtype="compute")).state_dict()
+                got = _dequantized(load_model(path, tp=degree))
+            assert got.keys() == want.keys()
+            assert all(torch.equal(got[k], v) for k, v in want.items()), (family, degree, rank)

@@ -245,16 +245,18 @@ def _misplaced(info: CheckpointInfo, tp: int, resolved: dict[str, Any]) -> tuple
     return None
 
 
-def check_block_splits(info: CheckpointInfo, tp: int) -> None:
+def check_block_splits(info: CheckpointInfo, tp: int, resolved: dict[str, Any] | None = None) -> None:
     """CheckpointError unless tensor parallelism of degree `tp` leaves every quantized row split at block
-    boundaries (each rank holds whole blocks), naming the tensor and the degrees that would."""
+    boundaries (each rank holds whole blocks), naming the tensor and the degrees that would. `resolved`:
+    the family's plan resolved on its model (`resolve_plan`), when the caller has it (the loader does);
+    else built here on the meta device."""
     if tp == 1 or not quantized_sources(info):
         return
-    from ..parallel.tensor import resolve_plan
+    if resolved is None:
+        from ..parallel.tensor import resolve_plan
 
-    family = info.model_family
-    model = family.build(info.config, device="meta")
-    resolved = resolve_plan(model, family.tp.plan)
+        family = info.model_family
+        resolved = resolve_plan(family.build(info.config, device="meta"), family.tp.plan)
     found = _misplaced(info, tp, resolved)
     if found is None:
         return

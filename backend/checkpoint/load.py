@@ -225,7 +225,7 @@ def load_model(
         if not dist.is_initialized() or dist.get_world_size(group) != tp:
             size = dist.get_world_size(group) if dist.is_initialized() else "no process group"
             raise CheckpointError(f"load_model(tp={tp}) needs a process group of {tp} ranks, got {size}")
-        check_block_splits(info, tp)
+        check_block_splits(info, tp, resolved)
         apply_tensor_parallel(model, group, family.tp)
         rank, degree = dist.get_rank(group), tp
     dims = info.dims
