@@ -109,6 +109,11 @@ def read_gguf_header(path: Path) -> tuple[dict[str, StoredTensor], dict[str, str
         tensors[t.name] = StoredTensor(str(path), t.name, shape, qtype, int(t.data_offset))
         end = max(end, int(t.data_offset) + int(t.n_bytes))
     del reader  # closes the memory map
+    if not tensors:
+        raise CheckpointError(
+            f"'{path}' is a GGUF file without tensors ({len(fields)} header fields); it is damaged or holds no "
+            "model. Download or copy it again"
+        )
     if end > path.stat().st_size:
         raise CheckpointError(
             f"'{path}' is truncated or corrupt: its header promises {end} bytes but the file has "
