@@ -28,7 +28,7 @@ from typing import Any
 import psutil
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from test_sampling import flux_model
 
 from rocm_parallel.backend.checkpoint import diffusers_to_bfl
@@ -334,6 +334,25 @@ def running_comfy(base: Path) -> Iterator[Comfy]:
             psutil.Process(pid).kill()
         assert left == [], f"processes left behind by ComfyUI: {left}"
         assert _tree_state(COMFYUI_PATH) == before, "the ComfyUI checkout was written to"
+
+
+def run_prompt(comfy: Comfy, prompt: dict[str, Any], client_id: str, timeout: float = 600.0) -> str:
+    """Queue `prompt`, wait for it to succeed, and return what ComfyUI logged meanwhile."""
+    start = comfy.log.stat().st_size
+    entry = comfy.wait_done(
+        comfy.post("/prompt", {"prompt": prompt, "client_id": client_id})["prompt_id"], timeout
+    )
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-3000:]
+    with open(comfy.log, "rb") as f:
+        f.seek(start)
+        return f.read().decode(errors="replace")
+
+
+def saved_latent(comfy: Comfy, prefix: str) -> torch.Tensor:
+    """The one latent SaveLatent wrote under `prefix`."""
+    files = sorted((comfy.base / "output").glob(f"{prefix}_*.latent"))
+    assert len(files) == 1, files
+    return load_file(str(files[0]))["latent_tensor"]
 
 
 def _alive(pid: int) -> bool:

@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 import torch
-from comfy_server import COMFYUI_GGUF_PATH, COMFYUI_PATH, TESTS_DIR, Comfy
+from comfy_server import COMFYUI_GGUF_PATH, COMFYUI_PATH, TESTS_DIR, Comfy, run_prompt, saved_latent
 from safetensors.torch import load_file
 
 from rocm_parallel.backend.checkpoint import inspect_checkpoint
@@ -214,23 +214,6 @@ def _pack_branch(
     return {**nodes, **_sampler(family, [f"{tag}m", 0], prefix, tag)}
 
 
-def _run(comfy: Comfy, prompt: dict[str, Any]) -> str:
-    start = comfy.log.stat().st_size
-    entry = comfy.wait_done(
-        comfy.post("/prompt", {"prompt": prompt, "client_id": "rp-gguf"})["prompt_id"], 3000
-    )
-    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-3000:]
-    with open(comfy.log, "rb") as f:
-        f.seek(start)
-        return f.read().decode(errors="replace")
-
-
-def _saved(comfy: Comfy, prefix: str) -> torch.Tensor:
-    found = sorted((comfy.base / "output").glob(f"{prefix}_*.latent"))
-    assert len(found) == 1, found
-    return load_file(str(found[0]))["latent_tensor"]
-
-
 @pytest.mark.parametrize(("family", "qtype"), CASES, ids=[f"{f}-{q}" for f, q in CASES])
 def test_the_pack_equals_comfyui_gguf(
     comfy: Comfy, files: dict[tuple[str, str], str], family: str, qtype: str
@@ -248,19 +231,19 @@ def test_the_pack_equals_comfyui_gguf(
                     name, family, lora, layout, f"rpgguf/{family}-{qtype}-{i}-{layout}", f"p{i}{layout}"
                 )
             )
-    log = _run(comfy, prompt)
+    log = run_prompt(comfy, prompt, "rp-gguf", timeout=3000)
     assert f"gguf qtypes: {qtype} (" in log or f", {qtype} (" in log, (
         "ComfyUI-GGUF did not report the file's type"
     )
     worst = {}
-    plain = _saved(comfy, f"rpgguf/{family}-{qtype}-0-comfyui-gguf")
+    plain = saved_latent(comfy, f"rpgguf/{family}-{qtype}-0-comfyui-gguf")
     for i, lora in enumerate(loras):
-        want = _saved(comfy, f"rpgguf/{family}-{qtype}-{i}-comfyui-gguf")
+        want = saved_latent(comfy, f"rpgguf/{family}-{qtype}-{i}-comfyui-gguf")
         if lora is not None:
             effect = (want - plain).abs().max().item()
             assert effect > 1e-2, f"the LoRA moved ComfyUI-GGUF's result by only {effect:.2e}"
         for layout in LAYOUTS:
-            got = _saved(comfy, f"rpgguf/{family}-{qtype}-{i}-{layout}")
+            got = saved_latent(comfy, f"rpgguf/{family}-{qtype}-{i}-{layout}")
             worst[("lora" if lora else "plain", layout)] = (got - want).abs().max().item()
     print(f"{family} {qtype}: max |diff| vs ComfyUI-GGUF per (LoRA, layout): {worst}")
     assert max(worst.values()) <= TOL, worst

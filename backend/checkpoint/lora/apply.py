@@ -90,6 +90,7 @@ class Patcher:
         degree: int,
     ) -> None:
         self.model, self.info, self.rank, self.degree = model, info, rank, degree
+        self.active = active
         self.resolved = resolve_plan(model, info.model_family.tp.plan)
         self.params = dict(model.named_parameters())
         self.compute = compute_dtype(model)
@@ -114,8 +115,7 @@ class Patcher:
     def set(self, name: str) -> None:
         """Parameter `name` := its checkpoint shard plus its patches, in its resident dtype."""
         param = self.params[name]
-        module_name, _, pname = name.rpartition(".")
-        if pname == "weight" and is_held_quantized(self.model.get_submodule(module_name)):
+        if _quantized(self.model, name):
             self.set_call_time(name)
             return
         stored, _ = self.info.sources[name]
@@ -290,7 +290,7 @@ def apply_loras(
     with contextlib.ExitStack() as stack, torch.no_grad():
         files = {lora.path: stack.enter_context(safe_open(lora.path, "pt")) for lora, _ in active}
         patcher = Patcher(model, info, active, files, rank, degree)
-        call_time = _call_time_patcher(model, info, active, files, rank, degree, todo)
+        call_time = _call_time_patcher(patcher, files, todo)
         for done, name in enumerate(todo, 1):
             (call_time if call_time is not None and _quantized(model, name) else patcher).set(name)
             if progress is not None:
@@ -303,24 +303,16 @@ def _quantized(model: nn.Module, name: str) -> bool:
     return pname == "weight" and is_held_quantized(model.get_submodule(module_name))
 
 
-def _call_time_patcher(
-    model: nn.Module,
-    info: CheckpointInfo,
-    active: Sequence[tuple[LoraInfo, float]],
-    files: dict[str, Any],
-    rank: int,
-    degree: int,
-    todo: Sequence[str],
-) -> Patcher | None:
-    """The patcher the quantized weights' call-time patches keep (calltime.py): it reads the LoRAs from
-    copies in host memory, since the files close here. None when no quantized weight is patched."""
-    if not any(_quantized(model, name) for name in todo):
+def _call_time_patcher(patcher: Patcher, files: dict[str, Any], todo: Sequence[str]) -> Patcher | None:
+    """`patcher`'s twin that the quantized weights' call-time patches keep (calltime.py): it reads the LoRAs
+    from copies in host memory, since the files close here. None when no quantized weight is patched."""
+    if not any(_quantized(patcher.model, name) for name in todo):
         return None
     resident = {
         lora.path: ResidentFile(files[lora.path], {key for m in lora.modules for _, key in m.tensors})
-        for lora, _ in active
+        for lora, _ in patcher.active
     }
-    return Patcher(model, info, active, resident, rank, degree)
+    return Patcher(patcher.model, patcher.info, patcher.active, resident, patcher.rank, patcher.degree)
 
 
 __all__ = ["Patch", "Patcher", "apply_loras", "shard_runs"]
