@@ -6,6 +6,8 @@ everything here works for any registered family.
 * files.py  safetensors headers, file-kind and truncation checks (`CheckpointError`)
 * keys.py   `KeyLayout` (BFL <-> diffusers as data), converters and the one writer `save_checkpoint`
 * quant.py  ComfyUI's scaled fp8 / quantized "mixed" files
+* gguf.py   GGUF files (ComfyUI-GGUF's): headers with the `gguf` package, a rank's rows / whole blocks
+* foreign.py quantized formats refused by name (NF4 / bitsandbytes, GPTQ / AWQ, SVDQuant, quanto)
 * info.py   `inspect_checkpoint` -> `CheckpointInfo` (headers only) and the dtype rules
 * load.py   `load_model`: each rank reads only its shard
 * lora/     LoRA files (LoRA, LoHa, LoKr, DoRA, .diff): inspect and check in the caller, apply per rank

@@ -4,8 +4,9 @@ Formats: a BFL / ComfyUI single safetensors file (`flux1-dev.safetensors`, fine-
 output) in every key spelling ComfyUI's UNETLoader loads (the prefixes it strips, the norms' `.scale` and
 `.weight` names: resolved once here, keys.py), a diffusers-keyed single file, and
 diffusers folders (`config.json` + `diffusion_pytorch_model*.safetensors`, or a pipeline folder with
-`transformer/`), of every registered model family (backend/family.py: the header says which). Stored
-dtypes: dtypes.LOADABLE_DTYPES, ComfyUI's "scaled fp8" and quantized "mixed" files included (quant.py).
+`transformer/`), and GGUF files (ComfyUI-GGUF's, gguf.py), of every registered model family
+(backend/family.py: the header says which). Stored dtypes: dtypes.LOADABLE_DTYPES, ComfyUI's "scaled fp8"
+and quantized "mixed" files included (quant.py), GGUF's block types (`quantization == "gguf"`).
 
 The caller's process runs this to reject a bad path before any worker starts; the info then travels with
 the load request. The dtype rules every load follows are here too: the compute dtype (`resolve_dtype`)
