@@ -45,7 +45,7 @@ from rocm_parallel.backend.flux.model import build_flux
 from rocm_parallel.backend.flux.sampling import diffusers_model_fn
 from rocm_parallel.backend.parallel.ggml import QUANTIZED, dequantize
 from rocm_parallel.backend.parallel.tensor import apply_tensor_parallel, parameter_bytes
-from rocm_parallel.backend.parallel.weights import is_held_quantized, linear_weight
+from rocm_parallel.backend.parallel.weights import is_held_quantized, linear_weight, resident_bytes_by_dtype
 from rocm_parallel.testing.fake import fake_process_group
 from rocm_parallel.testing.gguf_files import save_gguf, write_gguf
 from rocm_parallel.testing.models import tiny_flux_config
@@ -116,6 +116,11 @@ def test_quantized_weights_stay_blocks_and_compute_like_dequantized_at_load(file
         dense = load_model(files[qtype], weight_dtype="compute")
         held = [m for m in quantized.modules() if is_held_quantized(m)]
         assert held and all(m.weight.dtype == torch.uint8 for m in held)
+        by_dtype = resident_bytes_by_dtype(quantized)  # the status report's split
+        assert sorted(by_dtype) == sorted({qtype, "float32"}) and sum(by_dtype.values()) == parameter_bytes(
+            quantized
+        )
+        assert by_dtype[qtype] == sum(m.weight.numel() for m in held)
         assert parameter_bytes(quantized) < 0.3 * parameter_bytes(dense)
         with torch.no_grad():
             a = quantized(**inputs, return_dict=False)[0]

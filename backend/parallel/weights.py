@@ -118,11 +118,14 @@ def compute_dtype(model: nn.Module) -> torch.dtype:
 
 
 def resident_bytes_by_dtype(model: nn.Module) -> dict[str, int]:
-    """Parameter bytes this process holds, per dtype name (e.g. {'float8_e4m3fn': ..., 'bfloat16': ...})."""
+    """Parameter bytes this process holds, per dtype name (e.g. {'float8_e4m3fn': ..., 'bfloat16': ...});
+    a GGUF weight's blocks under its GGML type ('Q4_K'), not their uint8 container."""
     out: dict[str, int] = {}
-    for p in model.parameters():
-        name = str(p.dtype).removeprefix("torch.")
-        out[name] = out.get(name, 0) + p.numel() * p.element_size()
+    for module in model.modules():
+        for pname, p in module.named_parameters(recurse=False):
+            quantized = pname == "weight" and is_held_quantized(module)
+            name = module.ggml_type if quantized else str(p.dtype).removeprefix("torch.")
+            out[name] = out.get(name, 0) + p.numel() * p.element_size()
     return out
 
 
