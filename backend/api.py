@@ -24,6 +24,7 @@ from .admission import admit
 from .auto import make_layout
 from .call import bind, check_call, reference_tokens, text_tokens
 from .checkpoint import CheckpointInfo, inspect_checkpoint, planned_weight_dtype
+from .checkpoint.gguf import check_block_splits
 from .checks import check_sample
 from .client import ProgressCallback
 from .config import ParallelLayout
@@ -124,6 +125,7 @@ class ParallelModel(ResidentGroup):
                 wanted = make_layout(layout, len(self.devices), ring, ulysses)
                 if wanted != resident.layout:
                     wanted.validate(info.dims, devices=len(self.devices))
+                    check_block_splits(info, wanted.tp)
                     resident = dataclasses.replace(resident, layout=wanted)
             if shape is not None:  # before any allocation for the job (check_sample draws the noise)
                 self._admit(resident, shape, _text_tokens(positive, info))

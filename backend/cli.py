@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import ConfigError
-from .dtypes import COMPUTE_DTYPES, FP8_DTYPES
+from .dtypes import COMPUTE_DTYPES, FP8_DTYPES, GGUF_BLOCKS
 from .family import ModelFamily, families
 
 # The benchmarks are not part of the installed package: they live in the repository's top-level
@@ -117,9 +117,10 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--weight-dtype",
-        choices=("compute", *(d.short for d in FP8_DTYPES)),
+        choices=("compute", *(d.short for d in FP8_DTYPES), *GGUF_BLOCKS),
         default="compute",
-        help="how linear weights stay resident: in the compute dtype, or fp8 (1 byte, upcast per layer)",
+        help="how linear weights stay resident: in the compute dtype, fp8 (1 byte, upcast per layer), or a "
+        "GGUF file's quantization (Q8_0, Q4_K, ...: its blocks, dequantized per layer)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
@@ -127,6 +128,7 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 def _run_plan(args: argparse.Namespace) -> int:
     from .config import ParallelLayout
     from .plan import Link, Setup, call_batch, choose, estimate, format_table, plan
+    from .plan.gguf import gguf_hint
     from .platforms import planned_gpus
 
     family, config = plan_models()[args.model]
@@ -157,6 +159,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             choice, problem = choose(setup), None
         except ConfigError as exc:
             choice, problem = None, str(exc)
+    hint = gguf_hint(setup) if problem is not None else None  # neither bf16 nor fp8 fits: name a GGUF
     if args.json:
         print(json.dumps({
             "setup": {k: v for k, v in vars(args).items() if k not in ("command", "json")},
@@ -166,12 +169,15 @@ def _run_plan(args: argparse.Namespace) -> int:
                 "layout": str(choice.layout), **choice.layout.degrees, "explanation": choice.explanation
             },
             "error": problem,
+            "gguf": hint,
         }, indent=2))  # fmt: skip
     else:
         print(format_table(setup, estimates))
         if args.layout is None or problem is not None:
             print()
             print(choice.explanation if choice is not None else f"auto: {problem}")
+        if hint is not None:
+            print(hint)
     return 0 if problem is None else 1
 
 

@@ -75,6 +75,31 @@ WEIGHT_DTYPES: dict[str, DType | None] = {
 }
 
 
+# GGUF's quantized GGML types the loader reads (those ComfyUI-GGUF dequantizes in torch; parallel/ggml.py
+# holds the formulas): name -> (values per block, bytes per block), ggml's sizes (the `gguf` package's
+# GGML_QUANT_SIZES; tests/test_gguf.py checks they agree). Here, torch- and gguf-free, for the planner.
+GGUF_BLOCKS: dict[str, tuple[int, int]] = {
+    "Q8_0": (32, 34),
+    "Q5_1": (32, 24),
+    "Q5_0": (32, 22),
+    "Q4_1": (32, 20),
+    "Q4_0": (32, 18),
+    "Q6_K": (256, 210),
+    "Q5_K": (256, 176),
+    "Q4_K": (256, 144),
+    "Q3_K": (256, 110),
+    "Q2_K": (256, 84),
+    "IQ4_NL": (32, 18),
+    "IQ4_XS": (256, 136),
+}
+
+
+def gguf_bytes_per_value(name: str) -> float:
+    """Bytes one value of GGML type `name` takes (Q8_0: 34 / 32 = 1.0625; Q4_K: 144 / 256 = 0.5625)."""
+    block, size = GGUF_BLOCKS[name]
+    return size / block
+
+
 def compute_dtype_named(name: str) -> DType | None:
     """The compute dtype called `name` or its short name ("bf16"); None when there is none."""
     return next((d for d in COMPUTE_DTYPES if name in (d.name, d.short)), None)
@@ -100,11 +125,13 @@ __all__ = [
     "COMPUTE_DTYPES",
     "DTYPES",
     "FP8_DTYPES",
+    "GGUF_BLOCKS",
     "LOADABLE_DTYPES",
     "WEIGHT_DTYPES",
     "DType",
     "compute_dtype_named",
     "dtype_named",
+    "gguf_bytes_per_value",
     "stored_dtype",
     "weight_dtype_alias",
 ]

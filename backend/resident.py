@@ -29,6 +29,7 @@ from .checkpoint import (
     planned_weight_dtype,
     resolve_dtype,
 )
+from .checkpoint.gguf import check_block_splits
 from .client import ProgressCallback, WorkerError, WorkerGroup, check_group_options, validate_devices
 from .compile import compile_mode
 from .config import ConfigError, ModelDims, ParallelLayout, weight_dtype_name
@@ -280,6 +281,7 @@ class ResidentGroup:
             ).layout
         parallel = make_layout(layout, len(self.devices), opts.ring, opts.ulysses)
         parallel.validate(info.dims, devices=len(self.devices))
+        check_block_splits(info, parallel.tp)  # GGUF: each rank must hold whole quantization blocks
         path = info.path if isinstance(checkpoint, CheckpointInfo) else str(checkpoint)
         return LoadRequest(
             path, info, parallel, opts.dtype, weights, opts.attention, checked, compiled, slot=opts.slot

@@ -18,5 +18,6 @@ BENCHMARKS = {
     "scaling": "sampling steps on 1, 2, 4 CPU workers: latency, time per step, peak memory per worker",
     "call": "one model call broken down: caller wrapper, conditioning key, latent out, compute, collectives, reply",
     "compile": "compiled repeated blocks (inductor) vs eager per step on CPU workers, first compile apart",
+    "gguf": "GGUF models: bytes per GPU of FLUX.1-dev Q8_0, FLUX.2 [dev] Q4_K, Qwen-Image Q4_K from headers; host RSS while loading",
     "caches": "ComfyUI's step caches (EasyCache, LazyCache) on its own model and the parallel MODEL (needs ComfyUI)",
 }

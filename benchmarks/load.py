@@ -125,7 +125,8 @@ def child(spec_json: str) -> None:
         # load_file's tensors are views of the file's memory map whose pages only become resident when
         # read: read every parameter once, as moving it to the GPU would (a no-op cost for `sharded`).
         for p in model.parameters():
-            p.sum()
+            # max, not sum, on GGUF's raw blocks (uint8): an integer sum accumulates through an int64 copy
+            p.sum() if p.is_floating_point() else p.max()
     seconds = time.perf_counter() - start
     peak = _peak_rss()
     print(json.dumps({"peak": peak - baseline, "shard": parameter_bytes(model), "seconds": seconds}))

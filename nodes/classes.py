@@ -143,7 +143,7 @@ class RocmParallelLoader:
         return {
             "required": {
                 "checkpoint": (
-                    folder_paths.get_filename_list("diffusion_models"),
+                    inputs.diffusion_model_files(folder_paths),
                     {"tooltip": inputs.checkpoint_tooltip()},
                 ),
                 "devices": (

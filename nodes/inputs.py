@@ -8,6 +8,7 @@ import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ..backend.config import DEFAULT_SLOT, ConfigError, ParallelLayout
 
@@ -24,6 +25,22 @@ MODEL_LAYOUTS = ("tp", "context", "auto")  # the ROCm Parallel Model's words; de
 STATUS_ACTIONS = ("report", "unload", "close", "doctor")
 # The loader's compile choices (backend/compile.py; 'aot_eager' is for tests, not offered).
 COMPILE_CHOICES = ("off", "inductor")
+
+
+# ComfyUI lists its own extensions in models/diffusion_models and models/unet, not GGUF's (ComfyUI-GGUF adds
+# them under a key of its own, "unet_gguf"); the loader reads GGUF diffusion models from the same folders.
+GGUF_SUFFIX = ".gguf"
+
+
+def diffusion_model_files(folder_paths: Any) -> list[str]:
+    """The loader's checkpoint list: ComfyUI's diffusion_models files plus the GGUF files in the same
+    folders (names relative to their folder, as ComfyUI lists them and `get_full_path` finds them)."""
+    names = set(folder_paths.get_filename_list("diffusion_models"))
+    for folder in folder_paths.get_folder_paths("diffusion_models"):
+        if os.path.isdir(folder):
+            found, _ = folder_paths.recursive_search(folder, excluded_dir_names=[".git"])
+            names.update(folder_paths.filter_files_extensions(found, {GGUF_SUFFIX}))
+    return sorted(names)
 
 
 def parse_devices(text: str, visible_gpus: Callable[[], int] | None = None) -> tuple[str, ...]:
@@ -184,7 +201,8 @@ def checkpoint_tooltip() -> str:
 
     titles = ", ".join(f.title for f in families())
     return (
-        f"A diffusion transformer from models/diffusion_models ({titles}): a single file as ComfyUI's Load "
-        "Diffusion Model reads it, or a diffusers folder. Sample it through the ROCm Parallel Model with "
-        "ComfyUI's own sampler nodes, or with the TP / Ring Attention Sampler."
+        f"A diffusion transformer from models/diffusion_models or models/unet ({titles}): a safetensors file as "
+        "ComfyUI's Load Diffusion Model reads it, a GGUF file as ComfyUI-GGUF reads it (Q8_0, Q4_K, ...; kept "
+        "quantized on the GPUs), or a diffusers folder. Sample it through the ROCm Parallel Model with ComfyUI's "
+        "own sampler nodes, or with the TP / Ring Attention Sampler."
     )

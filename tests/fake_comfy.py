@@ -37,8 +37,25 @@ class FakeComfy:
         folders = {"diffusion_models": fake.models, "loras": fake.loras}
 
         def get_filename_list(kind: str) -> list[str]:
+            # ComfyUI lists its supported_pt_extensions only: a .gguf file is not among them
             folder = folders[kind]
-            return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+            return (
+                sorted(p.name for p in folder.iterdir() if p.is_file() and p.suffix != ".gguf")
+                if folder.is_dir()
+                else []
+            )
+
+        def get_folder_paths(kind: str) -> list[str]:
+            return [str(folders[kind])]
+
+        def recursive_search(
+            directory: str, excluded_dir_names: list[str] | None = None
+        ) -> tuple[list, dict]:
+            root = Path(directory)
+            return [str(p.relative_to(root)) for p in sorted(root.rglob("*")) if p.is_file()], {}
+
+        def filter_files_extensions(files: list[str], extensions: set[str]) -> list[str]:
+            return sorted(f for f in files if Path(f).suffix.lower() in extensions)
 
         def get_full_path_or_raise(kind: str, name: str) -> str:
             path = folders[kind] / name
@@ -47,6 +64,9 @@ class FakeComfy:
             return str(path)
 
         folder_paths.get_filename_list = get_filename_list
+        folder_paths.get_folder_paths = get_folder_paths
+        folder_paths.recursive_search = recursive_search
+        folder_paths.filter_files_extensions = filter_files_extensions
         folder_paths.get_full_path_or_raise = get_full_path_or_raise
 
         mm = types.ModuleType("comfy.model_management")

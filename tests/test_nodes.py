@@ -34,6 +34,7 @@ from rocm_parallel.nodes.inputs import LayoutRequest, ParallelHandle
 from rocm_parallel.nodes.registry import Registry
 from rocm_parallel.nodes.runner import ModelRunner, step_of
 from rocm_parallel.nodes.status import format_state, status_text
+from rocm_parallel.testing.gguf_files import save_gguf
 
 PACK_ROOT = Path(rocm_parallel.__file__).parent
 
@@ -286,6 +287,23 @@ def shared_registry(group2: WorkerGroup, monkeypatch: pytest.MonkeyPatch) -> Reg
 def dev_checkpoint(comfy: FakeComfy) -> str:
     save_checkpoint(flux_model("dev"), comfy.models / "tiny-dev.safetensors")
     return "tiny-dev.safetensors"
+
+
+def test_loader_lists_and_loads_gguf_files(
+    comfy: FakeComfy, shared_registry: Registry, dev_checkpoint: str
+) -> None:
+    """ComfyUI lists no .gguf under diffusion_models (the fake filters them like its supported_pt_extensions);
+    the loader adds those of the same folders, subfolders included, and loads one on real workers."""
+    (comfy.models / "gguf").mkdir()
+    save_gguf(flux_model("dev"), comfy.models / "gguf" / "tiny-dev-Q8_0.gguf", "Q8_0")
+    loader = NODE_CLASS_MAPPINGS["RocmParallelLoader"]
+    assert loader.INPUT_TYPES()["required"]["checkpoint"][0] == ["gguf/tiny-dev-Q8_0.gguf", dev_checkpoint]
+    (handle,) = loader().load(
+        checkpoint="gguf/tiny-dev-Q8_0.gguf", devices="cpu x2", dtype="float32", preload="tp"
+    )
+    assert handle.checkpoint == str(comfy.models / "gguf" / "tiny-dev-Q8_0.gguf")
+    state = shared_registry.snapshot()
+    assert (state["layout"], state["phase"]) == ("tp 2", "idle")
 
 
 def test_loader_loads_on_real_workers(

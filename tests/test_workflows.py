@@ -56,6 +56,14 @@ EXPECTED = {
         "flux2_dev_fp8mixed.safetensors",
         None,
     ),
+    # The same template on two GPUs with a GGUF file, kept quantized (the pack's own loader: no
+    # ComfyUI-GGUF node in the graph).
+    "flux2_dev_gguf_parallel_model_tp2": (
+        "SamplerCustomAdvanced",
+        "0,1",
+        "flux2-dev-Q4_K_M.gguf",
+        None,
+    ),
     # ComfyUI's Qwen-Image template (image_qwen_image) with cfg 2.5: cond + uncond, one call of 2 that the
     # batch degree splits over two TP pairs; Comfy-Org's fp8 file, as the template loads it.
     "qwen_image_parallel_model_batch2_tp2": (
@@ -230,6 +238,33 @@ def test_the_composed_flux2_workflow_is_a_layout_the_planner_prices_for_flux2_de
     plain = load("flux2_dev_parallel_model_tp4", api=True)
     for node_id, node in api.items():
         if node["class_type"] not in ("RocmParallelModel", "SaveImage"):
+            assert node["inputs"] == plain[node_id]["inputs"], node["class_type"]
+
+
+def test_the_gguf_flux2_workflow_fits_two_16_gb_gpus_where_fp8_does_not() -> None:
+    """FLUX.2 [dev] as a Q4_K GGUF on 'tp' over the loader's two GPUs: the pack's own loader and Model node
+    (no ComfyUI-GGUF node), the tp4 graph otherwise, node for node; the planner, pricing the file's Q4_K
+    blocks kept quantized, finds tp 2 fits 16 GB GPUs, which the fp8 file does not."""
+    from rocm_parallel.backend.config import FluxDims, ParallelLayout
+    from rocm_parallel.backend.flux2.model import FLUX2_DEV
+    from rocm_parallel.backend.plan import Setup, estimate
+
+    api = load("flux2_dev_gguf_parallel_model_tp2", api=True)
+    by_class = {node["class_type"]: node["inputs"] for node in api.values()}
+    assert not [c for c in by_class if "GGUF" in c]
+    assert by_class["RocmParallelLoader"]["checkpoint"].endswith(".gguf")
+    assert by_class["RocmParallelModel"]["layout"] == "tp"
+    devices = len(by_class["RocmParallelLoader"]["devices"].split(","))
+    dims = FluxDims.from_diffusers_config(FLUX2_DEV)
+    fits = {
+        w: estimate(Setup(dims, 1024, 1024, text_tokens=512, devices=devices, memory_gb=16, family="flux2",
+                          weight_dtype=w), ParallelLayout(tp=devices)).fits
+        for w in ("Q4_K", "fp8_e4m3fn")
+    }  # fmt: skip
+    assert fits == {"Q4_K": True, "fp8_e4m3fn": False}
+    plain = load("flux2_dev_parallel_model_tp4", api=True)
+    for node_id, node in api.items():
+        if node["class_type"] not in ("RocmParallelLoader", "SaveImage", "CLIPTextEncode"):
             assert node["inputs"] == plain[node_id]["inputs"], node["class_type"]
 
 

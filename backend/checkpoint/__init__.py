@@ -7,6 +7,8 @@ everything here works for any registered family.
 * keys.py   `KeyLayout` (BFL <-> diffusers as data): the machinery a family's layout is made of
 * convert.py whole state dicts BFL <-> diffusers by their family, and the one writer `save_checkpoint`
 * quant.py  ComfyUI's scaled fp8 / quantized "mixed" files
+* gguf.py   GGUF files (ComfyUI-GGUF's): headers with the `gguf` package, a rank's rows / whole blocks
+* foreign.py quantized formats refused by name (NF4 / bitsandbytes, GPTQ / AWQ, SVDQuant, quanto)
 * info.py   `inspect_checkpoint` -> `CheckpointInfo` (headers only) and the dtype rules
 * load.py   `load_model`: each rank reads only its shard
 * lora/     LoRA files (LoRA, LoHa, LoKr, DoRA, .diff): inspect and check in the caller, apply per rank

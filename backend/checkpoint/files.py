@@ -26,12 +26,13 @@ class CheckpointError(ConfigError):
 
 @dataclass(frozen=True)
 class StoredTensor:
-    """One tensor in a safetensors file."""
+    """One tensor in a safetensors or GGUF file."""
 
     file: str
     key: str
     shape: tuple[int, ...]
-    dtype: str  # safetensors' name, e.g. "BF16", "F8_E4M3"
+    dtype: str  # safetensors' name, e.g. "BF16", "F8_E4M3"; a GGUF tensor's GGML type, e.g. "Q4_K", "F16"
+    offset: int | None = None  # a GGUF tensor's first byte in its file (gguf.py); None for safetensors
 
 
 def listing(folder: Path, limit: int = 12) -> str:
@@ -69,13 +70,8 @@ def check_file_kind(path: Path) -> None:
     """Recognize the formats people mistake for safetensors by their first bytes."""
     with open(path, "rb") as f:
         head = f.read(9)
-    if starts_like_safetensors(head, path.stat().st_size):
+    if starts_like_safetensors(head, path.stat().st_size) or is_gguf(path, head):
         return
-    if head[:4] == b"GGUF" or path.suffix.lower() == ".gguf":
-        raise CheckpointError(
-            f"'{path}' is a GGUF file; this loader reads safetensors. Use a .safetensors FLUX checkpoint "
-            "(bf16, fp16 or fp8), or load GGUF in ComfyUI with ComfyUI-GGUF's 'Unet Loader (GGUF)'"
-        )
     if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":
         raise CheckpointError(
             f"'{path}' is a PyTorch pickle (torch.save / .ckpt / .bin), not safetensors; convert it with "
@@ -102,9 +98,22 @@ def truncation_detail(path: Path, error: object = None) -> str:
     return f"its size matches its header ({size} bytes), but safetensors refuses the header: {reason}"
 
 
+def is_gguf(path: Path, head: bytes | None = None) -> bool:
+    """A GGUF file (its magic, or its name when it is too damaged to have one): gguf.py reads it."""
+    if head is None:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    return head[:4] == b"GGUF" or path.suffix.lower() == ".gguf"
+
+
 def read_header(path: Path) -> tuple[dict[str, StoredTensor], dict[str, str]]:
-    """(key -> stored tensor, the header's `__metadata__` strings) of a safetensors file."""
+    """(key -> stored tensor, the header's `__metadata__` strings) of a safetensors file, or the tensors
+    and string fields of a GGUF file (gguf.py)."""
     check_file_kind(path)
+    if is_gguf(path):
+        from .gguf import read_gguf_header
+
+        return read_gguf_header(path)
     try:
         with safe_open(str(path), "pt") as f:
             out = {}
@@ -131,6 +140,7 @@ __all__ = [
     "CheckpointError",
     "StoredTensor",
     "check_file_kind",
+    "is_gguf",
     "listing",
     "missing_checkpoint",
     "numel",

@@ -4,8 +4,9 @@ Formats: a BFL / ComfyUI single safetensors file (`flux1-dev.safetensors`, fine-
 output) in every key spelling ComfyUI's UNETLoader loads (the prefixes it strips, the norms' `.scale` and
 `.weight` names: resolved once here, keys.py), a diffusers-keyed single file, and
 diffusers folders (`config.json` + `diffusion_pytorch_model*.safetensors`, or a pipeline folder with
-`transformer/`), of every registered model family (backend/family.py: the header says which). Stored
-dtypes: dtypes.LOADABLE_DTYPES, ComfyUI's "scaled fp8" and quantized "mixed" files included (quant.py).
+`transformer/`), and GGUF files (ComfyUI-GGUF's, gguf.py), of every registered model family
+(backend/family.py: the header says which). Stored dtypes: dtypes.LOADABLE_DTYPES, ComfyUI's "scaled fp8"
+and quantized "mixed" files included (quant.py), GGUF's block types (`quantization == "gguf"`).
 
 The caller's process runs this to reject a bad path before any worker starts; the info then travels with
 the load request. The dtype rules every load follows are here too: the compute dtype (`resolve_dtype`)
@@ -26,6 +27,7 @@ import torch
 from ..config import ModelDims, weight_dtype_name
 from ..dtypes import COMPUTE_DTYPES, LOADABLE_DTYPES, WEIGHT_DTYPES, compute_dtype_named, stored_dtype
 from ..family import ModelFamily, detect_bfl, detect_diffusers, families, family_for_class, get_family
+from ..parallel.ggml import is_quantized
 from .files import (
     CheckpointError,
     StoredTensor,
@@ -34,6 +36,8 @@ from .files import (
     numel,
     read_header,
 )
+from .foreign import refuse_foreign_quantization
+from .gguf import tensor_bytes, torch_name
 from .keys import transformer_prefix
 from .quant import split_scales
 
@@ -157,6 +161,9 @@ def _check_shapes(
 def _dtype_names(tensors: Iterable[StoredTensor], path: str) -> tuple[str, ...]:
     names = {}
     for t in tensors:
+        if t.offset is not None:  # GGUF: read_gguf_header refused the types it cannot read
+            names[torch_name(t.dtype)] = None
+            continue
         stored = stored_dtype(t.dtype)
         if stored is None or not stored.loadable:
             raise CheckpointError(
@@ -243,12 +250,16 @@ def _info(
         config=config,
         variant=family.variant(config),
         parameters=sum(numel(t.shape) for t in tensors),
-        stored_bytes=sum(numel(t.shape) * stored_dtype(t.dtype).bytes for t in tensors),
+        stored_bytes=sum(_bytes(t) for t in tensors),
         sources=sources,
         family=family.name,
         scales=scales,
         quantization=quantization,
     )
+
+
+def _bytes(t: StoredTensor) -> int:
+    return tensor_bytes(t) if t.offset is not None else numel(t.shape) * stored_dtype(t.dtype).bytes
 
 
 def _by_name() -> list[ModelFamily]:
@@ -279,7 +290,10 @@ def _inspect_file(path: Path) -> CheckpointInfo:
     # `model.diffusion_model.`, `model.model.`, `net.`, `model.`), the rest dropped (keys.transformer_prefix).
     prefix = transformer_prefix(raw)
     stripped = {k[len(prefix) :]: t for k, t in raw.items() if k.startswith(prefix)}
+    refuse_foreign_quantization(path, stripped)
     header, scales, quantization = split_scales(str(path), stripped, metadata, prefix)
+    if any(is_quantized(t.dtype) for t in header.values() if t.offset is not None):
+        quantization = "gguf"
     family = detect_bfl(set(header))
     if family is not None:
         return _bfl_info(path, header, prefix, family, scales, quantization)
@@ -396,6 +410,12 @@ def check_weight_dtype(weight_dtype: str | None, info: CheckpointInfo) -> str:
     that is not one, or a conversion this loader does not do."""
     name = weight_dtype_name(weight_dtype)
     fp8 = WEIGHT_DTYPES[name]
+    if info.quantization == "gguf" and fp8 is not None:
+        raise CheckpointError(
+            f"weight_dtype='{name}' but '{info.path}' is a quantized GGUF file ({', '.join(info.stored_dtypes)}): "
+            "its blocks are not converted to fp8. Use weight_dtype='default' (keeps them quantized, "
+            "dequantized layer by layer like ComfyUI-GGUF) or 'compute' (dequantized once, at load)"
+        )
     if info.scaled_fp8 and fp8 is not None:
         kind = "ComfyUI scaled fp8" if info.quantization == "scaled_fp8" else "ComfyUI quantized (fp8 mixed)"
         stored = sorted({stored_dtype(info_t.dtype).name for info_t in _scaled(info)})
@@ -409,7 +429,8 @@ def check_weight_dtype(weight_dtype: str | None, info: CheckpointInfo) -> str:
 
 
 def planned_weight_dtype(weight_dtype: str | None, info: CheckpointInfo) -> str:
-    """The planner's name for how `info`'s linear weights will be held: 'compute' or an fp8 name.
+    """The planner's name for how `info`'s linear weights will be held: 'compute', an fp8 name, or a GGUF
+    quantization type ('Q4_K').
 
     'default' follows the file: the dtype that stores most of its linear-weight (2-D) elements.
     """
@@ -420,8 +441,11 @@ def planned_weight_dtype(weight_dtype: str | None, info: CheckpointInfo) -> str:
     for stored, _ in {s.key: (s, None) for s, _ in info.sources.values()}.values():
         if len(stored.shape) == 2:
             counts[stored.dtype] = counts.get(stored.dtype, 0) + numel(stored.shape)
-    most = stored_dtype(max(counts, key=counts.__getitem__) if counts else "BF16")
-    return most.short if most.fp8 else "compute"
+    top = max(counts, key=counts.__getitem__) if counts else "BF16"
+    if info.quantization == "gguf" and is_quantized(top):
+        return top
+    most = stored_dtype(top)
+    return most.short if most is not None and most.fp8 else "compute"
 
 
 def _scaled(info: CheckpointInfo) -> list[StoredTensor]:

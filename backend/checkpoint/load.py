@@ -32,9 +32,11 @@ from torch import nn
 
 from ..dtypes import WEIGHT_DTYPES, stored_dtype
 from ..finite import all_finite, non_finite_kind
+from ..parallel.ggml import byte_shape, is_quantized
 from ..parallel.tensor import Pieces, apply_tensor_parallel, parameter_pieces, resolve_plan
-from ..parallel.weights import is_fp8, keep_fp8_resident
+from ..parallel.weights import hold_quantized, is_fp8, keep_fp8_resident
 from .files import CheckpointError, StoredTensor
+from .gguf import check_block_splits, checked_values, read_gguf
 from .info import CheckpointInfo, check_weight_dtype, inspect_checkpoint, resolve_dtype
 
 # Attribute of a loaded model: its canonical weight dtype name (LoRA re-reads use the same rule).
@@ -53,6 +55,8 @@ def resident_dtype(
         return torch.float32
     if not linear_weight or weight_dtype == "compute":
         return compute
+    if stored.offset is not None:  # GGUF: quantized blocks stay as they are (bytes), the rest computes
+        return torch.uint8 if weight_dtype == "default" and is_quantized(stored.dtype) else compute
     if weight_dtype == "default":
         kept = stored_dtype(stored.dtype).torch
         return kept if is_fp8(kept) else compute
@@ -118,6 +122,11 @@ def _read(
         file_rows = tuple(compose(file_rows, pieces.ranges))
     elif pieces is not None:
         cols = pieces.ranges
+    if stored.offset is not None:  # GGUF (gguf.py): no scales; raw blocks checked as their values
+        out = read_gguf(stored, file_rows, cols, dtype, device)
+        if CHECK_VALUES:
+            check_values(stored, checked_values(stored, out))
+        return out
     shape = (sum(b - a for a, b in file_rows), *stored.shape[1:])
     if cols is not None:
         shape = (shape[0], sum(d - c for c, d in cols), *shape[2:])
@@ -230,6 +239,7 @@ def load_model(
         if not dist.is_initialized() or dist.get_world_size(group) != tp:
             size = dist.get_world_size(group) if dist.is_initialized() else "no process group"
             raise CheckpointError(f"load_model(tp={tp}) needs a process group of {tp} ranks, got {size}")
+        check_block_splits(info, tp, resolved)
         apply_tensor_parallel(model, group, family.tp, family.dims(info.config))
         rank, degree = dist.get_rank(group), tp
     dims = info.dims
@@ -243,11 +253,13 @@ def load_model(
             linear = isinstance(module, nn.Linear) and param == "weight"
             target = resident_dtype(stored, linear, weight, dtype, kept_in_fp32(model, name))
             tensor = read_parameter(info, name, pieces, target, device)
-            if tensor.shape != meta.shape:  # the plan and the meta model disagree: a bug, not bad input
-                raise RuntimeError(
-                    f"{name}: read {tuple(tensor.shape)} but the model expects {tuple(meta.shape)}"
-                )
+            quantized = stored.dtype if target == torch.uint8 else None
+            expected = byte_shape(tuple(meta.shape), quantized) if quantized else tuple(meta.shape)
+            if tuple(tensor.shape) != expected:  # the plan and the meta model disagree: a bug, not bad input
+                raise RuntimeError(f"{name}: read {tuple(tensor.shape)} but the model expects {expected}")
             setattr(module, param, nn.Parameter(tensor, requires_grad=False))
+            if quantized:
+                hold_quantized(module, quantized, tuple(meta.shape))
             if is_fp8(target) and stored.key in info.scales:
                 module.register_buffer("scale_weight", read_scale(info.scales[stored.key]).to(device), False)
             if progress is not None:

@@ -1,4 +1,4 @@
-"""fp8 weights held resident and upcast layer by layer: weight dtype separate from compute dtype.
+"""fp8 and GGUF weights held resident and upcast layer by layer: weight dtype separate from compute dtype.
 
 Why: an fp8 FLUX.1-dev is 11.9 GB; upcast to bf16 at load it is 23.8 GB, so 2 x 12 GB cards cannot hold
 it even when the TP shards of the fp8 file would fit. Keeping the nn.Linear weights in fp8 (1 byte) and
@@ -20,6 +20,11 @@ same hooks, a forward that calls it); the tensor-parallel `RowParallelLinear` an
 `gather_modulation` call it themselves. Biases and norm scales stay in the compute dtype (a few MB).
 diffusers' context-parallel hooks wrap a module's forward at the time they are registered, so the
 class swap happens while loading, before `apply_context_parallel`.
+
+GGUF weights take the same path: the module holds the quantized blocks (uint8, its rank's rows or whole
+blocks of every row) and `linear_weight` dequantizes them with ComfyUI-GGUF's formulas (ggml.py) for each
+matmul, then applies the module's LoRA patches to the result (`weight_patch`, set by checkpoint/lora/),
+as ComfyUI-GGUF patches the dequantized weight at call time.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..dtypes import FP8_DTYPES
+from .ggml import dequantize
 
 _FP8: tuple[torch.dtype, ...] = tuple(d.torch for d in FP8_DTYPES)
 # Attribute of a model that keeps fp8 weights: the dtype its layers compute in.
@@ -41,7 +47,14 @@ def is_fp8(dtype: torch.dtype) -> bool:
 
 def linear_weight(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     """`module.weight` as `dtype` for one matmul: itself when it already is, else the upcast copy
-    (times the module's `scale_weight` when the fp8 file stored one)."""
+    (times the module's `scale_weight` when the fp8 file stored one). A GGUF weight held quantized
+    (`hold_quantized`) is dequantized, and its LoRA patches applied to the result (`weight_patch`), as
+    ComfyUI-GGUF's GGMLLayer.get_weight does."""
+    qtype = getattr(module, "ggml_type", None)
+    if qtype is not None:
+        weight = dequantize(module.weight, qtype, module.ggml_shape).to(dtype)
+        patch = getattr(module, "weight_patch", None)
+        return weight if patch is None else patch(weight)
     weight = module.weight
     if weight.dtype == dtype:
         return weight
@@ -55,6 +68,18 @@ def layer_dtype(module: nn.Module) -> torch.dtype:
     return getattr(module, "compute_dtype", None) or module.weight.dtype
 
 
+def hold_quantized(module: nn.Module, qtype: str | None, shape: tuple[int, ...] = ()) -> None:
+    """Mark `module.weight` as the raw blocks of a GGUF weight of GGML type `qtype` and logical `shape`
+    (None: a plain weight again); `keep_fp8_resident` then makes the module dequantize it per call."""
+    module.ggml_type, module.ggml_shape = qtype, tuple(shape)
+    if qtype is None:
+        module.weight_patch = None
+
+
+def is_held_quantized(module: nn.Module) -> bool:
+    return getattr(module, "ggml_type", None) is not None
+
+
 class UpcastLinear(nn.Linear):
     """An nn.Linear whose weight may be held in fp8: cast to the input's dtype for the matmul only."""
 
@@ -63,16 +88,17 @@ class UpcastLinear(nn.Linear):
 
 
 def keep_fp8_resident(model: nn.Module, compute: torch.dtype) -> int:
-    """Make every linear layer of `model` that holds an fp8 weight compute in `compute`; returns how many.
+    """Make every linear layer of `model` that holds an fp8 weight, or a GGUF weight's quantized blocks
+    (`hold_quantized`), compute in `compute`; returns how many.
 
     Call after the weights are in place and before context-parallel hooks are registered. Raises
-    RuntimeError when a parameter that is not a linear weight is fp8 (the loader never does that: only
-    `linear_weight` knows how to upcast).
+    RuntimeError when a parameter that is not a linear weight is fp8 or quantized (the loader never does
+    that: only `linear_weight` knows how to upcast).
     """
     count = 0
     for name, module in model.named_modules():
         for pname, param in module.named_parameters(recurse=False):
-            if not is_fp8(param.dtype):
+            if not is_fp8(param.dtype) and not (pname == "weight" and is_held_quantized(module)):
                 continue
             if not isinstance(module, nn.Linear) or pname != "weight":
                 raise RuntimeError(f"{name}.{pname} is {param.dtype}; only linear weights may stay fp8")
@@ -92,18 +118,23 @@ def compute_dtype(model: nn.Module) -> torch.dtype:
 
 
 def resident_bytes_by_dtype(model: nn.Module) -> dict[str, int]:
-    """Parameter bytes this process holds, per dtype name (e.g. {'float8_e4m3fn': ..., 'bfloat16': ...})."""
+    """Parameter bytes this process holds, per dtype name (e.g. {'float8_e4m3fn': ..., 'bfloat16': ...});
+    a GGUF weight's blocks under its GGML type ('Q4_K'), not their uint8 container."""
     out: dict[str, int] = {}
-    for p in model.parameters():
-        name = str(p.dtype).removeprefix("torch.")
-        out[name] = out.get(name, 0) + p.numel() * p.element_size()
+    for module in model.modules():
+        for pname, p in module.named_parameters(recurse=False):
+            quantized = pname == "weight" and is_held_quantized(module)
+            name = module.ggml_type if quantized else str(p.dtype).removeprefix("torch.")
+            out[name] = out.get(name, 0) + p.numel() * p.element_size()
     return out
 
 
 __all__ = [
     "UpcastLinear",
     "compute_dtype",
+    "hold_quantized",
     "is_fp8",
+    "is_held_quantized",
     "keep_fp8_resident",
     "layer_dtype",
     "linear_weight",

@@ -8,12 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import ConfigError, ModelDims
-from ..dtypes import COMPUTE_DTYPES, WEIGHT_DTYPES, compute_dtype_named
+from ..dtypes import COMPUTE_DTYPES, GGUF_BLOCKS, WEIGHT_DTYPES, compute_dtype_named, gguf_bytes_per_value
 from ..family import families, get_family
 from ..text import GB
 
 # The weight dtypes the planner prices ("default" depends on the file: resolved before planning).
-PLANNED_WEIGHT_DTYPES = tuple(name for name in WEIGHT_DTYPES if name != "default")
+# GGUF files: their quantization type (the planner prices its bytes per value; checkpoint.planned_weight_dtype)
+PLANNED_WEIGHT_DTYPES = (*(name for name in WEIGHT_DTYPES if name != "default"), *GGUF_BLOCKS)
 MARGIN = 0.10  # of device memory kept free: allocator fragmentation, RCCL/NCCL buffers, runtime context
 
 
@@ -127,8 +128,11 @@ class Setup:
         return compute_dtype_named(self.dtype).bytes
 
     @property
-    def linear_bytes(self) -> int:
-        """Bytes per resident linear-weight element: 1 for fp8, else the compute dtype's."""
+    def linear_bytes(self) -> float:
+        """Bytes per resident linear-weight element: 1 for fp8, a GGUF type's bytes per value (held quantized:
+        Q4_K 0.5625), else the compute dtype's."""
+        if self.weight_dtype in GGUF_BLOCKS:
+            return gguf_bytes_per_value(self.weight_dtype)
         fp8 = WEIGHT_DTYPES[self.weight_dtype]
         return self.bytes if fp8 is None else fp8.bytes
 

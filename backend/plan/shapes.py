@@ -112,26 +112,26 @@ def weight_bytes(
     dtype_bytes: int,
     rank: int = 0,
     family: str | None = None,
-    linear_bytes: int | None = None,
+    linear_bytes: float | None = None,
 ) -> int:
     """Parameter bytes one rank holds in `layout`: a TP shard, or the full model under context parallelism.
 
     `family`: the model family whose shapes and TP plan count (the first registered when None). `linear_bytes`: bytes
     per element of the linear weights (the 2-D parameters) when they are held in another dtype than the
-    rest (fp8 weights: 1); biases and norm scales always take `dtype_bytes`, as in the loader
+    rest (fp8 weights: 1; GGUF blocks: their bytes per value); biases and norm scales always take `dtype_bytes`, as in the loader
     (checkpoint/load.py resident_dtype).
     """
     from ..parallel.tensor import shard_pieces
 
     linear = dtype_bytes if linear_bytes is None else linear_bytes
-    total = 0
+    total = 0.0
     for name, shape, split in model_facts(family or families()[0].name, dims).parameters:
         pieces = None
         if layout.tp > 1 and split is not None:
             pieces = shard_pieces(split, name.rpartition(".")[2], shape, rank, layout.tp, dims)
         held = shape if pieces is None else pieces.shape(shape)
         total += (linear if len(shape) == 2 else dtype_bytes) * math.prod(held)
-    return total
+    return round(total)  # a GGUF type's bytes per value are fractional
 
 
 __all__ = ["ModelFacts", "model_facts", "weight_bytes"]

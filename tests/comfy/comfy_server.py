@@ -28,12 +28,15 @@ from typing import Any
 import psutil
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from test_sampling import flux_model
 
 from rocm_parallel.backend.checkpoint import diffusers_to_bfl
 
 COMFYUI_PATH = os.environ.get("COMFYUI_PATH")
+# ComfyUI-GGUF's checkout (its repository, never committed here): linked into the server's custom_nodes when
+# set, for tests/comfy/test_gguf.py, which skips without it.
+COMFYUI_GGUF_PATH = os.environ.get("COMFYUI_GGUF_PATH")
 FLUX2_CHECKPOINT = "tiny-flux2.safetensors"
 PACK_ROOT = Path(__file__).resolve().parents[2]
 TESTS_DIR = PACK_ROOT / "tests"
@@ -148,7 +151,60 @@ class RPTestTinyUNETLoader:
             detection.detect_unet_config = original
 
 
+class RPTestTinyUnetLoaderGGUF:
+    # ComfyUI-GGUF's own "Unet Loader (GGUF)" (its UnetLoaderGGUF.load_unet: its GGUF reader, GGMLOps and
+    # GGUFModelPatcher) for the tests' small models, ComfyUI's detection told what it hard-codes for the
+    # released ones (`overrides`, JSON: e.g. the head count and RoPE axes), as RPTestTinyUNETLoader does.
+    # Needs ComfyUI-GGUF in custom_nodes (COMFYUI_GGUF_PATH).
+    CATEGORY = "_for_testing"
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "load"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {{"required": {{"unet_name": ("STRING", {{"default": ""}}), "overrides": ("STRING", {{"default": "{{}}"}})}}}}
+
+    def load(self, unet_name, overrides):
+        import json
+
+        import comfy.model_detection as detection
+        import nodes
+
+        original = detection.detect_unet_config
+
+        def detect(state_dict, key_prefix, metadata=None):
+            config = original(state_dict, key_prefix, metadata=metadata)
+            return None if config is None else {{**config, **json.loads(overrides)}}
+
+        detection.detect_unet_config = detect
+        try:
+            return nodes.NODE_CLASS_MAPPINGS["UnetLoaderGGUF"]().load_unet(unet_name)
+        finally:
+            detection.detect_unet_config = original
+
+
+class RPTestSeededConditioning:
+    # A seeded random text conditioning [1, tokens, width] (no pooled vector): for models the reference
+    # file has no case of (the GGUF tier's Qwen-Image).
+    CATEGORY = "_for_testing"
+    RETURN_TYPES = ("CONDITIONING",)
+    FUNCTION = "load"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {{"required": {{"seed": ("INT", {{"default": 0}}), "tokens": ("INT", {{"default": 7}}),
+                              "width": ("INT", {{"default": 32}})}}}}
+
+    def load(self, seed, tokens, width):
+        import torch
+
+        g = torch.Generator().manual_seed(seed)
+        return ([[torch.randn(1, tokens, width, generator=g), {{}}]],)
+
+
 NODE_CLASS_MAPPINGS = {{
+    "RPTestTinyUnetLoaderGGUF": RPTestTinyUnetLoaderGGUF,
+    "RPTestSeededConditioning": RPTestSeededConditioning,
     "RPTestReferenceConditioning": RPTestReferenceConditioning,
     "RPTestReferenceLatent": RPTestReferenceLatent,
     "RPTestTinyUNETLoader": RPTestTinyUNETLoader,
@@ -208,6 +264,8 @@ def running_comfy(base: Path) -> Iterator[Comfy]:
     (base / "custom_nodes").mkdir()
     (base / "custom_nodes" / PACK_DIR_NAME).symlink_to(PACK_ROOT, target_is_directory=True)
     (base / "custom_nodes" / "rp_test_nodes.py").write_text(REFERENCE_NODE.format(references=str(REFERENCES)))
+    if COMFYUI_GGUF_PATH:
+        (base / "custom_nodes" / "ComfyUI-GGUF").symlink_to(Path(COMFYUI_GGUF_PATH), target_is_directory=True)
     models = base / "models" / "diffusion_models"
     models.mkdir(parents=True)
     save_file(diffusers_to_bfl(flux_model("dev").state_dict()), str(models / "tiny-flux-dev.safetensors"))
@@ -276,6 +334,25 @@ def running_comfy(base: Path) -> Iterator[Comfy]:
             psutil.Process(pid).kill()
         assert left == [], f"processes left behind by ComfyUI: {left}"
         assert _tree_state(COMFYUI_PATH) == before, "the ComfyUI checkout was written to"
+
+
+def run_prompt(comfy: Comfy, prompt: dict[str, Any], client_id: str, timeout: float = 600.0) -> str:
+    """Queue `prompt`, wait for it to succeed, and return what ComfyUI logged meanwhile."""
+    start = comfy.log.stat().st_size
+    entry = comfy.wait_done(
+        comfy.post("/prompt", {"prompt": prompt, "client_id": client_id})["prompt_id"], timeout
+    )
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-3000:]
+    with open(comfy.log, "rb") as f:
+        f.seek(start)
+        return f.read().decode(errors="replace")
+
+
+def saved_latent(comfy: Comfy, prefix: str) -> torch.Tensor:
+    """The one latent SaveLatent wrote under `prefix`."""
+    files = sorted((comfy.base / "output").glob(f"{prefix}_*.latent"))
+    assert len(files) == 1, files
+    return load_file(str(files[0]))["latent_tensor"]
 
 
 def _alive(pid: int) -> bool:

@@ -23,8 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from comfy_server import FLUX2_CASES, FLUX2_CHECKPOINT, Comfy, loader_node
-from safetensors.torch import load_file
+from comfy_server import FLUX2_CASES, FLUX2_CHECKPOINT, Comfy, loader_node, run_prompt, saved_latent
 from test_sampling import FLUX2_MODELS
 from test_sampling import MODELS as FLUX1_MODELS
 
@@ -175,19 +174,10 @@ def _pack_branch(family: str, lora: str, strength: float, layout: str, prefix: s
 
 
 def _run(comfy: Comfy, prompt: dict[str, Any]) -> str:
-    """Queue `prompt`, wait, and return what ComfyUI logged meanwhile."""
-    start = comfy.log.stat().st_size
-    entry = comfy.wait_done(comfy.post("/prompt", {"prompt": prompt, "client_id": "rp-lora"})["prompt_id"])
-    assert entry["status"]["status_str"] == "success", entry["status"]
-    with open(comfy.log, "rb") as f:
-        f.seek(start)
-        return f.read().decode(errors="replace")
+    return run_prompt(comfy, prompt, "rp-lora")
 
 
-def _saved(comfy: Comfy, prefix: str) -> torch.Tensor:
-    files = sorted((comfy.base / "output").glob(f"{prefix}_*.latent"))
-    assert len(files) == 1, files
-    return load_file(str(files[0]))["latent_tensor"]
+_saved = saved_latent
 
 
 @pytest.fixture(scope="module")

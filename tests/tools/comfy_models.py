@@ -140,21 +140,32 @@ def comfy_commit(root: Path) -> str:
 
 
 def widths(spec: dict[str, Any]) -> dict[str, Any]:
-    """What ComfyUI's detection cannot read from a small model's shapes (it hard-codes the released ones)."""
-    return {"num_heads": HEADS, "axes_dim": list(FLUX2_AXES if spec["family"] == "flux2" else FLUX1_AXES)}
+    """What ComfyUI's detection cannot read from a small model's shapes (it hard-codes the released ones).
+    A spec may name its own `heads`, `head_dim`, `axes`, `double`, `single` (the comfy tier's GGUF models
+    are wider: K-quant rows are 256 values)."""
+    axes = spec.get("axes", FLUX2_AXES if spec["family"] == "flux2" else FLUX1_AXES)
+    return {"num_heads": spec.get("heads", HEADS), "axes_dim": list(axes)}
 
 
 def header_like(spec: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The keys and shapes detect_unet_config reads, as meta tensors (a real file's header, abridged)."""
-    hidden = HEADS * HEAD_DIM
+    head_dim = spec.get("head_dim", HEAD_DIM)
+    hidden = spec.get("heads", HEADS) * head_dim
     t = lambda *shape: torch.empty(shape, device="meta")  # noqa: E731
     sd = {
         "img_in.weight": t(hidden, spec["in"]),
         "txt_in.weight": t(hidden, spec["text"]),
-        "double_blocks.0.img_attn.norm.key_norm.scale": t(HEAD_DIM),
+        "double_blocks.0.img_attn.norm.key_norm.scale": t(head_dim),
     }
-    sd.update({f"double_blocks.{i}.img_attn.qkv.weight": t(3 * hidden, hidden) for i in range(DOUBLE)})
-    sd.update({f"single_blocks.{i}.linear2.weight": t(hidden, hidden) for i in range(SINGLE)})
+    sd.update(
+        {
+            f"double_blocks.{i}.img_attn.qkv.weight": t(3 * hidden, hidden)
+            for i in range(spec.get("double", DOUBLE))
+        }
+    )
+    sd.update(
+        {f"single_blocks.{i}.linear2.weight": t(hidden, hidden) for i in range(spec.get("single", SINGLE))}
+    )
     if spec["family"] == "flux2":
         sd["double_stream_modulation_img.lin.weight"] = t(6 * hidden, hidden)
     else:

@@ -36,9 +36,10 @@ from safetensors import safe_open
 from torch import nn
 
 from ...parallel.tensor import Pieces, parameter_pieces, resolve_plan
-from ...parallel.weights import compute_dtype, is_fp8
+from ...parallel.weights import compute_dtype, is_fp8, is_held_quantized, linear_weight
 from ..info import CheckpointInfo
 from ..load import full_shape, parameter_dtype, read_parameter
+from .calltime import CallTimePatch, ResidentFile, rounded_as_stored
 from .dora import decompose, input_norm, output_norm
 from .kinds import KINDS
 from .reading import read_cols, read_rows
@@ -89,6 +90,7 @@ class Patcher:
         degree: int,
     ) -> None:
         self.model, self.info, self.rank, self.degree = model, info, rank, degree
+        self.active = active
         self.resolved = resolve_plan(model, info.model_family.tp.plan)
         self.params = dict(model.named_parameters())
         self.compute = compute_dtype(model)
@@ -102,6 +104,7 @@ class Patcher:
                 order += 1
         self.names = {id(f): path for path, f in files.items()}
         self._column_norms: dict[int, torch.Tensor] = {}
+        self._output_norms: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def pieces(self, name: str) -> Pieces | None:
         stored, rows = self.info.sources[name]
@@ -112,6 +115,9 @@ class Patcher:
     def set(self, name: str) -> None:
         """Parameter `name` := its checkpoint shard plus its patches, in its resident dtype."""
         param = self.params[name]
+        if _quantized(self.model, name):
+            self.set_call_time(name)
+            return
         stored, _ = self.info.sources[name]
         pieces = self.pieces(name)
         resident = parameter_dtype(self.model, stored, name, self.compute)
@@ -122,6 +128,7 @@ class Patcher:
             fresh = read_parameter(self.info, name, pieces, torch.float32, param.device)
             for patch in patches:
                 self.apply(fresh, name, pieces, patch)
+            fresh = rounded_as_stored(stored, fresh)
             fresh = fresh.to(self.compute if is_fp8(resident) else resident)
             if not bool(torch.isfinite(fresh).all()):  # check_loras bounds this; a file changed since?
                 self._not_finite(name, patches, fresh.dtype)
@@ -134,6 +141,17 @@ class Patcher:
         else:  # fp8 <-> compute dtype: a new parameter (its module upcasts whichever it holds)
             module_name, _, pname = name.rpartition(".")
             setattr(self.model.get_submodule(module_name), pname, nn.Parameter(fresh, requires_grad=False))
+
+    def set_call_time(self, name: str) -> None:
+        """A GGUF weight held quantized: its patches run on the dequantized weight at every call
+        (calltime.py); checked once here as the result of a dense patch is."""
+        module = self.model.get_submodule(name.rpartition(".")[0])
+        patches = self.patches.get(name, [])
+        module.weight_patch = CallTimePatch(self, name, self.pieces(name), patches) if patches else None
+        if patches:
+            patched = linear_weight(module, self.compute)
+            if not bool(torch.isfinite(patched).all()):
+                self._not_finite(name, patches, patched.dtype)
 
     def _not_finite(self, name: str, patches: list[Patch], dtype: torch.dtype) -> None:
         files = sorted({self.names[id(p.file)] for p in patches})
@@ -190,9 +208,13 @@ class Patcher:
             if cols is None:  # whole rows are here
                 return None
             # A row-parallel shard holds some columns of each row: rebuild the whole rows (every row of a
-            # dim-1 shard is here, so its rows are the parameter's rows).
-            full = self._full(name, patch.order)
-            return output_norm(_cat([full[row : row + n] for row, _, n in runs]))
+            # dim-1 shard is here, so its rows are the parameter's rows). Kept: a call-time patch asks
+            # for the same norm at every call, and the weights it is made of never change.
+            key = (name, patch.order, tuple(runs))
+            if key not in self._output_norms:
+                full = self._full(name, patch.order)
+                self._output_norms[key] = output_norm(_cat([full[row : row + n] for row, _, n in runs]))
+            return self._output_norms[key]
         whole_rows = pieces is None or pieces.dim == 1
         if whole_rows and module.targets == (patch.target,) and sum(n for *_, n in runs) == module.shape[0]:
             return None  # every row of the module is in this shard
@@ -268,11 +290,29 @@ def apply_loras(
     with contextlib.ExitStack() as stack, torch.no_grad():
         files = {lora.path: stack.enter_context(safe_open(lora.path, "pt")) for lora, _ in active}
         patcher = Patcher(model, info, active, files, rank, degree)
+        call_time = _call_time_patcher(patcher, files, todo)
         for done, name in enumerate(todo, 1):
-            patcher.set(name)
+            (call_time if call_time is not None and _quantized(model, name) else patcher).set(name)
             if progress is not None:
                 progress(done, len(todo))
     return patched
+
+
+def _quantized(model: nn.Module, name: str) -> bool:
+    module_name, _, pname = name.rpartition(".")
+    return pname == "weight" and is_held_quantized(model.get_submodule(module_name))
+
+
+def _call_time_patcher(patcher: Patcher, files: dict[str, Any], todo: Sequence[str]) -> Patcher | None:
+    """`patcher`'s twin that the quantized weights' call-time patches keep (calltime.py): it reads the LoRAs
+    from copies in host memory, since the files close here. None when no quantized weight is patched."""
+    if not any(_quantized(patcher.model, name) for name in todo):
+        return None
+    resident = {
+        lora.path: ResidentFile(files[lora.path], {key for m in lora.modules for _, key in m.tensors})
+        for lora, _ in patcher.active
+    }
+    return Patcher(patcher.model, patcher.info, patcher.active, resident, patcher.rank, patcher.degree)
 
 
 __all__ = ["Patch", "Patcher", "apply_loras", "shard_runs"]
