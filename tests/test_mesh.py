@@ -86,7 +86,10 @@ def test_composed_layouts_equal_one_process(
 def _request(family: str, batch: int, key: int) -> ForwardRequest:
     call = odd_call(family, batch)
     held = {"context": call["context"], "y": call["y"], "ref_latents": ()}
-    per_call = {"guidance": call["guidance"], "ref_latents_method": "offset" if family == "flux1" else "index"}
+    per_call = {
+        "guidance": call["guidance"],
+        "ref_latents_method": "offset" if family == "flux1" else "index",
+    }
     return ForwardRequest(call["x"], call["timestep"], key, per_call, Conditioning(held))
 
 
