@@ -23,12 +23,10 @@ from .launch import (
     Workers,
     bootstrap_command,
     check_seconds,
-    check_threads,
-    validate_devices,
     worker_env,
 )  # fmt: skip
 from .messages import HealthReport, HealthRequest
-from .platforms import DeviceSpec, default_cpu_threads
+from .platforms import DeviceSpec, check_threads, default_cpu_threads, validate_devices
 from .transport import (
     Reply,
     Request,

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from ..backend.config import ConfigError, FluxDims, ParallelLayout
-from ..backend.launch import validate_devices
 from ..backend.plan import Setup, estimate
+from ..backend.platforms import validate_devices
 from ..backend.text import GB, MB
 from ..testing.helpers import DEMO_CONFIG as CONFIG
 from ..testing.helpers import write_random_checkpoint

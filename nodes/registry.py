@@ -72,7 +72,7 @@ def threads_from_env() -> int | None:
     text = os.environ.get(THREADS_ENV, "").strip()
     if not text:
         return None
-    if not text.isdigit() or int(text) < 1:
+    if not (text.isascii() and text.isdigit() and len(text) <= 9) or int(text) < 1:  # never int('²')
         from ..backend.config import ConfigError
 
         raise ConfigError(
@@ -219,8 +219,8 @@ def loader_request(checkpoint: str, devices: str, preload: str) -> dict[str, Any
     """What a loader with these widgets would ask the workers for: its checkpoint's file name, the devices
     its text names (None when refused: the queue will say why) and, for preload 'tp' / 'context', the
     layout ('auto' and 'none' leave the layout to the planner or the sampler: None)."""
-    from ..backend.client import validate_devices
     from ..backend.config import ConfigError, ParallelLayout
+    from ..backend.platforms import validate_devices  # cheap: the status route runs it
     from .inputs import parse_devices, tp_layout
 
     try:

@@ -934,8 +934,8 @@ def test_a_time_limit_must_be_positive(group2: WorkerGroup) -> None:
         ):
             group2.call("ping", timeout=timeout)
     flux = ParallelFlux(group=group2)
-    with pytest.raises(ConfigError, match=r"^threads=3 but the group given runs 1 per worker; pass one$"):
-        ParallelFlux(group=group2, threads=3)
+    with pytest.raises(ConfigError, match=r"^threads=2 but the group given runs 1 per worker; pass one$"):
+        ParallelFlux(group=group2, threads=2)
     with pytest.raises(ConfigError, match=r"^devices=\['cpu', 'cpu', 'cpu'\] but the group given runs on "):
         ParallelFlux(["cpu"] * 3, group=group2)
     assert flux.devices == ("cpu", "cpu")
