@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 import psutil
 
 from .config import ConfigError
+from .echo import ECHO_CHARS, echo
 
 DEVICES_ALL = "all"
 _CPU_TIMES = re.compile(r"^cpu\s*[x*]\s*([0-9]+)$")
@@ -79,14 +80,12 @@ def visible_gpus() -> int:
 
 
 DeviceSpec = str | Sequence[str | int]  # "all", "0,1,2,3", "cuda:0,cuda:1", "cpu x2", or a list of devices
-_ECHO_CHARS = 60
 
 
 def echo_devices(spec: DeviceSpec) -> str:
     """`spec` as an error message shows it: whole when short, never a thousand entries."""
     if isinstance(spec, str):
-        text = repr(spec)
-        return text if len(text) <= _ECHO_CHARS else f"{text[: _ECHO_CHARS - 4]}...' ({len(spec)} characters)"
+        return echo(spec)
     items = list(spec)
     if len(items) <= 8:
         return repr(items)
@@ -203,9 +202,8 @@ def check_threads(threads: object, cores: int | None = None) -> None:
         )
     cores = cores or os.cpu_count() or 1
     if threads is not None and threads > cores:
-        shown = threads if len(str(threads)) <= 12 else f"a {len(str(threads))}-digit number"
         raise ConfigError(
-            f"threads={shown} is more than this machine's {cores} cores; use 1 to {cores} torch threads per "
+            f"threads={echo(threads)} is more than this machine's {cores} cores; use 1 to {cores} torch threads per "
             "worker, or None for the default (CPU workers: the cores shared out; GPUs: torch's own)"
         )
 
@@ -263,7 +261,7 @@ def _device(item: str | int, spec: DeviceSpec) -> str:
         raise ConfigError(
             f"devices={echo_devices(spec)}: a GPU is named 'cuda:N' with N = 0, 1, ... (an index, not {name!r})"
         )
-    shown = repr(name) if len(name) <= _ECHO_CHARS else f"{name[:_ECHO_CHARS]!r}..."
+    shown = repr(name) if len(name) <= ECHO_CHARS else f"{name[:ECHO_CHARS]!r}..."
     raise ConfigError(
         f"devices={echo_devices(spec)}: {shown} is not a device; use 'all', GPU indices like '0,1,2,3', "
         "'cuda:0,cuda:1' or CPU workers like 'cpu x2'"

@@ -20,19 +20,13 @@ from typing import Any
 
 from ..backend import platforms  # imported with the pack, never on the event loop
 from ..backend.config import ConfigError
+from ..backend.echo import echo
 from . import registry
 from .inputs import PRELOAD_LAYOUTS
 
 ROUTE = "/rocm_parallel/status"
 # The longest checkpoint a loader's list holds (PATH_MAX): the panel sends the widget's value.
 MAX_CHECKPOINT_CHARS = 4096
-_ECHO = 60
-
-
-def _echo(value: str) -> str:
-    """A query value as a message shows it: whole when short, never ten thousand characters."""
-    text = repr(value)
-    return text if len(text) <= _ECHO else f"{text[: _ECHO - 4]}...' ({len(value)} characters)"
 
 
 def loader_widgets(query: Mapping[str, str]) -> dict[str, str] | None:
@@ -44,12 +38,12 @@ def loader_widgets(query: Mapping[str, str]) -> dict[str, str] | None:
     widgets = {k: str(query.get(k, "")) for k in ("checkpoint", "devices", "preload")}
     if len(widgets["checkpoint"]) > MAX_CHECKPOINT_CHARS:
         raise ConfigError(
-            f"checkpoint={_echo(widgets['checkpoint'])} is longer than {MAX_CHECKPOINT_CHARS} characters, the "
+            f"checkpoint={echo(widgets['checkpoint'])} is longer than {MAX_CHECKPOINT_CHARS} characters, the "
             "longest path a loader's list holds; send the loader's checkpoint widget"
         )
     if widgets["preload"] not in ("", *PRELOAD_LAYOUTS):
         raise ConfigError(
-            f"preload={_echo(widgets['preload'])} is not offered; use one of {', '.join(PRELOAD_LAYOUTS)}"
+            f"preload={echo(widgets['preload'])} is not offered; use one of {', '.join(PRELOAD_LAYOUTS)}"
         )
     if len(widgets["devices"]) > platforms.MAX_DEVICE_TEXT:
         platforms.parse_devices(widgets["devices"])  # its message names the limit and the fix
