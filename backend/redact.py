@@ -10,8 +10,10 @@ back exactly too, and the panel drops it whole: its entries are the user's other
 
 from __future__ import annotations
 
+import ast
 import os
 import re
+import warnings
 from collections.abc import Iterable
 
 # A Python string literal as `repr` writes it, not glued to a word (the apostrophe in "rank 0's" opens none).
@@ -75,9 +77,6 @@ def _literal_name(literal: str) -> str:
 
 def _evaluate(literal: str) -> str:
     """The string `repr` wrote as `literal`; ValueError for any other text (it is not evaluated as code)."""
-    import ast
-    import warnings
-
     with warnings.catch_warnings():  # '\\M' in a raw Windows path: an invalid escape, warned about
         warnings.simplefilter("ignore")
         value = ast.literal_eval(literal)

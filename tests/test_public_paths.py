@@ -171,30 +171,27 @@ def _lora_no_flux_keys(folder: Path, state: dict) -> tuple[Path, list]:
     return _checkpoint_beside(folder, state), [(lora, 1.0)]
 
 
+def _img_in_lora(
+    folder: Path, state: dict, up: torch.Tensor, down: torch.Tensor, strength: float = 1.0
+) -> tuple[Path, list]:
+    """A LoRA of `img_in` (the tiny model's [64, 64] input layer) beside a good checkpoint."""
+    key = "diffusion_model.img_in"
+    lora = _lora_file(folder, {f"{key}.lora_up.weight": up, f"{key}.lora_down.weight": down})
+    return _checkpoint_beside(folder, state), [(lora, strength)]
+
+
 def _lora_wrong_shape(folder: Path, state: dict) -> tuple[Path, list]:
-    lora = _lora_file(
-        folder,
-        {"diffusion_model.img_in.lora_up.weight": torch.zeros(64, 2), "diffusion_model.img_in.lora_down.weight": torch.zeros(2, 80)},
-    )  # fmt: skip
-    return _checkpoint_beside(folder, state), [(lora, 1.0)]
+    return _img_in_lora(folder, state, torch.zeros(64, 2), torch.zeros(2, 80))
 
 
 def _lora_nan(folder: Path, state: dict) -> tuple[Path, list]:
     up = torch.full((64, 2), 0.5)
     up[3, 1] = math.nan
-    lora = _lora_file(
-        folder,
-        {"diffusion_model.img_in.lora_up.weight": up, "diffusion_model.img_in.lora_down.weight": torch.full((2, 64), 0.25)},
-    )  # fmt: skip
-    return _checkpoint_beside(folder, state), [(lora, 1.0)]
+    return _img_in_lora(folder, state, up, torch.full((2, 64), 0.25))
 
 
 def _lora_strength(folder: Path, state: dict) -> tuple[Path, list]:
-    lora = _lora_file(
-        folder,
-        {"diffusion_model.img_in.lora_up.weight": torch.zeros(64, 2), "diffusion_model.img_in.lora_down.weight": torch.zeros(2, 64)},
-    )  # fmt: skip
-    return _checkpoint_beside(folder, state), [(lora, 1e30)]
+    return _img_in_lora(folder, state, torch.zeros(64, 2), torch.zeros(2, 64), strength=1e30)
 
 
 KINDS: dict[str, Callable[[Path, dict], tuple[Path, list]]] = {
