@@ -267,9 +267,10 @@ class WorkerGroup:
 
         `progress(step, total)` is called for each step rank 0 reports; if it raises (ComfyUI's interrupt
         does), the job is cancelled at the next step boundary on every rank and the exception re-raised,
-        and so does any exception while waiting (Ctrl+C, even inside a send or a receive): the ranks
-        finish their current step, however long it takes, and the group keeps its model; the next call
-        never sees this job's messages. `timeout` (seconds) cancels the same way, and a job that does not
+        and so does any exception while waiting (Ctrl+C wherever it lands: before the request is sent
+        nothing is waited for, while it is sent every rank gets it first): the ranks finish their current
+        step, however long it takes, and the group keeps its model; the next call never sees this job's
+        messages, nor its files. `timeout` (seconds) cancels the same way, and a job that does not
         stop within `cancel_grace` seconds after that closes the group. `limit`: a hard limit, past which
         the group is closed (the start-up health check).
 
