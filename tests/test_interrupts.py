@@ -291,7 +291,7 @@ def test_cancel_ends_sample_as_a_whole(flux: ParallelFlux, group: WorkerGroup) -
 
 # ------------------------------------------------------------------------------ soak
 
-SOAK_SECONDS = 20.0  # sized for CI: the three tests of this file take about a minute on 2 cores
+SOAK_SECONDS = 20.0  # sized for CI: this whole file runs in about a minute on 2 cores of its own
 
 
 def _fds(pid: int) -> int:
