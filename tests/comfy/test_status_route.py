@@ -4,7 +4,8 @@ The route is as open as ComfyUI's port. Before, `devices=cpu x20000000` blocked 
 12-24 s (the device list was built on the event loop), `cpu x` with 25 digits was an HTTP 500, and the
 first query naming devices blocked it 3.9 s (the worker-group client imported on the loop). Each hostile
 query is sent three times at once while another request (ComfyUI's own GET /prompt) is sent again and
-again: the server must answer it in < 100 ms meanwhile, and answer the hostile ones in < 100 ms too.
+again: the server must answer it in < 100 ms meanwhile, and answer the hostile ones in < 100 ms too (medians,
+beyond what GET /prompt takes alone on the machine at that moment).
 
     COMFYUI_PATH=<ComfyUI checkout> python -m pytest -q -s -m comfy tests/comfy/test_status_route.py
 """
@@ -83,7 +84,11 @@ def _while_in_flight(
 
 
 def test_hostile_status_queries_never_stall_comfyui_nor_get_a_5xx(comfy: Comfy) -> None:
-    report, slow = [], []
+    # What the server takes for GET /prompt alone right now: a machine whose cores are shared with other
+    # work adds that much to every request (a blocked event loop adds seconds).
+    idle = statistics.median(_get(comfy, "/prompt")[1] for _ in range(9))
+    bound = 0.1 + idle
+    report, slow = [f"GET /prompt alone: median {idle * 1e3:.0f} ms; bound {bound * 1e3:.0f} ms"], []
     for query in HOSTILE:
         answers, probes = _while_in_flight(comfy, query)
         statuses = sorted({status for status, _, _ in answers})
@@ -94,7 +99,7 @@ def test_hostile_status_queries_never_stall_comfyui_nor_get_a_5xx(comfy: Comfy) 
         )
         report.append(line)
         assert all(status < 500 for status in statuses), line
-        if own >= 0.1 or meanwhile >= 0.1:
+        if own >= bound or meanwhile >= bound:
             slow.append(line)
         for status, _, body in answers:
             if status == 200:
