@@ -4,7 +4,7 @@ The route is as open as ComfyUI's port: every query value is bounded before any 
 the event loop, and no user input is answered with a 5xx. Before: `devices=cpu x20000000` built a list of
 twenty million names on the loop (ComfyUI blocked 12-24 s, ~1.9 GB), `cpu x` with 25 digits raised an
 OverflowError (HTTP 500), and the first query naming devices imported the worker-group client (and through
-it torch's records) on the loop. The real-ComfyUI tier (tests/comfy/test_status_route.py) sends the same
+it torch's records) on the loop. The real-ComfyUI tier (tests/comfy/test_comfy_route.py) sends the same
 queries to a running ComfyUI.
 """
 

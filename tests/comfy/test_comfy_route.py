@@ -7,7 +7,7 @@ query is sent three times at once while another request (ComfyUI's own GET /prom
 again: the server must answer it in < 100 ms meanwhile, and answer the hostile ones in < 100 ms too (medians,
 beyond what GET /prompt takes alone on the machine at that moment).
 
-    COMFYUI_PATH=<ComfyUI checkout> python -m pytest -q -s -m comfy tests/comfy/test_status_route.py
+    COMFYUI_PATH=<ComfyUI checkout> python -m pytest -q -s -m comfy tests/comfy/test_comfy_route.py
 """
 
 from __future__ import annotations
