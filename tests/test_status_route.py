@@ -125,6 +125,24 @@ def test_a_loaders_query_still_gets_its_mismatch(status_handler: Callable) -> No
     )
 
 
+def test_a_slow_answer_runs_off_the_event_loop(
+    status_handler: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever the answer costs (the first torch.cuda call of a process, a registry lock held by a load),
+    the loop runs other tasks meanwhile: the answer is computed on the executor's thread. Mutation tried:
+    the handler calling `answer_widgets` itself held the loop for the whole 0.5 s."""
+    real = routes.answer_widgets
+
+    def slow(widgets: Any) -> dict[str, Any]:
+        time.sleep(0.5)  # a call that keeps this thread, not the loop's
+        return real(widgets)
+
+    monkeypatch.setattr(routes, "answer_widgets", slow)
+    (got, body), longest = asyncio.run(_answer_while_ticking(status_handler, {"devices": "cpu x2"}))
+    assert got == 200 and body["phase"] == "idle"
+    assert longest < 0.1, f"the event loop was blocked {longest:.2f} s"
+
+
 def test_the_first_query_naming_devices_imports_nothing_on_the_loop() -> None:
     """Inside ComfyUI torch is imported before the pack: the route's first `devices=` query imported the
     worker-group client (launch, liveness, messages, the checkpoint readers: 44 modules, 3.9 s seen under
