@@ -10,6 +10,7 @@ from a slow one is liveness.py (from the reports each rank writes several times 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -23,12 +24,10 @@ from .launch import (
     Workers,
     bootstrap_command,
     check_seconds,
-    check_threads,
-    validate_devices,
     worker_env,
 )  # fmt: skip
 from .messages import HealthReport, HealthRequest
-from .platforms import DeviceSpec, default_cpu_threads
+from .platforms import DeviceSpec, check_threads, default_cpu_threads, validate_devices
 from .transport import (
     Reply,
     Request,
@@ -36,7 +35,6 @@ from .transport import (
     is_record,
     pack,
     remove_stale_dirs,
-    send,
     uninterrupted,
     unpack,
 )
@@ -48,9 +46,14 @@ HEALTH_TIMEOUT = 60.0
 P2P_FLAG = "NCCL_P2P_DISABLE"
 
 __all__ = [
-    "DEFAULT_WATCHDOG", "PACK_ROOT", "JobTimeout", "ProgressCallback", "Watchdog", "WorkerError", "WorkerGroup",
+    "DEFAULT_WATCHDOG", "PACK_ROOT", "JobCancelled", "JobTimeout", "ProgressCallback", "Watchdog", "WorkerError", "WorkerGroup",
     "bootstrap_command", "check_group_options", "validate_devices",
 ]  # fmt: skip
+
+
+class JobCancelled(WorkerError):
+    """`WorkerGroup.cancel()` ended a loop of calls (`ParallelModel.sample`) between two of them: the user's
+    cancel, not a failure (the group keeps its model). The panel shows it as a cancel (registry.is_cancel)."""
 
 
 def check_group_options(
@@ -133,6 +136,7 @@ class WorkerGroup:
         self._lock = threading.RLock()
         self._job = 0
         self._running: Job | None = None  # the job in flight (`activity` reads it from any thread)
+        self.cancels = 0  # how many times `cancel()` was called: a loop of calls stops when it changes
         self.last_replies: dict[int, Reply] = {}  # what each rank said of the last job (diagnostics)
         self.warnings: list[str] = []  # what start-up changed on its own (shown by the API, nodes, doctor)
         self.health: list[HealthReport] = []  # each rank's health-check figures
@@ -263,9 +267,10 @@ class WorkerGroup:
 
         `progress(step, total)` is called for each step rank 0 reports; if it raises (ComfyUI's interrupt
         does), the job is cancelled at the next step boundary on every rank and the exception re-raised,
-        and so does any exception while waiting (Ctrl+C, even inside a send or a receive): the ranks
-        finish their current step, however long it takes, and the group keeps its model; the next call
-        never sees this job's messages. `timeout` (seconds) cancels the same way, and a job that does not
+        and so does any exception while waiting (Ctrl+C wherever it lands: before the request is sent
+        nothing is waited for, while it is sent every rank gets it first): the ranks finish their current
+        step, however long it takes, and the group keeps its model; the next call never sees this job's
+        messages, nor its files. `timeout` (seconds) cancels the same way, and a job that does not
         stop within `cancel_grace` seconds after that closes the group. `limit`: a hard limit, past which
         the group is closed (the start-up health check).
 
@@ -291,36 +296,39 @@ class WorkerGroup:
             if workers.closed:
                 raise WorkerError("the worker group is closed; start a new one")
             workers.raise_if_exited(f"running {method!r}")  # it died since the last call
+            _sweep(workers.shm)
             self._job += 1
-            job = Job(
-                workers, self._job, method, timeout=timeout, progress=progress, watchdog=watchdog,
-                cancel_grace=cancel_grace, limit=limit, label=label,
-            )  # fmt: skip
-            tag = "request" if reuse_files else f"request-{job.id}"
-            packed = pack(request, workers.shm, tag, reuse=reuse_files)
-            self._running = job
+            job: Job | None = None
+            tag = "request" if reuse_files else f"request-{self._job}"
             try:
-                envelope = Request(job=job.id, method=method, payload=packed, reuse_files=reuse_files)
-                with uninterrupted():  # every rank gets the request, or none does
-                    for rank, conn in enumerate(workers.conns):
-                        try:
-                            send(conn, envelope)
-                        except OSError:  # its process died since the check above
-                            job.lost(rank)
+                # A Ctrl+C from here to the last rank's send is held, and raised once every rank has the
+                # request or none has (Job.send): a job is either not started (nothing to wait for) or
+                # started everywhere (cancelled together, at the same step), never half of each.
+                with uninterrupted():
+                    job = Job(
+                        workers, self._job, method, timeout=timeout, progress=progress, watchdog=watchdog,
+                        cancel_grace=cancel_grace, limit=limit, label=label,
+                    )  # fmt: skip
+                    self._running = job
+                    payload = pack(request, workers.shm, tag, reuse=reuse_files)
+                    job.send(Request(job=job.id, method=method, payload=payload, reuse_files=reuse_files))
                 if while_waiting is not None:
                     while_waiting()
                 job.collect()
+                with uninterrupted():  # each reply's tensor files read and removed whole
+                    results = [
+                        unpack(job.replies[r].result, remove=not reuse_files) for r in range(self.world_size)
+                    ]
             except BaseException as exc:
-                if not job.settled and not workers.closed:
+                if job is not None and not job.settled and not workers.closed:
                     job.stop(exc)
                 raise
             finally:
-                self._running = None
-                self.last_replies = dict(job.replies)
-                for path in files_in(packed) if not reuse_files else ():
-                    _unlink(path)
-                _unlink(job.cancel_path)
-            results = [unpack(job.replies[r].result, remove=not reuse_files) for r in range(self.world_size)]
+                with uninterrupted():  # nothing of this job stays behind, however it ended
+                    self._running = None
+                    if job is not None:
+                        self.last_replies = dict(job.replies)
+                        _remove_files(job, tag, reuse_files)
             job.outcome()
             return results
 
@@ -329,9 +337,12 @@ class WorkerGroup:
         return self.call_all(method, request, **options)[0]
 
     def cancel(self) -> None:
-        """Ask the running job to stop after its current step (safe to call from another thread)."""
-        if not self._workers.closed:
-            Path(self._workers.shm, f"cancel-{self._job}").touch()
+        """Ask the running job to stop after its current step, and a loop of jobs (`ParallelModel.sample`:
+        one model call per step) to stop before its next one (`cancels`). Safe to call from another thread."""
+        self.cancels += 1
+        job = self._running
+        if job is not None and not self._workers.closed:
+            job.cancel()
 
     # ---------------------------------------------------------------- shutdown
 
@@ -345,6 +356,33 @@ class WorkerGroup:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# The files of one job (`pack` names them after the job; the reused ones, `request-0.bin` and
+# `result-1-0.bin`, are rewritten by the next such call and are kept) and cancel flags.
+_JOB_FILES = re.compile(r"(?:request-\d+-\d+-\d+|result-\d+-\d+-\d+-\d+)\.bin|cancel-\d+")
+
+
+def _sweep(shm: str) -> None:
+    """Remove what earlier jobs left in the group's folder: a call removes its own files as it ends, but a
+    Ctrl+C can land before that cleanup starts. Run under the group's lock, with no job in flight."""
+    for name in os.listdir(shm):
+        if _JOB_FILES.fullmatch(name):
+            _unlink(os.path.join(shm, name))
+
+
+def _remove_files(job: Job, tag: str, reused: bool) -> None:
+    """A finished job's files: its cancel flag and, unless they are reused by the next call, the request's
+    tensor files (those `pack` wrote before it failed too) and any reply file nobody read (a job stopped
+    after some ranks had replied)."""
+    _unlink(job.cancel_path)
+    if reused:
+        return
+    for path in Path(job.workers.shm).glob(f"{tag}-*.bin"):
+        _unlink(str(path))
+    for reply in job.replies.values():
+        for path in files_in(reply.result):
+            _unlink(path)
 
 
 def _unlink(path: str) -> None:

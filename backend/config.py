@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .dtypes import WEIGHT_DTYPES, weight_dtype_alias
+from .echo import echo
 
 
 def weight_dtype_name(weight_dtype: str | None) -> str:
@@ -148,7 +149,9 @@ def validate_ulysses_degree(degree: int, dims: ModelDims, tp: int = 1) -> None:
 DEGREES = ("batch", "tp", "ring", "ulysses")
 # What `ParallelLayout.make` and the API accept besides degrees (the API resolves "auto" with the planner).
 LAYOUT_KINDS = ("tp", "context", "auto")
-_DEGREE = re.compile(r"^(batch|tp|ring|ulysses)\s*=?\s*(\d+)$")
+_DEGREE = re.compile(r"^(batch|tp|ring|ulysses)\s*=?\s*([0-9]+)$")
+# A degree is a number of devices: past this no machine has them (and int() of 4300 digits raises).
+MAX_DEGREE = 4096
 SYNTAX = "degrees such as 'batch 2 x tp 2' or 'tp2xring2' (batch, tp, ring, ulysses; each at most once)"
 
 
@@ -228,7 +231,9 @@ class ParallelLayout:
         """'batch 2 x tp 2', 'batch2xtp2', 'tp=2 x ring=2', 'ulysses 4 x tp 2' (any order; a degree not
         named is 1), or 'single': the layout `str` writes. ConfigError naming the part not understood."""
         if not isinstance(text, str):
-            raise ConfigError(f"layout={text!r} is not a layout; use {', '.join(LAYOUT_KINDS)} or {SYNTAX}")
+            raise ConfigError(
+                f"layout={echo(text)} is not a layout; use {', '.join(LAYOUT_KINDS)} or {SYNTAX}"
+            )
         words = text.strip().lower()
         if words == "single":
             return cls()
@@ -237,12 +242,18 @@ class ParallelLayout:
             match = _DEGREE.match(part)
             if match is None:
                 raise ConfigError(
-                    f"layout={text!r} is not a layout: {part!r} is not a degree; use "
+                    f"layout={echo(text)} is not a layout: {echo(part)} is not a degree; use "
                     f"{', '.join(LAYOUT_KINDS)} or {SYNTAX}"
                 )
-            name, value = match.group(1), int(match.group(2))
+            name, digits = match.group(1), match.group(2).lstrip("0") or "0"
+            if len(digits) > 9:  # never int() of thousands of digits; a smaller one check_degrees bounds
+                raise ConfigError(
+                    f"layout={echo(text)}: {name} has a {len(digits)}-digit degree, more than {MAX_DEGREE}; a "
+                    f"degree is a number of devices: use {SYNTAX}"
+                )
+            value = int(digits)
             if name in found:
-                raise ConfigError(f"layout={text!r} names {name} twice; name each degree once ({SYNTAX})")
+                raise ConfigError(f"layout={echo(text)} names {name} twice; name each degree once ({SYNTAX})")
             found[name] = value
         layout = cls(**found)
         layout.check_degrees()
@@ -286,7 +297,14 @@ class ParallelLayout:
         """Every degree a positive integer."""
         for name, value in self.degrees.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name}_degree={value!r} must be a positive integer; use 1 to turn it off")
+                raise ConfigError(
+                    f"{name}_degree={echo(value)} must be a positive integer; use 1 to turn it off"
+                )
+            if value > MAX_DEGREE:
+                raise ConfigError(
+                    f"{name}_degree={echo(value)} is more than {MAX_DEGREE}; a degree is a number of devices: use "
+                    "one that divides yours (e.g. 2), or 1 to turn it off"
+                )
 
     def validate(self, dims: ModelDims, devices: int | None = None) -> None:
         """Raise ConfigError unless this layout works for a model of `dims` on `devices` devices: the

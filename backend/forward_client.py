@@ -25,9 +25,10 @@ import torch
 from torch import Tensor
 
 from .call import CallSpec, check_held_values
-from .client import JobTimeout, ProgressCallback, WorkerError, WorkerGroup
+from .client import JobCancelled, JobTimeout, ProgressCallback, WorkerError, WorkerGroup
 from .messages import DEFAULT_SLOT, Conditioning, ConditioningSlots, ForwardReply, ForwardRequest
 from .sampling import Inputs, SamplingPlan, euler
+from .watch import CANCELLED
 
 _keys = itertools.count(1)
 
@@ -202,11 +203,13 @@ class ForwardClient:
         """`sampling.euler` over this service: every step one `call` on `group`, its inputs from
         `checked(x, sigma, inputs)`; `timeout` bounds the whole loop."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        steps = itertools.count(1)
+        steps, cancels = itertools.count(1), group.cancels
 
         def step(x: Tensor, sigma: Tensor, inputs: Inputs) -> Tensor:
             left = None if deadline is None else deadline - time.monotonic()
             label = f"step {next(steps)} of {plan.steps}"
+            if group.cancels != cancels:  # WorkerGroup.cancel() ends the whole loop, not one call
+                raise JobCancelled(f"'sample' was cancelled (WorkerGroup.cancel) before {label}")
             try:
                 if left is not None and left <= 0:
                     raise JobTimeout("no time left for the next step")
@@ -219,5 +222,9 @@ class ForwardClient:
                 raise JobTimeout(
                     f"'sample' ran past its time limit of {timeout:g} s and was cancelled"
                 ) from exc
+            except WorkerError as exc:  # the call itself stopped at the cancel
+                if exc.remote_type == CANCELLED and group.cancels != cancels:
+                    raise JobCancelled(f"'sample' was cancelled (WorkerGroup.cancel) during {label}") from exc
+                raise
 
         return euler(step, plan, progress, model_dtype)

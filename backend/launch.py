@@ -38,17 +38,7 @@ from .exits import MemoryReading, exit_reason, oom_kill_count
 from .heartbeat import read_state, state_path
 from .liveness import DEFAULT_WATCHDOG, Hang, Liveness, Process, Watchdog, describe
 from .messages import RankState
-from .platforms import (
-    AOTRITON_FLAG,
-    WORKER_HOST_BYTES,
-    DeviceSpec,
-    check_platform,
-    echo_devices,
-    gpu_arch,
-    missing_gpu_error,
-    needs_aotriton_flag,
-    parse_devices,
-)
+from .platforms import AOTRITON_FLAG, gpu_arch, needs_aotriton_flag
 from .transport import Hello, Ready, Request, StorePort, private_dir, recv, send, uninterrupted
 
 T = TypeVar("T")
@@ -79,45 +69,6 @@ class WorkerError(RuntimeError):
         self.remote_traceback = ""  # the worker's own traceback, also attached as a note
 
 
-def validate_devices(devices: DeviceSpec, backend: str | None = None) -> tuple[str, ...]:
-    """Parse (`platforms.parse_devices`: 'all', '0,1', 'cuda:0,cuda:1', 'cpu x2' or a list) and check a
-    device spec before any process starts.
-
-    A GPU may be named twice only with `backend='gloo'` (several workers on one GPU: NCCL/RCCL refuse
-    two ranks on one device; gloo does not care, which lets one GPU test the multi-rank paths)."""
-    normalized = parse_devices(devices)
-    shown = echo_devices(devices)
-    kinds = {d.split(":")[0] for d in normalized}
-    if len(kinds) > 1:
-        raise ConfigError(f"devices={shown} mixes CPU and GPU workers; use only GPUs or only 'cpu'")
-    if "cpu" in kinds:
-        _check_host_memory(len(normalized), devices)
-    if "cuda" in kinds:
-        import torch
-
-        available = torch.cuda.device_count()
-        indices = [int(d.split(":")[1]) for d in normalized]
-        if len(set(indices)) != len(indices) and backend != "gloo":
-            raise ConfigError(
-                f"devices={shown} names a GPU twice; each worker needs its own GPU "
-                "(backend='gloo' allows several workers on one GPU, for testing)"
-            )
-        missing = [i for i in indices if i >= available]
-        if missing:
-            raise missing_gpu_error(devices, missing[0], available)
-    check_platform(normalized, backend)
-    return normalized
-
-
-def check_threads(threads: object) -> None:
-    """`threads`: torch threads per worker, a whole number >= 1, or None (the default for the devices)."""
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise ConfigError(
-            f"threads={threads!r} must be a whole number of torch threads per worker (1 or more), or None "
-            "for the default (CPU workers: the cores shared out; GPUs: torch's own)"
-        )
-
-
 def check_seconds(name: str, value: object, optional: bool = False) -> None:
     """A time limit in seconds: a finite number > 0 (or None when `optional`)."""
     if value is None and optional:
@@ -126,23 +77,6 @@ def check_seconds(name: str, value: object, optional: bool = False) -> None:
     if not number or not 0 < float(value) < float("inf"):  # NaN fails both comparisons
         allowed = "a number of seconds > 0" + (", or None for no limit" if optional else "")
         raise ConfigError(f"{name}={value!r} must be {allowed}")
-
-
-def _check_host_memory(workers: int, devices: DeviceSpec) -> None:
-    """Each CPU worker is a whole Python process with torch and diffusers: bound the count by host RAM.
-    The advice is also bounded by the cores: more CPU workers than cores only share them."""
-    available = psutil.virtual_memory().available
-    most = max(1, int(available // WORKER_HOST_BYTES))
-    if workers > most:
-        cores = os.cpu_count() or 1
-        advice = max(1, min(most, cores))
-        raise ConfigError(
-            f"devices={echo_devices(devices)} asks for {workers} CPU workers, which need at least "
-            f"{workers * WORKER_HOST_BYTES / 1e9:.0f} GB of host memory ({WORKER_HOST_BYTES / 1e9:g} GB each, "
-            "measured on a worker that has loaded a model, besides the model itself) but "
-            f"{available / 1e9:.1f} GB are available; this machine has {cores} core(s), so use "
-            f"'cpu x{advice}' (CPU workers are for testing)"
-        )
 
 
 def bootstrap_command() -> list[str]:

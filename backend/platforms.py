@@ -12,10 +12,17 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 
+import psutil
+
 from .config import ConfigError
+from .echo import ECHO_CHARS, echo
 
 DEVICES_ALL = "all"
-_CPU_TIMES = re.compile(r"^cpu\s*[x*]\s*(\d+)$")
+_CPU_TIMES = re.compile(r"^cpu\s*[x*]\s*([0-9]+)$")
+# Bounds checked before any work, so that no device text costs time or memory to refuse (the status route
+# parses the panel's text on ComfyUI's event loop): 64 GPUs spelled 'cuda:0,...' take 470 characters.
+MAX_DEVICE_TEXT = 1000
+MAX_COUNT_DIGITS = 9  # a count or index past this is beyond any machine; never an int of 10**4300 digits
 # RDNA3 (gfx11xx, RX 7000) and RDNA4 (gfx12xx, RX 9000) get flash/efficient SDPA from AOTriton only
 # with this flag set before torch starts; without it SDPA falls back to the math kernel (~10x slower).
 AOTRITON_FLAG = "TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL"
@@ -73,14 +80,12 @@ def visible_gpus() -> int:
 
 
 DeviceSpec = str | Sequence[str | int]  # "all", "0,1,2,3", "cuda:0,cuda:1", "cpu x2", or a list of devices
-_ECHO_CHARS = 60
 
 
 def echo_devices(spec: DeviceSpec) -> str:
     """`spec` as an error message shows it: whole when short, never a thousand entries."""
     if isinstance(spec, str):
-        text = repr(spec)
-        return text if len(text) <= _ECHO_CHARS else f"{text[: _ECHO_CHARS - 4]}...' ({len(spec)} characters)"
+        return echo(spec)
     items = list(spec)
     if len(items) <= 8:
         return repr(items)
@@ -92,9 +97,10 @@ def parse_devices(spec: DeviceSpec, visible: Callable[[], int] | None = None) ->
 
     "all" (or empty): every visible GPU, an error naming the torch build when there is none (a CPU-only
     torch would otherwise run a GPU workflow on two CPU workers without saying so). "0,1,2,3" or
-    "cuda:0, cuda:1": those GPUs. "cpu x2" (or "cpu*2", "cpu, cpu"): CPU workers, for testing. A list
-    (Python): its items, each a GPU index, 'cuda:N' or 'cpu'. Whether those GPUs exist is
-    `launch.validate_devices`'s question, not this one's.
+    "cuda:0, cuda:1": those GPUs. "cpu x2" (or "cpu*2", "cpu, cpu"): CPU workers, for testing, at most
+    as many as this machine's memory holds (`check_cpu_workers`). A list (Python): its items, each a GPU
+    index, 'cuda:N' or 'cpu'. Whether those GPUs exist is `validate_devices`'s question, not this one's.
+    A text's length and counts are bounded before they cost anything (`MAX_DEVICE_TEXT`, `MAX_COUNT_DIGITS`).
     """
     if not isinstance(spec, str):
         items = list(spec)
@@ -103,6 +109,11 @@ def parse_devices(spec: DeviceSpec, visible: Callable[[], int] | None = None) ->
                 "devices=[] is empty; give at least one device, e.g. 'all', 'cuda:0,cuda:1' or 'cpu x2'"
             )
         return tuple(_device(item, spec) for item in items)
+    if len(spec) > MAX_DEVICE_TEXT:
+        raise ConfigError(
+            f"devices={echo_devices(spec)} is longer than {MAX_DEVICE_TEXT} characters; a device list is "
+            "short: 'all', '0,1,2,3', 'cuda:0,cuda:1' or 'cpu x2'"
+        )
     text = spec.strip().lower()
     if text in ("", DEVICES_ALL):
         count = (visible or visible_gpus)()
@@ -111,13 +122,90 @@ def parse_devices(spec: DeviceSpec, visible: Callable[[], int] | None = None) ->
         return tuple(f"cuda:{i}" for i in range(count))
     match = _CPU_TIMES.match(text)
     if match:
-        workers = int(match.group(1))
-        if workers < 1:
+        digits = match.group(1).lstrip("0") or "0"
+        workers = int(digits) if len(digits) <= MAX_COUNT_DIGITS else None
+        if workers == 0:
             raise ConfigError(
-                f"devices={echo_devices(spec)} asks for {workers} CPU workers; use at least 1, e.g. 'cpu x2'"
+                f"devices={echo_devices(spec)} asks for 0 CPU workers; use at least 1, e.g. 'cpu x2'"
             )
-        return ("cpu",) * workers
+        check_cpu_workers(workers if workers is not None else len(digits), spec, digits=workers is None)
+        return ("cpu",) * workers  # type: ignore[operator]  # bounded just above
     return tuple(_device(item, spec) for item in text.split(","))
+
+
+def cpu_worker_bound() -> tuple[int, float, int]:
+    """(most CPU workers this machine's available memory holds, that memory in bytes, its cores)."""
+    available = psutil.virtual_memory().available
+    return max(1, int(available // WORKER_HOST_BYTES)), available, os.cpu_count() or 1
+
+
+def check_cpu_workers(workers: int, devices: DeviceSpec, *, digits: bool = False) -> None:
+    """Each CPU worker is a whole Python process with torch and diffusers: bound the count by host RAM.
+    The advice is also bounded by the cores: more CPU workers than cores only share them. `digits`:
+    `workers` is the number of digits of a count too large to write out."""
+    most, available, cores = cpu_worker_bound()
+    if workers <= most and not digits:
+        return
+    advice = f"this machine has {cores} core(s), so use 'cpu x{max(1, min(most, cores))}' (CPU workers are for testing)"
+    if digits:
+        raise ConfigError(
+            f"devices={echo_devices(devices)} asks for a {workers}-digit number of CPU workers; "
+            f"{available / 1e9:.1f} GB of host memory are available, enough for at most {most} "
+            f"({WORKER_HOST_BYTES / 1e9:g} GB each, measured on a worker that has loaded a model); {advice}"
+        )
+    raise ConfigError(
+        f"devices={echo_devices(devices)} asks for {workers} CPU workers, which need at least "
+        f"{workers * WORKER_HOST_BYTES / 1e9:.0f} GB of host memory ({WORKER_HOST_BYTES / 1e9:g} GB each, "
+        "measured on a worker that has loaded a model, besides the model itself) but "
+        f"{available / 1e9:.1f} GB are available; {advice}"
+    )
+
+
+def validate_devices(devices: DeviceSpec, backend: str | None = None) -> tuple[str, ...]:
+    """Parse (`parse_devices`: 'all', '0,1', 'cuda:0,cuda:1', 'cpu x2' or a list) and check a device spec
+    against this machine before any process starts. Cheap: the status route runs it for the panel.
+
+    A GPU may be named twice only with `backend='gloo'` (several workers on one GPU: NCCL/RCCL refuse
+    two ranks on one device; gloo does not care, which lets one GPU test the multi-rank paths)."""
+    normalized = parse_devices(devices)
+    shown = echo_devices(devices)
+    kinds = {d.split(":")[0] for d in normalized}
+    if len(kinds) > 1:
+        raise ConfigError(f"devices={shown} mixes CPU and GPU workers; use only GPUs or only 'cpu'")
+    if "cpu" in kinds:
+        check_cpu_workers(len(normalized), devices)
+    if "cuda" in kinds:
+        import torch
+
+        available = torch.cuda.device_count()
+        indices = [int(d.split(":")[1]) for d in normalized]
+        if len(set(indices)) != len(indices) and backend != "gloo":
+            raise ConfigError(
+                f"devices={shown} names a GPU twice; each worker needs its own GPU "
+                "(backend='gloo' allows several workers on one GPU, for testing)"
+            )
+        missing = [i for i in indices if i >= available]
+        if missing:
+            raise missing_gpu_error(devices, missing[0], available)
+    check_platform(normalized, backend)
+    return normalized
+
+
+def check_threads(threads: object, cores: int | None = None) -> None:
+    """`threads`: torch threads per worker, a whole number from 1 to this machine's cores, or None (the
+    default for the devices). More threads than cores only share them; 10**9 made the worker's thread
+    pool fail with std::bad_alloc."""
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ConfigError(
+            f"threads={threads!r} must be a whole number of torch threads per worker (1 or more), or None "
+            "for the default (CPU workers: the cores shared out; GPUs: torch's own)"
+        )
+    cores = cores or os.cpu_count() or 1
+    if threads is not None and threads > cores:
+        raise ConfigError(
+            f"threads={echo(threads)} is more than this machine's {cores} cores; use 1 to {cores} torch threads per "
+            "worker, or None for the default (CPU workers: the cores shared out; GPUs: torch's own)"
+        )
 
 
 PRICE_A_COUNT = "or give a count to price GPUs that are not here (--devices 4)"
@@ -129,7 +217,7 @@ def planned_gpus(spec: str) -> tuple[int, float | None]:
     machine's GPUs. -> (count, the smallest named GPU's memory in GB, None for a count). CPU workers are
     refused: the planner prices GPU memory, links and TFLOPS."""
     text = spec.strip()
-    if text.isdigit():
+    if text.isascii() and text.isdigit() and len(text.lstrip("0")) <= MAX_COUNT_DIGITS:
         if int(text) < 1:
             raise ConfigError(
                 f"devices={echo_devices(spec)} prices no GPU; give a count of 1 or more, e.g. 4"
@@ -159,17 +247,21 @@ def _device(item: str | int, spec: DeviceSpec) -> str:
         name = str(item)
     else:
         name = str(item).strip().lower()
-    if name.isdigit():
-        return f"cuda:{int(name)}"
-    if name == "cuda":
-        return "cuda:0"
-    if name == "cpu" or re.fullmatch(r"cuda:\d+", name):
-        return name
-    if re.fullmatch(r"cuda:-\d+", name):
+    index = name.removeprefix("cuda:")
+    if index.isascii() and index.isdigit() and (name.startswith("cuda:") or index == name):
+        if len(index.lstrip("0")) > MAX_COUNT_DIGITS:
+            raise ConfigError(
+                f"devices={echo_devices(spec)}: GPU index {index[:12]}... ({len(index)} digits) is beyond any "
+                "machine's; GPUs are numbered 0, 1, ... as rocm-smi / nvidia-smi list them (or use 'all')"
+            )
+        return f"cuda:{int(index)}"
+    if name in ("cuda", "cpu"):
+        return "cuda:0" if name == "cuda" else name
+    if re.fullmatch(r"cuda:-[0-9]+", name):
         raise ConfigError(
             f"devices={echo_devices(spec)}: a GPU is named 'cuda:N' with N = 0, 1, ... (an index, not {name!r})"
         )
-    shown = repr(name) if len(name) <= _ECHO_CHARS else f"{name[:_ECHO_CHARS]!r}..."
+    shown = repr(name) if len(name) <= ECHO_CHARS else f"{name[:ECHO_CHARS]!r}..."
     raise ConfigError(
         f"devices={echo_devices(spec)}: {shown} is not a device; use 'all', GPU indices like '0,1,2,3', "
         "'cuda:0,cuda:1' or CPU workers like 'cpu x2'"

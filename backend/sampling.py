@@ -74,7 +74,14 @@ def check_seed(seed: Any) -> None:
 
 
 def checked_sigmas(sigmas: Sequence[float] | torch.Tensor) -> torch.Tensor:
-    """A SIGMAS input: finite, never increasing (noise goes down step by step), at least one step."""
+    """A SIGMAS input: finite, never increasing (noise goes down step by step), at least one step, at most
+    MAX_STEPS (its length is bounded before it is read: a list of a million passed the steps bound)."""
+    count = sigmas.numel() if torch.is_tensor(sigmas) else len(sigmas)
+    if count > MAX_STEPS + 1:
+        raise ConfigError(
+            f"sigmas holds {count} values ({count - 1} steps); at most {MAX_STEPS + 1} ({MAX_STEPS} steps, as "
+            "ComfyUI's KSampler allows): use a scheduler's output, e.g. BasicScheduler with fewer steps"
+        )
     schedule = torch.as_tensor(sigmas, dtype=torch.float32).flatten().cpu()
     check_finite("sigmas", schedule, "check the scheduler node that made them")
     rising = [i for i in range(len(schedule) - 1) if schedule[i + 1] > schedule[i]]
@@ -323,6 +330,9 @@ def make_plan(
     if noise_mask is not None:
         if not torch.is_tensor(noise_mask) or noise_mask.ndim < 2:
             raise ConfigError("noise_mask must be a tensor [..., height, width] (SetLatentNoiseMask output)")
+        check_finite(
+            "noise_mask", noise_mask, "check the node that made the mask (SetLatentNoiseMask, a mask editor)"
+        )
         check_real("noise_mask", noise_mask)
         check_finite("noise_mask", noise_mask, "make the mask again (SetLatentNoiseMask, or a mask node)")
         mask = latent_mask(noise_mask, work.shape)

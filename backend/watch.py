@@ -20,7 +20,7 @@ from typing import NoReturn
 
 from .launch import WorkerError, Workers
 from .liveness import DEFAULT_WATCHDOG, Hang, Liveness, Watchdog, describe
-from .transport import Progress, Reply, recv, uninterrupted
+from .transport import Progress, Reply, Request, recv, send, uninterrupted
 
 CANCELLED = "JobCancelled"  # the workers' error type for a job stopped by a cancel: not a failure
 POLL = 0.2  # seconds between looks at the ranks' reports while waiting
@@ -62,6 +62,8 @@ class Job:
         self.interrupt: BaseException | None = None  # the caller's exception, or a JobTimeout
         self.first_error: Reply | None = None  # the failure itself, not the peers' cancels it caused
         self.cancel_deadline: float | None = None
+        self.sent: list[int] = []  # the ranks that have the request (Job.send): the ones to wait for
+        self.request: Request | None = None
         self.started = time.monotonic()
         self.liveness: Liveness = workers.begin(method, id, watchdog)
 
@@ -69,13 +71,27 @@ class Job:
 
     @property
     def pending(self) -> list[int]:
-        """The ranks that have not replied yet."""
-        return [r for r in range(len(self.workers.devices)) if r not in self.replies]
+        """The ranks that have the request and have not replied yet."""
+        return [r for r in self.sent if r not in self.replies]
 
     @property
     def settled(self) -> bool:
-        """Every rank replied: nothing of this job can reach a later call."""
+        """Every rank that has the request replied (none has it: nothing to wait for): nothing of this job
+        can reach a later call."""
         return not self.pending
+
+    def send(self, request: Request) -> None:
+        """The request to every rank that lacks it, each recorded once it has it. A rank whose process died
+        since the last check is lost (the group is stopped)."""
+        self.request = request
+        for rank, conn in enumerate(self.workers.conns):
+            if rank in self.sent:
+                continue
+            try:
+                send(conn, request)
+            except OSError:
+                self.lost(rank)
+            self.sent.append(rank)
 
     @property
     def cancel_path(self) -> str:
@@ -216,10 +232,14 @@ class Job:
         """After the caller's exception (Ctrl+C, an error while waiting): cancel and wait for every rank's
         reply, so nothing of this job reaches a later call and the group keeps its model. The ranks finish
         their current step first, however long it takes, unless one hangs; a second Ctrl+C closes the
-        group at once."""
+        group at once. A request that reached some ranks only (an exception from the send itself) is sent to
+        the rest too, after the cancel: the ranks that have it would otherwise wait for the others in its
+        first collective; all of them stop at the same step instead."""
         self.cancel()
         conns, hinted, since = self.workers.conns, False, time.monotonic()
         try:
+            if self.sent and self.request is not None:
+                self.send(self.request)
             while not self.settled and self.workers.running:
                 for conn in wait([conns[r] for r in self.pending], timeout=POLL):
                     with uninterrupted():

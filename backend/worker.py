@@ -32,6 +32,7 @@ from datetime import timedelta
 from multiprocessing.connection import Client, Connection
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -264,7 +265,21 @@ def _describe_failure(ctx: WorkerContext, exc: BaseException) -> str:
             f"out of memory on {where}: {first_line}. To fit: use more GPUs, use tensor parallelism "
             "(it splits the weights; context parallelism keeps a full copy per GPU), or lower the resolution"
         )
+    if isinstance(exc, MemoryError):  # Python's own allocator: host memory, whatever the device
+        return host_memory_message(ctx.rank, ctx.world_size, str(ctx.device), exc)
     return f"{type(exc).__name__}: {exc}"
+
+
+def host_memory_message(rank: int, world_size: int, device: str, exc: MemoryError) -> str:
+    """A MemoryError said nothing ('MemoryError: '): what ran out, how much is left, and the fix."""
+    memory = psutil.virtual_memory()
+    detail = str(exc).strip() or "an allocation failed"
+    return (
+        f"out of host memory on rank {rank} of {world_size} ({device}): MemoryError ({detail}); "
+        f"{memory.available / 1e9:.1f} of {memory.total / 1e9:.1f} GB of host memory are available now. To fit: "
+        "close other programs, use fewer CPU workers, lower the resolution or the batch, or keep the weights in "
+        "fp8 (weight_dtype)"
+    )
 
 
 def _run(request: Request, ctx: WorkerContext) -> Any:

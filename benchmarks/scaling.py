@@ -26,8 +26,8 @@ import torch
 
 from ..backend.config import ConfigError, ParallelLayout
 from ..backend.flux.dims import FluxDims
-from ..backend.launch import validate_devices
 from ..backend.plan import Setup, estimate
+from ..backend.platforms import validate_devices
 from ..backend.text import GB, MB
 from ..testing.helpers import DEMO_CONFIG as CONFIG
 from ..testing.helpers import write_random_checkpoint

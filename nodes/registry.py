@@ -7,13 +7,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ..backend.redact import file_name, file_names_only
 from .inputs import describe_layout
 
 if TYPE_CHECKING:
@@ -28,11 +28,6 @@ THREADS_ENV = "ROCM_PARALLEL_THREADS"
 # ComfyUI's Cancel raises comfy.model_management.InterruptProcessingException; matched by name because
 # this module never imports ComfyUI. A JobTimeout is not a cancel: it is shown as an error.
 _CANCELS = ("InterruptProcessingException", "KeyboardInterrupt", "JobCancelled")
-_LISTING = re.compile(r"(?:; |, )?'[^']*' has: .*?(?:\.(?= [A-Z])|\.?$)")
-# A quoted path (the backend quotes every path it names), whatever it holds: spaces, '~', a drive letter.
-_QUOTED = re.compile(r"(['\"])([^'\"\n]*[/\\][^'\"\n]*)\1")
-# An unquoted absolute or home path: folders may hold spaces (up to the next separator), the file name not.
-_UNQUOTED = re.compile(r"(?<![\w.])(?:~|[A-Za-z]:)?[/\\](?:[^/\\'\"\n;,]+?[/\\])*([^\s/\\'\";,]*)")
 
 
 def is_cancel(exc: BaseException) -> bool:
@@ -43,13 +38,7 @@ def is_cancel(exc: BaseException) -> bool:
 def public_text(text: str) -> str:
     """`text` with every path shortened to its file name and folder listings dropped (the status route is
     readable by anyone who reaches ComfyUI's port: no folder name may leak, whatever it holds)."""
-    text = _LISTING.sub(".", text)
-    text = _QUOTED.sub(lambda m: m.group(1) + _file_name(m.group(2)) + m.group(1), text)
-    return _UNQUOTED.sub(lambda m: m.group(1), text)
-
-
-def _file_name(path: str) -> str:
-    return next((part for part in reversed(re.split(r"[/\\]", path)) if part), "")
+    return file_names_only(text)
 
 
 def public_error(exc: BaseException) -> str:
@@ -83,7 +72,7 @@ def threads_from_env() -> int | None:
     text = os.environ.get(THREADS_ENV, "").strip()
     if not text:
         return None
-    if not text.isdigit() or int(text) < 1:
+    if not (text.isascii() and text.isdigit() and len(text) <= 9) or int(text) < 1:  # never int('²')
         from ..backend.config import ConfigError
 
         raise ConfigError(
@@ -150,9 +139,9 @@ class Registry:
             state = dict(self.state)
         for key in ("checkpoint", "loading"):
             if state.get(key):
-                state[key] = _file_name(str(state[key]))
+                state[key] = file_name(str(state[key]))
         state["models"] = [
-            {**m, "checkpoint": _file_name(str(m["checkpoint"]))} for m in state.get("models") or ()
+            {**m, "checkpoint": file_name(str(m["checkpoint"]))} for m in state.get("models") or ()
         ]
         for key in ("error", "last", "evicted"):
             if state.get(key):
@@ -241,8 +230,8 @@ def loader_request(checkpoint: str, devices: str, preload: str) -> dict[str, Any
     """What a loader with these widgets would ask the workers for: its checkpoint's file name, the devices
     its text names (None when refused: the queue will say why) and, for preload 'tp' / 'context', the
     layout ('auto' and 'none' leave the layout to the planner or the sampler: None)."""
-    from ..backend.client import validate_devices
     from ..backend.config import ConfigError, ParallelLayout
+    from ..backend.platforms import validate_devices  # cheap: the status route runs it
     from .inputs import parse_devices, tp_layout
 
     try:
@@ -260,7 +249,7 @@ def loader_request(checkpoint: str, devices: str, preload: str) -> dict[str, Any
             layout = describe_layout(made)
         except ConfigError:
             layout = None
-    return {"checkpoint": _file_name(checkpoint) or None, "devices": wanted, "layout": layout}
+    return {"checkpoint": file_name(checkpoint) or None, "devices": wanted, "layout": layout}
 
 
 def _group_text(checkpoint: str | None, devices: Sequence[str], layout: str | None) -> str:

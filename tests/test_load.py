@@ -207,8 +207,7 @@ def test_missing_file_lists_the_folder(tmp_path: Path) -> None:
         "old/. Pick one of those, or put the FLUX file into that folder"
     )
     assert _error(tmp_path / "nope" / "x.safetensors") == (
-        f"checkpoint '{tmp_path}/nope/x.safetensors' does not exist, nor does its folder '{tmp_path}/nope'; "
-        "check the path"
+        f"checkpoint '{tmp_path}/nope/x.safetensors' does not exist, nor does its folder; check the path"
     )
 
 

@@ -65,7 +65,7 @@ def test_bad_backend_is_refused() -> None:
 
 def test_one_gpu_twice_needs_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr("rocm_parallel.backend.launch.check_platform", lambda *a, **k: None)
+    monkeypatch.setattr("rocm_parallel.backend.platforms.check_platform", lambda *a, **k: None)
     with pytest.raises(
         ConfigError, match=r"names a GPU twice; each worker needs its own GPU \(backend='gloo'"
     ):

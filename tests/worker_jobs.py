@@ -112,6 +112,21 @@ def scale(ctx, request: Scale) -> Scaled:
     return Scaled(ctx.rank, request.tensor * (ctx.rank + 1), tuple(sorted(os.listdir(ctx.shm_dir))))
 
 
+@handler("reduce_scaled", Scale)
+def reduce_scaled(ctx, request: Scale) -> Scaled:
+    """Every rank's `tensor * (rank + 1)`, summed over the ranks: a collective on a tensor sent in a file."""
+    total = request.tensor * (ctx.rank + 1)
+    dist.all_reduce(total)
+    return Scaled(ctx.rank, total, ())
+
+
+@handler("memory_error", OnRank)
+def memory_error(ctx, request: OnRank) -> None:
+    """A real MemoryError on `rank`: Python's allocator refuses 4 EiB (nothing is taken)."""
+    if ctx.rank == request.rank:
+        bytearray(2**62)
+
+
 @handler("out_of_memory", OnRank)
 def out_of_memory(ctx, request: OnRank) -> None:
     if ctx.rank == request.rank:

@@ -8,6 +8,8 @@ so callers that catch bad input catch it too.
 from __future__ import annotations
 
 import json
+import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +17,7 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 
 from ..config import ConfigError
+from ..redact import listing_text, quoted
 
 # ComfyUI's full checkpoints (and some diffusion_models files) put the transformer under this prefix.
 COMFY_PREFIX = "model.diffusion_model."
@@ -36,12 +39,49 @@ class StoredTensor:
 
 
 def listing(folder: Path, limit: int = 12) -> str:
-    """What `folder` holds, for messages: its first `limit` names (folders marked with '/')."""
+    """What `folder` holds, for messages: its first `limit` names (folders marked with '/'; a name that is
+    not plain is quoted, so the public text can drop the listing whole: redact.listing_text)."""
     names = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
     if not names:
         return "nothing (it is empty)"
     more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
+    return listing_text(names[:limit]) + more
+
+
+# What the kernel serves as files: reading a FIFO waits for a writer forever, a device never ends or
+# fails (/dev/zero, /dev/sda), a file of /proc or /sys is the kernel's data (/proc/self/mem fails with EIO).
+_SPECIAL = (
+    (stat.S_ISFIFO, "a named pipe (FIFO): reading it waits for a writer"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+_KERNEL_FOLDERS = ("/proc", "/sys")
+
+
+def special_kind(path: Path) -> str | None:
+    """What `path` (a link: what it names) is when it is no file to read a model from; None for a regular
+    file or folder outside /proc and /sys. Decided from its type alone: nothing is opened."""
+    mode = os.stat(path).st_mode
+    for test, kind in _SPECIAL:
+        if test(mode):
+            return kind
+    real = os.path.realpath(path)
+    for folder in _KERNEL_FOLDERS:
+        try:
+            kernel = os.stat(folder).st_dev == os.stat(path).st_dev
+        except OSError:  # no such folder here (not Linux)
+            kernel = False
+        if kernel or real == folder or real.startswith(folder + "/"):
+            return f"a file of {folder}, the kernel's own data"
+    return None
+
+
+def refuse_special(path: Path, what: str, fix: str) -> None:
+    """ConfigError (`CheckpointError`) for a named pipe, device, socket or kernel file given as `what`."""
+    kind = special_kind(path)
+    if kind is not None:
+        raise CheckpointError(f"{what} {quoted(path)} is {kind}, not a file of weights; {fix}")
 
 
 def missing_checkpoint(path: Path) -> CheckpointError:
@@ -49,12 +89,10 @@ def missing_checkpoint(path: Path) -> CheckpointError:
     parent = path.parent
     if parent.is_dir():
         return CheckpointError(
-            f"checkpoint '{path}' does not exist; '{parent}' has: {listing(parent)}. "
+            f"checkpoint {quoted(path)} does not exist; {quoted(parent)} has: {listing(parent)}. "
             "Pick one of those, or put the FLUX file into that folder"
         )
-    return CheckpointError(
-        f"checkpoint '{path}' does not exist, nor does its folder '{parent}'; check the path"
-    )
+    return CheckpointError(f"checkpoint {quoted(path)} does not exist, nor does its folder; check the path")
 
 
 def starts_like_safetensors(head: bytes, size: int) -> bool:
@@ -66,15 +104,20 @@ def starts_like_safetensors(head: bytes, size: int) -> bool:
     return len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") <= size - 8
 
 
+CHECKPOINT_FIX = "pass a .safetensors checkpoint (or a diffusers folder) from models/diffusion_models"
+
+
 def check_file_kind(path: Path) -> None:
-    """Recognize the formats people mistake for safetensors by their first bytes."""
+    """Recognize the formats people mistake for safetensors by their first bytes (special files by their
+    type, before anything is opened)."""
+    refuse_special(path, "checkpoint", CHECKPOINT_FIX)
     with open(path, "rb") as f:
         head = f.read(9)
     if starts_like_safetensors(head, path.stat().st_size) or is_gguf(path, head):
         return
     if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":
         raise CheckpointError(
-            f"'{path}' is a PyTorch pickle (torch.save / .ckpt / .bin), not safetensors; convert it with "
+            f"{quoted(path)} is a PyTorch pickle (torch.save / .ckpt / .bin), not safetensors; convert it with "
             "safetensors.torch.save_file(torch.load(path, weights_only=True), 'model.safetensors')"
         )
 
@@ -123,7 +166,7 @@ def read_header(path: Path) -> tuple[dict[str, StoredTensor], dict[str, str]]:
             return out, dict(f.metadata() or {})
     except SafetensorError as err:
         raise CheckpointError(
-            f"'{path}' is truncated or corrupt: {truncation_detail(path, err)}. Download or copy it again"
+            f"{quoted(path)} is truncated or corrupt: {truncation_detail(path, err)}. Download or copy it again"
         ) from err
 
 
@@ -136,6 +179,7 @@ def numel(shape: tuple[int, ...]) -> int:
 
 
 __all__ = [
+    "CHECKPOINT_FIX",
     "COMFY_PREFIX",
     "CheckpointError",
     "StoredTensor",
@@ -145,6 +189,8 @@ __all__ = [
     "missing_checkpoint",
     "numel",
     "read_header",
+    "refuse_special",
+    "special_kind",
     "starts_like_safetensors",
     "truncation_detail",
 ]

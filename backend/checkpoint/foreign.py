@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+from ..redact import quoted
 from .files import CheckpointError, StoredTensor
 
 INSTEAD = (
@@ -44,7 +45,7 @@ def refuse_foreign_quantization(path: Path, header: Mapping[str, StoredTensor]) 
         key = next((k for k in sorted(header) if k.endswith(suffix)), None)
         if key is not None:
             raise CheckpointError(
-                f"'{path}' is {name} (tensor '{key}'); this loader does not read that quantization. {INSTEAD}"
+                f"{quoted(path)} is {name} (tensor '{key}'); this loader does not read that quantization. {INSTEAD}"
             )
 
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ..redact import quoted
 from ..config import ConfigError, validate_tp_degree
 from ..parallel.ggml import QUANTIZED, block_scales, dequantize, is_quantized, row_bytes
 from .files import CheckpointError, StoredTensor, numel
@@ -81,14 +82,14 @@ def read_gguf_header(path: Path) -> tuple[dict[str, StoredTensor], dict[str, str
     except Exception as err:  # the reader raises ValueError, IndexError, struct errors, ... for damage
         size = path.stat().st_size
         raise CheckpointError(
-            f"'{path}' is truncated or corrupt: the gguf package cannot read its header ({size} bytes; "
+            f"{quoted(path)} is truncated or corrupt: the gguf package cannot read its header ({size} bytes; "
             f"{type(err).__name__}: {err}). Download or copy it again"
         ) from err
     fields = _fields(reader)
     arch = fields.get(ARCH, "")
     if arch in TEXT_ARCHS:
         raise CheckpointError(
-            f"'{path}' is a GGUF text encoder (architecture '{arch}'), not a diffusion model: load it with "
+            f"{quoted(path)} is a GGUF text encoder (architecture '{arch}'), not a diffusion model: load it with "
             "ComfyUI-GGUF's CLIPLoader (GGUF) and pick a FLUX or Qwen-Image diffusion model here"
         )
     tensors: dict[str, StoredTensor] = {}
@@ -97,12 +98,12 @@ def read_gguf_header(path: Path) -> tuple[dict[str, StoredTensor], dict[str, str
         qtype = t.tensor_type.name
         if ORIG_SHAPE + t.name in reader.fields:
             raise CheckpointError(
-                f"'{path}': tensor '{t.name}' was reshaped by ComfyUI-GGUF's converter (an SD1/SDXL file); "
+                f"{quoted(path)}: tensor '{t.name}' was reshaped by ComfyUI-GGUF's converter (an SD1/SDXL file); "
                 "FLUX and Qwen-Image files are never reshaped, so this is not one of them"
             )
         if qtype not in PLAIN and not is_quantized(qtype):
             raise CheckpointError(
-                f"'{path}': tensor '{t.name}' is stored as {qtype}; the pack reads the GGML types "
+                f"{quoted(path)}: tensor '{t.name}' is stored as {qtype}; the pack reads the GGML types "
                 f"ComfyUI-GGUF dequantizes on the GPU ({supported_types()}). {FIX}"
             )
         shape = tuple(int(v) for v in reversed(t.shape.tolist()))
@@ -111,12 +112,12 @@ def read_gguf_header(path: Path) -> tuple[dict[str, StoredTensor], dict[str, str
     del reader  # closes the memory map
     if not tensors:
         raise CheckpointError(
-            f"'{path}' is a GGUF file without tensors ({len(fields)} header fields); it is damaged or holds no "
+            f"{quoted(path)} is a GGUF file without tensors ({len(fields)} header fields); it is damaged or holds no "
             "model. Download or copy it again"
         )
     if end > path.stat().st_size:
         raise CheckpointError(
-            f"'{path}' is truncated or corrupt: its header promises {end} bytes but the file has "
+            f"{quoted(path)} is truncated or corrupt: its header promises {end} bytes but the file has "
             f"{path.stat().st_size}. Download or copy it again"
         )
     return tensors, fields
@@ -281,7 +282,7 @@ def check_block_splits(info: CheckpointInfo, tp: int, resolved: dict[str, Any] |
         else "no tensor-parallel degree keeps its blocks whole: use context parallelism (ring / ulysses)"
     )
     raise CheckpointError(
-        f"'{info.path}': tp_degree={tp} would split the rows of tensor '{stored.key}' ({stored.dtype}, blocks "
+        f"{quoted(info.path)}: tp_degree={tp} would split the rows of tensor '{stored.key}' ({stored.dtype}, blocks "
         f"of {block} values, {stored.shape[-1]} values per row) at value {edge}, inside a quantization "
         f"block; each rank must hold whole blocks. {use[0].upper() + use[1:]}, or a file with smaller blocks "
         "(Q8_0, Q4_0: 32 values)"

@@ -28,13 +28,16 @@ from ..config import ModelDims, weight_dtype_name
 from ..dtypes import COMPUTE_DTYPES, LOADABLE_DTYPES, WEIGHT_DTYPES, compute_dtype_named, stored_dtype
 from ..family import ModelFamily, detect_bfl, detect_diffusers, families, family_for_class, get_family
 from ..parallel.ggml import is_quantized
+from ..redact import quoted
 from .files import (
+    CHECKPOINT_FIX,
     CheckpointError,
     StoredTensor,
     listing,
     missing_checkpoint,
     numel,
     read_header,
+    refuse_special,
 )
 from .foreign import refuse_foreign_quantization
 from .gguf import tensor_bytes, torch_name
@@ -141,19 +144,19 @@ def _check_shapes(
     missing = sorted(set(expected) - set(found))
     if missing:
         raise CheckpointError(
-            f"'{path}' lacks {len(missing)} {title} tensors (e.g. '{missing[0]}'); the file is incomplete "
+            f"{quoted(path)} lacks {len(missing)} {title} tensors (e.g. '{missing[0]}'); the file is incomplete "
             "or a different model. Download the full checkpoint again"
         )
     unknown = sorted(set(found) - set(expected))
     if unknown:
         raise CheckpointError(
-            f"'{path}' has {len(unknown)} tensors {title} does not (e.g. '{unknown[0]}'); "
+            f"{quoted(path)} has {len(unknown)} tensors {title} does not (e.g. '{unknown[0]}'); "
             f"it is a {title} variant this loader does not know"
         )
     for key, shape in expected.items():
         if found[key] != shape:
             raise CheckpointError(
-                f"'{path}': tensor '{key}' has shape {list(found[key])} but this {title} layout needs "
+                f"{quoted(path)}: tensor '{key}' has shape {list(found[key])} but this {title} layout needs "
                 f"{list(shape)}; the checkpoint is not a {title} transformer"
             )
 
@@ -167,7 +170,7 @@ def _dtype_names(tensors: Iterable[StoredTensor], path: str) -> tuple[str, ...]:
         stored = stored_dtype(t.dtype)
         if stored is None or not stored.loadable:
             raise CheckpointError(
-                f"'{path}': tensor '{t.key}' is stored as {t.dtype}; supported stored dtypes are "
+                f"{quoted(path)}: tensor '{t.key}' is stored as {t.dtype}; supported stored dtypes are "
                 f"{', '.join(d.safetensors for d in LOADABLE_DTYPES)}. Use a bf16, fp16, fp32 or fp8 "
                 "safetensors checkpoint"
             )
@@ -186,15 +189,15 @@ def _bfl_info(
     """`header`: the file's transformer tensors under keys without `prefix`, in any spelling ComfyUI loads;
     resolved here, once, to the family's BFL names (the StoredTensors keep the file's keys, so the readers
     never see a spelling)."""
-    tensors = family.keys.bfl_names(header, f"'{path}'")
+    tensors = family.keys.bfl_names(header, quoted(path))
     shapes = {k: t.shape for k, t in tensors.items()}
     try:
         config = family.config_from_bfl(shapes)
     except CheckpointError as err:  # the shape readers know no path
-        raise CheckpointError(f"'{path}': {err}") from None
+        raise CheckpointError(f"{quoted(path)}: {err}") from None
     if config["attention_head_dim"] % 8:
         raise CheckpointError(
-            f"'{path}': head width {config['attention_head_dim']} is not a multiple of 8; "
+            f"{quoted(path)}: head width {config['attention_head_dim']} is not a multiple of 8; "
             f"not a {family.title} transformer"
         )
     _check_shapes(str(path), shapes, family.bfl_shapes(config), family.title)
@@ -219,7 +222,7 @@ def _diffusers_info(
             config = family.config_from_diffusers(shapes)
         except ValueError as err:
             raise CheckpointError(
-                f"'{path}' has diffusers keys but is not a {family.title} transformer: {err}"
+                f"{quoted(path)} has diffusers keys but is not a {family.title} transformer: {err}"
             ) from None
     _check_shapes(str(path), shapes, family.parameter_shapes(config), family.title)
     sources = {k: (t, None) for k, t in tensors.items()}
@@ -301,7 +304,7 @@ def _inspect_file(path: Path) -> CheckpointInfo:
     if family is not None:
         return _diffusers_info(path, (str(path),), header, None, family, scales, quantization)
     raise CheckpointError(
-        f"'{path}' is not a {_known_families()} checkpoint: {describe_keys(raw)}. "
+        f"{quoted(path)} is not a {_known_families()} checkpoint: {describe_keys(raw)}. "
         f"Pick a {_known_families()} transformer file (e.g. {_example_files()}) from models/diffusion_models"
     )
 
@@ -311,7 +314,7 @@ def _inspect_folder(path: Path) -> CheckpointInfo:
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise CheckpointError(
-            f"'{folder}' is a folder without config.json, so not a diffusers model; it has: "
+            f"{quoted(folder)} is a folder without config.json, so not a diffusers model; it has: "
             f"{listing(folder)}. Pass a .safetensors file, or a diffusers FLUX folder (or its transformer/ "
             "folder)"
         )
@@ -321,7 +324,7 @@ def _inspect_folder(path: Path) -> CheckpointInfo:
     if family is None:
         known = _one_of(f.diffusers_class for f in _by_name())
         raise CheckpointError(
-            f"'{config_file}' describes a {cls}, not a {known}; pass a FLUX pipeline folder "
+            f"{quoted(config_file)} describes a {cls}, not a {known}; pass a FLUX pipeline folder "
             "or its transformer/ folder"
         )
     config = {k: v for k, v in raw.items() if k not in _CONFIG_META}
@@ -334,7 +337,7 @@ def _inspect_folder(path: Path) -> CheckpointInfo:
         shards = [DIFFUSERS_WEIGHTS]
     else:
         raise CheckpointError(
-            f"'{folder}' has neither {DIFFUSERS_WEIGHTS} nor {DIFFUSERS_INDEX}; it has: {listing(folder)}. "
+            f"{quoted(folder)} has neither {DIFFUSERS_WEIGHTS} nor {DIFFUSERS_INDEX}; it has: {listing(folder)}. "
             "Only safetensors weights are read; re-save the model with "
             "save_pretrained(safe_serialization=True)"
         )
@@ -342,8 +345,8 @@ def _inspect_folder(path: Path) -> CheckpointInfo:
     for shard in shards:
         if not (folder / shard).is_file():
             raise CheckpointError(
-                f"'{folder / DIFFUSERS_INDEX}' names the shard '{shard}', which is missing; "
-                f"'{folder}' has: {listing(folder)}. Download the missing shard"
+                f"{quoted(folder / DIFFUSERS_INDEX)} names the shard '{shard}', which is missing; "
+                f"{quoted(folder)} has: {listing(folder)}. Download the missing shard"
             )
         tensors.update(read_header(folder / shard)[0])
     return _diffusers_info(folder, tuple(str(folder / s) for s in shards), tensors, config, family)
@@ -357,6 +360,7 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointInfo:
     path = Path(path).expanduser()
     if not path.exists():
         raise missing_checkpoint(path)
+    refuse_special(path, "checkpoint", CHECKPOINT_FIX)
     path = path.absolute()  # the workers run in a folder of their own: a relative path would miss there
     return _inspect_folder(path) if path.is_dir() else _inspect_file(path)
 
@@ -421,7 +425,7 @@ def check_weight_dtype(weight_dtype: str | None, info: CheckpointInfo) -> str:
         stored = sorted({stored_dtype(info_t.dtype).name for info_t in _scaled(info)})
         if [fp8.name] != stored:
             raise CheckpointError(
-                f"weight_dtype='{name}' but '{info.path}' is a {kind} checkpoint stored as "
+                f"weight_dtype='{name}' but {quoted(info.path)} is a {kind} checkpoint stored as "
                 f"{', '.join(stored)}: its scaled weights are not converted to another fp8 format. Use "
                 "weight_dtype='default' (keeps the file's fp8 weights and scales) or 'compute'"
             )

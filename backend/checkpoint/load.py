@@ -35,6 +35,7 @@ from ..finite import all_finite, non_finite_kind
 from ..parallel.ggml import byte_shape, is_quantized
 from ..parallel.tensor import Pieces, apply_tensor_parallel, parameter_pieces, resolve_plan
 from ..parallel.weights import hold_quantized, is_fp8, keep_fp8_resident
+from ..redact import quoted
 from .files import CheckpointError, StoredTensor
 from .gguf import check_block_splits, checked_values, read_gguf
 from .info import CheckpointInfo, check_weight_dtype, inspect_checkpoint, resolve_dtype
@@ -161,7 +162,7 @@ def check_values(stored: StoredTensor, tensor: torch.Tensor) -> None:
     """Refuse a tensor holding NaN or inf, naming it (finite.py: one min/max pass, no mask)."""
     if not all_finite(tensor):
         raise CheckpointError(
-            f"'{stored.file}': tensor '{stored.key}' holds {non_finite_kind(tensor)} values; the file is damaged "
+            f"{quoted(stored.file)}: tensor '{stored.key}' holds {non_finite_kind(tensor)} values; the file is damaged "
             "(an interrupted download or copy, a failing disk) or was saved from a broken model: download "
             "or copy it again"
         )
@@ -175,7 +176,7 @@ def _check_fp8_range(stored: StoredTensor, piece: torch.Tensor, dtype: torch.dty
     if not peak <= limit:
         name = str(dtype).removeprefix("torch.").replace("float8", "fp8")
         raise CheckpointError(
-            f"'{stored.file}': tensor '{stored.key}' holds values up to {peak:g}, beyond {name}'s range "
+            f"{quoted(stored.file)}: tensor '{stored.key}' holds values up to {peak:g}, beyond {name}'s range "
             f"(+-{limit:g}); converting would clip them. Use weight_dtype='fp8_e5m2', 'default' or 'compute'"
         )
 

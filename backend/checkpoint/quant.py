@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from ..dtypes import FP8_DTYPES, stored_dtype
+from ..redact import quoted
 from .files import CheckpointError, StoredTensor, numel
 
 # ComfyUI's quantized ("mixed precision") layers, e.g. Comfy-Org's flux2_dev_fp8mixed.safetensors: some
@@ -78,7 +79,7 @@ def quantized_layers(
         conf = read_marker(header[key])
         if not isinstance(conf, dict):
             raise CheckpointError(
-                f"'{path}': '{key}' does not hold the UTF-8 JSON object ComfyUI writes there "
+                f"{quoted(path)}: '{key}' does not hold the UTF-8 JSON object ComfyUI writes there "
                 '(e.g. {"format": "float8_e4m3fn"}); the file is damaged. Download it again'
             )
         layers[key.removesuffix(COMFY_QUANT)] = (conf.get("format"), "comfy_quant")
@@ -90,7 +91,7 @@ def quantized_layers(
         declared = None
     if not isinstance(declared, dict) or not isinstance(declared.get("layers"), dict):
         raise CheckpointError(
-            f"'{path}': the header's {QUANT_METADATA} is not ComfyUI's JSON "
+            f"{quoted(path)}: the header's {QUANT_METADATA} is not ComfyUI's JSON "
             '{"format_version": ..., "layers": {"<layer>": {"format": ...}}}; the file is damaged. '
             "Download it again"
         )
@@ -126,7 +127,7 @@ def split_scales(
         if fmt not in QUANT_FORMATS:
             shown = "no format" if fmt is None else repr(fmt)
             raise CheckpointError(
-                f"'{path}': layer '{layer}' is quantized as {shown} ({_DECLARED[how]}); this loader reads "
+                f"{quoted(path)}: layer '{layer}' is quantized as {shown} ({_DECLARED[how]}); this loader reads "
                 f"ComfyUI's {' and '.join(QUANT_FORMATS)} layers (one scale per weight) only. Use an fp8 "
                 "(e.g. flux2_dev_fp8mixed.safetensors), bf16 or fp16 version of the model, or load this file "
                 "with ComfyUI's own Load Diffusion Model"
@@ -146,7 +147,7 @@ def split_scales(
     )
     if stray:
         raise CheckpointError(
-            f"'{path}': '{stray[0]}' is a ComfyUI weight scale, but neither a "
+            f"{quoted(path)}: '{stray[0]}' is a ComfyUI weight scale, but neither a "
             f"'{stray[0].removesuffix(WEIGHT_SCALE)}{COMFY_QUANT}' tensor nor the header's {QUANT_METADATA} "
             f"declares its layer quantized; the file is damaged or from a tool this loader does not know. {_FIX}"
         )
@@ -158,32 +159,32 @@ def split_scales(
         scale, weight = header.get(key), tensors.get(weight_key)
         if how == "scaled_fp8" and weight is None:
             raise CheckpointError(
-                f"'{path}': scale '{key}' has no weight '{weight_key}' beside it; the scaled fp8 file is "
+                f"{quoted(path)}: scale '{key}' has no weight '{weight_key}' beside it; the scaled fp8 file is "
                 f"damaged or from a tool this loader does not know. {_FIX}"
             )
         if weight is None or scale is None:
             layer, fmt = weight_key.removesuffix(".weight"), layers[weight_key.removesuffix(".weight")][0]
             raise CheckpointError(
-                f"'{path}': layer '{layer}' is declared {fmt} ({_DECLARED[how]}) but the file has no "
+                f"{quoted(path)}: layer '{layer}' is declared {fmt} ({_DECLARED[how]}) but the file has no "
                 f"'{key if weight is not None else weight_key}'; ComfyUI's quantized layers need a weight and "
                 f"its weight_scale. The file is damaged; download it again. {_FIX}"
             )
         if numel(scale.shape) != 1 or scale.dtype not in ("F32", "BF16", "F16"):
             stores = "ComfyUI scaled fp8 stores" if how == "scaled_fp8" else "ComfyUI's fp8 layers store"
             raise CheckpointError(
-                f"'{path}': '{key}' is a {scale.dtype} tensor of shape {list(scale.shape)}; {stores} one float "
+                f"{quoted(path)}: '{key}' is a {scale.dtype} tensor of shape {list(scale.shape)}; {stores} one float "
                 f"scale per weight (shape []), and per-channel or block scales are not supported. {_FIX}"
             )
         if how == "scaled_fp8" and weight.dtype not in ("F8_E4M3", "F8_E5M2"):
             raise CheckpointError(
-                f"'{path}': '{weight_key}' is stored as {weight.dtype} but has a scale '{key}'; only fp8 "
+                f"{quoted(path)}: '{weight_key}' is stored as {weight.dtype} but has a scale '{key}'; only fp8 "
                 "weights are scaled. The file is damaged; use a plain fp8, bf16 or fp16 FLUX file"
             )
         fmt = layers.get(weight_key.removesuffix(".weight"), (None, ""))[0]
         stored = stored_dtype(weight.dtype)
         if how != "scaled_fp8" and (stored is None or stored.name != fmt):
             raise CheckpointError(
-                f"'{path}': '{weight_key}' is stored as {weight.dtype} but its layer is declared {fmt} "
+                f"{quoted(path)}: '{weight_key}' is stored as {weight.dtype} but its layer is declared {fmt} "
                 f"({_DECLARED[how]}); the file is damaged. Download it again, or use a plain fp8, bf16 or fp16 FLUX file"
             )
         scales[weight.key] = scale

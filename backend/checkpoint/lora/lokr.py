@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ...redact import quoted
 from .reading import Device, delta_ranges, indices, read_all
 from .records import AdapterKind, LoraError, LoraModule, Parsed, Ranges, Stats
 
@@ -36,7 +37,7 @@ def _factor(p: Parsed, n: str) -> tuple[tuple[int, int], int | None]:
     have = [r for r in (full, a, b) if r in p.roles]
     if full in p.roles and len(have) > 1:
         raise LoraError(
-            f"LoRA '{p.path}': '{p.key}' has both '{p.roles[full]}' and '{p.roles[have[1]]}'; a LoKr factor "
+            f"LoRA {quoted(p.path)}: '{p.key}' has both '{p.roles[full]}' and '{p.roles[have[1]]}'; a LoKr factor "
             "is stored whole or as two parts, not both. The file is malformed"
         )
     if full in p.roles:
@@ -47,7 +48,9 @@ def _factor(p: Parsed, n: str) -> tuple[tuple[int, int], int | None]:
     if len(have) != 2:
         lack = ROLES[full] if not have else ROLES[a if b in have else b]
         where = f"'{p.roles[have[0]]}' has no matching '{lack}'" if have else f"'{ROLES[full]}' is missing"
-        raise LoraError(f"LoRA '{p.path}': {where} for '{p.key}'; the file is incomplete. Download it again")
+        raise LoraError(
+            f"LoRA {quoted(p.path)}: {where} for '{p.key}'; the file is incomplete. Download it again"
+        )
     left, right = p.shape_of(a), p.shape_of(b)
     if len(right) != 2 or right[0] < 1:
         raise p.wrong_shape(b, ["rank", "columns"])
@@ -63,7 +66,7 @@ def parse(p: Parsed) -> tuple[int, float]:
         w1 = p.roles.get("w1", p.roles.get("w1_a"))
         w2 = p.roles.get("w2", p.roles.get("w2_a"))
         raise LoraError(
-            f"LoRA '{p.path}': '{w1}' ({a} x {b}) and '{w2}' ({c} x {d}) make a {a * c} x {b * d} Kronecker "
+            f"LoRA {quoted(p.path)}: '{w1}' ({a} x {b}) and '{w2}' ({c} x {d}) make a {a * c} x {b * d} Kronecker "
             f"product but this checkpoint's '{p.key}' needs {list(p.shape)}; the LoRA was made for a "
             "different model"
         )

@@ -16,7 +16,8 @@ from typing import Any
 from safetensors import SafetensorError, safe_open
 
 from ...family import families
-from ..files import listing, starts_like_safetensors, truncation_detail
+from ...redact import quoted
+from ..files import listing, special_kind, starts_like_safetensors, truncation_detail
 from ..info import CheckpointInfo
 from .kinds import APPLIED, CONV_ONLY, KINDS, REFUSED, WEIGHT_KINDS
 from .names import LOOKED_FOR, TEXT_ENCODER_PREFIXES, Slot, slot_table, split_key
@@ -27,18 +28,23 @@ def _check_file(path: Path) -> None:
     if not path.exists():
         parent = path.parent
         where = (
-            f"'{parent}' has: {listing(parent)}. Pick one of those, or put the LoRA into that folder"
+            f"{quoted(parent)} has: {listing(parent)}. Pick one of those, or put the LoRA into that folder"
             if parent.is_dir()
-            else f"nor does its folder '{parent}'; check the path"
+            else "nor does its folder; check the path"
         )
-        raise LoraError(f"LoRA '{path}' does not exist; {where}")
+        raise LoraError(f"LoRA {quoted(path)} does not exist; {where}")
     if path.is_dir():
-        raise LoraError(f"LoRA '{path}' is a folder; pass the LoRA's .safetensors file")
+        raise LoraError(f"LoRA {quoted(path)} is a folder; pass the LoRA's .safetensors file")
+    kind = special_kind(path)
+    if kind is not None:
+        raise LoraError(
+            f"LoRA {quoted(path)} is {kind}, not a file of weights; pass the LoRA's .safetensors file"
+        )
     with open(path, "rb") as f:
         head = f.read(9)
     if not starts_like_safetensors(head, path.stat().st_size):
         raise LoraError(
-            f"LoRA '{path}' is not a safetensors file ({truncation_detail(path)}); LoRAs are read from "
+            f"LoRA {quoted(path)} is not a safetensors file ({truncation_detail(path)}); LoRAs are read from "
             ".safetensors files only. Download it again, or convert it with safetensors.torch.save_file"
         )
 
@@ -51,7 +57,7 @@ def read_header(path: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, Any]]
             alphas = {k: f.get_tensor(k) for k in shapes if k.endswith(".alpha")}
     except SafetensorError as err:
         raise LoraError(
-            f"LoRA '{path}' is truncated or corrupt: {truncation_detail(path)}. Download or copy it again"
+            f"LoRA {quoted(path)} is truncated or corrupt: {truncation_detail(path)}. Download or copy it again"
         ) from err
     return shapes, alphas
 
@@ -67,7 +73,9 @@ def inspect_lora(path: str | os.PathLike[str], info: CheckpointInfo) -> LoraInfo
     for family in families():  # a kind of LoRA a family knows by its keys and the pack cannot apply
         for markers, (what, remedy) in family.lora_refusals.items():
             if all(k in shapes for k in markers):
-                raise LoraError(f"LoRA '{path}' is {what}; ROCm Parallel applies {APPLIED} only. {remedy}")
+                raise LoraError(
+                    f"LoRA {quoted(path)} is {what}; ROCm Parallel applies {APPLIED} only. {remedy}"
+                )
     skipped = tuple(sorted(k for k in shapes if k.startswith(TEXT_ENCODER_PREFIXES)))
     table = slot_table(info)
     found: dict[str, dict[tuple[str, str], str]] = {}  # module -> {(kind, role): tensor key}
@@ -101,7 +109,7 @@ def inspect_lora(path: str | os.PathLike[str], info: CheckpointInfo) -> LoraInfo
 
 def _twice(path: Path, module: str, first: str, second: str) -> None:
     raise LoraError(
-        f"LoRA '{path}': '{first}' and '{second}' are the same tensor of '{module}' in two spellings; "
+        f"LoRA {quoted(path)}: '{first}' and '{second}' are the same tensor of '{module}' in two spellings; "
         "ComfyUI would use one and ignore the other. The file is malformed"
     )
 
@@ -121,13 +129,13 @@ def _modules(
     if len(kinds) > 1:
         names = " and ".join(KINDS[k].name for k in kinds)
         raise LoraError(
-            f"LoRA '{path}': '{module}' has both {names} tensors; ComfyUI would apply only the last it "
+            f"LoRA {quoted(path)}: '{module}' has both {names} tensors; ComfyUI would apply only the last it "
             "recognises and ignore the rest. The file is malformed"
         )
     if shared and not kinds:
         key = next(iter(shared.values()))
         raise LoraError(
-            f"LoRA '{path}': '{key}' has no LoRA, LoHa, LoKr or .diff tensors beside it for '{module}'; "
+            f"LoRA {quoted(path)}: '{key}' has no LoRA, LoHa, LoKr or .diff tensors beside it for '{module}'; "
             "the file is incomplete. Download it again"
         )
     out = []
@@ -147,12 +155,12 @@ def _modules(
 def _no_bias(path: Path, module: str, key: str, slot: Slot) -> None:
     if slot.bias is None:
         raise LoraError(
-            f"LoRA '{path}': '{key}' is a bias difference on '{module}', a part of a fused BFL tensor, for "
+            f"LoRA {quoted(path)}: '{key}' is a bias difference on '{module}', a part of a fused BFL tensor, for "
             "which ComfyUI maps no bias and drops the patch. Key the bias by its BFL module "
             "('diffusion_model.<module>.diff_b') instead"
         )
     raise LoraError(
-        f"LoRA '{path}': '{key}' is a bias difference, but this checkpoint's '{module}' has no bias; the "
+        f"LoRA {quoted(path)}: '{key}' is a bias difference, but this checkpoint's '{module}' has no bias; the "
         "LoRA was made for a different model"
     )
 
@@ -163,10 +171,10 @@ def _alpha(path: Path, key: str | None, alphas: Mapping[str, Any]) -> float | No
         return None
     tensor = alphas[key]
     if tensor.numel() != 1:
-        raise LoraError(f"LoRA '{path}': '{key}' holds {tensor.numel()} values; an alpha is one number")
+        raise LoraError(f"LoRA {quoted(path)}: '{key}' holds {tensor.numel()} values; an alpha is one number")
     alpha = float(tensor.float().reshape(()))
     if not math.isfinite(alpha):
-        raise LoraError(f"LoRA '{path}': '{key}' is {alpha}, not a finite number")
+        raise LoraError(f"LoRA {quoted(path)}: '{key}' is {alpha}, not a finite number")
     return alpha
 
 
@@ -186,7 +194,7 @@ def _module(
             have = next(iter(roles.values()))
             lack = adapter.roles[role][0]
             raise LoraError(
-                f"LoRA '{path}': '{have}' has no matching '{lack}' for '{module}'; the file is incomplete. "
+                f"LoRA {quoted(path)}: '{have}' has no matching '{lack}' for '{module}'; the file is incomplete. "
                 "Download it again"
             )
     parsed = Parsed(str(path), module, roles, shapes, alpha, slot.shape)
@@ -196,7 +204,7 @@ def _module(
     if dora_scale is not None:
         if not adapter.dora:
             raise LoraError(
-                f"LoRA '{path}': '{dora_scale}' is a DoRA scale beside a {adapter.name}, which ComfyUI "
+                f"LoRA {quoted(path)}: '{dora_scale}' is a DoRA scale beside a {adapter.name}, which ComfyUI "
                 "applies without it; the file is malformed"
             )
         axis = _dora_axis(path, module, dora_scale, shapes[dora_scale], slot.shape)
@@ -214,7 +222,7 @@ def _dora_axis(path: Path, module: str, key: str, shape: Sequence[int], weight: 
     if tuple(shape) == (1, in_features):
         return "input"
     raise LoraError(
-        f"LoRA '{path}': '{key}' has shape {list(shape)} but this checkpoint's '{module}' needs "
+        f"LoRA {quoted(path)}: '{key}' has shape {list(shape)} but this checkpoint's '{module}' needs "
         f"[{out}, 1] or [1, {in_features}] (DoRA's magnitude per output row or per input column); the "
         "LoRA was made for a different model"
     )
@@ -223,13 +231,13 @@ def _dora_axis(path: Path, module: str, key: str, shape: Sequence[int], weight: 
 def _no_flux_keys(path: Path, shapes: Mapping[str, Any], skipped: Sequence[str]) -> None:
     if skipped and len(skipped) == len(shapes):
         raise LoraError(
-            f"LoRA '{path}' has only text-encoder keys ({len(skipped)}, e.g. '{skipped[0]}'), which "
+            f"LoRA {quoted(path)} has only text-encoder keys ({len(skipped)}, e.g. '{skipped[0]}'), which "
             "ROCm Parallel does not apply: it patches the FLUX transformer only. Apply this LoRA to the "
             "CLIP/T5 model with ComfyUI's LoraLoader"
         )
     first = ", ".join(sorted(shapes)[:4]) or "none, the file is empty"
     raise LoraError(
-        f"'{path}' has no FLUX LoRA keys (looked for {LOOKED_FOR}); it may be a LoRA for another model "
+        f"{quoted(path)} has no FLUX LoRA keys (looked for {LOOKED_FOR}); it may be a LoRA for another model "
         f"(first keys: {first})"
     )
 
@@ -238,24 +246,24 @@ def _unknown_key(path: Path, key: str, info: CheckpointInfo) -> None:
     split = split_key(key)
     if split is None:
         raise LoraError(
-            f"LoRA '{path}': key '{key}' is not a LoRA tensor (expected a name ending in .lora_up.weight, "
+            f"LoRA {quoted(path)}: key '{key}' is not a LoRA tensor (expected a name ending in .lora_up.weight, "
             ".lora_down.weight, .lora_A.weight, .lora_B.weight, .hada_w1_a, .lokr_w1, .diff, .diff_b, "
             ".dora_scale or .alpha); the file is not a LoRA ComfyUI applies"
         )
     module, kind, suffix = split
     if kind == "conv":
         raise LoraError(
-            f"LoRA '{path}': '{key}' is a {CONV_ONLY[suffix]} factor, which only convolutions have: FLUX's "
+            f"LoRA {quoted(path)}: '{key}' is a {CONV_ONLY[suffix]} factor, which only convolutions have: FLUX's "
             "transformer has linear layers only (ComfyUI fails on it too). The LoRA was made for another model"
         )
     if kind == "refused":
         name = REFUSED[suffix]
         raise LoraError(
-            f"LoRA '{path}': '{key}' is a {name} patch; ROCm Parallel applies {APPLIED} only. Use a file "
+            f"LoRA {quoted(path)}: '{key}' is a {name} patch; ROCm Parallel applies {APPLIED} only. Use a file "
             f"without {name.split(' (')[0]} patches"
         )
     raise LoraError(
-        f"LoRA '{path}': '{key}' targets '{module}', which this checkpoint ({info.model_name}, hidden "
+        f"LoRA {quoted(path)}: '{key}' targets '{module}', which this checkpoint ({info.model_name}, hidden "
         f"{info.dims.hidden}) does not have; the LoRA was made for a different model"
     )
 

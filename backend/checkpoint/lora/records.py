@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ...config import ConfigError
+from ...redact import quoted
 
 Ranges = Sequence[tuple[int, int]]  # [start, stop) ranges, concatenated in order
 Segments = tuple[tuple[int, int, int], ...]  # (destination row, source row, rows)
@@ -93,7 +94,7 @@ class Parsed:
 
     def wrong_shape(self, role: str, want: Sequence[int | str]) -> LoraError:
         return LoraError(
-            f"LoRA '{self.path}': '{self.roles[role]}' has shape {list(self.shape_of(role))} but this "
+            f"LoRA {quoted(self.path)}: '{self.roles[role]}' has shape {list(self.shape_of(role))} but this "
             f"checkpoint's '{self.key}' needs {list(want)}; the LoRA was made for a different model"
         )
 

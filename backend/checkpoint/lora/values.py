@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ...redact import quoted
 from ..info import CheckpointInfo
 from .kinds import KINDS
 from .parse import inspect_lora
@@ -41,7 +42,7 @@ def _finite(path: str, key: str, tensor: torch.Tensor) -> None:
     where = [int(i) for i in bad.nonzero()[0]]
     value = tensor[tuple(where)].item()
     raise LoraError(
-        f"LoRA '{path}': '{key}' holds {value} at {where} ({int(bad.sum())} of {tensor.numel()} values are "
+        f"LoRA {quoted(path)}: '{key}' holds {value} at {where} ({int(bad.sum())} of {tensor.numel()} values are "
         "not finite); applied, it would make the model's output NaN. The file is corrupt or was saved from "
         "a diverged training run: use another file"
     )
@@ -80,7 +81,7 @@ def check_overflow(lora: LoraInfo, strength: float, stats: Mapping[str, Stats]) 
             continue
         fits = LIMIT / unscaled if unscaled > 0 else math.inf
         raise LoraError(
-            f"LoRA '{lora.path}' at strength {strength:g}: '{module.key}' can change a weight by up to "
+            f"LoRA {quoted(lora.path)} at strength {strength:g}: '{module.key}' can change a weight by up to "
             f"{peak:.3g}, beyond {LIMIT:.3g} (the square root of float32's largest value: attention multiplies "
             "two patched projections, which would overflow to inf and make the output NaN). Use a strength "
             f"of at most {fits:.3g} in magnitude"
@@ -103,12 +104,12 @@ def check_loras(
             raise LoraError(f"loras[{i}] is {item!r}; pass (path, strength) pairs") from None
         if isinstance(strength, bool) or not isinstance(strength, int | float) or not math.isfinite(strength):
             raise LoraError(
-                f"LoRA '{path}': strength {strength!r} is not a finite number; use e.g. 1.0 "
+                f"LoRA {quoted(path)}: strength {strength!r} is not a finite number; use e.g. 1.0 "
                 "(0 disables it, negative values invert it)"
             )
         if abs(strength) > MAX_STRENGTH:
             raise LoraError(
-                f"LoRA '{path}': strength {strength!r} is beyond +-{MAX_STRENGTH:g} (ComfyUI's LoraLoader "
+                f"LoRA {quoted(path)}: strength {strength!r} is beyond +-{MAX_STRENGTH:g} (ComfyUI's LoraLoader "
                 "range; far beyond it the patched weights overflow to inf); use e.g. 1.0"
             )
         lora = inspect_lora(path, info)
