@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..redact import quoted
 from ..config import ConfigError, validate_tp_degree
 from ..parallel.ggml import QUANTIZED, block_scales, dequantize, is_quantized, row_bytes
+from ..redact import quoted
 from .files import CheckpointError, StoredTensor, numel
 
 if TYPE_CHECKING:
