@@ -39,16 +39,17 @@ from rocm_parallel.backend.checkpoint import (
     load_model,
 )
 from rocm_parallel.backend.client import WorkerGroup
-from rocm_parallel.backend.config import FluxDims
+from rocm_parallel.backend.flux.dims import FluxDims
 from rocm_parallel.backend.flux.forward import flux_call
 from rocm_parallel.backend.flux.model import build_flux
 from rocm_parallel.backend.flux.sampling import diffusers_model_fn
 from rocm_parallel.backend.parallel.ggml import QUANTIZED, dequantize
-from rocm_parallel.backend.parallel.tensor import apply_tensor_parallel, parameter_bytes
+from rocm_parallel.backend.parallel.tensor import parameter_bytes
 from rocm_parallel.backend.parallel.weights import is_held_quantized, linear_weight, resident_bytes_by_dtype
 from rocm_parallel.testing.fake import fake_process_group
 from rocm_parallel.testing.gguf_files import save_gguf, write_gguf
 from rocm_parallel.testing.models import tiny_flux_config
+from rocm_parallel.testing.parallel import apply_tensor_parallel
 from rocm_parallel.testing.writers import LORA_KINDS, write_random_lora
 
 # hidden 1024, MLP 4096: at TP 4 a row-parallel shard is 256 or 1024 values per row, whole K-quant
