@@ -19,7 +19,9 @@ from rocm_parallel.backend.client import WorkerGroup
 
 TESTS_DIR = str(Path(__file__).resolve().parent)
 # Test-only worker methods, imported by the workers from tests/ (see WorkerGroup(methods=...)).
-TEST_METHODS = ("worker_jobs", "model_methods", "cp_checks", "load_checks", "flux2_methods", "mesh_methods")
+TEST_METHODS = (
+    "worker_jobs", "model_methods", "cp_checks", "load_checks", "flux2_methods", "mesh_methods", "lse_kernels",
+)  # fmt: skip
 # Their request and reply records travel by name: this process must know them too (a session group's
 # status can name a test's resident record whichever test file asks).
 for _module in TEST_METHODS:
