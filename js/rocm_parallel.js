@@ -30,6 +30,8 @@ export function panelLines(state, now = Date.now()) {
     lines.push(`${state.devices.length} workers: ${state.devices.join(", ")} (${phase})`);
     lines.push(`model: ${state.checkpoint || "none loaded"}`);
     if (state.layout) lines.push(`layout: ${state.layout}`);
+    // A slower transport the start-up pre-flight fell back to (backend/preflight.py); details: Status node.
+    if (state.transport) lines.push(state.transport);
     if (state.loading) lines.push(`loading: ${state.loading}`);
     // The planner's one-line reason, split at "; " so it fits the node's width.
     if (state.auto) lines.push(...state.auto.split("; "));
