@@ -18,5 +18,6 @@ BENCHMARKS = {
     "scaling": "sampling steps on 1, 2, 4 CPU workers: latency, time per step, peak memory per worker",
     "call": "one model call broken down: caller wrapper, conditioning key, latent out, compute, collectives, reply",
     "compile": "compiled repeated blocks (inductor) vs eager per step on CPU workers, first compile apart",
+    "gpu": "one lent GPU in at most 8 minutes: LSE guard verdicts, TP shards vs the planner, compile, fp8, ComfyUI beside worker 0",
     "caches": "ComfyUI's step caches (EasyCache, LazyCache) on its own model and the parallel MODEL (needs ComfyUI)",
 }
