@@ -35,6 +35,7 @@ from .platforms import (
 # The environment variables that change how the workers' collectives and kernels behave.
 ENV_FLAGS = (
     "NCCL_P2P_DISABLE",
+    "NCCL_PROTO",
     "NCCL_SOCKET_IFNAME",
     "NCCL_DEBUG",
     "HSA_FORCE_FINE_GRAIN_PCIE",
@@ -47,6 +48,7 @@ ENV_FLAGS = (
     "PYTORCH_CUDA_ALLOC_CONF",
     "OMP_NUM_THREADS",
     "ROCM_PARALLEL_THREADS",
+    "ROCM_PARALLEL_BACKEND",
 )
 DEFAULT_TIMEOUT = 30.0
 
@@ -334,7 +336,8 @@ def transport_line(check: dict[str, Any]) -> str:
     transport = check["transport"]
     pairs = sorted(transport["pairs"])
     probed = f"; probe: all-reduce, all-gather, {len(pairs)} pair(s) ({', '.join(pairs)})" if pairs else ""
-    return f"transport: {transport['what']} ({transport['settings']}): {transport['why']}{probed}"
+    settings = "" if transport["settings"] == "the defaults" else f" ({transport['settings']})"
+    return f"transport: {transport['what']}{settings}: {transport['why']}{probed}"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

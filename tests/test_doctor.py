@@ -62,7 +62,7 @@ def test_doctor_checks_a_real_cpu_group() -> None:
     }
     text = doctor.format_report(report)
     assert (
-        "transport: gloo through host memory (the defaults): CPU workers: gloo is their backend; probe: "
+        "transport: gloo through host memory: CPU workers: gloo is their backend; probe: "
         "all-reduce, all-gather, 1 pair(s) (0-1)"
     ) in text.splitlines()
     assert text.splitlines()[0] == "ROCm Parallel doctor"
