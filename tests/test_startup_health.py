@@ -162,7 +162,7 @@ def test_the_ladder_falls_to_gloo_and_says_what_it_costs(monkeypatch: pytest.Mon
     with the Simple protocol; a hang is the test above's): the group ends on gloo, works, and says each failure, how to keep gloo, and what
     gloo costs as the planner prices it over the link measured here.
 
-    Mutation tried: with the ladder cut to (P2P, SHM) in `plan_transports` the start failed with the
+    Mutation tried: with `preflight.LADDER` cut to (P2P, SHM) the start failed with the
     wrong-value error and this test failed."""
     monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
     group = _faulty_group("nccl=error,nccl-shm=wrong,nccl-shm-simple=error")
