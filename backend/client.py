@@ -189,9 +189,7 @@ class WorkerGroup:
         self.transport, self.transport_why = transport, plan.why
         self._env.update(transport.env)  # a later start (none today) keeps what works
         if tried:
-            self.transport_why = (
-                f"{', '.join(t.settings for t, _ in tried)} failed the start-up probe (warnings)"
-            )
+            self.transport_why = ", ".join(t.settings for t, _ in tried) + preflight.FAILED
             self._warn(preflight.fallback_warning(self.devices, [(t, str(e)) for t, e in tried], transport))
         if transport.backend == "gloo" and (tried or any(d.startswith("cuda") for d in self.devices)):
             self._warn_gloo_cost(plan.why if not tried else None)  # GPUs on gloo, or fallen back to it
@@ -215,7 +213,7 @@ class WorkerGroup:
     @property
     def transport_note(self) -> str | None:
         """One line for the loader's panel when the group is not on the fastest transport."""
-        return preflight.short_note(self.transport, fell_back=bool(self.warnings))
+        return preflight.short_note(self.transport, fell_back=self.transport_why.endswith(preflight.FAILED))
 
     def _check_health(self) -> None:
         """One small all-reduce and all-gather on every rank within `health_timeout` seconds, with the

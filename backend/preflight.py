@@ -60,6 +60,9 @@ GLOO = Transport("gloo", "gloo through host memory over loopback TCP", backend="
 LADDER = (P2P, SHM, SIMPLE, GLOO)
 
 
+FAILED = " failed the start-up probe (warnings)"  # how `WorkerGroup.transport_why` ends after a fall back
+
+
 @dataclass(frozen=True)
 class Plan:
     """The transports to try, in order, and why the first is the first."""
