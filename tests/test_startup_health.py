@@ -159,8 +159,8 @@ def _faulty_group(faults: str, **env: str) -> WorkerGroup:
 
 def test_the_ladder_falls_to_gloo_and_says_what_it_costs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every NCCL rung fails its pair probe (an NCCL error with P2P, a wrong value without, an NCCL error
-    with the Simple protocol; a hang is the test above's): the group ends on gloo, works, and says each failure, how to keep gloo, and what
-    gloo costs as the planner prices it over the link measured here.
+    with the Simple protocol; a hang is the next test's): the group ends on gloo, works, and says each
+    failure, how to keep gloo, and what gloo costs as the planner prices it over the link measured here.
 
     Mutation tried: with `preflight.LADDER` cut to (P2P, SHM) the start failed with the
     wrong-value error and this test failed."""
@@ -206,6 +206,35 @@ def test_the_ladder_falls_to_gloo_and_says_what_it_costs(monkeypatch: pytest.Mon
             "NCCL_P2P_DISABLE=1, NCCL_P2P_DISABLE=1 NCCL_PROTO=Simple failed the start-up probe (warnings); "
             "probe: all-reduce, all-gather, 1 pair(s) (0-1)"
         )
+    finally:
+        group.close()
+    assert not _alive(group.pids)
+
+
+def test_a_hung_pair_probe_is_ended_by_its_limit_and_the_next_transport_used(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The group-wide all-reduce and all-gather pass; only the pair exchange hangs with P2P on (rank 0
+    never joins it, as a broken link between two GPUs does): after `health_timeout` the group is stopped,
+    started again with peer-to-peer off, works, and no worker of the first start is left.
+    Mutation tried: with the `probe_pairs` call removed from `WorkerGroup._check_health` the group stayed
+    on P2P and this test failed."""
+    monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+    before = psutil.Process().children()
+    group = _faulty_group("nccl=hang")
+    try:
+        assert group.transport is preflight.SHM
+        assert [h.correct for h in group.health] == [True, True]
+        assert [p.correct for p in group.pairs] == [True, True]
+        (warning,) = group.warnings
+        assert warning.startswith(
+            "the first collective over cpu, cpu failed with peer-to-peer transfers enabled (health check "
+            "failed: 'probe_pairs' did not finish within 3 s (rank 0 computing 'probe_pairs' ("
+        ), warning
+        assert "started again with NCCL_P2P_DISABLE=1 and now works" in warning
+        assert group.transport_why == "the defaults" + preflight.FAILED
+        started = {c.pid for c in psutil.Process().children() if c not in before}
+        assert set(_alive(list(started))) == set(group.pids)  # the hung first start's workers are gone
     finally:
         group.close()
     assert not _alive(group.pids)
