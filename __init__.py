@@ -10,6 +10,9 @@ __version__ = "0.1.0"
 WEB_DIRECTORY = "./js"
 
 if __package__:  # ComfyUI (custom_nodes/<folder>) or pip-installed as rocm_parallel
+    from .backend.torch_range import check_torch
+
+    check_torch()  # a torch below the supported range: one message with the range and the install commands
     from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
     from .nodes.routes import register_routes
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from . import preflight
 from .config import ConfigError
 from .launch import (
     PACK_ROOT,
@@ -26,8 +27,9 @@ from .launch import (
     check_seconds,
     worker_env,
 )  # fmt: skip
-from .messages import HealthReport, HealthRequest
+from .messages import HealthReport, HealthRequest, PairReport
 from .platforms import DeviceSpec, check_threads, default_cpu_threads, validate_devices
+from .preflight import Transport
 from .transport import (
     Reply,
     Request,
@@ -43,7 +45,6 @@ from .watch import DEFAULT_WATCHDOG, Job, JobTimeout, ProgressCallback, Watchdog
 # The start-up health check: a few bytes all-reduced and all-gathered. NCCL/RCCL set up their
 # communicators on the first collective (seconds); a broken peer-to-peer path hangs there forever.
 HEALTH_TIMEOUT = 60.0
-P2P_FLAG = "NCCL_P2P_DISABLE"
 
 __all__ = [
     "DEFAULT_WATCHDOG", "PACK_ROOT", "JobCancelled", "JobTimeout", "ProgressCallback", "Watchdog", "WorkerError", "WorkerGroup",
@@ -112,11 +113,14 @@ class WorkerGroup:
         `threads`: torch threads per worker; CPU workers default to the cores shared out
         (`platforms.default_cpu_threads`). `backend`: None picks NCCL/RCCL for GPUs and gloo for CPU;
         'gloo' runs GPU collectives through gloo and allows several workers on one GPU (tests).
-        `health_timeout`: after the workers joined, one small all-reduce and all-gather must finish in
-        this many seconds (None skips it). `retry_without_p2p`: when that check hangs or gives a wrong
-        result, start the group once more with NCCL_P2P_DISABLE=1 (None: on GPUs only) and say so in
-        `warnings`. `watchdog`: how long each sign of a hang must last (liveness.Watchdog); its
+        `health_timeout`: after the workers joined, one small all-reduce and all-gather, then an exchange
+        between every pair of ranks, must finish in this many seconds each (None skips them: the
+        transport pre-flight, preflight.py). `retry_without_p2p`: when that check hangs or gives a wrong
+        result, start the group again with the next transport (NCCL_P2P_DISABLE=1, then also
+        NCCL_PROTO=Simple, then gloo; None: on GPUs only) and say so in `warnings`; `transport` and
+        `transport_why` say what it runs on. `watchdog`: how long each sign of a hang must last (liveness.Watchdog); its
         `collective_timeout` is set on the workers' process groups."""
+        backend = preflight.forced_backend(backend)
         self.devices = validate_devices(devices, backend)
         check_threads(threads)
         check_seconds("start_timeout", start_timeout)
@@ -140,6 +144,9 @@ class WorkerGroup:
         self.last_replies: dict[int, Reply] = {}  # what each rank said of the last job (diagnostics)
         self.warnings: list[str] = []  # what start-up changed on its own (shown by the API, nodes, doctor)
         self.health: list[HealthReport] = []  # each rank's health-check figures
+        self.pairs: list[PairReport] = []  # each rank's exchange with every other (the pre-flight)
+        # how the collectives travel, and why (preflight.py; set by the start)
+        self.transport, self.transport_why = preflight.P2P, ""
         remove_stale_dirs()
         self._start()
 
@@ -149,11 +156,14 @@ class WorkerGroup:
     def world_size(self) -> int:
         return len(self.devices)
 
-    def _launch(self) -> None:
+    def _launch(self, transport: Transport) -> None:
+        backend = transport.backend or self.backend
+        env = preflight.worker_env(transport, self._env)
+
         def env_for(rank: int, address: str, shm: str) -> dict[str, str]:
             return worker_env(
                 self.devices, rank, address, shm, extra_sys_path=self._extra_sys_path, methods=self._methods,
-                backend=self.backend, threads=self.threads, env=self._env,
+                backend=backend, threads=self.threads, env=env,
                 collective_timeout=self.watchdog.collective_timeout,
             )  # fmt: skip
 
@@ -161,32 +171,53 @@ class WorkerGroup:
         self._workers.start(env_for)
 
     def _start(self) -> None:
-        """Launch the workers and check their collectives; on a hang, once more without P2P."""
-        self._launch()
-        if self.health_timeout is None:
-            return
-        try:
-            self._check_health()
-        except WorkerError as first:
-            if not self.retry_without_p2p or self._env.get(P2P_FLAG, os.environ.get(P2P_FLAG)) == "1":
-                raise
-            self._workers.stop(grace=0.0)
-            self._env[P2P_FLAG] = "1"
-            self._launch()
+        """Launch the workers and run the transport pre-flight (preflight.py): when its probe hangs or
+        gives wrong results, start once more with the next transport of the ladder, and say so."""
+        plan = preflight.plan_transports(
+            self.devices, self.backend, {**os.environ, **self._env}, retry=self.retry_without_p2p
+        )
+        tried: list[tuple[Transport, WorkerError]] = []
+        for transport in plan.ladder:
+            self._launch(transport)
+            if self.health_timeout is None:
+                break
             try:
                 self._check_health()
-            except WorkerError as second:
-                second.add_note(f"before that, with peer-to-peer enabled: {first}")
-                raise
-            self.warnings.append(
-                f"the first collective over {', '.join(self.devices)} failed with peer-to-peer transfers "
-                f"enabled ({first}); the worker group was started again with {P2P_FLAG}=1 and now works "
-                f"(collectives go through host memory: slower). To make it permanent, start ComfyUI with "
-                f"{P2P_FLAG}=1 in its environment (e.g. `{P2P_FLAG}=1 python main.py`); to get fast P2P "
-                "back, try the kernel parameter iommu=pt (AMD: amd_iommu=on iommu=pt) and "
-                "HSA_FORCE_FINE_GRAIN_PCIE=1, then run `python -m rocm_parallel doctor`"
-            )
-            print(f"[ROCm Parallel] warning: {self.warnings[-1]}", file=sys.stderr, flush=True)
+                break
+            except WorkerError as exc:
+                tried.append((transport, exc))
+                if transport is plan.ladder[-1]:
+                    for earlier, error in tried[:-1]:
+                        exc.add_note(f"before that, with {earlier.settings}: {error}")
+                    raise
+        self.transport, self.transport_why = transport, plan.why
+        self._env.update(transport.env)  # a later start (none today) keeps what works
+        if tried:
+            self.transport_why = ", ".join(t.settings for t, _ in tried) + preflight.FAILED
+            self._warn(preflight.fallback_warning(self.devices, [(t, str(e)) for t, e in tried], transport))
+        if transport.backend == "gloo" and (tried or any(d.startswith("cuda") for d in self.devices)):
+            self._warn_gloo_cost(plan.why if not tried else None)  # GPUs on gloo, or fallen back to it
+
+    def _warn(self, text: str) -> None:
+        self.warnings.append(text)
+        print(f"[ROCm Parallel] warning: {text}", file=sys.stderr, flush=True)
+
+    def _warn_gloo_cost(self, why: str | None) -> None:
+        """GPUs on gloo: measure gloo's link here and let the planner say what it costs."""
+        from .messages import LinkRequest
+
+        if self.world_size < 2:
+            return
+        link = self.call("measure_link", LinkRequest(megabytes=8.0, repeats=2), limit=float(HEALTH_TIMEOUT))
+        self._warn(
+            (f"{why}; " if why else "collectives run through gloo; ")
+            + preflight.gloo_cost(self.world_size, link.gbps, link.latency_us)
+        )
+
+    @property
+    def transport_note(self) -> str | None:
+        """One line for the loader's panel when the group is not on the fastest transport."""
+        return preflight.short_note(self.transport, fell_back=self.transport_why.endswith(preflight.FAILED))
 
     def _check_health(self) -> None:
         """One small all-reduce and all-gather on every rank within `health_timeout` seconds, with the
@@ -194,16 +225,20 @@ class WorkerGroup:
         limit = float(self.health_timeout or HEALTH_TIMEOUT)
         try:
             self.health = self.call_all("health_check", HealthRequest(), limit=limit)
+            wrong = [(h.rank, h.detail) for h in self.health if not h.correct]
+            if not wrong and self.world_size > 1:
+                self.pairs = self.call_all("probe_pairs", HealthRequest(), limit=limit)
+                wrong = [(p.rank, p.detail) for p in self.pairs if not p.correct]
         except WorkerError as exc:
             self.close(timeout=1.0)
             raise WorkerError(f"health check failed: {exc}", exc.rank) from exc
-        wrong = [h for h in self.health if not h.correct]
         if wrong:
             self.close(timeout=1.0)
+            rank, detail = wrong[0]
             raise WorkerError(
-                f"health check failed: rank {wrong[0].rank} ({self.devices[wrong[0].rank]}) got wrong "
-                f"collective results ({wrong[0].detail}); peer-to-peer transfers may corrupt data",
-                wrong[0].rank,
+                f"health check failed: rank {rank} ({self.devices[rank]}) got wrong "
+                f"collective results ({detail}); peer-to-peer transfers may corrupt data",
+                rank,
             )
 
     # ---------------------------------------------------------------- state

@@ -35,6 +35,7 @@ from .platforms import (
 # The environment variables that change how the workers' collectives and kernels behave.
 ENV_FLAGS = (
     "NCCL_P2P_DISABLE",
+    "NCCL_PROTO",
     "NCCL_SOCKET_IFNAME",
     "NCCL_DEBUG",
     "HSA_FORCE_FINE_GRAIN_PCIE",
@@ -47,6 +48,7 @@ ENV_FLAGS = (
     "PYTORCH_CUDA_ALLOC_CONF",
     "OMP_NUM_THREADS",
     "ROCM_PARALLEL_THREADS",
+    "ROCM_PARALLEL_BACKEND",
 )
 DEFAULT_TIMEOUT = 30.0
 
@@ -116,6 +118,13 @@ def check_group(
             group = WorkerGroup(devices, health_timeout=timeout, start_timeout=max(timeout, 120.0))
         result["start_s"] = time.perf_counter() - started
         result["warnings"] = list(group.warnings)
+        result["transport"] = {
+            "name": group.transport.name,
+            "what": group.transport.what,
+            "settings": group.transport.settings,
+            "why": group.transport_why,
+            "pairs": {k: v for p in group.pairs for k, v in p.pairs.items()},  # the pre-flight's exchanges
+        }
         health = group.call_all("health_check", HealthRequest(), timeout=timeout)
         result["world_size"] = health[0].world_size
         result["backend"] = health[0].backend
@@ -301,6 +310,7 @@ def format_report(report: dict[str, Any]) -> str:
             f"{group}, {check['backend']}, world size {check['world_size']}, started in {check['start_s']:.1f} s; "
             f"collectives {'correct' if check['correct'] else 'WRONG'}"
         )
+        lines.append(transport_line(check))
         lines.append(
             f"timing:  all-reduce {check['all_reduce_ms']:.2f} ms, all-gather {check['all_gather_ms']:.2f} ms "
             "(first call, 4 KB)"
@@ -319,6 +329,15 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append("")
     lines.extend(f"[{marks[f['level']]}] {f['text']}" for f in report["findings"])
     return "\n".join(lines)
+
+
+def transport_line(check: dict[str, Any]) -> str:
+    """Which transport the group uses and why (preflight.py), and the pairs its probe exchanged over."""
+    transport = check["transport"]
+    pairs = sorted(transport["pairs"])
+    probed = f"; probe: all-reduce, all-gather, {len(pairs)} pair(s) ({', '.join(pairs)})" if pairs else ""
+    settings = "" if transport["settings"] == "the defaults" else f" ({transport['settings']})"
+    return f"transport: {transport['what']}{settings}: {transport['why']}{probed}"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -13,6 +13,7 @@ The tests' own worker methods define their records next to them (tests/worker_jo
 | model_call (serve.py)           | ForwardRequest   | ForwardReply                            |
 | measure_link (probe.py)         | LinkRequest      | LinkReport                              |
 | health_check (probe.py)         | HealthRequest    | HealthReport                            |
+| probe_pairs (probe.py)          | HealthRequest    | PairReport                              |
 | attention_kernels (probe.py)    | -                | AttentionReport                         |
 
 Besides the jobs' replies, every rank writes a `RankState` several times a second from a thread of its own
@@ -286,6 +287,17 @@ class HealthReport:
     all_reduce_s: float
     all_gather_s: float
     env: dict[str, str | None]  # the flags that change how collectives run
+
+
+@record
+@dataclass(frozen=True)
+class PairReport:
+    """Every pair of ranks exchanged a tensor (the transport pre-flight, preflight.py): this rank's view."""
+
+    rank: int
+    correct: bool
+    detail: str  # which partner sent what, when not correct
+    pairs: dict[str, float]  # "0-1" -> seconds of this rank's exchange with that partner (first call)
 
 
 @record

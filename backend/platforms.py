@@ -300,8 +300,9 @@ def check_platform(
 
     Windows: the control channel is a Unix socket and the workers share /dev/shm, and AMD's Windows
     torch wheels ship without RCCL, so there is no GPU collective either: use Linux or WSL2.
-    Elsewhere, GPU workers need NCCL/RCCL unless the caller explicitly chose `backend='gloo'`
-    (collectives through gloo, which handles GPU tensors too; slower, meant for tests on one GPU).
+    Elsewhere, GPU workers without NCCL/RCCL run their collectives through gloo (the transport
+    pre-flight, preflight.py, chooses it and says what it costs); only an explicit `backend='nccl'` is
+    refused there.
     """
     system = sys.platform if system is None else system
     if system.startswith("win"):
@@ -319,7 +320,7 @@ def check_platform(
         if backend == "nccl":
             raise ConfigError(f"backend='nccl' needs GPU devices, not {list(devices)}; use 'gloo' or None")
         return
-    if backend == "gloo":
+    if backend != "nccl":
         return
     if nccl_available is None:
         import torch.distributed as dist
@@ -327,10 +328,10 @@ def check_platform(
         nccl_available = dist.is_available() and dist.is_nccl_available()
     if not nccl_available:
         raise ConfigError(
-            f"devices={list(devices)} are GPUs, but {torch_build()} has no NCCL/RCCL for collectives between "
-            "them (AMD's Windows wheels and some custom builds lack it). Install the Linux ROCm or CUDA "
-            "build of torch (README, 'Platforms'), or pass backend='gloo' to run collectives through gloo "
-            "(slower; meant for testing)"
+            f"backend='nccl' but {torch_build()} has no NCCL/RCCL for collectives between "
+            f"devices={list(devices)} (AMD's Windows wheels and some custom builds lack it). Install the "
+            "Linux ROCm or CUDA build of torch (README, 'Platforms'), or leave the backend to the pack: it "
+            "then runs collectives through gloo (slower)"
         )
 
 

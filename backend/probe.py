@@ -15,9 +15,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .messages import AttentionReport, HealthReport, HealthRequest, LinkReport, LinkRequest
+from .messages import AttentionReport, HealthReport, HealthRequest, LinkReport, LinkRequest, PairReport
 from .parallel.comm import synchronize
+from .preflight import TRANSPORT_ENV
 from .worker import WorkerContext, handler
+
+# The settings that change how collectives travel (preflight.py), as each rank saw them.
+TRANSPORT_FLAGS = ("NCCL_P2P_DISABLE", "NCCL_PROTO", TRANSPORT_ENV)
 
 
 def _timed(fn: Any, device: torch.device, repeats: int) -> float:
@@ -103,8 +107,48 @@ def health_check(ctx: WorkerContext, request: HealthRequest) -> HealthReport:
         detail=detail,
         all_reduce_s=all_reduce_s,
         all_gather_s=all_gather_s,
-        env={k: os.environ.get(k) for k in ("NCCL_P2P_DISABLE", "TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL")},
+        env={k: os.environ.get(k) for k in (*TRANSPORT_FLAGS, "TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL")},
     )
+
+
+def pair_rounds(n: int) -> list[list[tuple[int, int]]]:
+    """Every pair of `n` ranks once, in n - 1 rounds (n rounds when n is odd) where each rank meets at most
+    one partner: the circle method of a round-robin tournament."""
+    seats: list[int | None] = [*range(n), *([None] if n % 2 else [])]
+    rounds = []
+    for _ in range(len(seats) - 1):
+        half = len(seats) // 2
+        pairs = [(seats[i], seats[-1 - i]) for i in range(half)]
+        rounds.append(sorted((min(a, b), max(a, b)) for a, b in pairs if a is not None and b is not None))
+        seats = [seats[0], seats[-1], *seats[1:-1]]
+    return rounds
+
+
+@handler("probe_pairs", HealthRequest)
+def probe_pairs(ctx: WorkerContext, request: HealthRequest) -> PairReport:
+    """Each pair of ranks swaps a tensor with point-to-point sends (round by round, every rank with at most
+    one partner at a time), checked and timed: the paths a group-wide all-reduce does not use (a ring
+    all-reduce over 4 GPUs never links GPU 0 and GPU 2; Ulysses' all-to-all does). Run after
+    `health_check`: NCCL wants the group's first collective to include every rank. A pair whose path
+    hangs hangs here, and the caller's limit ends it with each rank's place (which partner) reported."""
+    device, rank = ctx.device, ctx.rank
+    pairs: dict[str, float] = {}
+    wrong = []
+    for round_pairs in pair_rounds(ctx.world_size):
+        partner = next((b if a == rank else a for a, b in round_pairs if rank in (a, b)), None)
+        if partner is None:
+            continue
+        mine = torch.full((request.elements,), float(rank + 1), dtype=torch.float32, device=device)
+        theirs = torch.empty_like(mine)
+        started = time.perf_counter()
+        ops = [dist.P2POp(dist.isend, mine, partner), dist.P2POp(dist.irecv, theirs, partner)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        synchronize(device)
+        pairs[f"{min(rank, partner)}-{max(rank, partner)}"] = time.perf_counter() - started
+        if not bool((theirs == partner + 1).all().item()):
+            wrong.append(f"from rank {partner}: {theirs[0].item():g} (expected {partner + 1})")
+    return PairReport(rank=rank, correct=not wrong, detail="; ".join(wrong), pairs=pairs)
 
 
 def _sdpa_backends() -> dict[str, Any]:

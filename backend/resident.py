@@ -155,6 +155,11 @@ class ResidentGroup:
         return list(self._group.warnings) if self._group is not None else []
 
     @property
+    def transport_note(self) -> str | None:
+        """The panel's line when the running group is not on the fastest transport (preflight.py)."""
+        return self._group.transport_note if self._group is not None else None
+
+    @property
     def activity(self) -> str | None:
         """What the running job's ranks are doing ('step 3 of 20: 41 s so far, still computing'), from
         their own reports (`WorkerGroup.activity`); None between jobs. Safe to read from any thread."""

@@ -34,6 +34,8 @@ export function panelLines(state, now = Date.now()) {
     if (state.models && state.models.length > 1)
       lines.push(`resident: ${state.models.map((m) => `${m.checkpoint} (${m.layout})`).join(", ")}`);
     if (state.evicted) lines.push(state.evicted);
+    // A slower transport the start-up pre-flight fell back to (backend/preflight.py); details: Status node.
+    if (state.transport) lines.push(state.transport);
     if (state.loading) lines.push(`loading: ${state.loading}`);
     // The planner's one-line reason, split at "; " so it fits the node's width.
     if (state.auto) lines.push(...state.auto.split("; "));

@@ -147,6 +147,9 @@ class Registry:
             if state.get(key):
                 state[key] = public_text(str(state[key]))
         state["ranks"] = [{**r, "text": rank_line(r)} for r in state.get("ranks", [])]
+        transport = getattr(self._flux, "transport_note", None)  # a slower transport after a failed start
+        if transport:
+            state["transport"] = public_text(transport)
         activity = self._flux.activity if self._flux is not None else None
         if activity:
             step, total = state.get("step"), state.get("total")

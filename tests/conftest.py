@@ -27,6 +27,7 @@ TEST_METHODS = (
     "flux2_methods",
     "mesh_methods",
     "norm_methods",
+    "lse_kernels",
 )
 # Their request and reply records travel by name: this process must know them too (a session group's
 # status can name a test's resident record whichever test file asks).

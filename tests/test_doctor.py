@@ -53,7 +53,18 @@ def test_doctor_checks_a_real_cpu_group() -> None:
     assert f"all-reduce bus bandwidth {group['gbps']:.2f} GB/s" in texts[-2]
     assert texts[-1] == f"2 CPU workers with {max(1, cores // 2)} torch thread(s) each"
 
+    assert group["transport"] == {
+        "name": "gloo",
+        "what": "gloo through host memory",
+        "settings": "the defaults",
+        "why": "CPU workers: gloo is their backend",
+        "pairs": {"0-1": group["transport"]["pairs"]["0-1"]},
+    }
     text = doctor.format_report(report)
+    assert (
+        "transport: gloo through host memory: CPU workers: gloo is their backend; probe: "
+        "all-reduce, all-gather, 1 pair(s) (0-1)"
+    ) in text.splitlines()
     assert text.splitlines()[0] == "ROCm Parallel doctor"
     assert f"build:   torch {torch.__version__} (" in text
     assert "group:   2 workers on cpu, cpu, gloo, world size 2, started in " in text

@@ -21,6 +21,7 @@ from fake_comfy import SAMPLERS, SCHEDULERS, FakeComfy, InterruptProcessingExcep
 from test_sampling import flux_model, positive, reference
 
 import rocm_parallel
+from rocm_parallel.backend import preflight
 from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.checkpoint import save_checkpoint
 from rocm_parallel.backend.client import WorkerGroup
@@ -238,6 +239,7 @@ class RecordingFlux:
         self.warnings: list[str] = []
         self.started = False
         self.activity: str | None = None  # no job running (the panel reads it)
+        self.transport_note: str | None = None  # on the fastest transport
 
     def close(self) -> None:
         self.closed = True
@@ -248,6 +250,17 @@ def test_status_shows_what_start_up_changed() -> None:
     registry.group_for(("cpu", "cpu")).warnings.append("started again with NCCL_P2P_DISABLE=1")
     text = status_text(registry, "report")
     assert text.splitlines()[-1] == "warning: started again with NCCL_P2P_DISABLE=1"
+
+
+def test_the_panel_says_when_the_group_fell_back_to_a_slower_transport() -> None:
+    registry = Registry(factory=RecordingFlux)
+    flux = registry.flux_for(("cpu", "cpu"))
+    assert "transport" not in registry.snapshot()
+    flux.transport_note = preflight.short_note(preflight.SHM, fell_back=True)
+    assert registry.snapshot()["transport"] == (
+        "collectives: NCCL/RCCL through host shared memory (peer-to-peer off) (the faster ones failed at "
+        "start: Status node)"
+    )
 
 
 def test_registry_keeps_one_group_per_device_set() -> None:

@@ -3,6 +3,7 @@ built wheel in a real pip install, and the files ComfyUI-Manager and the Comfy R
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -23,10 +24,25 @@ def _name(requirement: str) -> str:
     return re.split(r"[<>=!~ \[;]", requirement, maxsplit=1)[0].lower()
 
 
-def test_torch_has_a_lower_bound_only() -> None:
+def _ci_variable(name: str) -> str:
+    (value,) = re.findall(rf"^{name}=(\S+)", (ROOT / ".ci" / "run").read_text(), flags=re.M)
+    return value
+
+
+def test_torch_has_a_lower_bound_only_the_lowest_ci_runs() -> None:
+    """pyproject's bound, the import-time check (backend/torch_range.py) and .ci/run's lowest torch are one
+    version: the oldest the whole suite passes on. The import check's tested list is what CI runs."""
+    from rocm_parallel.backend import torch_range
+
     deps = _pyproject()["project"]["dependencies"]
     (torch_req,) = [d for d in deps if _name(d) == "torch"]
-    assert torch_req == "torch>=2.13"  # the lowest version CI runs the suite on (.ci/run)
+    lowest = ".".join(map(str, torch_range.LOWEST))
+    assert torch_req == f"torch>={lowest}" == "torch>=2.9"
+    assert _ci_variable("LOWEST_TORCH").startswith(f"{lowest}.")
+    ci_torches = {
+        _ci_variable(v) for v in ("LOWEST_TORCH", "GPU_MACHINE_TORCH", "README_TORCH", "NEWEST_TORCH")
+    }
+    assert ci_torches == set(torch_range.TESTED)
 
 
 def test_requirements_txt_is_pyproject_without_torch() -> None:
@@ -50,8 +66,10 @@ def _run(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.Com
     return done
 
 
-def test_wheel_install_keeps_a_newer_torch(tmp_path: Path, built_wheel: Path) -> None:
-    """A ComfyUI whose torch is newer than anything the pack was tested with (2.99.0): installing the
+@pytest.mark.parametrize("present", ["2.99.0", "2.9.1+rocm7.1"])
+def test_wheel_install_keeps_the_present_torch(tmp_path: Path, built_wheel: Path, present: str) -> None:
+    """A ComfyUI whose torch is newer than anything the pack was tested with (2.99.0), or the ROCm build
+    of the lowest supported release (2.9.1+rocm7.1, diffusers-rocm-parallel's stack): installing the
     built wheel must leave it alone. The venv sees the running interpreter's packages (pip, diffusers,
     ...) through a .pth file, whichever environment that is (a plain venv, the system Python; the base
     Python a venv was made from may have none of them), and a torch 2.99.0 of its own (its dist-info
@@ -59,14 +77,13 @@ def test_wheel_install_keeps_a_newer_torch(tmp_path: Path, built_wheel: Path) ->
     machine's find-links (this machine has a torch 2.13.0 wheel there), so a capped requirement makes it
     replace torch or fail. Mutation tried: with `torch>=2.6,<2.14` in pyproject.toml (and the METADATA
     assertion removed) pip printed 'Installing collected packages: torch' and this test failed."""
-    import os
 
     env = {**os.environ, "PIP_CONSTRAINT": "/dev/null", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     env.pop("PYTHONPATH", None)
     wheel = built_wheel
     with zipfile.ZipFile(wheel) as zf:
         metadata = zf.read(next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))).decode()
-    assert "Requires-Dist: torch>=2.13\n" in metadata
+    assert "Requires-Dist: torch>=2.9\n" in metadata
 
     venv = tmp_path / "comfy-venv"
     _run(sys.executable, "-m", "venv", "--without-pip", venv)
@@ -78,13 +95,13 @@ def test_wheel_install_keeps_a_newer_torch(tmp_path: Path, built_wheel: Path) ->
     # not the ones this suite runs on (a fresh venv's base Python may have no diffusers at all).
     running = [p for p in sys.path if p.endswith("-packages") and Path(p).is_dir()]
     (site / "running-environment.pth").write_text("".join(f"{p}\n" for p in running))
-    fake = site / "torch-2.99.0.dist-info"
+    fake = site / f"torch-{present}.dist-info"
     fake.mkdir(parents=True)
-    (fake / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.99.0\n")
+    (fake / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\nVersion: {present}\n")
     (fake / "INSTALLER").write_text("pip\n")
     (fake / "RECORD").write_text("")
     pip = (python, "-m", "pip")  # the running environment's pip (through the .pth), acting on the venv
-    assert "Version: 2.99.0" in _run(*pip, "show", "torch", env=env).stdout
+    assert f"Version: {present}" in _run(*pip, "show", "torch", env=env).stdout
 
     done = _run(*pip, "install", "--no-index", wheel, env=env)
     assert "Successfully installed rocm-parallel-0.1.0" in done.stdout
@@ -92,8 +109,8 @@ def test_wheel_install_keeps_a_newer_torch(tmp_path: Path, built_wheel: Path) ->
         r"(?im)^(Installing collected packages|  Attempting uninstall):.*\btorch\b", done.stdout
     )
     shown = _run(*pip, "show", "torch", env=env).stdout
-    assert "Version: 2.99.0" in shown and f"Location: {site}" in shown
-    assert fake.is_dir() and (fake / "METADATA").read_text().endswith("Version: 2.99.0\n")
+    assert f"Version: {present}" in shown and f"Location: {site}" in shown
+    assert fake.is_dir() and (fake / "METADATA").read_text().endswith(f"Version: {present}\n")
 
 
 # ------------------------------------------------------------------ the README a newcomer follows
@@ -121,12 +138,14 @@ def test_ci_runs_the_readme_commands_verbatim() -> None:
     assert len(lines) == 3, lines
     torch_line, demo, tests = lines
     assert torch_line.startswith('python -c "import torch" 2>/dev/null || python -m pip install torch==')
-    assert f"torch=={_pyproject()['project']['dependencies'][0].removeprefix('torch>=')}.0 " in torch_line
+    # the CPU wheel the README installs is one CI runs the suite on, inside pyproject's range
+    assert f"torch=={_ci_variable('README_TORCH')} " in torch_line
     assert demo.endswith("python -m rocm_parallel demo") and tests.endswith("python -m pytest -q")
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     for line in lines:
         assert f"    {line}" in ci, f"{line!r} is not run by .ci/run"
     assert 'python3 -m venv "$work/first"' in ci and 'python3 -m venv "$work/newest"' in ci
+    assert '    python3 -m venv "$work/torch-$torch_version"' in ci  # the lowest and the GPU machines' torch
     assert not any(ln.startswith("python3 -m pip") for ln in ci)  # never the system Python
 
 
@@ -225,3 +244,34 @@ def test_requires_comfyui_and_the_readme_name_exactly_the_versions_the_tier_runs
     assert tested is not None and re.findall(r'"([\d.]+)"', tested.group(1)) == tier
     table = (ROOT / "docs" / "models.md").read_text().split("| ComfyUI | FLUX.1 |", 1)[1].split("\n\n", 1)[0]
     assert sorted(re.findall(r"^\| (\d+\.\d+\.\d+) \|", table, re.M), key=_version_key) == tier
+
+
+def test_a_torch_below_the_range_is_refused_at_import(tmp_path: Path) -> None:
+    """torch 2.8.0+rocm6.4 installed (its metadata first on the path, as pip would leave it): `import
+    rocm_parallel` stops with the supported range and the install commands, before any node or worker.
+    Mutation tried: with the check_torch() call removed from __init__.py the import succeeded and this
+    test failed."""
+    site = tmp_path / "site"
+    fake = site / "torch-2.8.0+rocm6.4.dist-info"
+    fake.mkdir(parents=True)
+    (fake / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.8.0+rocm6.4\n")
+    (tmp_path / "pack").mkdir()
+    (tmp_path / "pack" / "rocm_parallel").symlink_to(ROOT)
+    env = {**os.environ, "PYTHONPATH": f"{site}:{tmp_path / 'pack'}"}
+    done = subprocess.run(
+        [sys.executable, "-c", "import rocm_parallel"], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        "rocm_parallel.backend.torch_range.TorchVersionError: ROCm Parallel needs torch >= 2.9 (CI runs the "
+        "suite on 2.9.1, 2.11.0, 2.13.0, 2.15.0); this Python has torch 2.8.0+rocm6.4. Upgrade torch, keeping "
+        "your build (ROCm, CUDA or CPU): install torch first, then this pack: ROCm (Linux): pip install torch "
+        "--index-url https://download.pytorch.org/whl/rocmX.Y (X.Y from pytorch.org's install selector, e.g. "
+        "rocm6.4); NVIDIA: pip install torch; CPU only: pip install torch --index-url "
+        "https://download.pytorch.org/whl/cpu"
+    )
+    ok = subprocess.run(
+        [sys.executable, "-c", "import rocm_parallel"], capture_output=True, text=True, timeout=120,
+        env={**env, "PYTHONPATH": str(tmp_path / "pack")},
+    )  # fmt: skip
+    assert ok.returncode == 0, ok.stderr  # the same pack with the real torch imports

@@ -1,4 +1,5 @@
-"""Group start-up: the health check, its retry without peer-to-peer, CPU threads shared out."""
+"""Group start-up: the health check and the transport pre-flight's ladder (peer-to-peer off, the Simple
+protocol, gloo) with its probe faked to hang, fail or corrupt on CPU workers; CPU threads shared out."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from rocm_parallel.backend import doctor, preflight
 from rocm_parallel.backend.client import WorkerError, WorkerGroup
+from rocm_parallel.backend.config import ConfigError
 from rocm_parallel.backend.platforms import default_cpu_threads
 
 TESTS_DIR = str(Path(__file__).resolve().parent)
@@ -69,6 +72,11 @@ def test_a_hung_first_collective_is_retried_without_p2p_and_reported(monkeypatch
         assert "started again with NCCL_P2P_DISABLE=1 and now works" in warning
         assert "start ComfyUI with NCCL_P2P_DISABLE=1 in its environment" in warning
         assert group.call("ping").backend == "gloo"
+        assert group.transport is preflight.SHM
+        assert group.transport_note == (
+            "collectives: NCCL/RCCL through host shared memory (peer-to-peer off) (the faster ones failed at "
+            "start: Status node)"
+        )
     finally:
         group.close()
     assert not _alive(group.pids)
@@ -140,3 +148,150 @@ def test_a_rank_stopped_before_it_connects_is_named_within_seconds() -> None:
     assert "(it had not connected yet)" in str(err.value)
     assert err.value.rank == 1 and took < 30, took  # the other rank's own start-up counts in here
     assert not _alive([c.pid for c in psutil.Process().children() if c not in before])
+
+
+def _faulty_group(faults: str, **env: str) -> WorkerGroup:
+    return WorkerGroup(
+        ["cpu", "cpu"], threads=1, extra_sys_path=[TESTS_DIR], methods=["transport_checks"],
+        env={"RP_TEST_TRANSPORT_FAULTS": faults, **env}, health_timeout=3.0, retry_without_p2p=True,
+    )  # fmt: skip
+
+
+def test_the_ladder_falls_to_gloo_and_says_what_it_costs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every NCCL rung fails its pair probe (an NCCL error with P2P, a wrong value without, an NCCL error
+    with the Simple protocol; a hang is the next test's): the group ends on gloo, works, and says each
+    failure, how to keep gloo, and what gloo costs as the planner prices it over the link measured here.
+
+    Mutation tried: with `preflight.LADDER` cut to (P2P, SHM) the start failed with the
+    wrong-value error and this test failed."""
+    monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+    group = _faulty_group("nccl=error,nccl-shm=wrong,nccl-shm-simple=error")
+    try:
+        assert group.transport is preflight.GLOO
+        assert [p.correct for p in group.pairs] == [True, True]
+        assert set(group.pairs[0].pairs) == {"0-1"}
+        assert group.call("ping").backend == "gloo"
+        fallback, cost = group.warnings
+        assert fallback.startswith(
+            "the first collective over cpu, cpu failed with peer-to-peer transfers enabled"
+        )
+        assert (
+            "(health check failed: rank 0 (cpu): RuntimeError: NCCL error in: ProcessGroupNCCL.cpp:2011"
+            in fallback
+        )
+        assert (
+            "; then with NCCL_P2P_DISABLE=1: health check failed: rank 1 (cpu) got wrong collective results "
+            in fallback
+        )
+        assert "(from rank 0: 7 (expected 1))" in fallback
+        assert "; then with NCCL_P2P_DISABLE=1 NCCL_PROTO=Simple: health check failed: " in fallback
+        assert "NCCL error in: ProcessGroupNCCL.cpp:2011, unhandled system error" in fallback
+        assert "the worker group was started again with backend='gloo' and now works" in fallback
+        assert "start ComfyUI with ROCM_PARALLEL_BACKEND=gloo" in fallback
+        found = re.search(
+            r"^collectives run through gloo; the planner prices one FLUX.1-dev 1024x1024 step at tp 2 \(100 "
+            r"TFLOPS per GPU\) at (\d+\.\d\d) s over gloo as measured here \((\d+\.\d\d) GB/s, (\d+) µs per "
+            r"collective\) against (\d+\.\d\d) s over PCIe 4.0 x16 peer-to-peer",
+            cost,
+        )
+        assert found, cost
+        assert float(found[1]) > float(found[4]) > 0  # a CPU's loopback is slower than 24 GB/s
+        assert group.transport_why == (
+            "the defaults, NCCL_P2P_DISABLE=1, NCCL_P2P_DISABLE=1 NCCL_PROTO=Simple failed the start-up probe "
+            "(warnings)"
+        )
+        report = doctor.check_group(group.devices, group=group)
+        assert doctor.transport_line(report) == (
+            "transport: gloo through host memory over loopback TCP (backend='gloo'): the defaults, "
+            "NCCL_P2P_DISABLE=1, NCCL_P2P_DISABLE=1 NCCL_PROTO=Simple failed the start-up probe (warnings); "
+            "probe: all-reduce, all-gather, 1 pair(s) (0-1)"
+        )
+    finally:
+        group.close()
+    assert not _alive(group.pids)
+
+
+def test_a_hung_pair_probe_is_ended_by_its_limit_and_the_next_transport_used(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The group-wide all-reduce and all-gather pass; only the pair exchange hangs with P2P on (rank 0
+    never joins it, as a broken link between two GPUs does): after `health_timeout` the group is stopped,
+    started again with peer-to-peer off, works, and no worker of the first start is left.
+    Mutation tried: with the `probe_pairs` call removed from `WorkerGroup._check_health` the group stayed
+    on P2P and this test failed."""
+    monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+    before = psutil.Process().children()
+    group = _faulty_group("nccl=hang")
+    try:
+        assert group.transport is preflight.SHM
+        assert [h.correct for h in group.health] == [True, True]
+        assert [p.correct for p in group.pairs] == [True, True]
+        (warning,) = group.warnings
+        assert warning.startswith(
+            "the first collective over cpu, cpu failed with peer-to-peer transfers enabled (health check "
+            "failed: 'probe_pairs' did not finish within 3 s (rank 0 computing 'probe_pairs' ("
+        ), warning
+        assert "started again with NCCL_P2P_DISABLE=1 and now works" in warning
+        assert group.transport_why == "the defaults" + preflight.FAILED
+        started = {c.pid for c in psutil.Process().children() if c not in before}
+        assert set(_alive(list(started))) == set(group.pids)  # the hung first start's workers are gone
+    finally:
+        group.close()
+    assert not _alive(group.pids)
+
+
+def test_when_every_transport_fails_the_start_fails_with_each_failure() -> None:
+    """The user set NCCL_P2P_DISABLE=1: the ladder starts there (P2P is never turned back on), and when
+    every rung fails the start fails with the last failure, the earlier ones as notes, nothing left."""
+    before = psutil.Process().children()
+    with pytest.raises(WorkerError) as err:
+        _faulty_group("nccl=hang,nccl-shm=error,nccl-shm-simple=error,gloo=wrong", NCCL_P2P_DISABLE="1")
+    assert str(err.value) == (
+        "health check failed: rank 1 (cpu) got wrong collective results (from rank 0: 7 (expected 1)); "
+        "peer-to-peer transfers may corrupt data"
+    )
+    notes = err.value.__notes__
+    assert [n.split(":")[0] for n in notes] == [
+        "before that, with NCCL_P2P_DISABLE=1",
+        "before that, with NCCL_P2P_DISABLE=1 NCCL_PROTO=Simple",
+    ]
+    assert all("unhandled system error" in n for n in notes)
+    assert not _alive([c.pid for c in psutil.Process().children() if c not in before])
+
+
+def test_a_users_own_settings_are_where_the_ladder_starts() -> None:
+    """NCCL_P2P_DISABLE=1 set by the user: never started with P2P again; only later rungs are tried."""
+    plan = preflight.plan_transports(
+        ["cuda:0", "cuda:1"], None, {"NCCL_P2P_DISABLE": "1"}, retry=True, nccl_available=True
+    )
+    assert plan.ladder == (preflight.SHM, preflight.SIMPLE, preflight.GLOO)
+    plan = preflight.plan_transports(["cuda:0", "cuda:1"], "nccl", {}, retry=True, nccl_available=True)
+    assert plan.ladder == (preflight.P2P, preflight.SHM, preflight.SIMPLE)  # backend='nccl': never gloo
+    plan = preflight.plan_transports(["cuda:0", "cuda:1"], None, {}, retry=False, nccl_available=True)
+    assert plan.ladder == (preflight.P2P,)
+
+
+def test_gpus_without_nccl_start_on_gloo_and_the_planner_prices_it() -> None:
+    """Strix Halo (no RCCL for gfx1151) or a torch without NCCL: gloo from the start, said and priced."""
+    plan = preflight.plan_transports(["cuda:0", "cuda:1"], None, {}, retry=True, nccl_available=False)
+    assert plan.ladder == (preflight.GLOO,)
+    assert plan.why.startswith("this torch has no NCCL/RCCL (torch ") and plan.why.endswith(
+        "): gloo through host memory over loopback TCP"
+    )
+    cost = preflight.gloo_cost(2, gbps=3.0, latency_us=200.0)
+    assert cost.startswith(
+        "the planner prices one FLUX.1-dev 1024x1024 step at tp 2 (100 TFLOPS per GPU) at "
+    )
+    assert "over gloo as measured here (3.00 GB/s, 200 µs per collective) against " in cost
+    assert cost.endswith("`python -m rocm_parallel plan --devices 2 --link-gbps 3.00 --latency-us 200`)")
+
+
+def test_the_backend_can_be_forced_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(preflight.TRANSPORT_FORCE, "gloo")
+    assert preflight.forced_backend(None) == "gloo" and preflight.forced_backend("nccl") == "nccl"
+    monkeypatch.setenv(preflight.TRANSPORT_FORCE, "mpi")
+    with pytest.raises(ConfigError) as err:
+        WorkerGroup(["cpu", "cpu"])
+    assert (
+        str(err.value) == "ROCM_PARALLEL_BACKEND='mpi' in the environment; use 'gloo' or 'nccl', or unset it"
+    )

@@ -36,6 +36,18 @@ _PAYLOAD = {
 }
 
 
+def all_gather_single(output: torch.Tensor, local: torch.Tensor, group: Any = None) -> None:
+    """Every rank's `local` into `output`, rank-major along dim 0 (the same size on every rank).
+
+    torch >= 2.12 names it `dist.all_gather_single` and deprecates `all_gather_into_tensor` (FutureWarning);
+    torch 2.9-2.11, which ROCm users and the project's GPU machines run, have only the latter.
+    """
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, local, group=group)
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for `device` to finish queued work (for timings and results); CPU and meta need nothing."""
     if device.type == "cuda":

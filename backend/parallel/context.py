@@ -52,6 +52,7 @@ from torch import nn
 from ..config import ConfigError, ModelDims, ParallelLayout
 from .comm import WaitCollectives
 from .lse import ANY, guard_forward_op, probe_merge_shape, probe_query_shape
+from .lse_check import guard_ring_kernel
 from .weights import compute_dtype
 
 ATTENTION_KERNELS = ("cpu_flash", "math", "native_flash", "cudnn", "flash")
@@ -661,6 +662,10 @@ def apply_context_parallel(
     model._parallel_config.context_parallel_config._device = device
     if layout.ring > 1:
         state.lse_shape = _probe_ring(model, device, state)
+        # the numeric LSE guard (lse_check.py): the kernel against float64, then through this ring's merge
+        state.kernel = guard_ring_kernel(
+            state.kernel, model._parallel_config, device, dtype, state.lse_shape, dims.head_dim
+        )
     spec.padding(model, state, spec)
     model._rp_context_state = state  # for inspection (tests, benchmarks)
     return model

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import ConfigError, ParallelLayout
+from .comm import all_gather_single
 
 MESH_DIMS = ("batch", "ring", "ulysses", "tp")
 # diffusers flattens the ("ring", "ulysses") sub-mesh into one group for the sequence split and the output
@@ -200,7 +201,7 @@ class BatchSplit:
             local = torch.cat([local, local.new_zeros((width - local.shape[0], *entry_shape))])
         gathered = local.new_empty((self.degree * width, *entry_shape))
         assert self.groups is not None
-        dist.all_gather_single(gathered, local.contiguous(), group=self.groups.batch_group)
+        all_gather_single(gathered, local.contiguous(), group=self.groups.batch_group)
         pieces = gathered.chunk(self.degree)
         return torch.cat([p[:n] for p, n in zip(pieces, self.sizes, strict=True)])
 

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ConfigError, ModelDims, validate_tp_degree
+from .comm import all_gather_single
 from .weights import layer_dtype, linear_weight
 
 # --------------------------------------------------------------------------------------------------
@@ -242,7 +243,7 @@ def gather_modulation(
         [F.linear(x.to(layer_dtype(m)), linear_weight(m, layer_dtype(m)), m.bias) for m in layers], dim=-1
     )
     flat = local.new_empty((degree * local.shape[0], *local.shape[1:]))  # backends want rank-major rows
-    dist.all_gather_single(flat, local.contiguous(), group=group)
+    all_gather_single(flat, local.contiguous(), group=group)
     gathered = flat.view(degree, *local.shape)
     outs, offset = [], 0
     for m in layers:
