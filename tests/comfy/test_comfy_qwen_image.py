@@ -134,6 +134,7 @@ def test_the_parallel_model_is_comfyuis_qwen_image(comfy, checkpoints, registrie
     assert isinstance(model.model.latent_format, comfy.latent_formats.Wan21)
     assert model.model.latent_format.latent_dimensions == 3
     proxy = model.model.diffusion_model
-    assert (proxy.pooled, proxy.text_mask, proxy.default_ref_method) == (False, True, "index")
+    inputs = {item.name for item in proxy.runner.info.model_family.call_spec.inputs}
+    assert ("y" in inputs, "attention_mask" in inputs, proxy.default_ref_method) == (False, True, "index")
     edit_2511 = parallel_model(checkpoints["qwen_2511"], registries, "tp2")
     assert edit_2511.model.diffusion_model.default_ref_method == "index_timestep_zero"

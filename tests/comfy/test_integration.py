@@ -68,6 +68,7 @@ def test_pack_loads_with_nodes_route_js_and_templates(comfy: Comfy) -> None:
         "flux1_dev_tp4",
         "flux1_kontext_dev_ksampler_parallel_model",
         "flux1_schnell_tp2",
+        "flux2_dev_gguf_parallel_model_tp2",
         "flux2_dev_parallel_model_tp2_ulysses2",
         "flux2_dev_parallel_model_tp4",
         "qwen_image_parallel_model_batch2_tp2",
