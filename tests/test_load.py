@@ -216,7 +216,8 @@ def test_sdxl_unet_is_recognized(tmp_path: Path) -> None:
     save_file({COMFY_PREFIX + k: torch.zeros(2) for k in keys}, str(tmp_path / "sdxl.safetensors"))
     assert _error(tmp_path / "sdxl.safetensors") == (
         f"'{tmp_path}/sdxl.safetensors' is not a FLUX.1, FLUX.2 or Qwen-Image checkpoint: it looks like an SDXL UNet. "
-        "Pick a FLUX.1, FLUX.2 or Qwen-Image transformer file (e.g. flux1-dev.safetensors, flux2-dev.safetensors) from "
+        "Pick a FLUX.1, FLUX.2 or Qwen-Image transformer file (e.g. flux1-dev.safetensors, flux2-dev.safetensors, "
+        "qwen-image.safetensors) from "
         "models/diffusion_models"
     )
 

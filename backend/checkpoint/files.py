@@ -149,14 +149,9 @@ def is_gguf(path: Path, head: bytes | None = None) -> bool:
     return head[:4] == b"GGUF" or path.suffix.lower() == ".gguf"
 
 
-def read_header(path: Path) -> tuple[dict[str, StoredTensor], dict[str, str]]:
-    """(key -> stored tensor, the header's `__metadata__` strings) of a safetensors file, or the tensors
-    and string fields of a GGUF file (gguf.py)."""
-    check_file_kind(path)
-    if is_gguf(path):
-        from .gguf import read_gguf_header
-
-        return read_gguf_header(path)
+def read_safetensors_header(path: Path) -> tuple[dict[str, StoredTensor], dict[str, str]]:
+    """(key -> stored tensor, the header's `__metadata__` strings) of a safetensors file (headers.py reads
+    either kind of file)."""
     try:
         with safe_open(str(path), "pt") as f:
             out = {}
@@ -168,6 +163,13 @@ def read_header(path: Path) -> tuple[dict[str, StoredTensor], dict[str, str]]:
         raise CheckpointError(
             f"{quoted(path)} is truncated or corrupt: {truncation_detail(path, err)}. Download or copy it again"
         ) from err
+
+
+def full_shape(stored: StoredTensor, rows: tuple[tuple[int, int], ...] | None) -> tuple[int, ...]:
+    """The shape of the parameter made of `rows` of `stored` (None: all of it)."""
+    if rows is None:
+        return stored.shape
+    return (sum(b - a for a, b in rows), *stored.shape[1:])
 
 
 def numel(shape: tuple[int, ...]) -> int:
@@ -184,11 +186,12 @@ __all__ = [
     "CheckpointError",
     "StoredTensor",
     "check_file_kind",
+    "full_shape",
     "is_gguf",
     "listing",
     "missing_checkpoint",
     "numel",
-    "read_header",
+    "read_safetensors_header",
     "refuse_special",
     "special_kind",
     "starts_like_safetensors",

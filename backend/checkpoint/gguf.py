@@ -27,9 +27,10 @@ import numpy as np
 import torch
 
 from ..config import ConfigError, validate_tp_degree
+from ..family import families
 from ..parallel.ggml import QUANTIZED, block_scales, dequantize, is_quantized, row_bytes
 from ..redact import quoted
-from .files import CheckpointError, StoredTensor, numel
+from .files import CheckpointError, StoredTensor, full_shape, numel
 
 if TYPE_CHECKING:
     from .info import CheckpointInfo
@@ -68,6 +69,12 @@ def _fields(reader: Any) -> dict[str, Any]:
     return out
 
 
+def _family_titles() -> str:
+    """'FLUX.1, FLUX.2 or Qwen-Image': the registered families, for messages."""
+    titles = [f.title for f in families()]
+    return " or ".join(filter(None, (", ".join(titles[:-1]), titles[-1])))
+
+
 def read_gguf_header(path: Path) -> tuple[dict[str, StoredTensor], dict[str, str]]:
     """(key -> stored tensor, the header's fields as strings) of a GGUF file, with the `gguf` package's
     GGUFReader (header only: its memory map is dropped here, nothing of the data is read).
@@ -90,7 +97,7 @@ def read_gguf_header(path: Path) -> tuple[dict[str, StoredTensor], dict[str, str
     if arch in TEXT_ARCHS:
         raise CheckpointError(
             f"{quoted(path)} is a GGUF text encoder (architecture '{arch}'), not a diffusion model: load it with "
-            "ComfyUI-GGUF's CLIPLoader (GGUF) and pick a FLUX or Qwen-Image diffusion model here"
+            f"ComfyUI-GGUF's CLIPLoader (GGUF) and pick a {_family_titles()} diffusion model here"
         )
     tensors: dict[str, StoredTensor] = {}
     end = 0
@@ -99,7 +106,7 @@ def read_gguf_header(path: Path) -> tuple[dict[str, StoredTensor], dict[str, str
         if ORIG_SHAPE + t.name in reader.fields:
             raise CheckpointError(
                 f"{quoted(path)}: tensor '{t.name}' was reshaped by ComfyUI-GGUF's converter (an SD1/SDXL file); "
-                "FLUX and Qwen-Image files are never reshaped, so this is not one of them"
+                f"{_family_titles()} files are never reshaped, so this is not one of them"
             )
         if qtype not in PLAIN and not is_quantized(qtype):
             raise CheckpointError(
@@ -235,7 +242,6 @@ def quantized_sources(info: CheckpointInfo) -> dict[str, StoredTensor]:
 def _misplaced(info: CheckpointInfo, tp: int, resolved: dict[str, Any]) -> tuple[StoredTensor, int] | None:
     """The first quantized tensor whose rows `tp` would split inside a block, and where; None when none."""
     from ..parallel.tensor import parameter_pieces
-    from .load import full_shape
 
     for name, stored in sorted(quantized_sources(info).items()):
         block = QUANTIZED[stored.dtype][0]

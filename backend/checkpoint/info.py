@@ -36,11 +36,11 @@ from .files import (
     listing,
     missing_checkpoint,
     numel,
-    read_header,
     refuse_special,
 )
 from .foreign import refuse_foreign_quantization
 from .gguf import tensor_bytes, torch_name
+from .headers import read_header
 from .keys import transformer_prefix
 from .quant import split_scales
 

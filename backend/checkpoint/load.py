@@ -36,7 +36,7 @@ from ..parallel.ggml import byte_shape, is_quantized
 from ..parallel.tensor import Pieces, apply_tensor_parallel, parameter_pieces, resolve_plan
 from ..parallel.weights import hold_quantized, is_fp8, keep_fp8_resident
 from ..redact import quoted
-from .files import CheckpointError, StoredTensor
+from .files import CheckpointError, StoredTensor, full_shape
 from .gguf import check_block_splits, checked_values, read_gguf
 from .info import CheckpointInfo, check_weight_dtype, inspect_checkpoint, resolve_dtype
 
@@ -198,12 +198,6 @@ def read_parameter(
     stored, rows = info.sources[name]
     scale = info.scales.get(stored.key)
     return _read(stored, rows, pieces, dtype, device, None if is_fp8(dtype) else scale)
-
-
-def full_shape(stored: StoredTensor, rows: tuple[tuple[int, int], ...] | None) -> tuple[int, ...]:
-    if rows is None:
-        return stored.shape
-    return (sum(b - a for a, b in rows), *stored.shape[1:])
 
 
 def load_model(
