@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from .cancel_points import cancellable
 from .compile import note_compiles
 from .family import family_of
 from .finite import all_finite
@@ -70,8 +71,9 @@ def forward(ctx: WorkerContext, request: ForwardRequest) -> ForwardReply:
             take = split.take
             # the text mask only for a family whose text takes one (backend/family.py `TextInputs.mask`)
             masked = {} if mask is None else {"attention_mask": take(mask)}
+            model_fn = cancellable(ctx, model, family.model_fn(model), every_group_runs=all(split.sizes))
             out = family.call(
-                family.model_fn(model), take(x), take(request.timestep.to(ctx.device)), take(context),
+                model_fn, take(x), take(request.timestep.to(ctx.device)), take(context),
                 take(pooled), take(guidance), ref_latents=[take(r) for r in refs], ref_method=request.ref_method,
                 **masked,
             )  # fmt: skip

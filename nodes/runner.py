@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from ..backend.config import ParallelLayout
+from ..backend.watch import interrupt_check
 from .inputs import LayoutRequest, ParallelHandle
 from .loading import auto_layout, ensure_loaded, read_checkpoint
 from .registry import Registry
@@ -25,7 +26,8 @@ class ModelRunner:
 
     `comfy_model` wraps it into ComfyUI's MODEL; nothing here imports ComfyUI. `info` is the checkpoint's
     header as the node's run read it (read here when not given), carried to every load. `interrupted()`
-    raises on a pending Cancel (checked during loads); `make_room()` frees ComfyUI's own models from the GPUs.
+    raises on a pending Cancel (checked during loads, before each model call and while the workers compute
+    one); `make_room()` frees ComfyUI's own models from the GPUs.
     """
 
     def __init__(
@@ -120,9 +122,13 @@ class ModelRunner:
             self.registry.update(step=step[0], total=step[1])
         self.calls += 1
         masked = {} if attention_mask is None else {"attention_mask": attention_mask}  # Qwen-Image's text
-        return flux.forward(
-            x, timestep, context, y, guidance, ref_latents=ref_latents, ref_method=ref_method, **masked
-        )
+        if self.interrupted is not None:
+            self.interrupted()  # a Cancel pressed since the last call: stop before this one
+        # ... and one pressed during it: the ranks stop a few blocks in (backend/cancel_points.py)
+        with interrupt_check(self.interrupted):
+            return flux.forward(
+                x, timestep, context, y, guidance, ref_latents=ref_latents, ref_method=ref_method, **masked
+            )
 
 
 def idle_note(layout: ParallelLayout | None, call_batch: int) -> str | None:
