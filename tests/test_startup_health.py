@@ -140,3 +140,42 @@ def test_a_rank_stopped_before_it_connects_is_named_within_seconds() -> None:
     assert "(it had not connected yet)" in str(err.value)
     assert err.value.rank == 1 and took < 30, took  # the other rank's own start-up counts in here
     assert not _alive([c.pid for c in psutil.Process().children() if c not in before])
+
+
+def _importing(what: str) -> WorkerGroup:
+    return WorkerGroup(
+        ["cpu", "cpu"], threads=1, start_timeout=300, extra_sys_path=[TESTS_DIR],
+        methods=["worker_jobs", "startup_checks"], env={"RP_TEST_IMPORT": what},
+    )  # fmt: skip
+
+
+def test_a_rank_blocked_while_importing_is_named_within_seconds(tmp_path: Path) -> None:
+    """Rank 1 blocks in Python while importing its methods (its reports go on: 'starting (importing its
+    methods)'); rank 0 is ready and waits for it. The start fails within 15 s of the block naming rank 1,
+    long before `start_timeout`. Mutation tried: without `Liveness._waiting_ahead` the start waited for the
+    whole start_timeout (before this rule: 61.2 s with 60)."""
+    before = psutil.Process().children()
+    stamp = tmp_path / "blocked"
+    with pytest.raises(WorkerError) as err:
+        _importing(f"block:1:{stamp}")
+    took = time.monotonic() - float(stamp.read_text())
+    assert re.match(
+        r"worker rank 1 \(cpu, pid \d+\) does no work while starting: it reports starting \(importing its "
+        r"methods, \d+ s so far\), but for \d+ s it has used no CPU, waited for no disk and queued no GPU "
+        r"work, and rank 0 is ready: it is blocked",
+        str(err.value),
+    ), str(err.value)
+    assert "(it had connected)" in str(err.value)
+    assert err.value.rank == 1 and took < 15, took
+    assert not _alive([c.pid for c in psutil.Process().children() if c not in before])
+
+
+def test_a_slow_import_that_works_completes() -> None:
+    """Rank 1 works 40 s while importing its methods (rank 0 ready, waiting): the group starts."""
+    started = time.monotonic()
+    group = _importing("work:1:40")
+    try:
+        assert time.monotonic() - started >= 40
+        assert [r.rank for r in group.call_all("ping")] == [0, 1]
+    finally:
+        group.close()
