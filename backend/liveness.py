@@ -210,7 +210,8 @@ class Liveness:
             or process.working  # a thread runnable (on a busy machine: waiting for a core) or in disk wait
             or used >= BUSY_CPU * max(now - seen.looked, 0.01)
             or (fresh and seen.state is not None and seen.state.gpu)  # its GPU has work queued
-            or (not fresh and process.reporter_runnable)  # its reports are late: starved, not stuck
+            # a GPU rank's late reports (its reporting thread waits for a core) leave its queue unknown
+            or (not fresh and process.reporter_runnable and not self.devices[rank].startswith("cpu"))
         )
         if works:
             seen.idle_since = None
@@ -259,6 +260,14 @@ class Liveness:
             return blocked
         return self._stuck(now, pending, failed, waits, reasons, idle_reasons)
 
+    def _current(self, rank: int, now: float) -> bool:
+        """Rank's last report says where it is now: it is fresh, or the rank has done no work since it was
+        written (a rank blocked in a collective cannot have moved on; on a loaded machine its reporting
+        thread may wait seconds for a core)."""
+        seen = self.seen[rank]
+        idle_since_report = seen.idle_since is not None and seen.idle_since <= seen.reported
+        return now - seen.reported <= FRESH or idle_since_report
+
     def _who(self, rank: int) -> str:
         return f"worker rank {rank} ({self.devices[rank]}, pid {self.pids[rank]})"
 
@@ -283,7 +292,7 @@ class Liveness:
         questions: dict[str, int] = {}
         for rank in pending:
             seen = self.seen[rank]
-            if seen.state is None or now - seen.reported > FRESH:
+            if seen.state is None or not self._current(rank, now):
                 continue  # an old report does not say where the rank is now
             for group in (g for g in _blocking(seen.state.groups, seen.own_since) if g.ranks):
                 if now - group.pending_since >= ASK_AFTER:
@@ -373,7 +382,7 @@ class Liveness:
                 f"{now - self.started:.0f} s so far), for {idle:.0f} s it has used no CPU and waited for no "
                 f"disk, and {waited[rank]}: it is blocked"
             )
-        elif now - seen.reported > FRESH:
+        elif now - seen.reported > self.watchdog.idle:
             last = describe(seen.state, seen.reported)
             if seen.state is not None and seen.state.job != self.job:
                 last += ", before this job reached it"

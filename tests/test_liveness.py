@@ -27,10 +27,12 @@ def _group(
 class Ranks:
     """`world` ranks' reports and OS views fed to a `Liveness` at made-up times."""
 
-    def __init__(self, world: int = 3, method: str = "steps", job: int = 5, **watchdog: float) -> None:
+    def __init__(
+        self, world: int = 3, method: str = "steps", job: int = 5, device: str = "cpu", **watchdog: float
+    ) -> None:
         self.world, self.method, self.job = world, method, job
         pids = tuple(100 + r for r in range(world))
-        self.live = Liveness(("cpu",) * world, pids, Watchdog(**watchdog), 0.0, method, job)
+        self.live = Liveness((device,) * world, pids, Watchdog(**watchdog), 0.0, method, job)
         self.beat = 0
         self.cpu = dict.fromkeys(range(world), 0.0)
 
@@ -136,13 +138,16 @@ def test_ranks_sleeping_in_the_same_call_are_never_hung() -> None:
 
 def test_a_rank_that_works_is_never_hung_whatever_its_peers_wait() -> None:
     """Rank 1 is waited for and works: by CPU time, by a runnable thread, by a GPU queue (its host thread
-    waiting for the kernels), by a starved reporting thread (late reports, not stopped ones)."""
+    waiting for the kernels). A GPU rank whose reporting thread waits for a core (late reports) may have
+    kernels queued: not judged; a CPU rank has no queue, so its threads alone say."""
     groups = {0: (_group("a", (0, 1), 5, 4, since=0.5),), 1: (_group("a", (0, 1), 4, 4),), 2: ()}
     for how in ({"busy": (1, 2)}, {"working": (1, 2)}, {"gpu": (1,), "working": (2,)}):
         assert Ranks().until(100.0, groups, **how) is None, how
-    ranks = Ranks()
-    ranks.at(0.5, groups, working=(2,))
-    assert ranks.until(100.0, groups, start=1.0, silent=(1,), starving=(1,), working=(2,)) is None
+    for device, named in (("cuda:0", False), ("cpu", True)):
+        ranks = Ranks(device=device)
+        ranks.at(0.5, groups, working=(2,), gpu=(1,))
+        found = ranks.until(100.0, groups, start=1.0, silent=(1,), starving=(1,), working=(2,))
+        assert (found is not None) == named, (device, found)
 
 
 # ------------------------------------------------------------------------------------------ blocked ranks
@@ -177,6 +182,18 @@ def test_a_silent_rank_that_does_no_work_is_named_as_stopped_reporting() -> None
         "computing 'steps' (0 s so far)); its process is alive but does no work: stuck in a native call or "
         "deadlocked (rank 0 waits for it in collective #5 (all_reduce over ranks 0, 1))"
     ), found
+
+
+def test_a_waiting_rank_whose_reports_are_late_still_waits_while_it_does_no_work() -> None:
+    """On a loaded machine the waiting rank's reporting thread may wait seconds for a core: its last report
+    still says where it is as long as it has done no work since (it cannot have left the collective).
+    Mutation tried: trusting only fresh reports (`_current` without the idle clause) never named rank 1."""
+    groups = {0: (_group("a", (0, 1), 5, 4, since=0.5),), 1: (_group("a", (0, 1), 4, 4),), 2: ()}
+    ranks = Ranks()
+    ranks.at(0.5, groups, working=(2,))
+    ranks.at(1.0, groups, working=(2,))
+    found = ranks.until(30.0, groups, start=1.5, silent=(0,), working=(2,))
+    assert found is not None and found[1].ranks == (1,) and found[0] <= 7.0, found
 
 
 def test_a_rank_left_working_when_its_peers_finished_is_waited_for() -> None:
