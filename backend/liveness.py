@@ -177,9 +177,9 @@ class Liveness:
         self.questions: dict[str, int] = {}  # group -> the collective its ranks are asked about
 
     def carry(self, seen: dict[int, _Seen]) -> None:
-        """Start from another judge's reports (the previous job's): a rank silent since then counts. A new
-        job is new work: no rank's idleness carries over."""
-        self.seen = {rank: replace(s, idle_since=None) for rank, s in seen.items()}
+        """Start from another judge's reports (the previous job's): a rank silent since then counts (one
+        that starts the new job reports a new activity: that is work, `_moved`)."""
+        self.seen = seen
 
     # ---------------------------------------------------------------- input
 

@@ -8,6 +8,8 @@ all a computing rank shows). The traces recorded under real contention are repla
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from rocm_parallel.backend.liveness import Hang, Liveness, Process, Watchdog, same_collective
@@ -219,8 +221,9 @@ def test_a_chain_of_waits_that_ends_at_a_blocked_rank_names_that_rank() -> None:
 
 
 def test_a_new_job_starts_with_no_idleness_carried_over() -> None:
-    """A rank idle between jobs for long is not 'idle for 5 s' the moment a new job's peer waits for it.
-    Mutation tried: `carry` keeping `idle_since` named rank 1 at the new job's first look."""
+    """A rank idle between jobs is judged in the new job from the moment a peer waits for it, and the
+    message counts its idleness in this job (its report of the new job is a sign of work). Mutation tried:
+    a new report's activity not counting as work (`moved` left out) said 'for 56 s it has used no CPU'."""
     ranks = Ranks()
     ranks.until(50.0, {})
     fresh = Liveness(("cpu",) * 3, (100, 101, 102), Watchdog(), 50.0, "steps", 6)
@@ -229,6 +232,7 @@ def test_a_new_job_starts_with_no_idleness_carried_over() -> None:
     groups = {0: (_group("a", (0, 1), 5, 4, since=50.5),), 1: (_group("a", (0, 1), 4, 4),), 2: ()}
     found = ranks.until(70.0, groups, start=50.5, working=(2,))
     assert found is not None and found[0] >= 55.5, found
+    assert re.search(r"but for [56] s it has used no CPU", found[1].why), found[1].why
 
 
 # ------------------------------------------------------------------------------------------ collectives
