@@ -49,6 +49,7 @@ class _Points:
         blocks = [m for m in model.modules() if type(m).__name__ in names]
         self.every = max(1, len(blocks) // POINTS)
         self.armed: _Checks | None = None
+        self.slots: list[tuple[torch.Tensor, Any]] = []  # the host copies of a GPU's flags (`_Checks`)
         hook = torch.compiler.disable(self._before_block, recursive=True)
         self.handles = [b.register_forward_pre_hook(hook) for b in blocks]
 
@@ -58,17 +59,23 @@ class _Points:
 
 
 class _Checks:
-    """One model call's cancel checks on this rank."""
+    """One model call's cancel checks on this rank. `lag` > 0: check k acts on check k - lag's flag, read
+    through a ring of `lag` + 1 host copies (pinned on a GPU, each with an event) kept by `slots`."""
 
-    def __init__(self, ctx: WorkerContext, group: Any, every: int, lag: int) -> None:
-        self.ctx, self.group, self.every, self.lag = ctx, group, every, lag
+    def __init__(
+        self, ctx: WorkerContext, group: Any, every: int, lag: int, slots: list[tuple[torch.Tensor, Any]]
+    ) -> None:
+        self.ctx, self.group, self.every, self.lag, self.slots = ctx, group, every, lag, slots
         self.blocks, self.checks = 0, 0
         self.size = dist.get_world_size(group) if group is not None else 1
         device = ctx.device if ctx.device.type == "cuda" else torch.device("cpu")
-        self.flag = torch.zeros(1, dtype=torch.int32, device=device)
         self.gpu = device.type == "cuda"
-        # GPU: one pinned host copy and event per check in flight
-        self.slots: list[tuple[torch.Tensor, Any]] = []
+        self.flag = torch.zeros(1, dtype=torch.int32, device=device)
+        while len(slots) < lag + 1:  # made once per model (pinned allocations are slow)
+            slots.append((torch.zeros(1, dtype=torch.int32, pin_memory=self.gpu), self._event()))
+
+    def _event(self) -> Any:
+        return torch.cuda.Event() if self.gpu else None
 
     def before_block(self) -> None:
         self.blocks += 1
@@ -83,25 +90,19 @@ class _Checks:
             self.flag.fill_(int(self.ctx.cancel_requested()))
             if self.size > 1:
                 dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group)
-            if self.lag == 0:
-                stop = bool(self.flag.item())
-            else:
-                stop = self._lagged()
+            stop = bool(self.flag.item()) if self.lag == 0 else self._lagged()
         if stop:
             raise JobCancelled(f"cancelled inside a model call, before block {self.blocks}")
 
     def _lagged(self) -> bool:
         """Queue this check's flag for the host; the decision of check k - lag (False before that)."""
-        host = torch.empty(1, dtype=torch.int32, pin_memory=self.gpu)
+        host, event = self.slots[self.checks % (self.lag + 1)]
         host.copy_(self.flag, non_blocking=self.gpu)
-        event = None
-        if self.gpu:
-            event = torch.cuda.Event()
+        if event is not None:
             event.record()
-        self.slots.append((host, event))
-        if len(self.slots) <= self.lag:
+        if self.checks <= self.lag:
             return False
-        host, event = self.slots.pop(0)
+        host, event = self.slots[(self.checks - self.lag) % (self.lag + 1)]
         if event is not None:
             event.synchronize()  # passed long ago: the kernels of `lag` checks have been queued since
         return bool(host.item())
@@ -124,7 +125,7 @@ def cancellable(
     lag = GPU_LAG if ctx.device.type == "cuda" else 0
 
     def armed(*args: Any, **kwargs: Any) -> Any:
-        points.armed = _Checks(ctx, group, points.every, lag)
+        points.armed = _Checks(ctx, group, points.every, lag, points.slots)
         try:
             return model_fn(*args, **kwargs)
         finally:

@@ -99,3 +99,32 @@ def test_a_cancel_inside_a_call_under_a_batch_degree_stops_every_group(
         )  # the check raises at the first look: the ranks finish the call, then it is raised
     assert all(r.ok for r in group4.last_replies.values())
     assert group4.alive and torch.equal(flux.forward(**small), expected)
+
+
+class _Context:
+    """What the checks read of a WorkerContext: the device and whether a cancel is pending."""
+
+    device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.pending = False
+
+    def cancel_requested(self) -> bool:
+        return self.pending
+
+
+@pytest.mark.parametrize(("lag", "every", "stops_before"), [(0, 1, 4), (2, 1, 6), (0, 3, 4), (2, 3, 10)])
+def test_the_checks_stop_at_an_agreed_block(lag: int, every: int, stops_before: int) -> None:
+    """A cancel pending from block 4 on: with no lag (a CPU: the all-reduce is synchronous) the first check
+    that sees it stops; a GPU's lag of 2 acts two checks later, on the flag of that check (never on a
+    value a peer may not have yet); checks every 3 blocks fall on blocks 1, 4, 7, 10. The GPU path (pinned
+    copies, events) runs here with CPU tensors."""
+    from rocm_parallel.backend.cancel_points import _Checks
+    from rocm_parallel.backend.worker import JobCancelled
+
+    ctx = _Context()
+    checks = _Checks(ctx, None, every, lag, [])
+    with pytest.raises(JobCancelled, match=rf"^cancelled inside a model call, before block {stops_before}$"):
+        for block in range(1, 20):
+            ctx.pending = block >= 4
+            checks.before_block()
