@@ -112,12 +112,13 @@ def test_a_rank_blocked_beside_cpu_burners_is_named_within_seconds(tmp_path: Pat
 @pytest.mark.parametrize("name", sorted(p.name for p in TRACES.glob("contention-*.jsonl.gz")))
 def test_recorded_contention_traces_replay_without_a_verdict(name: str) -> None:
     """Every look the watchdog took during a recorded contention run, replayed: no verdict. The trace holds
-    the starved moments the old rules turned into hangs (counted here, so a re-recorded trace that lost
-    them fails)."""
+    the moments the old rules turned into hangs: a rank still in a collective a peer had completed
+    (counted when recorded, so a re-recorded trace that lost them fails). Mutation tried: the old 'peer has
+    left' rule (no idleness asked) failed contention-4 on replay."""
     header, events = load(TRACES / name)
     verdicts = [(now, hang) for now, hang in replay(header, events) if hang is not None]
     assert verdicts == []
-    assert header["starved_looks"] > 0  # looks where a rank was runnable but its reports were late
+    assert header["left_looks"] > 0
 
 
 def test_a_recorded_blocked_rank_is_named_from_its_trace() -> None:

@@ -90,7 +90,9 @@ def test_a_busy_grandchild_counts_as_work() -> None:
                 assert time.monotonic() < deadline, "the child's CPU time never counted"
                 time.sleep(0.1)
             assert second.working
-            assert sample(parent.pid, reporter=parent.pid).working  # its main thread left out: the child works
+            assert sample(
+                parent.pid, reporter=parent.pid
+            ).working  # its main thread left out: the child works
         finally:
             os.kill(child, signal.SIGKILL)
 
