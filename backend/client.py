@@ -301,18 +301,19 @@ class WorkerGroup:
         rank. Raises WorkerError on any failure.
 
         `progress(step, total)` is called for each step rank 0 reports; if it raises (ComfyUI's interrupt
-        does), the job is cancelled at the next step boundary on every rank and the exception re-raised,
-        and so does any exception while waiting (Ctrl+C wherever it lands: before the request is sent
-        nothing is waited for, while it is sent every rank gets it first): the ranks finish their current
-        step, however long it takes, and the group keeps its model; the next call never sees this job's
+        does), the job is cancelled at the next cancel point on every rank (a few transformer blocks into
+        a model call: cancel_points.py; a step's end; a tensor of a load) and the exception re-raised, and
+        so does any exception while waiting (Ctrl+C wherever it lands: before the request is sent nothing
+        is waited for, while it is sent every rank gets it first) or from the check
+        `watch.interrupt_check` installs: the group keeps its model; the next call never sees this job's
         messages, nor its files. `timeout` (seconds) cancels the same way, and a job that does not
         stop within `cancel_grace` seconds after that closes the group. `limit`: a hard limit, past which
         the group is closed (the start-up health check).
 
-        No clock decides that a rank is hung: a rank that is stopped, stuck in a native call or waiting
-        in a collective that cannot complete fails the job within seconds (`watchdog`: the group's by
-        default; liveness.py), naming it and where it is; a rank that is computing or loading is waited
-        for. A rank that fails fails the job with its own message; when its peers cannot finish (they wait
+        No clock decides that a rank is hung: a rank that is stopped, that its peers wait for while it does
+        no work, or that waits in a collective that cannot complete fails the job within seconds
+        (`watchdog`: the group's by default; liveness.py), naming it and where it is; a rank that works is
+        waited for, however long. A rank that fails fails the job with its own message; when its peers cannot finish (they wait
         for it in a collective) the group is closed too, and `alive` turns False (watch.py). `label` names
         the job in `activity`.
 
@@ -372,8 +373,9 @@ class WorkerGroup:
         return self.call_all(method, request, **options)[0]
 
     def cancel(self) -> None:
-        """Ask the running job to stop after its current step, and a loop of jobs (`ParallelModel.sample`:
-        one model call per step) to stop before its next one (`cancels`). Safe to call from another thread."""
+        """Ask the running job to stop at its next cancel point (inside a model call too), and a loop of jobs
+        (`ParallelModel.sample`: one model call per step) to stop before its next one (`cancels`). Safe to
+        call from another thread."""
         self.cancels += 1
         job = self._running
         if job is not None and not self._workers.closed:

@@ -35,10 +35,11 @@ import psutil
 
 from .config import ConfigError, package_named
 from .exits import MemoryReading, exit_reason, oom_kill_count
-from .heartbeat import read_state, state_path
+from .heartbeat import read_state, state_path, write_ask
 from .liveness import DEFAULT_WATCHDOG, Hang, Liveness, Process, Watchdog, describe
 from .messages import RankState
 from .platforms import AOTRITON_FLAG, gpu_arch, needs_aotriton_flag
+from .procstat import sample
 from .transport import Hello, Ready, Request, StorePort, private_dir, recv, send, uninterrupted
 
 T = TypeVar("T")
@@ -110,6 +111,9 @@ def worker_env(
         RP_COLLECTIVE_TIMEOUT=f"{collective_timeout:g}",
         PYTHONUNBUFFERED="1",
     )
+    # The flight recorder keeps this many collectives (torch's default, 2000, makes each dump of its entries
+    # ~1 MB of JSON and ~40 ms): the reports look one up only when a rank has waited in it (heartbeat.py).
+    out.setdefault("TORCH_FR_BUFFER_SIZE", "256")
     if backend:
         out.update(RP_BACKEND=backend)
     if threads:
@@ -150,6 +154,10 @@ class Workers:
         self._oom_kills = oom_kill_count()  # the kernel's count when the launch began
         self._connected: set[int] = set()
         self._liveness: Liveness | None = None
+        self._asked: dict[str, int] = {}  # the questions the ranks were last asked (heartbeat.ASK_FILE)
+        # Called with each job's start and every look `watch` takes: tests/tools/record_liveness_traces.py
+        # records the reports and OS views with it, and tests replay them through `Liveness`.
+        self.trace: Callable[[dict[str, Any]], None] | None = None
         # Runs at interpreter exit too: closing the death pipes first makes the workers leave at once.
         directories = (self.tmp, self.shm, self.live)
         self._finalizer = weakref.finalize(self, terminate, self.procs, directories, 0.0)
@@ -268,21 +276,38 @@ class Workers:
     def watch(
         self, pending: Sequence[int], done: Sequence[int], now: float, failed: bool = False
     ) -> Hang | None:
-        """Read every pending rank's report and process, and return the hang among them (or None)."""
+        """Read every rank's report and the pending ranks' processes, and return the hang among them (or
+        None). A rank that has answered still counts with its last report: the collectives it issued."""
         live = self._liveness
         assert live is not None
-        for rank in pending:
-            live.observe(rank, now, self.state(rank), self.process(rank))
-        return live.verdict(now, pending, done, failed)
+        looks: dict[int, Any] = {}
+        for rank in range(len(self.procs)):
+            state = self.state(rank)
+            process = self.process(rank, state) if rank in pending else None
+            live.observe(rank, now, state, process)
+            looks[rank] = (state, process)
+        hang = live.verdict(now, pending, done, failed)
+        if self.trace is not None:
+            self.trace(
+                {"now": now, "pending": list(pending), "done": list(done), "failed": failed, "looks": looks}
+            )
+        if live.questions != self._asked and not self.closed:
+            with contextlib.suppress(OSError):
+                write_ask(self.live, live.questions)
+            self._asked = dict(live.questions)
+        return hang
 
     def begin(self, method: str, job: int, watchdog: Watchdog | None = None) -> Liveness:
         """A fresh judge for a job, with every rank's latest report (a rank silent since before counts)."""
         old, now = self._liveness, time.monotonic()
         self._liveness = Liveness(self.devices, self.pids, watchdog or self.watchdog, now, method, job)
         if old is not None:
-            self._liveness.seen = old.seen
-        for rank in range(len(self.procs)):
-            self._liveness.observe(rank, now, self.state(rank), None)
+            self._liveness.carry(old.seen)
+        states = {rank: self.state(rank) for rank in range(len(self.procs))}
+        for rank, state in states.items():
+            self._liveness.observe(rank, now, state, None)
+        if self.trace is not None:
+            self.trace({"now": now, "begin": method, "job": job, "states": states})
         return self._liveness
 
     def state(self, rank: int) -> RankState | None:
@@ -292,22 +317,19 @@ class Workers:
         except (OSError, ValueError, TypeError, KeyError):  # the directory is gone: the group closed
             return None
 
-    def process(self, rank: int) -> Process | None:
-        """What the OS says about rank's process (None once it is gone)."""
+    def process(self, rank: int, state: RankState | None = None) -> Process | None:
+        """What the OS says about rank's process, its threads and children (procstat.py; the reporting
+        thread named in `state` left out), None once it is gone; its resident memory is noted (exits.py)."""
         try:
             ps = self._ps.get(rank) or self._ps.setdefault(rank, psutil.Process(self.procs[rank].pid))
-            with ps.oneshot():
-                status, times, rss = ps.status(), ps.cpu_times(), ps.memory_info().rss
+            rss = ps.memory_info().rss
             machine = psutil.virtual_memory()
         except psutil.Error:
             return None
-        if status != psutil.STATUS_ZOMBIE and rss > 0:  # a dying process has given its memory back
+        seen = sample(self.procs[rank].pid, state.reporter if state is not None and state.reporter else None)
+        if seen is not None and not seen.zombie and rss > 0:  # a dying process has given its memory back
             self._memory[rank] = MemoryReading(rss, machine.available, machine.total, time.monotonic())
-        return Process(
-            stopped=status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP),
-            cpu_seconds=times.user + times.system,
-            working=status in (psutil.STATUS_RUNNING, psutil.STATUS_DISK_SLEEP),
-        )
+        return seen
 
     def kill(self, ranks: Sequence[int]) -> None:
         """SIGKILL these ranks now (a stopped or stuck process ignores SIGTERM and the death pipe)."""

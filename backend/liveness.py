@@ -1,23 +1,37 @@
-"""Telling a hung rank from a slow one, in the caller: by what the ranks report, never by a clock.
+"""Telling a hung rank from a slow one, in the caller: by what the ranks do, never by a clock.
 
 Every rank reports several times a second what it is doing and where it is in its collectives
-(heartbeat.py). `Liveness` reads those reports and what the OS says about each process, and finds a
-hang only in one of these, each held for a few seconds (`Watchdog`):
+(heartbeat.py); the OS says whether its threads run, wait for a core or a disk, and how much CPU they
+used (procstat.py); its report says whether work is queued on its GPU. A rank **does no work** when none
+of its threads (its reporting thread aside) is runnable or in disk wait, it used no CPU since the last
+look, and no GPU work is queued. A rank **is waited for** when a peer waits in a collective it has not
+reached, or when every other rank has finished the job (at start-up: when a rank further along waits
+for it). `Liveness` finds a hang only in one of these, each held for a few seconds (`Watchdog`):
 
 - a rank is stopped by the OS (SIGSTOP, a debugger): `stopped` seconds;
-- a rank stops reporting while its process does no work (no CPU time, no disk wait): its interpreter is
-  stuck in a native call or deadlocked: `silent` seconds;
-- a rank waits in a collective that cannot complete: a peer it waits for has finished the job, has
-  left that collective (completed it: the ranks issued their collectives in different orders), or is
-  itself stuck waiting; `grace` seconds. Peers that have not reached the collective yet but are
-  computing or loading are simply slower: the rank waits for them.
+- a rank that is waited for does no work: `idle` seconds. It is blocked (a lock, a sleep, a native call
+  that never returns), whatever its reporting thread says; named, and killed;
+- a rank waits in a collective that cannot complete, `grace` seconds: a peer that finished the job never
+  issued it; the ranks' recorders disagree on what collective #n was (op, or shapes where they must
+  match); or the rank does no work while a peer has left #n and issued later collectives on that group;
+  or ranks that do no work wait for each other in a cycle.
 
-A rank that reports computing or loading is never taken for hung, however long a step or a tensor read
-takes: a first step that compiles kernels, a bigger image, a checkpoint on a network share. The user's
-own `timeout=` and Cancel still bound a job. The one clock left is the process group's collective
-timeout (`collective_timeout`, set on every rank's gloo/NCCL group): a rank that waits longer than that
-in one collective fails from inside, and after a failure a rank that has not moved for that long counts
-as stuck too.
+What is never a hang: a rank that works, however long (a first step that compiles kernels, a bigger image,
+a checkpoint on a network share: `D`); a rank that is runnable but gets no CPU on a busy machine
+(starvation: its reports may lag by seconds, its collectives complete late, but it is `R`); ranks that
+all sleep in the same call (nobody waits for anybody); a peer having left collective #n while the rank
+still works in it (a starved rank finishes #n seconds after its peer: its data was sent long ago).
+
+The boundary (issue 44): a native call that holds the GIL stops the reports. Silence alone is no sign:
+such a rank is judged by the OS like any other, and with its reports stopped its GPU queue cannot be
+asked, so it counts as doing no work when it uses no CPU and waits for no disk. Held `idle` seconds while
+a peer waits for it, it is hung; on every rank at once (nobody waits), it is left to the one clock below.
+torch's own calls release the GIL while they wait for a GPU, so a GPU wait never stops the reports.
+
+The one clock left is the process group's collective timeout (`collective_timeout`, set on every rank's
+gloo/NCCL group): a rank that waits longer than that in one collective fails from inside (then the rank
+it waited for is named, `waited_for`), a rank silent and idle that long is hung, and after a failure a
+rank that has not moved for that long counts as stuck.
 """
 
 from __future__ import annotations
@@ -26,6 +40,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
 from .messages import GroupState, RankState
+from .procstat import ProcSample as Process
 
 
 @dataclass(frozen=True)
@@ -33,7 +48,7 @@ class Watchdog:
     """How long each sign of a hang must hold before the job fails (seconds)."""
 
     stopped: float = 2.0  # the OS reports the process stopped
-    silent: float = 5.0  # no report while the process does no work
+    idle: float = 5.0  # a rank that is waited for does no work (no CPU, no disk wait, no GPU work queued)
     grace: float = 3.0  # a rank waits in a collective that cannot complete
     collective_timeout: float = 600.0  # the process groups' own timeout (set on the workers at start)
 
@@ -41,15 +56,16 @@ class Watchdog:
 DEFAULT_WATCHDOG = Watchdog()
 BUSY_CPU = 0.1  # a process using at least this share of a core between two looks is working
 FRESH = 1.5  # seconds: a report older than this does not show where a rank is now
+ASK_AFTER = 1.0  # seconds a rank waits in a collective before its group's ranks are asked what it was
+# Ops whose input shapes must be the same on every rank (others may differ legitimately: uneven
+# all-to-all splits, a gather's root).
+SAME_SHAPES = frozenset({"all_reduce", "allreduce", "broadcast"})
+# Start-up stages in order (a rank's `detail` while 'starting'); ranks at a waiting stage wait for the rest.
+_STAGES = {"connecting": 1, "joining the process group": 2, "importing its methods": 3}
+_READY = 4
+_WAITING_STAGES = (2, _READY)
 
-
-@dataclass(frozen=True)
-class Process:
-    """What the OS says about a rank's process (its main thread's state, the whole process's CPU time)."""
-
-    stopped: bool  # SIGSTOP, a debugger
-    cpu_seconds: float  # user + system time so far
-    working: bool = False  # running or waiting for a disk (a slow read, a network share): not hung
+__all__ = ["DEFAULT_WATCHDOG", "Hang", "Liveness", "Process", "Watchdog", "collective_text", "describe"]
 
 
 @dataclass(frozen=True)
@@ -59,18 +75,20 @@ class Hang:
     ranks: tuple[int, ...]
     kill: tuple[int, ...]
     why: str
-    waiting: bool = False  # stuck in a collective (rather than stopped or silent)
+    waiting: bool = False  # stuck in a collective (rather than stopped or blocked)
 
 
 @dataclass
 class _Seen:
     state: RankState | None = None
     reported: float = 0.0  # caller time the report last changed
-    heard: float = 0.0  # ... or the process was last seen working (silent but busy in native code)
     cpu: float = 0.0  # the process's CPU seconds at the last look
     looked: float = 0.0
+    sampled: bool = False  # `cpu` holds a reading (a first look has nothing to compare with)
     stopped_since: float | None = None
     own_since: float = 0.0  # when the rank's current activity began, by its own report
+    idle_since: float | None = None  # caller time since the rank has done no work, look after look
+    report: RankState | None = None  # its last report as written (`state` may hold a progress record's news)
 
 
 def describe(state: RankState | None, now: float) -> str:
@@ -80,7 +98,7 @@ def describe(state: RankState | None, now: float) -> str:
         return "not reporting yet"
     waiting = _waiting(state)
     if waiting is not None and now - waiting.pending_since >= 1.0:
-        return f"waiting in {_collective(waiting)} for {now - waiting.pending_since:.0f} s"
+        return f"waiting in {collective_text(waiting)} for {now - waiting.pending_since:.0f} s"
     took = now - state.since
     if state.doing == "loading":
         return f"reading tensor {state.step} of {state.total} ({took:.0f} s on it)"
@@ -92,7 +110,8 @@ def describe(state: RankState | None, now: float) -> str:
     return state.doing
 
 
-def _collective(group: GroupState) -> str:
+def collective_text(group: GroupState) -> str:
+    """'collective #12 (all_reduce over ranks 0, 1)': where a rank waits, in words."""
     op = f"{group.op} " if group.op and group.op != "?" else ""
     over = f"over ranks {', '.join(map(str, group.ranks))}" if group.ranks else f"of group {group.name}"
     return f"collective #{group.pending} ({op}{over})"
@@ -113,6 +132,28 @@ def _blocking(groups: Sequence[GroupState], since: float) -> list[GroupState]:
     return [g for g in groups if g.pending and g.pending_since >= since]
 
 
+def _group(state: RankState | None, name: str) -> GroupState | None:
+    return None if state is None else next((g for g in state.groups if g.name == name), None)
+
+
+def _moved(old: RankState | None, new: RankState) -> bool:
+    """The rank did something between two reports: a new activity, step or tensor, or a collective issued
+    or completed (a report that only beat again is no sign of work)."""
+    if old is None:
+        return True
+    before = (old.doing, old.job, old.step, old.since, {(g.name, g.issued, g.completed) for g in old.groups})
+    after = (new.doing, new.job, new.step, new.since, {(g.name, g.issued, g.completed) for g in new.groups})
+    return before != after
+
+
+def same_collective(a: str, b: str) -> bool:
+    """Two recorders' signatures of one collective ('all_reduce [[4,3]]') agree: the same op, and the same
+    input shapes where the op needs them equal."""
+    op_a, _, shapes_a = a.partition(" ")
+    op_b, _, shapes_b = b.partition(" ")
+    return op_a == op_b and (op_a not in SAME_SHAPES or shapes_a == shapes_b)
+
+
 class Liveness:
     """The reports of one group's ranks over one job (or the start-up), and the verdict on them."""
 
@@ -131,33 +172,52 @@ class Liveness:
         self.method = method
         self.what = f"running {method!r}" if method else "starting"  # completes messages
         self.started = now
-        self.seen = {rank: _Seen(reported=now, heard=now, looked=now) for rank in range(len(devices))}
-        self._stuck_since: dict[tuple[int, str, int], float] = {}
+        self.seen = {rank: _Seen(reported=now, looked=now) for rank in range(len(devices))}
+        self._since: dict[str, dict[tuple, float]] = {}  # kind of sign -> each sign -> since when it holds
+        self.questions: dict[str, int] = {}  # group -> the collective its ranks are asked about
+
+    def carry(self, seen: dict[int, _Seen]) -> None:
+        """Start from another judge's reports (the previous job's): a rank silent since then counts (one
+        that starts the new job reports a new activity: that is work, `_moved`)."""
+        self.seen = seen
 
     # ---------------------------------------------------------------- input
 
     def observe(self, rank: int, now: float, state: RankState | None, process: Process | None) -> None:
-        seen = self.seen[rank]
+        seen, moved = self.seen[rank], False
         if state is not None and (seen.state is None or state.beat != seen.state.beat):
             held, seen.own_since = seen.state, state.since
+            moved, seen.report = _moved(seen.report, state), state
             if held is not None and state.since < held.since:  # a progress record told us more already
                 state = replace(
                     state, doing=held.doing, job=held.job, method=held.method, step=held.step,
                     total=held.total, since=held.since, detail=held.detail,
                 )  # fmt: skip
-            seen.state, seen.reported, seen.heard = state, now, now
+            seen.state, seen.reported = state, now
         if process is None:
             return
-        if process.stopped:
-            seen.stopped_since = seen.stopped_since if seen.stopped_since is not None else now
-        else:
+        if not process.stopped:
             seen.stopped_since = None
-        # A process that runs (or reads a disk) is working even when its reports are late: a native call
-        # that keeps the interpreter, or a machine so loaded that the reporting thread rarely runs.
+        elif seen.stopped_since is None:
+            seen.stopped_since = now
+        fresh = seen.state is not None and now - seen.reported <= FRESH
         used = process.cpu_seconds - seen.cpu
-        if not process.stopped and (process.working or used >= BUSY_CPU * max(now - seen.looked, 0.01)):
-            seen.heard = now
-        seen.cpu, seen.looked = process.cpu_seconds, now
+        works = (
+            moved  # a new step, tensor or collective since its last report
+            or process.stopped
+            or process.zombie  # judged by the stopped rule, or by its exit
+            or not seen.sampled  # a first look: nothing to compare its CPU time with
+            or process.working  # a thread runnable (on a busy machine: waiting for a core) or in disk wait
+            or used >= BUSY_CPU * max(now - seen.looked, 0.01)
+            or (fresh and seen.state is not None and seen.state.gpu)  # its GPU has work queued
+            # a GPU rank's late reports (its reporting thread waits for a core) leave its queue unknown
+            or (not fresh and process.reporter_runnable and not self.devices[rank].startswith("cpu"))
+        )
+        if works:
+            seen.idle_since = None
+        elif seen.idle_since is None:
+            seen.idle_since = now
+        seen.cpu, seen.looked, seen.sampled = process.cpu_seconds, now, True
 
     def progressed(self, rank: int, now: float, done: int, total: int, loading: bool) -> None:
         """A progress record from `rank` (sent by its main thread after each step or tensor: exact where
@@ -169,10 +229,15 @@ class Liveness:
             seen.state = replace(
                 seen.state, doing=doing, job=self.job, method=self.method, step=step, total=total, since=now
             )
-        seen.reported = seen.heard = now
+        seen.reported, seen.idle_since = now, None
 
     def state(self, rank: int) -> RankState | None:
         return self.seen[rank].state
+
+    def idle_for(self, rank: int, now: float) -> float:
+        """Seconds the rank has done no work, look after look (0 while it works)."""
+        since = self.seen[rank].idle_since
+        return 0.0 if since is None else now - since
 
     # ---------------------------------------------------------------- verdict
 
@@ -180,121 +245,269 @@ class Liveness:
         self, now: float, pending: Sequence[int], done: Collection[int], failed: bool = False
     ) -> Hang | None:
         """A hang among the `pending` ranks (`done`: those that answered the job), or None."""
-        w = self.watchdog
         for rank in pending:
             seen = self.seen[rank]
-            if seen.stopped_since is not None and now - seen.stopped_since > w.stopped:
+            if seen.stopped_since is not None and now - seen.stopped_since > self.watchdog.stopped:
                 return Hang(
                     (rank,), (rank,),
                     f"{self._who(rank)} is stopped (SIGSTOP or a debugger) while {self.what} "
                     f"({describe(seen.state, now)})",
                 )  # fmt: skip
-        for rank in pending:
-            seen = self.seen[rank]
-            # Before its first report a rank is importing torch: only its exit or a stop can tell then.
-            if seen.state is not None and now - seen.heard > w.silent and seen.stopped_since is None:
-                last = describe(seen.state, seen.reported)
-                if seen.state.job != self.job:
-                    last += ", before this job reached it"
-                return Hang(
-                    (rank,), (rank,),
-                    f"{self._who(rank)} stopped reporting {now - seen.reported:.0f} s ago while {self.what} "
-                    f"(its last report: {last}); its process is alive but does no work: stuck in a native "
-                    "call or deadlocked",
-                )  # fmt: skip
-        return self._stuck(now, pending, done, failed)
+        waits, reasons, idle_reasons = self._collectives(now, pending, done)
+        waiting = set(waits) | set(reasons) | set(idle_reasons)
+        blocked = self._blocked(now, pending, done, waits, waiting)
+        if blocked is not None:
+            return blocked
+        return self._stuck(now, pending, failed, waits, reasons, idle_reasons)
+
+    def _current(self, rank: int, now: float) -> bool:
+        """Rank's last report says where it is now: it is fresh, or the rank has done no work since it was
+        written (a rank blocked in a collective cannot have moved on; on a loaded machine its reporting
+        thread may wait seconds for a core)."""
+        seen = self.seen[rank]
+        idle_since_report = seen.idle_since is not None and seen.idle_since <= seen.reported
+        return now - seen.reported <= FRESH or idle_since_report
 
     def _who(self, rank: int) -> str:
         return f"worker rank {rank} ({self.devices[rank]}, pid {self.pids[rank]})"
 
-    def _stuck(self, now: float, pending: Sequence[int], done: Collection[int], failed: bool) -> Hang | None:
-        """Ranks waiting in a collective that cannot complete, held for `grace` seconds."""
-        reasons: dict[int, tuple[GroupState, str]] = {}  # a rank that certainly cannot go on, and why
-        blockers: dict[int, tuple[GroupState, list[int]]] = {}  # a rank waiting for peers still to come
+    def _finished(self, rank: int, done: Collection[int]) -> bool:
+        state = self.seen[rank].state
+        return rank in done or (
+            self.job > 0 and state is not None and state.doing == "idle" and state.job == self.job
+        )
+
+    def _collectives(
+        self, now: float, pending: Sequence[int], done: Collection[int]
+    ) -> tuple[
+        dict[int, tuple[GroupState, list[int]]],
+        dict[int, tuple[GroupState, str]],
+        dict[int, tuple[GroupState, str]],
+    ]:
+        """Where each fresh pending rank waits: the peers not there yet, a reason it certainly cannot go
+        on, or a reason that holds only while it does no work. Also sets `questions`."""
+        waits: dict[int, tuple[GroupState, list[int]]] = {}  # rank -> (group, the peers it waits for)
+        reasons: dict[int, tuple[GroupState, str]] = {}  # rank -> why it certainly cannot go on
+        idle_reasons: dict[int, tuple[GroupState, str]] = {}  # ... why, if it does no work meanwhile
+        questions: dict[str, int] = {}
         for rank in pending:
-            state = self.seen[rank].state
-            if state is None or now - self.seen[rank].reported > FRESH:
-                continue  # an old report does not say where the rank is now (the silent rule covers it)
-            for group in (g for g in _blocking(state.groups, self.seen[rank].own_since) if g.ranks):
-                reason, waits_for = self._peers(rank, group, done, now)
-                if reason:
-                    reasons.setdefault(rank, (group, reason))
+            seen = self.seen[rank]
+            if seen.state is None or not self._current(rank, now):
+                continue  # an old report does not say where the rank is now
+            for group in (g for g in _blocking(seen.state.groups, seen.own_since) if g.ranks):
+                if now - group.pending_since >= ASK_AFTER:
+                    questions.setdefault(group.name, group.pending)
+                certain, if_idle, waits_for = self._peers(rank, group, done, now)
+                if certain:
+                    reasons.setdefault(rank, (group, certain))
+                elif if_idle:
+                    idle_reasons.setdefault(rank, (group, if_idle))
                 elif waits_for:
-                    blockers.setdefault(rank, (group, waits_for))
-        # A waiting rank can go on if a peer it waits for can: computing, loading, or waiting itself for
-        # one that can. What is left waits only for stuck ranks (a cycle, or a chain ending at one).
-        can_go = {r for r in pending if r not in reasons and r not in blockers}
-        changed = True
-        while changed:
-            changed = False
-            for rank, (_, waits_for) in blockers.items():
-                if rank not in can_go and rank not in reasons and any(p in can_go for p in waits_for):
-                    can_go.add(rank)
-                    changed = True
-        for rank, (group, waits_for) in blockers.items():
-            if rank not in can_go and rank not in reasons:
-                others = ", ".join(f"rank {p} ({describe(self.seen[p].state, now)})" for p in waits_for)
-                reasons[rank] = (group, f"which {others} cannot reach: they wait themselves")
-        if failed:
-            for rank in pending:
-                state = self.seen[rank].state
-                if (
-                    rank not in reasons
-                    and state is not None
-                    and now - state.since > self.watchdog.collective_timeout
-                ):
-                    reasons[rank] = (GroupState("", (), 0, 0), "")
-        return self._held(now, reasons)
+                    waits.setdefault(rank, (group, waits_for))
+        self.questions = questions
+        return waits, reasons, idle_reasons
 
     def _peers(
         self, rank: int, group: GroupState, done: Collection[int], now: float
-    ) -> tuple[str, list[int]]:
-        """Why `rank` cannot complete collective #n of `group` (or ''), and the peers not there yet."""
-        n, waits_for = group.pending, []
+    ) -> tuple[str, str, list[int]]:
+        """Why `rank` certainly cannot complete collective #n of `group`, why it cannot if it does no work,
+        and the peers that have not reached #n yet."""
+        n, waits_for, if_idle = group.pending, [], ""
+        mine = group.answer if group.asked == n else ""
         for peer in group.ranks:
             if peer == rank:
                 continue
             state = self.seen[peer].state
-            if peer in done or (state is not None and state.doing == "idle" and state.job == self.job):
-                return f"which rank {peer} will never enter: it has finished the job", []
+            theirs = _group(state, group.name)
+            if self._finished(peer, done):
+                if theirs is None or theirs.issued < n:
+                    return f"which rank {peer} will never enter: it has finished the job", "", []
+                if_idle = if_idle or f"which rank {peer} has left: it completed it and has finished the job"
+                continue
             if state is None:
                 continue  # not known: it may well be on its way
-            theirs = next((g for g in state.groups if g.name == group.name), None)
-            if theirs is not None and theirs.completed >= n:
-                return (
-                    f"which rank {peer} has left (it completed it and is {describe(state, now)}): "
-                    "the ranks issued their collectives in different orders",
-                    [],
-                )
             if theirs is None or theirs.issued < n:
                 waits_for.append(peer)
-        return "", waits_for
+                continue
+            answer = theirs.answer if theirs.asked == n else ""
+            if mine and answer and not same_collective(mine, answer):
+                return (
+                    f"which rank {peer} issued as {answer.replace(' ', ' of ', 1)} where it issued "
+                    f"{mine.replace(' ', ' of ', 1)}: the ranks issued their collectives in different orders",
+                    "",
+                    [],
+                )
+            if theirs.completed >= n and theirs.issued > n:
+                if_idle = if_idle or (
+                    f"which rank {peer} has left (it completed it and issued {theirs.issued - n} more on that "
+                    f"group; it is {describe(state, now)}) while this rank does no work: the ranks issued "
+                    "their collectives in different orders"
+                )
+        return "", if_idle, waits_for
 
-    def _held(self, now: float, reasons: dict[int, tuple[GroupState, str]]) -> Hang | None:
+    def _blocked(
+        self,
+        now: float,
+        pending: Sequence[int],
+        done: Collection[int],
+        waits: dict[int, tuple[GroupState, list[int]]],
+        waiting: set[int],
+    ) -> Hang | None:
+        """A rank that is waited for and does no work, for `idle` seconds: named (and killed). A rank that
+        waits in a collective itself is not: the chain's end is."""
+        waited: dict[int, str] = {}  # rank -> who waits for it, in words
+        for rank, (group, peers) in waits.items():
+            for peer in peers:
+                if peer in pending and peer not in waiting:
+                    waited.setdefault(peer, f"rank {rank} waits for it in {collective_text(group)}")
+        for rank in pending:
+            others = [r for r in range(len(self.devices)) if r != rank]
+            if rank not in waited and rank not in waiting and others:
+                if self.method and all(self._finished(r, done) for r in others):
+                    waited[rank] = f"rank{'s' if len(others) > 1 else ''} {_ranks(others)} finished the job"
+                elif not self.method:
+                    ahead = self._waiting_ahead(rank)
+                    if ahead:
+                        waited[rank] = ahead
+        keys = {(rank,) for rank in waited if self.seen[rank].idle_since is not None}
+        held = self._hold("idle", keys, self.watchdog.idle, now)
+        if not held:
+            return None
+        (rank,) = held[0]
+        seen = self.seen[rank]
+        idle = now - (seen.idle_since or now)
+        if seen.state is None:
+            why = (
+                f"{self._who(rank)} does no work while starting: it has not reported yet (importing torch, "
+                f"{now - self.started:.0f} s so far), for {idle:.0f} s it has used no CPU and waited for no "
+                f"disk, and {waited[rank]}: it is blocked"
+            )
+        elif now - seen.reported > self.watchdog.idle:
+            last = describe(seen.state, seen.reported)
+            if seen.state is not None and seen.state.job != self.job:
+                last += ", before this job reached it"
+            why = (
+                f"{self._who(rank)} stopped reporting {now - seen.reported:.0f} s ago while {self.what} (its "
+                f"last report: {last}); its process is alive but does no work: stuck in a native call or "
+                f"deadlocked ({waited[rank]})"
+            )
+        else:
+            why = (
+                f"{self._who(rank)} does no work while {self.what}: it reports {describe(seen.state, now)}, "
+                f"but for {idle:.0f} s it has used no CPU, waited for no disk and queued no GPU work, and "
+                f"{waited[rank]}: it is blocked (a lock, a sleep, a native call that never returns)"
+            )
+        return Hang((rank,), (rank,), why)
+
+    def _waiting_ahead(self, rank: int) -> str:
+        """At start-up: a rank further along that waits for this one ('rank 0 is ready'), or ''."""
+        mine = _stage(self.seen[rank].state)
+        for other in range(len(self.devices)):
+            theirs = _stage(self.seen[other].state)
+            if other != rank and theirs in _WAITING_STAGES and theirs > mine:
+                return f"rank {other} " + (
+                    "is ready" if theirs == _READY else "waits for it to join the group"
+                )
+        return ""
+
+    def _stuck(
+        self,
+        now: float,
+        pending: Sequence[int],
+        failed: bool,
+        waits: dict[int, tuple[GroupState, list[int]]],
+        reasons: dict[int, tuple[GroupState, str]],
+        idle_reasons: dict[int, tuple[GroupState, str]],
+    ) -> Hang | None:
+        """Ranks waiting in a collective that cannot complete: held `grace` seconds; those whose reason
+        holds only while they do no work, held while they do none."""
+        reasons = dict(reasons)
+        conditional = {r: why for r, why in idle_reasons.items() if r not in reasons}
+        # A waiting rank can go on if a peer it waits for can: computing, loading, waiting itself for one
+        # that can, or stuck for a reason of its own (that one is named, not those behind it). What is
+        # left waits only for waiting ranks: a cycle, stuck only when none of its ranks works (one that
+        # works may be running an asynchronous collective it waits for later).
+        can_go = {r for r in pending if r not in waits}
+        changed = True
+        while changed:
+            changed = False
+            for rank, (_, waits_for) in waits.items():
+                if rank not in can_go and any(p in can_go for p in waits_for):
+                    can_go.add(rank)
+                    changed = True
+        cycle = [r for r in waits if r not in can_go]
+        if all(self.seen[r].idle_since is not None for r in cycle):
+            for rank in cycle:
+                group, waits_for = waits[rank]
+                others = ", ".join(f"rank {p} ({describe(self.seen[p].state, now)})" for p in waits_for)
+                reasons[rank] = (group, f"which {others} cannot reach: they wait themselves")
+        for rank, why in conditional.items():
+            if self.seen[rank].idle_since is not None:
+                reasons[rank] = why
+        if failed:
+            for rank in pending:
+                state = self.seen[rank].state
+                timeout = self.watchdog.collective_timeout
+                if rank not in reasons and state is not None and now - state.since > timeout:
+                    reasons[rank] = (GroupState("", (), 0, 0), "")
+        for rank in pending:  # silent and idle for as long as a collective may take: the last clock
+            seen = self.seen[rank]
+            if (
+                rank not in reasons
+                and seen.state is not None
+                and now - seen.reported > self.watchdog.collective_timeout
+                and now - (seen.idle_since or now) > self.watchdog.collective_timeout
+            ):
+                reasons[rank] = (GroupState("", (), 0, 0), "silent")
         keys = {(rank, group.name, group.pending) for rank, (group, _) in reasons.items()}
-        for key in list(self._stuck_since):
-            if key not in keys:
-                del self._stuck_since[key]
-        for key in keys:
-            self._stuck_since.setdefault(key, now)
-        held = sorted(r for r, g, n in keys if now - self._stuck_since[(r, g, n)] > self.watchdog.grace)
+        held = sorted(r for r, _, _ in self._hold("stuck", keys, self.watchdog.grace, now))
         if not held:
             return None
         lines = []
         for rank in held:
             group, reason = reasons[rank]
-            if not group.name:
+            state = describe(self.seen[rank].state, now)
+            if reason == "silent":
                 lines.append(
-                    f"rank {rank} ({self.devices[rank]}) has been {describe(self.seen[rank].state, now)} "
-                    f"since its peer failed, longer than the collective timeout "
-                    f"({self.watchdog.collective_timeout:g} s)"
+                    f"rank {rank} ({self.devices[rank]}) has reported nothing and done no work for longer "
+                    f"than the collective timeout ({self.watchdog.collective_timeout:g} s; its last report: "
+                    f"{describe(self.seen[rank].state, self.seen[rank].reported)})"
+                )
+            elif not group.name:
+                lines.append(
+                    f"rank {rank} ({self.devices[rank]}) has been {state} since its peer failed, longer than "
+                    f"the collective timeout ({self.watchdog.collective_timeout:g} s)"
                 )
             else:
                 lines.append(
-                    f"rank {rank} ({self.devices[rank]}) has been waiting in {_collective(group)} for "
+                    f"rank {rank} ({self.devices[rank]}) has been waiting in {collective_text(group)} for "
                     f"{now - group.pending_since:.0f} s while {self.what}, {reason}"
                 )
         return Hang(tuple(held), (), "; ".join(lines), waiting=True)
+
+    def _hold(self, kind: str, keys: set[tuple], seconds: float, now: float) -> list[tuple]:
+        """The signs of `kind` in `keys` that have held without a break for longer than `seconds` (a sign
+        missing now starts again from zero when it comes back)."""
+        since = self._since.setdefault(kind, {})
+        for key in [k for k in since if k not in keys]:
+            del since[key]
+        for key in keys:
+            since.setdefault(key, now)
+        return sorted(k for k in keys if now - since[k] > seconds)
+
+    def waited_for(self, rank: int, now: float) -> tuple[GroupState, list[int]] | None:
+        """When `rank` has waited in one collective for about the collective timeout (it fails from inside
+        then): that collective and the peers that never reached it, the ranks everyone waited for."""
+        state = self.seen[rank].state
+        if state is None:
+            return None
+        blocking = sorted(_blocking(state.groups, self.seen[rank].own_since), key=lambda g: g.pending_since)
+        for group in blocking:
+            if group.ranks and now - group.pending_since >= 0.9 * self.watchdog.collective_timeout:
+                late = [p for p in group.ranks if p != rank and not _reached(self.seen[p].state, group)]
+                if late:
+                    return group, late
+        return None
 
     # ---------------------------------------------------------------- what the ranks are doing
 
@@ -312,7 +525,7 @@ class Liveness:
             else:
                 working.setdefault(describe(state, now) if state is not None else "", []).append(rank)
         if not working:
-            where = "; ".join(f"rank {r} waits in {_collective(g)}" for r, g in waiting)
+            where = "; ".join(f"rank {r} waits in {collective_text(g)}" for r, g in waiting)
             return f"{label}: {took:.0f} s so far; {where}"
         doing = {"computing" if text.startswith("computing") else text for text in working}
         what = (
@@ -326,6 +539,25 @@ class Liveness:
         )
         if waiting:
             busy = ", ".join(str(r) for ranks in working.values() for r in ranks)
-            waits = "; ".join(f"rank {r} waits for it in {_collective(g)}" for r, g in waiting)
+            waits = "; ".join(f"rank {r} waits for it in {collective_text(g)}" for r, g in waiting)
             what += f" (rank {busy}; {waits})" if doing == {"computing"} else f" ({waits})"
         return f"{label}: {took:.0f} s so far, {what}"
+
+
+def _stage(state: RankState | None) -> int:
+    """How far a rank has started: 0 (importing torch, no report yet) .. 4 (ready)."""
+    if state is None:
+        return 0
+    if state.doing == "starting":
+        return _STAGES.get(state.detail, 0)
+    return _READY
+
+
+def _reached(state: RankState | None, group: GroupState) -> bool:
+    """The rank whose report this is has issued the collective `group`'s rank waits in."""
+    theirs = _group(state, group.name)
+    return theirs is not None and theirs.issued >= group.pending
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ", ".join(map(str, ranks))

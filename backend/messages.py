@@ -329,6 +329,10 @@ class GroupState:
     completed: int
     op: str = ""  # the oldest pending collective, e.g. 'all_reduce' ('' when none or not known)
     pending_since: float = 0.0  # time.monotonic() when this rank first saw it pending (0: none pending)
+    # What the recorder says collective #`asked` of this group was ('all_reduce [[4, 3]]'): the caller asks
+    # a group's ranks about the collective one of them waits in (liveness.py compares their answers).
+    asked: int = 0
+    answer: str = ""
 
     @property
     def pending(self) -> int:
@@ -357,6 +361,8 @@ class RankState:
     since: float = 0.0
     detail: str = ""
     groups: tuple[GroupState, ...] = ()
+    reporter: int = 0  # the reporting thread's id (the OS's): the caller leaves it out of "does it work"
+    gpu: bool = False  # work was queued on the rank's GPU at this report (a non-blocking stream query)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

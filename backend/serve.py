@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .cancel_points import cancellable
 from .compile import note_compiles
 from .family import ModelFamily, family_of
 from .finite import all_finite
@@ -95,9 +96,8 @@ def forward(ctx: WorkerContext, request: ForwardRequest) -> ForwardReply:
             mine = {
                 i.name: _take(split, inputs[i.name]) if i.batched else inputs[i.name] for i in spec.inputs
             }
-            out = family.call(
-                family.model_fn(model), split.take(x), split.take(request.timestep.to(ctx.device)), **mine
-            )
+            model_fn = cancellable(ctx, model, family.model_fn(model), every_group_runs=all(split.sizes))
+            out = family.call(model_fn, split.take(x), split.take(request.timestep.to(ctx.device)), **mine)
         entry = (family.latent_channels(model.config), *x.shape[2:])
         out = split.gather(out, entry, dtype, ctx.device)
         out = out.cpu() if ctx.rank == 0 else None

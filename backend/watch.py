@@ -13,13 +13,16 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import NoReturn
 
 from .launch import WorkerError, Workers
-from .liveness import DEFAULT_WATCHDOG, Hang, Liveness, Watchdog, describe
+from .liveness import DEFAULT_WATCHDOG, Hang, Liveness, Watchdog, collective_text, describe
+from .messages import GroupState
 from .transport import Progress, Reply, Request, recv, send, uninterrupted
 
 CANCELLED = "JobCancelled"  # the workers' error type for a job stopped by a cancel: not a failure
@@ -28,7 +31,23 @@ HINT_AFTER = 2.0  # a Ctrl+C still waiting for the current step this long says s
 
 ProgressCallback = Callable[[int, int], None]
 
-__all__ = ["CANCELLED", "DEFAULT_WATCHDOG", "Job", "JobTimeout", "ProgressCallback", "Watchdog"]
+__all__ = [
+    "CANCELLED", "DEFAULT_WATCHDOG", "Job", "JobTimeout", "ProgressCallback", "Watchdog", "interrupt_check",
+]  # fmt: skip
+
+_CHECK: ContextVar[Callable[[], None] | None] = ContextVar("rocm_parallel_interrupt_check", default=None)
+
+
+@contextmanager
+def interrupt_check(check: Callable[[], None] | None) -> Iterator[None]:
+    """Jobs started inside call `check()` every `POLL` seconds while they wait for the ranks; when it raises
+    (ComfyUI's `throw_exception_if_processing_interrupted` on a Cancel), the job is cancelled on every rank
+    (inside a model call too: cancel_points.py) and the exception re-raised. None: no check."""
+    token = _CHECK.set(check)
+    try:
+        yield
+    finally:
+        _CHECK.reset(token)
 
 
 class JobTimeout(WorkerError):
@@ -64,6 +83,8 @@ class Job:
         self.cancel_deadline: float | None = None
         self.sent: list[int] = []  # the ranks that have the request (Job.send): the ones to wait for
         self.request: Request | None = None
+        self.check = _CHECK.get()  # the caller's interrupt check (interrupt_check), polled while waiting
+        self.late: tuple[GroupState, list[int], int] | None = None  # ranks a collective timed out waiting for
         self.started = time.monotonic()
         self.liveness: Liveness = workers.begin(method, id, watchdog)
 
@@ -164,6 +185,9 @@ class Job:
             # A real failure: stop the peers that can still stop (a load, a step boundary); those stuck
             # in a collective for the failed rank are found by the liveness rules.
             self.first_error = reply
+            waited = self.liveness.waited_for(rank, time.monotonic())
+            if waited is not None:  # its collective timed out: the rank(s) it waited for are the cause
+                self.late = (*waited, rank)
             self.cancel()
 
     def _relay(self, record: Progress) -> None:
@@ -177,6 +201,14 @@ class Job:
 
     def _check(self, now: float) -> None:
         pending = self.pending
+        if self.late is not None:
+            self._timed_out(*self.late, now)
+        if self.check is not None and self.interrupt is None:
+            try:
+                self.check()
+            except BaseException as exc:  # the caller's Cancel: stop every rank at its next cancel point
+                self.interrupt = exc
+                self.cancel()
         hang = self.workers.watch(pending, list(self.replies), now, failed=self.first_error is not None)
         if hang is not None:
             self._hung(hang)
@@ -216,25 +248,47 @@ class Job:
             raise self.failure(self.first_error, f"; then {hang.why}{again}")
         raise WorkerError(hang.why + again, hang.ranks[0])
 
+    def _timed_out(self, group: GroupState, late: list[int], waiter: int, now: float) -> NoReturn:
+        """`waiter` failed after waiting in `group`'s collective for the collective timeout: name the rank(s)
+        it waited for (the cause), not the first to time out, and close the group (the collective is
+        broken on the waiter's side)."""
+        devices = self.workers.devices
+        doing = "; ".join(f"rank {r}: {describe(self.liveness.state(r), now)}" for r in late)
+        late_ranks = ", ".join(f"rank {r} ({devices[r]})" for r in late)
+        assert self.first_error is not None
+        error = WorkerError(
+            f"{late_ranks} never reached {collective_text(group)}, in which rank {waiter} ({devices[waiter]}) "
+            f"waited for it for the collective timeout ({self.liveness.watchdog.collective_timeout:g} s) while running "
+            f"{self.method!r} ({doing}); the worker group was stopped (the next call starts it again)",
+            late[0],
+            self.first_error.error_type,
+        )
+        error.remote_traceback = self.first_error.traceback
+        error.add_note(f"rank {waiter}'s own error: {self.first_error.error}")
+        self.workers.kill(late)
+        self._close()
+        raise error
+
     def _close(self) -> None:
         self.workers.shutdown(grace=0.5)
 
     # ---------------------------------------------------------------- ending early
 
     def cancel(self, deadline: bool = False) -> None:
-        """Ask every rank to stop at its next step boundary. `deadline`: it must within `cancel_grace`
-        seconds (a time limit); otherwise the ranks get as long as they stay healthy."""
+        """Ask every rank to stop at its next cancel point (a few blocks into a model call, a step's end, a
+        tensor of a load). `deadline`: it must within `cancel_grace` seconds (a time limit); otherwise the
+        ranks get as long as they stay healthy."""
         if deadline and self.cancel_deadline is None:
             self.cancel_deadline = time.monotonic() + self.cancel_grace
         Path(self.cancel_path).touch()
 
     def stop(self, reason: BaseException) -> None:
         """After the caller's exception (Ctrl+C, an error while waiting): cancel and wait for every rank's
-        reply, so nothing of this job reaches a later call and the group keeps its model. The ranks finish
-        their current step first, however long it takes, unless one hangs; a second Ctrl+C closes the
-        group at once. A request that reached some ranks only (an exception from the send itself) is sent to
-        the rest too, after the cancel: the ranks that have it would otherwise wait for the others in its
-        first collective; all of them stop at the same step instead."""
+        reply, so nothing of this job reaches a later call and the group keeps its model. The ranks stop at
+        their next cancel point (inside a model call: cancel_points.py), unless one hangs; a second Ctrl+C
+        closes the group at once. A request that reached some ranks only (an exception from the send itself)
+        is sent to the rest too, after the cancel: the ranks that have it would otherwise wait for the others
+        in its first collective; all of them stop at the same point instead."""
         self.cancel()
         conns, hinted, since = self.workers.conns, False, time.monotonic()
         try:
@@ -256,7 +310,7 @@ class Job:
                 if not hinted and isinstance(reason, KeyboardInterrupt) and now - since > HINT_AFTER:
                     hinted = True
                     print(
-                        f"[ROCm Parallel] cancelling {self.method!r}: every rank stops after its current step "
+                        f"[ROCm Parallel] cancelling {self.method!r}: every rank stops at its next cancel point "
                         f"({self.where(now)}); press Ctrl+C again to stop the workers now (the next call "
                         "starts them again and reloads the model)",
                         file=sys.stderr,

@@ -334,7 +334,8 @@ def _serve(conn: Connection, ctx: WorkerContext) -> bool:
                 traceback=traceback.format_exc(),
             )
         if ctx.heartbeat is not None:
-            ctx.heartbeat.set("idle", job=request.job)  # before the reply: the caller reads it after
+            # Written before the reply: the caller judges its peers by the collectives this rank issued.
+            ctx.heartbeat.set("idle", job=request.job, publish=True)
         send(conn, dataclasses.replace(reply, seconds=time.perf_counter() - started))
 
 
@@ -353,6 +354,7 @@ def main() -> None:
     heartbeat.set("starting", detail="joining the process group")
     _join_group(conn, rank, world_size, device)
     heartbeat.watch_collectives()
+    heartbeat.watch_device(device)  # a GPU's queued work counts as work (after set_device: its streams)
     heartbeat.set("starting", detail="importing its methods")
     try:
         _load_methods()

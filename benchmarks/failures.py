@@ -2,14 +2,14 @@
 whether the next job is right, and that a slow but healthy rank is waited for.
 
 Each scenario samples a tiny FLUX on 2 CPU workers (TP=2) through the public API with the default
-watchdog (liveness.py: no clock, a rank is hung when it is stopped, stuck in a native call or waits in a
-collective that cannot complete), injects one fault on rank 1, and measures the time from the fault to
+watchdog (liveness.py: no clock, a rank is hung when it is stopped, does no work while its peers wait for
+it, or waits in a collective that cannot complete), injects one fault on rank 1, and measures the time from the fault to
 the error the caller gets; then it runs the next job and checks it against the image sampled before the
 fault (bit for bit: same workers count, same layout, same seed).
 
 Faults come from the test suite's worker methods (tests/worker_jobs.py: `arm_failure`, which makes a
 rank's forward in the given step run out of memory, SIGSTOP itself, hang in a native call that keeps the
-interpreter, or take longer; `arm_load_failure` the same at a tensor of the next load or LoRA change), so
+interpreter, block in Python, or work longer; `arm_load_failure` the same at a tensor of the next load or LoRA change), so
 a checkout is needed, as for every benchmark. The last table measures what the NaN/inf check of every
 tensor read at load costs against the read itself.
 """
@@ -300,6 +300,7 @@ def run(args: argparse.Namespace) -> str:
             "one rank hung in a native call, first model call after a load", sampled(_arm("native", 1), 1)
         )
         measure("one rank hung in a native call, mid-sample (step 3)", sampled(_arm("native")))
+        measure("one rank blocked in Python (its reports go on), mid-sample (step 3)", sampled(_arm("block")))
         measure("one rank hung in a native call while loading (tensor 3)",
                 lambda: _loading(checkpoint, job, expected, "native"))  # fmt: skip
         measure("one rank hung in a native call during a LoRA change (tensor 3)",

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..backend.call import LATENT_TOKENS, tensors_of
 from ..backend.config import ParallelLayout
+from ..backend.watch import interrupt_check
 from .inputs import LayoutRequest, ParallelHandle
 from .loading import auto_layout, ensure_loaded, read_checkpoint
 from .registry import Registry
@@ -26,7 +27,8 @@ class ModelRunner:
 
     `comfy_model` wraps it into ComfyUI's MODEL; nothing here imports ComfyUI. `info` is the checkpoint's
     header as the node's run read it (read here when not given), carried to every load. `interrupted()`
-    raises on a pending Cancel (checked during loads); `make_room()` frees ComfyUI's own models from the GPUs.
+    raises on a pending Cancel (checked during loads, before each model call and while the workers compute
+    one); `make_room()` frees ComfyUI's own models from the GPUs.
     """
 
     def __init__(
@@ -112,7 +114,11 @@ class ModelRunner:
         if step is not None:
             self.registry.update(step=step[0], total=step[1])
         self.calls += 1
-        return model.forward(x, timestep, slot=self.handle.slot, **inputs)
+        if self.interrupted is not None:
+            self.interrupted()  # a Cancel pressed since the last call: stop before this one
+        # ... and one pressed during it: the ranks stop a few blocks in (backend/cancel_points.py)
+        with interrupt_check(self.interrupted):
+            return model.forward(x, timestep, slot=self.handle.slot, **inputs)
 
 
 def idle_note(layout: ParallelLayout | None, call_batch: int) -> str | None:

@@ -121,3 +121,79 @@ def test_steps_are_bounded_as_comfyui_bounds_them(checkpoints: dict[str, str], s
             _prompt(info), {"samples": torch.zeros(1, 16, 8, 8)}, checkpoint=info, seed=0, steps=steps
         )
     assert str(err.value) == (f"steps={steps} must be from 1 to 10000, as ComfyUI's KSampler allows")
+
+
+def test_the_gpu_limit_is_the_fullest_gpus() -> None:
+    """Every rank holds the same shard of activations: the GPU with the least free memory bounds them all.
+    Mutation tried: `max(free)` (the emptiest GPU) allowed 9.0 GB where the fullest had 2.0 GB free."""
+    from rocm_parallel.backend.admission import GPU_SHARE, memory_limit
+    from rocm_parallel.backend.messages import DeviceMemory, RankStatus
+
+    reports = [
+        RankStatus(rank, f"cuda:{rank}", memory=DeviceMemory(10.0, 10.0, free, 24.0))
+        for rank, free in enumerate((10.0, 2.0, 6.0))
+    ]
+    limit, why = memory_limit(["cuda:0", "cuda:1", "cuda:2"], reports)
+    assert limit == pytest.approx(2.0 * 1e9 * GPU_SHARE)
+    assert why == "the fullest GPU has 2.0 GB free after loading the weights"
+
+
+def test_a_5d_latent_is_priced_by_its_height_and_width(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen-Image's latents are [B, C, 1, H, W]: priced as [B, C, H, W], and named so when refused.
+    Mutation tried: reading them as 4-D (H = 1) priced this tiny model 67 times low (the issue saw Qwen-Image
+    at 1280 px priced 0.02 GB instead of 0.42)."""
+    from rocm_parallel.backend import admission
+    from rocm_parallel.backend.checkpoint import save_checkpoint
+    from rocm_parallel.backend.qwen_image.model import build_qwen_image
+    from rocm_parallel.testing.models import tiny_qwen_image_config
+
+    config = tiny_qwen_image_config(heads=4, head_dim=16, blocks=2, text_dim=32)
+    path = save_checkpoint(build_qwen_image(config, seed=0), tmp_path / "qwen.safetensors", prefix=True)
+    info = inspect_checkpoint(path)
+    layout = ParallelLayout(tp=2)
+    five = activation_estimate(info, layout, (1, 16, 1, 160, 160), dtype="float32", text_tokens=16)
+    four = activation_estimate(info, layout, (1, 16, 160, 160), dtype="float32", text_tokens=16)
+    assert (
+        five
+        == four
+        > 10 * activation_estimate(info, layout, (1, 16, 160, 1), dtype="float32", text_tokens=16)
+    )
+    monkeypatch.setattr(admission, "memory_limit", lambda devices, reports: (four / 2, "a test's limit"))
+    with pytest.raises(
+        ConfigError, match=r"^latent of 1280x1280 px \(batch 1, shape \[1, 16, 1, 160, 160\]\) "
+    ):
+        admission.admit(
+            info, layout, ["cpu", "cpu"], [], (1, 16, 1, 160, 160), dtype="float32", text_tokens=16
+        )
+
+
+def test_a_model_call_is_priced_with_its_reference_latents(
+    group2: WorkerGroup, checkpoints: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kontext's reference latents ride along as image tokens: a call that fits without them and not with
+    them is refused before the ranks. Mutation tried: `forward` admitting without the reference tokens ran
+    the call."""
+    from rocm_parallel.backend import admission
+
+    flux = ParallelModel(group=group2)
+    flux.load(checkpoints["dev"], layout="tp", dtype="float32")
+    info = inspect_checkpoint(checkpoints["dev"])
+    layout, x, ref = ParallelLayout(tp=2), torch.zeros(1, 16, 16, 16), torch.zeros(1, 16, 64, 64)
+    alone = activation_estimate(info, layout, tuple(x.shape), dtype="float32", text_tokens=16)
+    tokens = info.model_family.tokens((1, 16, 64, 64))
+    both = activation_estimate(
+        info, layout, tuple(x.shape), dtype="float32", text_tokens=16, reference_tokens=tokens
+    )
+    assert both > alone
+    monkeypatch.setattr(
+        admission, "memory_limit", lambda devices, reports: ((alone + both) / 2, "a test's limit")
+    )
+    (cond, extras) = _prompt(info)[0]
+    call = (x, torch.ones(1), cond, extras["pooled_output"], torch.full((1,), 3.5))
+    flux.forward(*call)  # fits without references
+    before = group2._job
+    with pytest.raises(
+        ConfigError, match=r"^x of 128x128 px \(batch 1, shape \[1, 16, 16, 16\]\) needs about "
+    ):
+        flux.forward(*call, ref_latents=[ref])
+    assert group2._job == before

@@ -182,7 +182,7 @@ def test_a_plain_fp8_file_stays_fp8_resident_and_computes_as_upcast(qwen_files, 
 @pytest.mark.parametrize(
     ("groups", "layout"),
     [(2, ParallelLayout(tp=2)), (2, ParallelLayout(ring=2)), (2, ParallelLayout(ulysses=2)),
-     (4, ParallelLayout(tp=4)), (4, ParallelLayout(ring=2, ulysses=2))],
+     (2, ParallelLayout(batch=2)), (4, ParallelLayout(tp=4)), (4, ParallelLayout(ring=2, ulysses=2))],
     indirect=["groups"],
     ids=str,
 )  # fmt: skip
@@ -190,8 +190,10 @@ def test_qwen_image_forward_matches_one_process_in_every_layout(
     groups: WorkerGroup, layout, qwen_files
 ) -> None:
     """ComfyUI's QwenImage call through `ParallelModel.forward`: 5-D odd latents, a text mask on one prompt
-    of a CFG batch (as key validity under ring / Ulysses), references by three methods; Edit-2511's default
-    (index_timestep_zero: the references modulated at t = 0) in one layout per world size."""
+    of a CFG batch (as key validity under ring / Ulysses; split with the batch under a batch degree),
+    references by three methods; Edit-2511's default (index_timestep_zero: the references modulated at
+    t = 0) in one layout per world size. Mutation tried: `serve.forward` passing the whole text mask to
+    each batch group (not `take(mask)`) failed batch 2."""
     flux = ParallelModel(group=groups)
     try:
         path, model = qwen_files["image"]
@@ -211,6 +213,33 @@ def test_qwen_image_forward_matches_one_process_in_every_layout(
             assert (out - one_process(model, inputs, "index_timestep_zero")).abs().max().item() <= TOL
             # the method reached the ranks: plain "index" modulates the references at t, not 0
             assert (out - one_process(model, inputs, "index")).abs().max().item() > 1e-3
+    finally:
+        flux.unload()
+
+
+@pytest.mark.parametrize("layout", [ParallelLayout(ring=2), ParallelLayout(ulysses=2)], ids=str)
+def test_a_text_mask_on_sizes_that_need_no_padding_still_masks(
+    group2: WorkerGroup, qwen_files, layout
+) -> None:
+    """Even sizes (16 image and 12 text tokens over 2 ranks: nothing padded) with a prompt whose last four
+    tokens are padding: the key-validity channel must still carry the mask. Mutation tried: deciding the
+    channel from the sequence padding alone (`state.masked = state.padding is not None`) dropped the mask
+    here (every other test uses odd sizes, where the padding turns it on anyway)."""
+    g = torch.Generator().manual_seed(5)
+    inputs = {
+        "x": torch.randn(2, 16, 1, 8, 8, generator=g),
+        "timestep": torch.tensor([0.8, 0.8]),
+        "context": torch.randn(2, 12, 32, generator=g),
+        "ref_latents": [],
+        "attention_mask": torch.ones(2, 12, dtype=torch.long),
+    }
+    inputs["attention_mask"][1, 8:] = 0
+    path, model = qwen_files["image"]
+    flux = ParallelModel(group=group2)
+    try:
+        flux.load(path, layout=layout, dtype="float32")
+        out = flux.forward(**inputs)
+        assert (out - one_process(model, inputs)).abs().max().item() <= TOL
     finally:
         flux.unload()
 

@@ -189,7 +189,7 @@ def test_the_ladder_falls_to_gloo_and_says_what_it_costs(monkeypatch: pytest.Mon
         assert "the worker group was started again with backend='gloo' and now works" in fallback
         assert "start ComfyUI with ROCM_PARALLEL_BACKEND=gloo" in fallback
         found = re.search(
-            r"^collectives run through gloo; the planner prices one FLUX.1-dev 1024x1024 step at tp 2 \(100 "
+            r"^collectives run through gloo; the planner prices one flux1-dev 1024x1024 step at tp 2 \(100 "
             r"TFLOPS per GPU\) at (\d+\.\d\d) s over gloo as measured here \((\d+\.\d\d) GB/s, (\d+) µs per "
             r"collective\) against (\d+\.\d\d) s over PCIe 4.0 x16 peer-to-peer",
             cost,
@@ -279,9 +279,7 @@ def test_gpus_without_nccl_start_on_gloo_and_the_planner_prices_it() -> None:
         "): gloo through host memory over loopback TCP"
     )
     cost = preflight.gloo_cost(2, gbps=3.0, latency_us=200.0)
-    assert cost.startswith(
-        "the planner prices one FLUX.1-dev 1024x1024 step at tp 2 (100 TFLOPS per GPU) at "
-    )
+    assert cost.startswith("the planner prices one flux1-dev 1024x1024 step at tp 2 (100 TFLOPS per GPU) at ")
     assert "over gloo as measured here (3.00 GB/s, 200 µs per collective) against " in cost
     assert cost.endswith("`python -m rocm_parallel plan --devices 2 --link-gbps 3.00 --latency-us 200`)")
 
@@ -295,3 +293,42 @@ def test_the_backend_can_be_forced_from_the_environment(monkeypatch: pytest.Monk
     assert (
         str(err.value) == "ROCM_PARALLEL_BACKEND='mpi' in the environment; use 'gloo' or 'nccl', or unset it"
     )
+
+
+def _importing(what: str) -> WorkerGroup:
+    return WorkerGroup(
+        ["cpu", "cpu"], threads=1, start_timeout=300, extra_sys_path=[TESTS_DIR],
+        methods=["worker_jobs", "startup_checks"], env={"RP_TEST_IMPORT": what},
+    )  # fmt: skip
+
+
+def test_a_rank_blocked_while_importing_is_named_within_seconds(tmp_path: Path) -> None:
+    """Rank 1 blocks in Python while importing its methods (its reports go on: 'starting (importing its
+    methods)'); rank 0 is ready and waits for it. The start fails within 15 s of the block naming rank 1,
+    long before `start_timeout`. Mutation tried: without `Liveness._waiting_ahead` the start waited for the
+    whole start_timeout (before this rule: 61.2 s with 60)."""
+    before = psutil.Process().children()
+    stamp = tmp_path / "blocked"
+    with pytest.raises(WorkerError) as err:
+        _importing(f"block:1:{stamp}")
+    took = time.monotonic() - float(stamp.read_text())
+    assert re.match(
+        r"worker rank 1 \(cpu, pid \d+\) does no work while starting: it reports starting \(importing its "
+        r"methods, \d+ s so far\), but for \d+ s it has used no CPU, waited for no disk and queued no GPU "
+        r"work, and rank 0 is ready: it is blocked",
+        str(err.value),
+    ), str(err.value)
+    assert "(it had connected)" in str(err.value)
+    assert err.value.rank == 1 and took < 15, took
+    assert not _alive([c.pid for c in psutil.Process().children() if c not in before])
+
+
+def test_a_slow_import_that_works_completes() -> None:
+    """Rank 1 works 40 s while importing its methods (rank 0 ready, waiting): the group starts."""
+    started = time.monotonic()
+    group = _importing("work:1:40")
+    try:
+        assert time.monotonic() - started >= 40
+        assert [r.rank for r in group.call_all("ping")] == [0, 1]
+    finally:
+        group.close()

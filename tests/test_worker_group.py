@@ -271,3 +271,62 @@ def _no_gpu_reason() -> str:
             "section 'Platforms')"
         )
     return f"{torch_build()} sees no GPU (check the driver and HIP_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES)"
+
+
+def test_a_peer_with_the_wrong_key_is_refused_at_once(tmp_path: Path) -> None:
+    """The control socket's HMAC handshake: a peer that answers the challenge with another key is refused
+    (AuthenticationError on both sides) within a second, before anything it sends is read. Mutations
+    tried: a server ignoring the failed answer (`deliver_challenge`'s error swallowed) and one without the
+    handshake both accepted the peer (before this test, removing the HMAC was caught only by a 300 s
+    pytest timeout)."""
+    from multiprocessing import AuthenticationError
+    from multiprocessing.connection import Client, Listener
+
+    from rocm_parallel.backend.launch import _authenticated_accept
+
+    address = str(tmp_path / "control.sock")
+    listener = Listener(address, family="AF_UNIX", authkey=b"the group's key")
+    peer_error: list[str] = []
+
+    def peer() -> None:
+        try:
+            Client(address, family="AF_UNIX", authkey=b"another key")
+        except Exception as exc:
+            peer_error.append(type(exc).__name__)
+
+    thread = threading.Thread(target=peer, daemon=True)
+    thread.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(AuthenticationError):
+            _authenticated_accept(listener, seconds=5.0)
+        assert time.monotonic() - started < 1.0
+        thread.join(5.0)
+        assert peer_error == ["AuthenticationError"]
+    finally:
+        listener.close()
+
+
+def test_every_launch_draws_its_own_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The key the workers authenticate with is 32 random bytes per launch (another local user cannot
+    guess it). Mutation tried: a fixed key gave three equal keys."""
+    from rocm_parallel.backend import launch
+
+    keys: list[bytes] = []
+
+    class Seen(Exception):
+        pass
+
+    def listener(address: str, family: str, authkey: bytes) -> None:
+        keys.append(authkey)
+        raise Seen
+
+    monkeypatch.setattr(launch, "Listener", listener)
+    for _ in range(3):
+        workers = launch.Workers(("cpu", "cpu"), start_timeout=5.0)
+        try:
+            with pytest.raises(Seen):
+                workers.start(lambda rank, address, shm: {})
+        finally:
+            workers.stop(grace=0.0)
+    assert len(keys) == 3 and len(set(keys)) == 3 and all(len(k) == 32 for k in keys)

@@ -53,17 +53,22 @@ class Scaled:
 @record
 @dataclass(frozen=True)
 class OnRank:
-    """Something `rank` does at step `at_step` of `n`. `kind`: 'oom' (raises), 'stop' (SIGSTOPs itself),
-    'native' (hangs in a native call that holds the interpreter: its reports stop), 'slow' (takes
-    `seconds` longer, still working: it must not be taken for hung), 'strand' (enters one more collective
-    than its peers: they finish the job, it waits forever), 'order' (issues two collectives in the
-    other order than its peers: each waits for the other)."""
+    """Something `rank` (-1: every rank) does at step `at_step` of `n`. `kind`: 'oom' (raises), 'stop'
+    (SIGSTOPs itself), 'native' (hangs in a native call that holds the interpreter: its reports stop),
+    'block' (blocks in Python for ever, the interpreter free: its reports go on, it does no work), 'slow'
+    (works `seconds` longer, using a core: it must not be taken for hung), 'sleep' (sleeps `seconds`: no
+    work; on every rank at once nobody waits for anybody), 'strand' (enters one more collective than its
+    peers: they finish the job, it waits forever), 'order' (issues two collectives in the other order than
+    its peers: each waits for the other), 'mismatch' (issues a broadcast where its peers all-reduce).
+    `stamp`: a file the rank writes time.monotonic() to as it acts (the same clock in every process on
+    Linux: a test measures from the moment a rank hung, not from the job's start)."""
 
     rank: int
     at_step: int = 0
     n: int = 100
     kind: str = "oom"
     seconds: float = 0.0
+    stamp: str = ""
 
 
 @record
@@ -89,6 +94,7 @@ class Load:
     seconds: float
     hang_after: int = 0
     failing: int = -1
+    stamp: str = ""  # as OnRank's
 
 
 @handler("steps", Steps)
@@ -179,28 +185,56 @@ def hang_natively() -> None:
     ctypes.PyDLL(None).sleep(3600)
 
 
-def act(kind: str, seconds: float = 0.0) -> None:
+def block_in_python() -> None:
+    """Wait for an event nobody sets: the interpreter is free (the reports go on), the process does no work
+    (a lock never released, a queue never fed)."""
+    import threading
+
+    threading.Event().wait()
+
+
+def work_for(seconds: float) -> None:
+    """Keep a core busy for `seconds` (a slow step, a slow read that decompresses): working, not hung."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        sum(range(1000))
+
+
+def write_stamp(path: str) -> None:
+    """Write time.monotonic() to `path` (nothing when it is '')."""
+    if path:
+        with open(path, "w") as f:
+            f.write(repr(time.monotonic()))
+
+
+def act(kind: str, seconds: float = 0.0, stamp: str = "") -> None:
     """What `OnRank.kind` does at its step (the collective kinds are the job's own)."""
     import signal
 
+    write_stamp(stamp)
     if kind == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
     if kind == "native":
         hang_natively()
+    if kind == "block":
+        block_in_python()
     if kind == "slow":
-        time.sleep(seconds)  # working: its heartbeat keeps reporting
+        work_for(seconds)
+        return
+    if kind == "sleep":
+        time.sleep(seconds)
         return
     if kind in ("oom", "stop"):
         raise torch.OutOfMemoryError("HIP out of memory. Tried to allocate 2.00 GiB")
 
 
-def _fail_once(at: int, kind: str, method: str | None = None, seconds: float = 0.0) -> None:
+def _fail_once(at: int, kind: str, method: str | None = None, seconds: float = 0.0, stamp: str = "") -> None:
     """Make this worker act once as `kind` says (see `OnRank`): at the `at`-th call of worker method
     `method`, before it runs, or else at the `at`-th `WorkerContext.load_progress`."""
     from rocm_parallel.backend.worker import WorkerContext
 
     def fail() -> None:
-        act(kind, seconds)
+        act(kind, seconds, stamp)
 
     if method is not None:
         original, calls = HANDLERS[method], []
@@ -231,8 +265,8 @@ def arm_failure(ctx, request: OnRank) -> None:
     real GPU fails in the middle of a denoising loop: every step is one `model_call`, so its
     `at_step`-th forward acts on entry while its peers run that forward and wait for it in a collective
     (at_step=1: the first model call after a load)."""
-    if ctx.rank == request.rank:
-        _fail_once(request.at_step, request.kind, method="model_call", seconds=request.seconds)
+    if request.rank in (ctx.rank, -1):
+        _fail_once(request.at_step, request.kind, "model_call", request.seconds, request.stamp)
 
 
 @handler("hang_at", OnRank)
@@ -247,9 +281,13 @@ def hang_at(ctx, request: OnRank) -> Rank:
             )
             dist.all_reduce(t, group=first)
             dist.all_reduce(t, group=second)
-        elif ctx.rank == request.rank and step == request.at_step:
-            act(request.kind, request.seconds)
-        dist.all_reduce(t)
+        elif request.rank in (ctx.rank, -1) and step == request.at_step and request.kind != "mismatch":
+            act(request.kind, request.seconds, request.stamp)
+        if request.kind == "mismatch" and ctx.rank == request.rank and step == request.at_step:
+            write_stamp(request.stamp)
+            dist.broadcast(t, src=0)  # its peers all-reduce here: the same collective number, another op
+        else:
+            dist.all_reduce(t)
         ctx.step_done(step, request.n)
     if ctx.rank == request.rank and request.kind == "strand":
         dist.all_reduce(torch.ones(1))  # one more than its peers, who have finished the job
@@ -260,8 +298,8 @@ def hang_at(ctx, request: OnRank) -> Rank:
 def arm_load_failure(ctx, request: OnRank) -> None:
     """Make `rank` act as `kind` says at tensor `at_step` of the NEXT load, or LoRA change (its peers load
     in full)."""
-    if ctx.rank == request.rank:
-        _fail_once(request.at_step, request.kind, seconds=request.seconds)
+    if request.rank in (ctx.rank, -1):
+        _fail_once(request.at_step, request.kind, seconds=request.seconds, stamp=request.stamp)
 
 
 @handler("uneven_load", Load)
@@ -272,7 +310,7 @@ def uneven_load(ctx, request: Load) -> Rank:
         ctx.load_progress(done - 1, request.tensors)  # reading tensor `done` from here on
         if ctx.rank:
             if request.hang_after and done > request.hang_after:
-                hang_natively()
+                act("native", stamp=request.stamp)
             time.sleep(request.seconds)
     ctx.load_progress(request.tensors, request.tensors)
     return Rank(ctx.rank)

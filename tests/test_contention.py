@@ -1,0 +1,135 @@
+"""Liveness under contention: loads and model calls on 2 and 4 workers with CPU-burning processes beside
+them (more than the machine's cores), as when ComfyUI runs its text encoders, VAE and previews on the same
+CPUs. No healthy job may be failed as hung; a rank blocked in Python is still named within seconds. The
+traces recorded under such contention (tests/data/liveness/, tests/tools/record_liveness_traces.py) are
+replayed through the rules: no verdict on the healthy ones, the blocked rank named on the other.
+
+Before the rules judged by state (issue 36), three runs at load 7-12 failed a healthy load as "rank 1 has
+been waiting in collective #2 (all_gather) ..., which rank 0 has left": a starved rank still inside a
+collective its peer had completed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from contention_jobs import Miniature
+from worker_jobs import OnRank
+
+from rocm_parallel.backend.client import WorkerError, WorkerGroup
+from rocm_parallel.testing.traces import load, replay
+
+TESTS_DIR = str(Path(__file__).resolve().parent)
+TRACES = Path(TESTS_DIR) / "data" / "liveness"
+BURNERS = (os.cpu_count() or 1) + 2  # more burning processes than cores
+# (workers, loads, calls) per group: 200 loads and 2,000 calls in all
+PLAN = ((2, 100, 1000), (4, 100, 1000))
+
+
+@contextmanager
+def burning(count: int = BURNERS) -> Iterator[None]:
+    """`count` processes that keep a core busy each, for the block."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
+
+
+def _group(world: int) -> WorkerGroup:
+    return WorkerGroup(
+        ["cpu"] * world, threads=1, extra_sys_path=[TESTS_DIR], methods=["worker_jobs", "contention_jobs"]
+    )
+
+
+def run_contention(world: int, loads: int, calls: int, trace=None, load_size: int = 48) -> list[int]:
+    """`loads` miniature loads and `calls` miniature model calls on a new group of `world` workers, a load
+    every calls/loads calls (raises WorkerError on any verdict); the group's pids."""
+    group = _group(world)
+    if trace is not None:
+        group._workers.trace = trace
+    try:
+        every = max(1, calls // max(loads, 1))
+        for index in range(calls):
+            if index % every == 0 and index // every < loads:
+                group.call_all("mini_load", Miniature(index, size=load_size))
+            group.call_all("mini_call", Miniature(index, size=48))
+        assert group.alive
+        return group.pids
+    finally:
+        group.close()
+
+
+@pytest.mark.timeout(900)
+def test_loads_and_calls_beside_cpu_burners_see_no_hang() -> None:
+    """200 loads and 2,000 calls on a 2- and a 4-worker group at once, with more burners than cores: zero
+    hang verdicts (any verdict is a WorkerError here). Mutation tried: the old 'peer has left' rule (no
+    idleness asked) failed a load within the first 40 (once the reports were starved)."""
+    errors: list[BaseException] = []
+
+    def run(world: int, loads: int, calls: int) -> None:
+        try:
+            run_contention(world, loads, calls)
+        except BaseException as exc:
+            errors.append(exc)
+
+    with burning():
+        threads = [threading.Thread(target=run, args=plan) for plan in PLAN]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert errors == []
+
+
+def test_a_rank_blocked_beside_cpu_burners_is_named_within_seconds(tmp_path: Path) -> None:
+    """The same machine state, rank 1 blocked in Python in step 3 while rank 0 waits for it: named within
+    15 s of the moment it blocked."""
+    stamp = tmp_path / "blocked"
+    with burning():
+        group = _group(2)
+        with pytest.raises(WorkerError) as err:
+            group.call("hang_at", OnRank(rank=1, at_step=3, kind="block", stamp=str(stamp)))
+        took = time.monotonic() - float(stamp.read_text())
+    assert str(err.value).startswith(
+        f"worker rank 1 (cpu, pid {group.pids[1]}) does no work while running 'hang_at'"
+    )
+    assert err.value.rank == 1 and took < 15, took
+    assert not group.alive
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in TRACES.glob("contention-*.jsonl.gz")))
+def test_recorded_contention_traces_replay_without_a_verdict(name: str) -> None:
+    """Every look the watchdog took during a recorded contention run, replayed: no verdict. The trace holds
+    the moments the old rules turned into hangs: a rank still in a collective a peer had completed
+    (counted when recorded, so a re-recorded trace that lost them fails). Mutation tried: the old 'peer has
+    left' rule (no idleness asked) failed contention-4 on replay."""
+    header, events = load(TRACES / name)
+    verdicts = [(now, hang) for now, hang in replay(header, events) if hang is not None]
+    assert verdicts == []
+    assert header["left_looks"] > 0
+
+
+def test_a_recorded_blocked_rank_is_named_from_its_trace() -> None:
+    """A recorded run beside the burners in which rank 1 blocks in Python at step 3: replayed, the first
+    verdict names rank 1 alone, after the recorded block began and within 15 s of it."""
+    header, events = load(TRACES / "blocked-2.jsonl.gz")
+    verdicts = [(now, hang) for now, hang in replay(header, events) if hang is not None]
+    assert verdicts, "no verdict"
+    now, hang = verdicts[0]
+    assert hang.ranks == hang.kill == (1,)
+    assert (
+        hang.why.startswith("worker rank 1 (cpu, pid ") and "does no work while running 'hang_at'" in hang.why
+    )
+    assert header["blocked_at"] <= now < header["blocked_at"] + 15

@@ -1,0 +1,161 @@
+"""What the OS says a process does (backend/procstat.py) and what a rank's report carries besides its
+activity (backend/heartbeat.py): real processes sleeping, spinning, stopped, a busy grandchild; the
+reporting thread left out; a GPU queue through a fake stream (the CUDA path itself needs a GPU)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from rocm_parallel.backend.heartbeat import Heartbeat, _signature, read_state, state_path
+from rocm_parallel.backend.procstat import sample
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread /proc is Linux's")
+
+SPIN = "import time\nwhile True: pass\n"
+
+
+@contextmanager
+def _python(code: str) -> Iterator[subprocess.Popen[str]]:
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _settle(pid: int, seconds: float = 0.3) -> None:
+    """Let a just-started interpreter finish its start-up (CPU and disk)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        before = sample(pid)
+        time.sleep(seconds)
+        after = sample(pid)
+        if before and after and after.cpu_seconds - before.cpu_seconds < 0.01 and not after.working:
+            return
+    raise AssertionError("the child never went quiet")
+
+
+def test_a_sleeping_process_does_no_work_and_a_spinning_one_works() -> None:
+    with _python("import time; print('ready', flush=True); time.sleep(60)") as sleeper:
+        assert sleeper.stdout.readline().strip() == "ready"
+        _settle(sleeper.pid)
+        first = sample(sleeper.pid)
+        time.sleep(0.5)
+        second = sample(sleeper.pid)
+        assert first is not None and second is not None
+        assert not second.working and not second.stopped
+        assert second.cpu_seconds - first.cpu_seconds < 0.02
+    with _python(SPIN) as spinner:
+        seen = [sample(spinner.pid) for _ in range(5)]
+        assert all(s is not None and s.working for s in seen)  # runnable: running or waiting for a core
+
+
+def test_a_stopped_process_is_stopped_and_a_gone_one_is_none() -> None:
+    with _python("import time; time.sleep(60)") as proc:
+        os.kill(proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while not (seen := sample(proc.pid)).stopped and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert seen.stopped
+        os.kill(proc.pid, signal.SIGCONT)
+    assert sample(proc.pid) is None
+
+
+def test_a_busy_grandchild_counts_as_work() -> None:
+    """The rank waits for a child it started (inductor's compiler, a decompressor): the child works."""
+    code = (
+        "import subprocess, sys, time\n"
+        f"child = subprocess.Popen([sys.executable, '-c', {SPIN!r}])\n"
+        "print(child.pid, flush=True)\n"
+        "child.wait()\n"
+    )
+    with _python(code) as parent:
+        child = int(parent.stdout.readline())
+        try:
+            time.sleep(0.3)
+            first = sample(parent.pid)
+            deadline = time.monotonic() + 20  # on a busy machine the child gets a small share of a core
+            while (second := sample(parent.pid)).cpu_seconds - first.cpu_seconds <= 0.05:
+                assert time.monotonic() < deadline, "the child's CPU time never counted"
+                time.sleep(0.1)
+            assert second.working
+            assert sample(
+                parent.pid, reporter=parent.pid
+            ).working  # its main thread left out: the child works
+        finally:
+            os.kill(child, signal.SIGKILL)
+
+
+def test_the_reporting_thread_is_left_out() -> None:
+    """A process whose only busy thread is its reporter does no work; the reporter's being runnable is
+    said apart (its reports are late, not stopped)."""
+    code = (
+        "import threading, time\n"
+        "def spin():\n"
+        "    print(threading.get_native_id(), flush=True)\n"
+        "    while True: pass\n"
+        "threading.Thread(target=spin, daemon=True).start()\n"
+        "time.sleep(60)\n"
+    )
+    with _python(code) as proc:
+        reporter = int(proc.stdout.readline())
+        time.sleep(0.3)
+        first = sample(proc.pid, reporter)
+        time.sleep(0.5)
+        second = sample(proc.pid, reporter)
+        assert second is not None and not second.working
+        assert second.cpu_seconds - first.cpu_seconds < 0.05
+        assert any(sample(proc.pid, reporter).reporter_runnable for _ in range(10))
+        assert sample(proc.pid).working  # counted, it would make the process look busy
+
+
+class _Stream:
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_a_report_says_whether_gpu_work_is_queued_and_which_thread_reports(tmp_path: Path) -> None:
+    """The GPU path is a non-blocking stream query from the reporting thread; here through fake streams
+    (torch.cuda.Stream.query's contract: True when all its work is done)."""
+    beat = Heartbeat(0, str(tmp_path), interval=0.05)
+    beat.watch_device(type("Device", (), {"type": "cpu"})())
+    assert not beat.state().gpu  # a CPU has no queue
+    queued, idle = _Stream(done=False), _Stream(done=True)
+    beat.watch_device(None, streams=[idle, queued])
+    assert beat.state().gpu
+    queued.done = True
+    assert not beat.state().gpu
+    beat.start()
+    deadline = time.monotonic() + 10
+    while ((state := read_state(state_path(str(tmp_path), 0))) is None or not state.reporter) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.05)
+    assert state is not None and state.reporter not in (0, threading.get_native_id())
+    assert os.path.exists(f"/proc/{os.getpid()}/task/{state.reporter}")
+
+
+def test_a_collective_is_named_by_op_and_shapes_from_the_recorder() -> None:
+    entries = [
+        {"process_group": ["1", "tp"], "collective_seq_id": 4, "profiling_name": "gloo:all_reduce",
+         "input_sizes": [[4, 3]]},
+        {"process_group": ["0", "default_pg"], "collective_seq_id": 4, "profiling_name": "gloo:broadcast",
+         "input_sizes": [[1]]},
+    ]  # fmt: skip
+    assert _signature(entries, "1", 4) == "all_reduce [[4,3]]"
+    assert _signature(entries, "0", 4) == "broadcast [[1]]"
+    assert _signature(entries, "0", 5) == ""
