@@ -32,7 +32,7 @@ from torch import nn
 
 from ..dtypes import WEIGHT_DTYPES, stored_dtype
 from ..finite import all_finite, non_finite_kind
-from ..parallel.tensor import Pieces, apply_tensor_parallel, parameter_pieces, resolve_plan
+from ..parallel.tensor import Pieces, apply_tensor_parallel, parameter_pieces
 from ..parallel.weights import is_fp8, keep_fp8_resident
 from .files import CheckpointError, StoredTensor
 from .info import CheckpointInfo, check_weight_dtype, inspect_checkpoint, resolve_dtype
@@ -224,7 +224,7 @@ def load_model(
     weight = check_weight_dtype(weight_dtype, info)
     family = info.model_family
     model = family.build(info.config, device="meta", dtype=dtype)
-    resolved = resolve_plan(model, family.tp.plan)
+    resolved = family.tp.resolve(model)
     rank, degree = 0, 1
     if tp > 1:
         if not dist.is_initialized() or dist.get_world_size(group) != tp:

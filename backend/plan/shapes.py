@@ -53,7 +53,7 @@ def model_facts(family: str, dims: ModelDims) -> ModelFacts:
     fam = get_family(family)
     config = fam.config_from_dims(dims)
     model = fam.build(config, device="meta")
-    splits = resolve_plan(model, fam.tp.plan)
+    splits = fam.tp.resolve(model)
     parameters = tuple(
         (name, tuple(p.shape), splits.get(name.rpartition(".")[0])) for name, p in model.named_parameters()
     )
