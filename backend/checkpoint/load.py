@@ -46,11 +46,12 @@ def resident_dtype(
     stored: StoredTensor, linear_weight: bool, weight_dtype: str, compute: torch.dtype, fp32: bool = False
 ) -> torch.dtype:
     """The dtype a parameter is held in: float32 for a parameter of a module the model class keeps in
-    float32 (`fp32`: diffusers' `_keep_in_fp32_modules`, e.g. Wan's time embedder and modulation tables),
-    fp8 for linear weights when `weight_dtype` says so (or, for 'default', when the file stores them in fp8),
-    the compute dtype for everything else."""
-    if fp32 and compute.is_floating_point and torch.finfo(compute).bits < 32:
-        return torch.float32
+    float32 (`fp32`: diffusers' `_keep_in_fp32_modules`, e.g. Wan's time embedder and modulation tables;
+    never fp8 either: diffusers casts such a module's input to its first parameter's dtype), fp8 for linear
+    weights when `weight_dtype` says so (or, for 'default', when the file stores them in fp8), the compute
+    dtype for everything else."""
+    if fp32 and compute.is_floating_point:
+        return torch.float32 if torch.finfo(compute).bits < 32 else compute
     if not linear_weight or weight_dtype == "compute":
         return compute
     if weight_dtype == "default":

@@ -36,7 +36,10 @@ class ModelFacts:
     modulation_width: int  # features of all Gathered (AdaLN modulation) outputs of one forward
     tp_all_reduces: int  # activation all-reduces of one forward under TP
     norm_all_reduces: int  # [tokens x 1] statistics all-reduces of norms across heads (NormAcrossHeads)
-    attentions: int  # attention calls per forward
+    attentions: int  # attention calls per forward over the sequence context parallelism splits
+    # attention calls whose keys are the text alone (a family whose text is not joint: cross-attention from
+    # the image tokens, local on every rank)
+    cross_attentions: int
     image_macs: int  # multiply-accumulates per image token in the linear layers that read only image tokens
     text_macs: int  # ... only text tokens
     joint_macs: int  # ... the joint sequence (single-stream blocks)
@@ -67,7 +70,7 @@ def model_facts(family: str, dims: ModelDims) -> ModelFacts:
 
     image = math.prod(_PROBE_IMAGE_PATCHES)
     macs = {image: 0, _PROBE_TEXT: 0, image + _PROBE_TEXT: 0}
-    attentions = 0
+    attentions = {False: 0, True: 0}  # cross-attention -> calls
 
     def linear(module: nn.Linear, args: tuple[Any, ...]) -> None:
         x = args[0] if args else None
@@ -76,15 +79,17 @@ def model_facts(family: str, dims: ModelDims) -> ModelFacts:
         ):  # [batch, tokens, features]; [batch, features] reads one vector per image
             macs[x.shape[1]] += module.in_features * module.out_features
 
-    def attention(module: nn.Module, args: tuple[Any, ...]) -> None:
-        nonlocal attentions
-        attentions += 1
+    def attention(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        # diffusers' attention modules take (hidden_states, encoder_hidden_states, ...): with a text that does
+        # not join the image tokens, a call given the text attends to it only
+        text = kwargs.get("encoder_hidden_states", args[1] if len(args) > 1 else None)
+        attentions[text is not None and not fam.text.joint] += 1
 
     for module in model.modules():
         if isinstance(module, nn.Linear):
             module.register_forward_pre_hook(linear)
         elif hasattr(module, "processor"):
-            module.register_forward_pre_hook(attention)
+            module.register_forward_pre_hook(attention, with_kwargs=True)
     _, ph, pw = fam.geometry.patch
     rows, cols = _PROBE_IMAGE_PATCHES[0] * ph, _PROBE_IMAGE_PATCHES[1] * pw
     x = torch.empty(1, fam.input_channels(config), rows, cols, device="meta")
@@ -99,7 +104,8 @@ def model_facts(family: str, dims: ModelDims) -> ModelFacts:
         modulation_width=modulation,
         tp_all_reduces=all_reduces,
         norm_all_reduces=norms,
-        attentions=attentions,
+        attentions=attentions[False],
+        cross_attentions=attentions[True],
         image_macs=macs[image],
         text_macs=macs[_PROBE_TEXT],
         joint_macs=macs[image + _PROBE_TEXT],

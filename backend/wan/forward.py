@@ -179,7 +179,8 @@ def wan_call(
 
 def wan_model_fn(model: nn.Module) -> ModelFn:
     """Adapt diffusers' WanTransformer3DModel (as `build_wan` makes it) to the `model_fn` contract."""
-    has_image_embedder = model.condition_embedder.image_embedder is not None
+    embedder = getattr(model, "condition_embedder", None)  # (a stand-in of the planner's probe has none)
+    has_image_embedder = getattr(embedder, "image_embedder", None) is not None
 
     @torch.no_grad()
     def model_fn(x, timestep, context, clip_fea):
