@@ -84,7 +84,12 @@ def one_process(model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
 def test_comfy_files_and_diffusers_state_dicts_are_wan(wan_files, tmp_path: Path) -> None:
     path, model = wan_files["t2v"]
     info = inspect_checkpoint(path)
-    assert (info.family, info.format, info.prefix, info.variant) == ("wan", "bfl", "model.diffusion_model.", "t2v")
+    assert (info.family, info.format, info.prefix, info.variant) == (
+        "wan",
+        "bfl",
+        "model.diffusion_model.",
+        "t2v",
+    )
     assert info.config == T2V
     assert info.model_name == "Wan T2V (2 heads, 2 blocks)"
     assert (info.dims.blocks, info.dims.mlp, info.dims.text_dim, info.dims.image) == (2, 512, TEXT, False)
@@ -182,7 +187,9 @@ def test_fp8_scaled_and_plain_fp8_files_compute_as_upcast(wan_files, tmp_path: P
             if p.ndim == 2 and n.startswith(quantized) and not kept_in_fp32(upcast, n)
         }  # fmt: skip
         assert {n for n, p in kept.named_parameters() if p.dtype == torch.float8_e4m3fn} == linear
-        assert parameter_bytes(kept) == parameter_bytes(upcast) - 3 * sum(upcast.get_parameter(n).numel() for n in linear)
+        assert parameter_bytes(kept) == parameter_bytes(upcast) - 3 * sum(
+            upcast.get_parameter(n).numel() for n in linear
+        )
         assert torch.equal(one_process(kept, inputs), one_process(upcast, inputs))
 
 
@@ -237,7 +244,10 @@ def test_the_inputs_the_layouts_check_change_the_output(wan_files) -> None:
     stock.load_state_dict(i2v.state_dict())
     for block in stock.blocks:
         block.attn2.set_processor(WanAttnProcessor())
-    long_prompt = {**with_clip, "context": torch.randn(2, 600, TEXT, generator=torch.Generator().manual_seed(8))}
+    long_prompt = {
+        **with_clip,
+        "context": torch.randn(2, 600, TEXT, generator=torch.Generator().manual_seed(8)),
+    }
     assert (one_process(stock, long_prompt) - one_process(i2v, long_prompt)).abs().max().item() > 1e-2
 
 
@@ -265,7 +275,7 @@ def test_released_bytes_per_rank_on_meta(degree: int) -> None:
     projection and the Q/K norm scales included); the planner holds the engine's figure exactly."""
     from rocm_parallel.backend.plan import weight_bytes
 
-    d, ffn, blocks, text, freq = 5120, 13824, 40, 4096, 256
+    d, blocks, text, freq = 5120, 40, 4096, 256
     full = parameter_bytes(build_wan(WAN21_T2V_14B, device="meta", dtype=torch.bfloat16))
     assert full == 2 * 14_288_491_584
     with fake_process_group(degree):
@@ -292,7 +302,12 @@ def test_planner_prices_self_attention_over_the_video_and_cross_attention_to_the
     facts = model_facts("wan", dims)
     assert facts.image_macs == blocks * (4 * d * d + 2 * d * d + 2 * d * ffn) + d * 64
     assert facts.text_macs == 4096 * d + d * d + blocks * 2 * d * d
-    assert (facts.attentions, facts.cross_attentions, facts.tp_all_reduces, facts.norm_all_reduces) == (40, 40, 120, 160)
+    assert (facts.attentions, facts.cross_attentions, facts.tp_all_reduces, facts.norm_all_reduces) == (
+        40,
+        40,
+        120,
+        160,
+    )
     assert facts.modulation_width == 6 * d
     setup = Setup(dims, 1280, 720, frames=81, family="wan", text_tokens=512)
     s = 21 * 45 * 80
@@ -309,10 +324,17 @@ def test_comfyuis_wan_lora_formats_patch_the_same_parameters(wan_files, tmp_path
     """comfy/lora.py maps a Wan LoRA by ComfyUI's module names under `diffusion_model.` and as kohya's
     `lora_unet_`; both patch the same parameters, the I2V image keys and the time projection included."""
     info = inspect_checkpoint(wan_files["i2v"][0])
-    made = {f: write_random_lora(tmp_path / f"{f}.safetensors", I2V, f, seed=5, family="wan") for f in ("bfl", "kohya")}
+    made = {
+        f: write_random_lora(tmp_path / f"{f}.safetensors", I2V, f, seed=5, family="wan")
+        for f in ("bfl", "kohya")
+    }
     read = {f: inspect_lora(p, info) for f, p in made.items()}
     assert read["bfl"].params == read["kohya"].params
-    for param in ("blocks.0.attn2.add_k_proj.weight", "condition_embedder.time_proj.weight", "blocks.1.ffn.net.2.weight"):
+    for param in (
+        "blocks.0.attn2.add_k_proj.weight",
+        "condition_embedder.time_proj.weight",
+        "blocks.1.ffn.net.2.weight",
+    ):
         assert param in read["bfl"].params, param
 
 
@@ -350,7 +372,9 @@ def test_sample_hands_the_model_sigma_times_1000(group2: WorkerGroup, wan_files)
     shift 8's schedule, Euler, and the model called with sigma x 1000 as ComfyUI's ModelSamplingSD3 calls it,
     equal to the same loop around the one-process model; with sigma itself it would be another video."""
     path, model = wan_files["t2v"]
-    positive = [[torch.randn(1, 7, TEXT, generator=torch.Generator().manual_seed(4)), {"pooled_output": None}]]
+    positive = [
+        [torch.randn(1, 7, TEXT, generator=torch.Generator().manual_seed(4)), {"pooled_output": None}]
+    ]
     latent = {"samples": torch.zeros(1, 16, 2, 7, 9)}
     parallel = ParallelModel(group=group2)
     try:
@@ -378,7 +402,10 @@ def test_wan_refusals_before_any_rank_runs(group2: WorkerGroup, wan_files) -> No
     try:
         parallel.load(wan_files["i2v"][0], layout=ParallelLayout(tp=2), dtype="float32")
         inputs = call_inputs(36, clip=True)
-        with pytest.raises(ConfigError, match=r"clip_fea has shape \(2, 9, 1024\); Wan I2V \(2 heads, 2 blocks\) takes \[2, tokens, 1280\]"):
+        with pytest.raises(
+            ConfigError,
+            match=r"clip_fea has shape \(2, 9, 1024\); Wan I2V \(2 heads, 2 blocks\) takes \[2, tokens, 1280\]",
+        ):
             parallel.forward(**{**inputs, "clip_fea": torch.zeros(2, 9, 1024)})
         with pytest.raises(ConfigError, match=r"per-frame timesteps are \[2, 3\]"):
             parallel.forward(**{**inputs, "timestep": torch.zeros(2, 5)})
@@ -387,6 +414,8 @@ def test_wan_refusals_before_any_rank_runs(group2: WorkerGroup, wan_files) -> No
         with pytest.raises(ConfigError, match=r"x has shape \(2, 16, 3, 9, 5\)"):
             parallel.forward(**{**inputs, "x": torch.zeros(2, 16, 3, 9, 5)})  # the I2V channels missing
         with pytest.raises(ConfigError, match="36 input channels"):  # sample() has no start image to give
-            parallel.sample([[torch.zeros(1, 4, TEXT), {}]], {"samples": torch.zeros(1, 16, 2, 8, 8)}, seed=1, steps=2)
+            parallel.sample(
+                [[torch.zeros(1, 4, TEXT), {}]], {"samples": torch.zeros(1, 16, 2, 8, 8)}, seed=1, steps=2
+            )
     finally:
         parallel.unload()

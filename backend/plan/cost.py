@@ -268,7 +268,9 @@ def forward_flops(setup: Setup) -> float:
     facts = model_facts(setup.family, setup.dims)
     s, text, image = setup.tokens, setup.text_tokens, setup.image_tokens
     macs = image * facts.image_macs + text * facts.text_macs + (image + text) * facts.joint_macs
-    attention_macs = (facts.attentions * s * s + facts.cross_attentions * image * text) * 2 * setup.dims.hidden
+    attention_macs = (
+        (facts.attentions * s * s + facts.cross_attentions * image * text) * 2 * setup.dims.hidden
+    )
     return 2 * setup.batch * (macs + attention_macs)
 
 

@@ -29,7 +29,9 @@ WAN_INPUTS = (
     CallInput("context", tokens=TEXT_TOKENS),
     CallInput("clip_fea", fix=f"encode the start image again ({CLIP_VISION})"),
     CallInput(
-        "time_dim_concat", tokens=LATENT_TOKENS, fix="encode the frames again (the node that sets time_dim_concat)"
+        "time_dim_concat",
+        tokens=LATENT_TOKENS,
+        fix="encode the frames again (the node that sets time_dim_concat)",
     ),
     # WAN22's noise mask: taken and dropped by the check (ComfyUI's WanModel ignores it)
     CallInput("denoise_mask", cast=False),

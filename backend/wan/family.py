@@ -124,7 +124,9 @@ def comfy_model(config: Mapping[str, Any]) -> ComfyModel:
         name = "WAN21_I2V" if inp == 36 else "WAN21_FunControl2V"
     else:
         name = "WAN21_T2V"
-    return ComfyModel(config_class=name, unet_config=unet, weights={"patch_embedding.weight": (hidden, inp, *PATCH)})
+    return ComfyModel(
+        config_class=name, unet_config=unet, weights={"patch_embedding.weight": (hidden, inp, *PATCH)}
+    )
 
 
 WAN_FAMILY = register(

@@ -128,7 +128,7 @@ def pad_to_patch(x: torch.Tensor, patch: Sequence[int] = PATCH) -> torch.Tensor:
     """comfy.ldm.common_dit.pad_to_patch_size(x, patch): circular padding of T, H, W to whole patches."""
     pad: tuple[int, ...] = ()
     for i in range(x.ndim - 2):
-        pad = (0, (patch[i] - x.shape[i + 2] % patch[i]) % patch[i]) + pad
+        pad = (0, (patch[i] - x.shape[i + 2] % patch[i]) % patch[i], *pad)
     return F.pad(x, pad, mode="circular") if any(pad) else x
 
 

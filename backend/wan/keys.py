@@ -49,8 +49,14 @@ TOP = {
     "proj_out": "head.head",
 }
 BLOCK = {
-    **{f"attn1.{d}": f"self_attn.{c}" for d, c in (("to_q", "q"), ("to_k", "k"), ("to_v", "v"), ("to_out.0", "o"))},
-    **{f"attn2.{d}": f"cross_attn.{c}" for d, c in (("to_q", "q"), ("to_k", "k"), ("to_v", "v"), ("to_out.0", "o"))},
+    **{
+        f"attn1.{d}": f"self_attn.{c}"
+        for d, c in (("to_q", "q"), ("to_k", "k"), ("to_v", "v"), ("to_out.0", "o"))
+    },
+    **{
+        f"attn2.{d}": f"cross_attn.{c}"
+        for d, c in (("to_q", "q"), ("to_k", "k"), ("to_v", "v"), ("to_out.0", "o"))
+    },
     "attn1.norm_q": "self_attn.norm_q",
     "attn1.norm_k": "self_attn.norm_k",
     "attn2.norm_q": "cross_attn.norm_q",
@@ -66,7 +72,12 @@ MODULATION = "scale_shift_table"  # diffusers' name of ComfyUI's `modulation` pa
 _BLOCK_MODULATION = re.compile(r"blocks\.(\d+)\.scale_shift_table")
 
 # What a Wan file of ComfyUI's layout has, and what a diffusers one has.
-MARKERS = ("head.modulation", "patch_embedding.weight", "blocks.0.self_attn.q.weight", "blocks.0.cross_attn.k.weight")
+MARKERS = (
+    "head.modulation",
+    "patch_embedding.weight",
+    "blocks.0.self_attn.q.weight",
+    "blocks.0.cross_attn.k.weight",
+)
 DIFFUSERS_MARKERS = (
     "scale_shift_table",
     "patch_embedding.weight",

@@ -50,7 +50,12 @@ WAN21_T2V_1_3B: dict[str, Any] = {
     "rope_max_seq_len": 1024,
     "pos_embed_seq_len": None,
 }
-WAN21_T2V_14B: dict[str, Any] = {**WAN21_T2V_1_3B, "num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40}
+WAN21_T2V_14B: dict[str, Any] = {
+    **WAN21_T2V_1_3B,
+    "num_attention_heads": 40,
+    "ffn_dim": 13824,
+    "num_layers": 40,
+}
 WAN21_I2V_14B: dict[str, Any] = {
     **WAN21_T2V_14B,
     "in_channels": 36,
@@ -119,8 +124,8 @@ __all__ = [
     "HEAD_DIM",
     "IMAGE_DIM",
     "WAN21_I2V_14B",
-    "WAN21_T2V_14B",
     "WAN21_T2V_1_3B",
+    "WAN21_T2V_14B",
     "WAN22_I2V_A14B",
     "WAN22_TI2V_5B",
     "build_wan",
