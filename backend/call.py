@@ -47,7 +47,8 @@ class CallInput:
       (a boolean mask stays boolean).
     - `tokens`: what it adds to the sequence the transformer attends over (TEXT_TOKENS, LATENT_TOKENS or
       None): admission and the planner count them.
-    - `fix`: what to tell a user whose input holds NaN or inf (the rest of the message names it).
+    - `fix`: what to tell a user whose input holds NaN or inf (the rest of the message names it, as `shown`:
+      the name a ComfyUI user knows it by, e.g. "y (pooled_output)"; the input's name when empty).
     """
 
     name: str
@@ -57,6 +58,11 @@ class CallInput:
     cast: bool = True
     tokens: str | None = None
     fix: str = "re-encode the prompt (a broken text encoder or a bad upstream node)"
+    shown: str = ""
+
+    @property
+    def label(self) -> str:
+        return self.shown or self.name
 
 
 # (dims, batch, text tokens, device) -> example inputs of a call (empty tensors of the right shapes; None
@@ -167,7 +173,7 @@ def check_call(info: CheckpointInfo, layout: ParallelLayout, x: Any, timestep: A
     for item in spec.per_call():
         for tensor in tensors_of(checked.get(item.name)):
             if tensor.is_floating_point():
-                check_finite(item.name, tensor, item.fix)
+                check_finite(item.label, tensor, item.fix)
     return checked
 
 
@@ -177,7 +183,7 @@ def check_held_values(spec: CallSpec, held: Mapping[str, Any]) -> None:
         value = held.get(item.name)
         for i, tensor in enumerate(tensors_of(value)):
             if tensor.is_floating_point():
-                check_finite(item.name if torch.is_tensor(value) else f"{item.name}[{i}]", tensor, item.fix)
+                check_finite(item.label if torch.is_tensor(value) else f"{item.label}[{i}]", tensor, item.fix)
 
 
 def image_tokens(info: CheckpointInfo, x: Any, inputs: Mapping[str, Any]) -> int:

@@ -37,7 +37,7 @@ def _sampler_lists() -> tuple[list[str], list[str]]:
 def _sampler_inputs() -> dict[str, Any]:
     samplers, schedulers = _sampler_lists()
     return {
-        "parallel_model": (HANDLE_TYPE, {"tooltip": _HANDLE_TOOLTIP}),
+        "parallel_flux": (HANDLE_TYPE, {"tooltip": _HANDLE_TOOLTIP}),
         "positive": (
             "CONDITIONING",
             {
@@ -132,7 +132,7 @@ class RocmParallelLoader:
     )
     CATEGORY = CATEGORY
     RETURN_TYPES = (HANDLE_TYPE,)
-    RETURN_NAMES = ("parallel_model",)
+    RETURN_NAMES = ("parallel_flux",)
     OUTPUT_TOOLTIPS = ("The resident worker group and checkpoint, for a TP or Ring Attention Sampler.",)
     FUNCTION = "load"
 
@@ -251,7 +251,7 @@ class _ParallelSampler:
     def _run(
         self,
         request: LayoutRequest,
-        parallel_model: ParallelHandle,
+        parallel_flux: ParallelHandle,
         positive: Any,
         latent_image: dict[str, Any],
         seed: int,
@@ -265,11 +265,11 @@ class _ParallelSampler:
     ) -> tuple[dict[str, Any]]:
         # Before any worker starts, any weight loads or ComfyUI's models are moved.
         info = checks.check_sampler_inputs(
-            REGISTRY, parallel_model, request, positive, negative, latent_image, cfg=cfg, sigmas=sigmas
+            REGISTRY, parallel_flux, request, positive, negative, latent_image, cfg=cfg, sigmas=sigmas
         )
         from . import comfy_model
 
-        model = comfy_model.parallel_model(parallel_model, request, REGISTRY, info)
+        model = comfy_model.parallel_model(parallel_flux, request, REGISTRY, info)
         # At cfg 1.0 ComfyUI never evaluates the negative (checked above that cfg is 1.0 when it is absent).
         negative = negative if negative is not None else []
         if sigmas is None:
@@ -310,7 +310,7 @@ class RocmParallelTPSampler(_ParallelSampler):
     @shows_errors
     def sample(
         self,
-        parallel_model: ParallelHandle,
+        parallel_flux: ParallelHandle,
         positive: Any,
         latent_image: dict[str, Any],
         seed: int,
@@ -325,10 +325,10 @@ class RocmParallelTPSampler(_ParallelSampler):
         ring_degree: int = 1,
         ulysses_degree: int = 1,
     ) -> tuple[dict[str, Any]]:
-        layout = inputs.tp_layout(len(parallel_model.devices), batch_degree, ring_degree, ulysses_degree)
+        layout = inputs.tp_layout(len(parallel_flux.devices), batch_degree, ring_degree, ulysses_degree)
         request = LayoutRequest(layout)
         return self._run(
-            request, parallel_model, positive, latent_image, seed, steps, cfg, sampler_name, scheduler, denoise,
+            request, parallel_flux, positive, latent_image, seed, steps, cfg, sampler_name, scheduler, denoise,
             negative, sigmas,
         )  # fmt: skip
 
@@ -376,7 +376,7 @@ class RocmParallelRingSampler(_ParallelSampler):
     @shows_errors
     def sample(
         self,
-        parallel_model: ParallelHandle,
+        parallel_flux: ParallelHandle,
         positive: Any,
         latent_image: dict[str, Any],
         seed: int,
@@ -392,11 +392,11 @@ class RocmParallelRingSampler(_ParallelSampler):
         batch_degree: int = 1,
         tp_degree: int = 1,
     ) -> tuple[dict[str, Any]]:
-        devices = len(parallel_model.devices)
+        devices = len(parallel_flux.devices)
         layout = inputs.context_layout(ring_degree, ulysses_degree, devices, batch_degree, tp_degree)
         request = LayoutRequest(layout, context_only=True, batch=batch_degree, tp=tp_degree)
         return self._run(
-            request, parallel_model, positive, latent_image, seed, steps, cfg, sampler_name, scheduler, denoise,
+            request, parallel_flux, positive, latent_image, seed, steps, cfg, sampler_name, scheduler, denoise,
             negative, sigmas,
         )  # fmt: skip
 
@@ -422,7 +422,7 @@ class RocmParallelModel:
         degree = {"default": 0, "min": 0, "max": 64}
         return {
             "required": {
-                "parallel_model": (HANDLE_TYPE, {"tooltip": _HANDLE_TOOLTIP}),
+                "parallel_flux": (HANDLE_TYPE, {"tooltip": _HANDLE_TOOLTIP}),
                 "layout": (
                     "STRING",
                     {
@@ -450,16 +450,16 @@ class RocmParallelModel:
 
     @shows_errors
     def model(
-        self, parallel_model: ParallelHandle, layout: str, ring_degree: int, ulysses_degree: int
+        self, parallel_flux: ParallelHandle, layout: str, ring_degree: int, ulysses_degree: int
     ) -> tuple[Any]:
         from . import comfy_model
 
-        request = inputs.model_layout(layout, ring_degree, ulysses_degree, len(parallel_model.devices))
-        info = loading.read_checkpoint(parallel_model)  # once: the MODEL carries it to every load
+        request = inputs.model_layout(layout, ring_degree, ulysses_degree, len(parallel_flux.devices))
+        info = loading.read_checkpoint(parallel_flux)  # once: the MODEL carries it to every load
         if request.layout is not None:  # a layout the checkpoint cannot take fails here, not mid-sampling
-            options = loading.load_options(parallel_model, request.layout)
-            REGISTRY.group_for(parallel_model.devices).check_load(info, options)
-        return (comfy_model.parallel_model(parallel_model, request, REGISTRY, info),)
+            options = loading.load_options(parallel_flux, request.layout)
+            REGISTRY.group_for(parallel_flux.devices).check_load(info, options)
+        return (comfy_model.parallel_model(parallel_flux, request, REGISTRY, info),)
 
 
 class RocmParallelLoRA:
@@ -469,7 +469,7 @@ class RocmParallelLoRA:
     )
     CATEGORY = CATEGORY
     RETURN_TYPES = (HANDLE_TYPE,)
-    RETURN_NAMES = ("parallel_model",)
+    RETURN_NAMES = ("parallel_flux",)
     OUTPUT_TOOLTIPS = (
         "The same model with this LoRA, for a sampler, the ROCm Parallel Model or another LoRA.",
     )
@@ -481,7 +481,7 @@ class RocmParallelLoRA:
 
         return {
             "required": {
-                "parallel_model": (HANDLE_TYPE, {"tooltip": _HANDLE_TOOLTIP}),
+                "parallel_flux": (HANDLE_TYPE, {"tooltip": _HANDLE_TOOLTIP}),
                 "lora_name": (
                     folder_paths.get_filename_list("loras"),
                     {
@@ -503,12 +503,12 @@ class RocmParallelLoRA:
 
     @shows_errors
     def add_lora(
-        self, parallel_model: ParallelHandle, lora_name: str, strength_model: float
+        self, parallel_flux: ParallelHandle, lora_name: str, strength_model: float
     ) -> tuple[ParallelHandle]:
         import folder_paths
 
         path = folder_paths.get_full_path_or_raise("loras", lora_name)
-        return (loading.add_lora(parallel_model, path, strength_model),)
+        return (loading.add_lora(parallel_flux, path, strength_model),)
 
 
 class RocmParallelStatus:
@@ -538,7 +538,7 @@ class RocmParallelStatus:
                 )
             },
             "optional": {
-                "parallel_model": (
+                "parallel_flux": (
                     HANDLE_TYPE,
                     {"tooltip": _HANDLE_TOOLTIP + " Connect it to run after the loader."},
                 ),
@@ -550,7 +550,7 @@ class RocmParallelStatus:
         return float("nan")  # never cached: the group's state changes between runs
 
     @shows_errors
-    def status(self, action: str, parallel_model: ParallelHandle | None = None) -> dict[str, Any]:
-        devices = parallel_model.devices if parallel_model is not None else None
+    def status(self, action: str, parallel_flux: ParallelHandle | None = None) -> dict[str, Any]:
+        devices = parallel_flux.devices if parallel_flux is not None else None
         text = status_text(REGISTRY, action, devices)
         return {"ui": {"text": [text]}, "result": (text,)}

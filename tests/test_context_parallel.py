@@ -168,7 +168,7 @@ def test_layout_sequence_message() -> None:
         ParallelLayout(ring=4, ulysses=2).validate_sequence(7)
     assert str(err.value) == (
         "an image of 7 tokens is too short for ring=4 x ulysses=2 = 8 devices: each needs at least one "
-        "image token (16x16 pixels); use an image of at least 8 tokens or fewer devices"
+        "image token; use an image of at least 8 tokens or fewer devices"
     )
     ParallelLayout(ring=4, ulysses=2).validate_sequence(8)
 

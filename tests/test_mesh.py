@@ -85,10 +85,9 @@ def test_composed_layouts_equal_one_process(
 
 def _request(family: str, batch: int, key: int) -> ForwardRequest:
     call = odd_call(family, batch)
-    pooled = call["y"] if call["y"] is not None else torch.zeros(batch, 0)
-    return ForwardRequest(
-        call["x"], call["timestep"], key, call["guidance"], Conditioning(call["context"], pooled)
-    )
+    held = {"context": call["context"], "y": call["y"], "ref_latents": ()}
+    per_call = {"guidance": call["guidance"], "ref_latents_method": "offset" if family == "flux1" else "index"}
+    return ForwardRequest(call["x"], call["timestep"], key, per_call, Conditioning(held))
 
 
 def test_each_group_computes_its_share_and_an_idle_group_only_gathers(

@@ -300,7 +300,7 @@ def test_loader_loads_on_real_workers(
     assert [r["parameter_bytes"] > 0 for r in state["ranks"]] == [True, True]
     # CPU workers need no GPU memory: ComfyUI's own models stay where they are.
     assert "unload_all_models" not in comfy.calls and "check_interrupt" in comfy.calls
-    status = NODE_CLASS_MAPPINGS["RocmParallelStatus"]().status(action="report", parallel_model=handle)
+    status = NODE_CLASS_MAPPINGS["RocmParallelStatus"]().status(action="report", parallel_flux=handle)
     text = status["result"][0]
     assert text.startswith("ROCm Parallel: 2 workers on cpu, cpu (idle)\nmodel: tiny-dev.safetensors, tp 2")
     assert status["ui"]["text"] == [text]
@@ -351,7 +351,7 @@ def test_ring_degrees_are_checked_before_anything_starts(
         ConfigError, match=r"ring_degree=2 x ulysses_degree=2 = 4 but the loader has 2 devices"
     ):
         NODE_CLASS_MAPPINGS["RocmParallelRingSampler"]().sample(
-            parallel_model=handle, cfg=1.0, ring_degree=2, ulysses_degree=2, **_ref_inputs()
+            parallel_flux=handle, cfg=1.0, ring_degree=2, ulysses_degree=2, **_ref_inputs()
         )
     three = Registry(factory=lambda devices: ParallelModel(list(devices), threads=1))
     with pytest.raises(ConfigError, match="tp_degree=3 does not divide 4 attention heads"):
@@ -572,7 +572,7 @@ def _bad_inputs(name: str) -> dict:
         (
             "cfg_without_negative",
             "cfg=2.5 needs a negative prompt: connect a CONDITIONING to 'negative' (e.g. CLIPTextEncode with "
-            "an empty text, or ConditioningZeroOut), or set cfg to 1.0 (FLUX dev is usually run at cfg 1.0 "
+            "an empty text, or ConditioningZeroOut), or set cfg to 1.0 (guidance-distilled models run at cfg 1.0 "
             "with FluxGuidance instead)",
         ),
         (
@@ -612,7 +612,7 @@ def test_samplers_validate_before_starting_or_loading(
         ("RocmParallelRingSampler", {"ring_degree": 2, "ulysses_degree": 1}),
     ):
         with pytest.raises(ConfigError) as err:
-            NODE_CLASS_MAPPINGS[node_id]().sample(parallel_model=handle, **_bad_inputs(case), **extra)
+            NODE_CLASS_MAPPINGS[node_id]().sample(parallel_flux=handle, **_bad_inputs(case), **extra)
         assert str(err.value) == message
     assert started == [] and "unload_all_models" not in comfy.calls
 
@@ -624,7 +624,7 @@ def test_samplers_refuse_a_fill_checkpoint_pointing_to_the_parallel_model(
     save_checkpoint(flux_model("fill"), comfy.models / "fill.safetensors")
     handle = ParallelHandle(str(comfy.models / "fill.safetensors"), "fill.safetensors", ("cpu", "cpu"), None)
     with pytest.raises(ConfigError) as err:
-        NODE_CLASS_MAPPINGS["RocmParallelTPSampler"]().sample(parallel_model=handle, **_bad_inputs("none"))
+        NODE_CLASS_MAPPINGS["RocmParallelTPSampler"]().sample(parallel_flux=handle, **_bad_inputs("none"))
     assert str(err.value) == (
         "FLUX.1 Fill needs the masked image and mask in every step, which the TP / Ring Attention Sampler do "
         "not supply: sample it with the ROCm Parallel Model, ComfyUI's InpaintModelConditioning and KSampler"
@@ -832,9 +832,9 @@ def test_lora_node_chains_loras_onto_the_handle(
     node = NODE_CLASS_MAPPINGS["RocmParallelLoRA"]
     assert node.INPUT_TYPES()["required"]["lora_name"][0] == lora_files
     base = ParallelHandle(str(comfy.models / dev_checkpoint), "dev.safetensors", ("cpu", "cpu"), None)
-    (one,) = node().add_lora(parallel_model=base, lora_name="style.safetensors", strength_model=0.8)
-    (two,) = node().add_lora(parallel_model=one, lora_name="kohya.safetensors", strength_model=-0.5)
-    (same,) = node().add_lora(parallel_model=two, lora_name="style.safetensors", strength_model=0.0)
+    (one,) = node().add_lora(parallel_flux=base, lora_name="style.safetensors", strength_model=0.8)
+    (two,) = node().add_lora(parallel_flux=one, lora_name="kohya.safetensors", strength_model=-0.5)
+    (same,) = node().add_lora(parallel_flux=two, lora_name="style.safetensors", strength_model=0.0)
     assert two.loras == (
         (str(comfy.loras / "style.safetensors"), 0.8),
         (str(comfy.loras / "kohya.safetensors"), -0.5),
@@ -854,7 +854,7 @@ def test_lora_node_refuses_a_file_that_is_no_lora_for_this_model(
     base = ParallelHandle(str(comfy.models / dev_checkpoint), "dev.safetensors", ("cpu", "cpu"), None)
     with pytest.raises(ConfigError) as err:
         NODE_CLASS_MAPPINGS["RocmParallelLoRA"]().add_lora(
-            parallel_model=base, lora_name="not-a-lora.safetensors", strength_model=1.0
+            parallel_flux=base, lora_name="not-a-lora.safetensors", strength_model=1.0
         )
     assert str(err.value).startswith(f"'{comfy.loras / 'not-a-lora.safetensors'}' has no FLUX LoRA keys")
     from rocm_parallel.testing.models import tiny_flux_config
@@ -865,11 +865,11 @@ def test_lora_node_refuses_a_file_that_is_no_lora_for_this_model(
         ConfigError, match=r"has shape \[4, 128\] but this checkpoint's '[^']+' needs \[4, 64\]"
     ):
         NODE_CLASS_MAPPINGS["RocmParallelLoRA"]().add_lora(
-            parallel_model=base, lora_name="wide.safetensors", strength_model=1.0
+            parallel_flux=base, lora_name="wide.safetensors", strength_model=1.0
         )
     with pytest.raises(FileNotFoundError, match=r"'missing\.safetensors' not found"):
         NODE_CLASS_MAPPINGS["RocmParallelLoRA"]().add_lora(
-            parallel_model=base, lora_name="missing.safetensors", strength_model=1.0
+            parallel_flux=base, lora_name="missing.safetensors", strength_model=1.0
         )
 
 
@@ -880,7 +880,7 @@ def test_loras_reach_the_backends_check_and_load() -> None:
     )
     ModelRunner(registry, handle, LayoutRequest(ParallelLayout(tp=2)), FAKE_INFO).prepare((1, 16, 8, 8))
     flux = registry.current
-    assert flux.checks[0]["loras"] == [("/l/a.safetensors", 0.5)] == flux.loads[0]["loras"]
+    assert flux.checks[0]["loras"] == (("/l/a.safetensors", 0.5),) == flux.loads[0]["loras"]
 
 
 def test_missing_comfyui_internals_name_the_version(
@@ -1006,7 +1006,7 @@ def test_a_refusal_before_any_worker_starts_is_the_panels_last_error(
     handle = ParallelHandle(str(comfy.models / dev_checkpoint), dev_checkpoint, ("cpu",) * 3, None)
     with pytest.raises(ConfigError, match="tp_degree=3"):
         NODE_CLASS_MAPPINGS["RocmParallelModel"]().model(
-            parallel_model=handle, layout="tp", ring_degree=0, ulysses_degree=0
+            parallel_flux=handle, layout="tp", ring_degree=0, ulysses_degree=0
         )
     assert not registry.current.started
     state = registry.snapshot()

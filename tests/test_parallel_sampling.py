@@ -96,7 +96,7 @@ def test_progress_after_every_step(group2: WorkerGroup, checkpoints: dict[str, s
 @pytest.mark.parametrize(
     ("latent", "message"),
     [
-        (torch.ones(1, 8, 8, 8), "latent has 8 channels; FLUX latents have 16"),
+        (torch.ones(1, 8, 8, 8), "latent has 8 channels; FLUX.1-dev latents have 16"),
         (torch.ones(1, 16, 8, 9, 1), "latent samples have shape (1, 16, 8, 9, 1); expected [batch, 16"),
     ],
 )
@@ -120,7 +120,7 @@ def test_sequence_too_short_for_the_degree(group4: WorkerGroup, checkpoints: dic
         )
     assert str(err.value) == (
         "an image of 2 tokens is too short for ring=4 x ulysses=1 = 4 devices: each needs at least one image "
-        "token (16x16 pixels); use an image of at least 4 tokens or fewer devices"
+        "token; use an image of at least 4 tokens or fewer devices"
     )
 
 

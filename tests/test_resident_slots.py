@@ -52,6 +52,7 @@ def test_two_models_stay_resident_and_alternate_without_a_load(
     no load after the first two, each output its own model's one-process forward."""
     path2, model2 = flux2_file
     group = ParallelModel(group=group2)
+    group.unload()  # whatever earlier tests left resident on the session's ranks
     loads, patch = _counting_loads(group2)
     with patch:
         group.load(checkpoints["dev"], layout="tp", dtype="float32", slot="first")
@@ -92,6 +93,7 @@ def test_a_new_model_evicts_the_least_recently_used_when_both_do_not_fit(
     used slot is unloaded first, and said so."""
     path2, _ = flux2_file
     group = ParallelModel(group=group2)
+    group.unload()
     group.load(checkpoints["dev"], layout="tp", dtype="float32", slot="first")
     group.load(checkpoints["schnell"], layout="tp", dtype="float32", slot="other")
     group.forward(**flux_inputs(), slot="first")  # "other" is now the least recently used

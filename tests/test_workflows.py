@@ -167,15 +167,15 @@ def test_lora_workflow_chains_loader_lora_sampler_with_dpmpp_2m_beta() -> None:
     ids = {node["class_type"]: node_id for node_id, node in api.items()}
     sampler = api[ids["RocmParallelTPSampler"]]["inputs"]
     assert (sampler["sampler_name"], sampler["scheduler"]) == ("dpmpp_2m", "beta")
-    assert sampler["parallel_model"] == [ids["RocmParallelLoRA"], 0]
-    assert api[ids["RocmParallelLoRA"]]["inputs"]["parallel_model"] == [ids["RocmParallelLoader"], 0]
+    assert sampler["parallel_flux"] == [ids["RocmParallelLoRA"], 0]
+    assert api[ids["RocmParallelLoRA"]]["inputs"]["parallel_flux"] == [ids["RocmParallelLoader"], 0]
 
 
 def test_ksampler_workflow_runs_comfyuis_own_ksampler_on_the_parallel_model() -> None:
     api = load("flux1_dev_ksampler_parallel_model", api=True)
     ids = {node["class_type"]: node_id for node_id, node in api.items()}
     assert api[ids["KSampler"]]["inputs"]["model"] == [ids["RocmParallelModel"], 0]
-    assert api[ids["RocmParallelModel"]]["inputs"]["parallel_model"] == [ids["RocmParallelLoader"], 0]
+    assert api[ids["RocmParallelModel"]]["inputs"]["parallel_flux"] == [ids["RocmParallelLoader"], 0]
     assert api[ids["KSampler"]]["inputs"]["cfg"] == 1.0  # FLUX dev: FluxGuidance, not cfg
 
 
@@ -205,7 +205,7 @@ def test_flux2_workflow_is_comfyuis_flux2_template_on_the_parallel_model() -> No
     inputs = {name: api[node_id]["inputs"] for name, node_id in ids.items()}
     assert "UNETLoader" not in ids
     assert inputs["RocmParallelLoader"]["weight_dtype"] == "default"
-    assert inputs["RocmParallelModel"]["parallel_model"] == [ids["RocmParallelLoader"], 0]
+    assert inputs["RocmParallelModel"]["parallel_flux"] == [ids["RocmParallelLoader"], 0]
     assert inputs["RocmParallelModel"]["layout"] == "tp"
     assert inputs["BasicGuider"]["model"] == [ids["RocmParallelModel"], 0]
     assert inputs["BasicGuider"]["conditioning"] == [ids["FluxGuidance"], 0]
@@ -269,7 +269,7 @@ def test_qwen_workflow_is_comfyuis_qwen_image_template_on_a_batch_split() -> Non
     inputs = {name: api[node_id]["inputs"] for name, node_id in ids.items()}
     assert "UNETLoader" not in ids and "FluxGuidance" not in ids
     assert inputs["RocmParallelLoader"]["weight_dtype"] == "default"
-    assert inputs["RocmParallelModel"]["parallel_model"] == [ids["RocmParallelLoader"], 0]
+    assert inputs["RocmParallelModel"]["parallel_flux"] == [ids["RocmParallelLoader"], 0]
     assert inputs["ModelSamplingAuraFlow"] == {"shift": 3.1, "model": [ids["RocmParallelModel"], 0]}
     assert inputs["CLIPLoader"]["type"] == "qwen_image"
     assert inputs["CLIPLoader"]["clip_name"] == "qwen_2.5_vl_7b_fp8_scaled.safetensors"

@@ -28,7 +28,7 @@ def flux_inputs() -> tuple[CallInput, ...]:
     ignores it), FluxGuidance's value (every step), Kontext / FLUX.2 reference latents and their placement."""
     return (
         CallInput("context", tokens=TEXT_TOKENS),
-        CallInput("y"),
+        CallInput("y", shown="y (pooled_output)"),
         CallInput("guidance", held=False, fix="set a finite value with FluxGuidance (e.g. 3.5)"),
         CallInput("ref_latents", many=True, tokens=LATENT_TOKENS, fix=REFERENCE_FIX),
         CallInput("ref_latents_method", held=False, batched=False, cast=False),

@@ -296,7 +296,7 @@ def sampling_prompt(
     shared = {
         "seed": seed, "steps": steps, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0
     }  # fmt: skip
-    links = {"parallel_model": ["4", 0], "positive": ["2", 0], "latent_image": ["3", 0]}
+    links = {"parallel_flux": ["4", 0], "positive": ["2", 0], "latent_image": ["3", 0]}
     prompt = {
         "1": {"class_type": "RPTestReferenceConditioning", "inputs": {"case": "dev_4steps"}},
         "2": {"class_type": "FluxGuidance", "inputs": {"conditioning": ["1", 0], "guidance": 3.5}},
@@ -330,7 +330,7 @@ def model_prompt(case: str, seed_offset: int = 0) -> dict[str, Any]:
         "2": {"class_type": "FluxGuidance", "inputs": {"conditioning": ["1", 0], "guidance": guidance}},
         "3": {"class_type": "EmptySD3LatentImage", "inputs": {"width": c["width"], "height": c["height"], "batch_size": 1}},
         "4": {**loader_node(), "inputs": {**loader_node()["inputs"], "preload": "none"}},
-        "5": {"class_type": "RocmParallelModel", "inputs": {"parallel_model": ["4", 0], "layout": "tp", "ring_degree": 0, "ulysses_degree": 0}},
+        "5": {"class_type": "RocmParallelModel", "inputs": {"parallel_flux": ["4", 0], "layout": "tp", "ring_degree": 0, "ulysses_degree": 0}},
         "6": {
             "class_type": "KSampler",
             "inputs": {
@@ -363,7 +363,7 @@ def flux2_prompt(case: str, layout: str = "tp", seed_offset: int = 0) -> dict[st
         "2": {"class_type": "FluxGuidance", "inputs": {"conditioning": ["1", 0], "guidance": c["guidance"]}},
         "3": loader,
         "4": {"class_type": "RocmParallelModel",
-              "inputs": {"parallel_model": ["3", 0], "layout": layout, "ring_degree": 0, "ulysses_degree": 0}},
+              "inputs": {"parallel_flux": ["3", 0], "layout": layout, "ring_degree": 0, "ulysses_degree": 0}},
         "5": {"class_type": "BasicGuider", "inputs": {"model": ["4", 0], "conditioning": ["2", 0]}},
         "6": {"class_type": "RandomNoise", "inputs": {"noise_seed": c["seed"] + seed_offset}},
         "7": {"class_type": "KSamplerSelect", "inputs": {"sampler_name": "euler"}},
@@ -390,7 +390,7 @@ def status_prompt(action: str = "report", loader: dict[str, Any] | None = None) 
     status = {"class_type": "RocmParallelStatus", "inputs": {"action": action}}
     if loader is None:
         return {"2": status}
-    status["inputs"]["parallel_model"] = ["1", 0]
+    status["inputs"]["parallel_flux"] = ["1", 0]
     return {"1": loader, "2": status}
 
 

@@ -34,7 +34,7 @@ def test_cfg_and_negative_on_batch2_tp2_through_the_prompt_api(comfy: Comfy) -> 
     prompt["20"] = {
         "class_type": "RocmParallelTPSampler",
         "inputs": {
-            "parallel_model": ["4", 0],
+            "parallel_flux": ["4", 0],
             "positive": ks["positive"],
             "negative": ks["negative"],
             "latent_image": ks["latent_image"],

@@ -244,7 +244,7 @@ def test_tp_sampler_with_cfg_and_negative_through_the_prompt_api(comfy: Comfy) -
     prompt["6"] = {
         "class_type": "RocmParallelTPSampler",
         "inputs": {
-            "parallel_model": ["4", 0], "positive": ks["positive"], "negative": ks["negative"],
+            "parallel_flux": ["4", 0], "positive": ks["positive"], "negative": ks["negative"],
             "latent_image": ks["latent_image"], "seed": ks["seed"], "steps": ks["steps"], "cfg": ks["cfg"],
             "sampler_name": ks["sampler_name"], "scheduler": ks["scheduler"], "denoise": 1.0,
         },

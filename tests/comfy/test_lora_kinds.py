@@ -166,9 +166,9 @@ def _pack_branch(family: str, lora: str, strength: float, layout: str, prefix: s
     nodes = {
         f"{tag}a": loader,
         f"{tag}b": {"class_type": "RocmParallelLoRA",
-                    "inputs": {"parallel_model": [f"{tag}a", 0], "lora_name": lora, "strength_model": strength}},
+                    "inputs": {"parallel_flux": [f"{tag}a", 0], "lora_name": lora, "strength_model": strength}},
         f"{tag}c": {"class_type": "RocmParallelModel",
-                    "inputs": {"parallel_model": [f"{tag}b", 0], "layout": kind, "ring_degree": ring,
+                    "inputs": {"parallel_flux": [f"{tag}b", 0], "layout": kind, "ring_degree": ring,
                                "ulysses_degree": ulysses}},
     }  # fmt: skip
     return {**nodes, **_sampler(family, [f"{tag}c", 0], prefix, tag)}
