@@ -145,7 +145,7 @@ def test_workflow_does_what_its_name_says(name: str) -> None:
     # FLUX.1-dev takes a guidance value; schnell has no guidance input, so no FluxGuidance node.
     assert ("FluxGuidance" in by_class) == ("dev" in name)
     video = name.startswith("wan")
-    standard = {"CLIPTextEncode", "VAELoader", "VAEDecode", "SaveVideo" if video else "SaveImage"}
+    standard = {"CLIPTextEncode", "VAELoader", "VAEDecode", "SaveAnimatedWEBP" if video else "SaveImage"}
     # FLUX.1: two text encoders (clip_l + t5xxl); FLUX.2: one (Mistral 3 Small) and a 128-channel latent;
     # Qwen-Image: one (Qwen2.5-VL 7B); Wan: one (umt5-xxl)
     standard.add("DualCLIPLoader" if name.startswith("flux1") else "CLIPLoader")
@@ -316,7 +316,7 @@ def test_wan_t2v_workflow_is_comfyuis_template_on_the_planners_layout() -> None:
     ids = {node["class_type"]: node_id for node_id, node in api.items()}
     inputs = {name: api[node_id]["inputs"] for name, node_id in ids.items()}
     assert "UNETLoader" not in ids
-    assert inputs["RocmParallelModel"]["parallel_model"] == [ids["RocmParallelLoader"], 0]
+    assert inputs["RocmParallelModel"]["parallel_flux"] == [ids["RocmParallelLoader"], 0]
     assert inputs["ModelSamplingSD3"] == {"shift": 8.0, "model": [ids["RocmParallelModel"], 0]}
     assert (inputs["CLIPLoader"]["type"], inputs["VAELoader"]["vae_name"]) == (
         "wan",
@@ -333,8 +333,7 @@ def test_wan_t2v_workflow_is_comfyuis_template_on_the_planners_layout() -> None:
     latent = inputs["EmptyHunyuanLatentVideo"]
     assert (latent["width"], latent["height"], latent["length"], latent["batch_size"]) == (1280, 720, 81, 1)
     assert sampler["latent_image"] == [ids["EmptyHunyuanLatentVideo"], 0]
-    assert inputs["CreateVideo"]["images"] == [ids["VAEDecode"], 0]
-    assert inputs["SaveVideo"]["video"] == [ids["CreateVideo"], 0]
+    assert inputs["SaveAnimatedWEBP"]["images"] == [ids["VAEDecode"], 0]
 
     family = get_family("wan")
     layout = ParallelLayout.parse(inputs["RocmParallelModel"]["layout"])
@@ -365,8 +364,8 @@ def test_wan_a14b_workflow_keeps_both_experts_on_the_same_gpus() -> None:
         "wan2.2_i2v_low_noise_14B_fp8_scaled.safetensors",
     ]
     assert loaders[0]["devices"] == loaders[1]["devices"] == "0,1,2,3"
-    assert api[high_model]["inputs"]["parallel_model"] == [high_loader, 0]
-    assert api[low_model]["inputs"]["parallel_model"] == [low_loader, 0]
+    assert api[high_model]["inputs"]["parallel_flux"] == [high_loader, 0]
+    assert api[low_model]["inputs"]["parallel_flux"] == [low_loader, 0]
     a, b = api[first]["inputs"], api[second]["inputs"]
     for sampler, model in ((a, high_model), (b, low_model)):
         (shift_id,) = [

@@ -232,10 +232,10 @@ def _models(name: str, branch: str, layout: str, lora: bool = False) -> dict[str
     handle = [f"{key}.load", 0]
     if lora:
         nodes[f"{key}.lora"] = {"class_type": "RocmParallelLoRA",
-                                "inputs": {"parallel_model": handle, "lora_name": LORA, "strength_model": 0.8}}  # fmt: skip
+                                "inputs": {"parallel_flux": handle, "lora_name": LORA, "strength_model": 0.8}}  # fmt: skip
         handle = [f"{key}.lora", 0]
     nodes[f"{key}.model"] = {"class_type": "RocmParallelModel",
-                             "inputs": {"parallel_model": handle, "layout": layout, "ring_degree": 0, "ulysses_degree": 0}}  # fmt: skip
+                             "inputs": {"parallel_flux": handle, "layout": layout, "ring_degree": 0, "ulysses_degree": 0}}  # fmt: skip
     return {**nodes, "_out": [f"{key}.model", 0]}  # type: ignore[dict-item]
 
 

@@ -33,7 +33,7 @@ NODES = [
     "FluxKontextImageScale", "ReferenceLatent", "ModelSamplingAuraFlow",
     # Wan (workflows/wan*, tests/comfy/test_comfy_wan.py)
     "EmptyHunyuanLatentVideo", "WanImageToVideo", "Wan22ImageToVideoLatent", "ModelSamplingSD3", "KSamplerAdvanced",
-    "CreateVideo", "SaveVideo", "UNETLoader", "LoraLoaderModelOnly",
+    "SaveAnimatedWEBP", "UNETLoader", "LoraLoaderModelOnly",
 ]  # fmt: skip
 
 
