@@ -19,4 +19,5 @@ BENCHMARKS = {
     "call": "one model call broken down: caller wrapper, conditioning key, latent out, compute, collectives, reply",
     "compile": "compiled repeated blocks (inductor) vs eager per step on CPU workers, first compile apart",
     "caches": "ComfyUI's step caches (EasyCache, LazyCache) on its own model and the parallel MODEL (needs ComfyUI)",
+    "video": "a video model's weights per GPU (meta count, one or two resident experts) and the planner's layouts for a video size",
 }

@@ -272,7 +272,9 @@ def test_three_all_reduces_per_block_and_one_all_gather(wan_files) -> None:
 def test_released_bytes_per_rank_on_meta(degree: int) -> None:
     """Wan 2.1 T2V 14B (each Wan 2.2 A14B expert) in bf16: everything but the embedders, the output projection,
     the modulation tables, the LayerNorms and the row-parallel biases is split `degree` ways (the time
-    projection and the Q/K norm scales included); the planner holds the engine's figure exactly."""
+    projection and the Q/K norm scales included); the planner holds the engine's figure exactly, with the
+    modules diffusers keeps in float32 (time embedder, modulation tables, cross-attention norm) at 4 bytes as
+    the loader holds them."""
     from rocm_parallel.backend.plan import weight_bytes
 
     d, blocks, text, freq = 5120, 40, 4096, 256
@@ -289,7 +291,12 @@ def test_released_bytes_per_rank_on_meta(degree: int) -> None:
     replicated += blocks * (6 * d + 2 * d + 3 * d)  # modulation table, norm2 (cross LayerNorm), 3 row biases
     assert held == (full - 2 * replicated) // degree + 2 * replicated
     dims = FAMILY.dims(WAN21_T2V_14B)
-    assert weight_bytes(dims, ParallelLayout(tp=degree), 2, family="wan") == held
+    with fake_process_group(degree):
+        sharded = apply_tensor_parallel(build_wan(WAN21_T2V_14B, device="meta", dtype=torch.bfloat16))
+        loaded = sum(p.numel() * (4 if kept_in_fp32(sharded, n) else 2) for n, p in sharded.named_parameters())
+    fp32 = 256 * d + d + d * d + d + 2 * d + blocks * (6 * d + 2 * d)  # time embedder, tables, norm2
+    assert loaded == held + 2 * fp32
+    assert weight_bytes(dims, ParallelLayout(tp=degree), 2, family="wan") == loaded
 
 
 def test_planner_prices_self_attention_over_the_video_and_cross_attention_to_the_text() -> None:

@@ -32,7 +32,8 @@ _PROBE_TEXT = 3
 class ModelFacts:
     """One family's model with given dims, as the planner prices it."""
 
-    parameters: tuple[tuple[str, tuple[int, ...], Any], ...]  # (name, shape, TP split or None)
+    # (name, shape, TP split or None, whether the model class keeps it in float32: `_keep_in_fp32_modules`)
+    parameters: tuple[tuple[str, tuple[int, ...], Any, bool], ...]
     modulation_width: int  # features of all Gathered (AdaLN modulation) outputs of one forward
     tp_all_reduces: int  # activation all-reduces of one forward under TP
     norm_all_reduces: int  # [tokens x 1] statistics all-reduces of norms across heads (NormAcrossHeads)
@@ -51,6 +52,7 @@ def model_facts(family: str, dims: ModelDims) -> ModelFacts:
     import torch
     from torch import nn
 
+    from ..checkpoint.load import kept_in_fp32
     from ..parallel.tensor import Gathered, NormAcrossHeads, PackedRow, Row, resolve_plan
 
     fam = get_family(family)
@@ -58,7 +60,8 @@ def model_facts(family: str, dims: ModelDims) -> ModelFacts:
     model = fam.build(config, device="meta")
     splits = fam.tp.resolve(model)
     parameters = tuple(
-        (name, tuple(p.shape), splits.get(name.rpartition(".")[0])) for name, p in model.named_parameters()
+        (name, tuple(p.shape), splits.get(name.rpartition(".")[0]), kept_in_fp32(model, name))
+        for name, p in model.named_parameters()
     )
     modulation = sum(
         model.get_submodule(m).out_features for m, s in splits.items() if isinstance(s, Gathered)
@@ -124,19 +127,21 @@ def weight_bytes(
 
     `family`: the model family whose shapes and TP plan count (the first registered when None). `linear_bytes`: bytes
     per element of the linear weights (the 2-D parameters) when they are held in another dtype than the
-    rest (fp8 weights: 1); biases and norm scales always take `dtype_bytes`, as in the loader
+    rest (fp8 weights: 1); biases and norm scales always take `dtype_bytes`, and the modules the model class
+    keeps in float32 (diffusers' `_keep_in_fp32_modules`, e.g. Wan's time embedder) 4 bytes, as in the loader
     (checkpoint/load.py resident_dtype).
     """
     from ..parallel.tensor import shard_pieces
 
     linear = dtype_bytes if linear_bytes is None else linear_bytes
     total = 0
-    for name, shape, split in model_facts(family or families()[0].name, dims).parameters:
+    for name, shape, split, fp32 in model_facts(family or families()[0].name, dims).parameters:
         pieces = None
         if layout.tp > 1 and split is not None:
             pieces = shard_pieces(split, name.rpartition(".")[2], shape, rank, layout.tp, dims)
         held = shape if pieces is None else pieces.shape(shape)
-        total += (linear if len(shape) == 2 else dtype_bytes) * math.prod(held)
+        size = max(dtype_bytes, 4) if fp32 else linear if len(shape) == 2 else dtype_bytes
+        total += size * math.prod(held)
     return total
 
 
