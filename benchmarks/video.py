@@ -83,7 +83,10 @@ def weights_rows(models: list[tuple[str, int]], degrees: list[int]) -> list[dict
             )
             rows.append({"model": name, "resident": count, "tp": degree, "bf16": count * bf16, "fp8": count * fp8,
                          "planner_equal": planned == (bf16, fp8)})  # fmt: skip
-            print(f"  {name} x{count} TP {degree}: {count * bf16 / GB:.2f} / {count * fp8 / GB:.2f} GB", flush=True)
+            print(
+                f"  {name} x{count} TP {degree}: {count * bf16 / GB:.2f} / {count * fp8 / GB:.2f} GB",
+                flush=True,
+            )
     return rows
 
 
@@ -103,7 +106,8 @@ def planner_rows(
                 for e in plan(setup):
                     per_gpu = count * e.weights + e.activations  # every resident model, one runs at a time
                     found.append((per_gpu <= e.usable, e, per_gpu))
-                found.sort(key=lambda f: (not f[0], f[1].step_s))
+                # the fastest that fits; when none does, the one closest to fitting
+                found.sort(key=lambda f: (not f[0], f[1].step_s if f[0] else f[2]))
                 fits, best, per_gpu = found[0]
                 rows.append({
                     "model": name, "resident": count, "weights": "bf16" if weight_dtype == "compute" else "fp8",
@@ -126,34 +130,36 @@ def run(args: argparse.Namespace) -> str:
     for r in weights:
         by_model.setdefault((r["model"], r["resident"]), {})[r["tp"]] = r
     degrees = sorted({r["tp"] for r in weights})
+    weights_table = markdown_table(
+        ["model", "resident", *[f"TP {d}" for d in degrees], "= planner"],
+        [
+            [name, f"{count} model{'s' if count > 1 else ''}",
+             *[f"{rows[d]['bf16'] / GB:.2f} / {rows[d]['fp8'] / GB:.2f}" for d in degrees],
+             "yes" if all(rows[d]["planner_equal"] for d in degrees) else "no"]
+            for (name, count), rows in by_model.items()
+        ],
+    )  # fmt: skip
+    planner_table = markdown_table(
+        ["model", "weights", "GPUs", "layout", "weights/GPU (GB)", "activations/GPU (GB)", "fits",
+         "predicted step (s)"],
+        [
+            [f"{r['model']}{' (both experts)' if r['resident'] > 1 else ''}", r["weights"], r["devices"],
+             r["layout"], f"{r['weights_gb']:.1f}", f"{r['activations_gb']:.1f}",
+             "yes" if r["fits"] else f"no ({r['per_gpu_gb']:.1f} GB)", f"{r['step_s']:.1f}"]
+            for r in planned
+        ],
+    )  # fmt: skip
     lines = [
         "Weights per GPU (GB) as the loader holds them, one rank counted on the meta device (fake process group, "
         "the engine's TP); bf16 / fp8 linear weights (the float32-kept modules at 4 bytes in both)",
         "",
-        markdown_table(
-            ["model", "resident", *[f"TP {d}" for d in degrees], "= planner"],
-            [
-                [name, f"{count} model{'s' if count > 1 else ''}",
-                 *[f"{rows[d]['bf16'] / GB:.2f} / {rows[d]['fp8'] / GB:.2f}" for d in degrees],
-                 "yes" if all(rows[d]["planner_equal"] for d in degrees) else "no"]
-                for (name, count), rows in by_model.items()
-            ],
-        ),  # fmt: skip
+        weights_table,
         "",
         f"The planner at {width}x{height} x {args.frames} frames ({planned[0]['tokens']} video tokens), cfg > 1 "
         f"(a call batch of 2), {args.memory_gb:g} GB GPUs: the fastest layout whose resident weights and "
-        "activations fit",
+        "activations fit (when none does: the one closest to fitting)",
         "",
-        markdown_table(
-            ["model", "weights", "GPUs", "layout", "weights/GPU (GB)", "activations/GPU (GB)", "fits",
-             "predicted step (s)"],
-            [
-                [f"{r['model']}{' (both experts)' if r['resident'] > 1 else ''}", r["weights"], r["devices"],
-                 r["layout"], f"{r['weights_gb']:.1f}", f"{r['activations_gb']:.1f}",
-                 "yes" if r["fits"] else f"no ({r['per_gpu_gb']:.1f} GB)", f"{r['step_s']:.1f}"]
-                for r in planned
-            ],
-        ),  # fmt: skip
+        planner_table,
     ]
     table = "\n".join(lines)
     print("\n" + table)

@@ -293,7 +293,9 @@ def test_released_bytes_per_rank_on_meta(degree: int) -> None:
     dims = FAMILY.dims(WAN21_T2V_14B)
     with fake_process_group(degree):
         sharded = apply_tensor_parallel(build_wan(WAN21_T2V_14B, device="meta", dtype=torch.bfloat16))
-        loaded = sum(p.numel() * (4 if kept_in_fp32(sharded, n) else 2) for n, p in sharded.named_parameters())
+        loaded = sum(
+            p.numel() * (4 if kept_in_fp32(sharded, n) else 2) for n, p in sharded.named_parameters()
+        )
     fp32 = 256 * d + d + d * d + d + 2 * d + blocks * (6 * d + 2 * d)  # time embedder, tables, norm2
     assert loaded == held + 2 * fp32
     assert weight_bytes(dims, ParallelLayout(tp=degree), 2, family="wan") == loaded
@@ -321,6 +323,23 @@ def test_planner_prices_self_attention_over_the_video_and_cross_attention_to_the
     assert (setup.tokens, setup.image_tokens) == (s, s)  # the text is not part of the self-attended sequence
     linear = s * facts.image_macs + 512 * facts.text_macs
     assert forward_flops(setup) == 2 * (linear + blocks * (s * s + s * 512) * 2 * d)
+
+
+def test_admission_prices_every_frame(wan_files) -> None:
+    """A video call is priced by all its latent frames (720p x 81 frames: 21 latent frames, 75,600 tokens), and
+    one that cannot fit is refused naming its frames, before any rank runs."""
+    from rocm_parallel.backend.admission import activation_estimate, admit
+
+    info = inspect_checkpoint(wan_files["t2v"][0])
+    layout = ParallelLayout(ring=2)
+    assert FAMILY.planned_size((1, 16, 21, 90, 160)) == (81, 720, 1280)
+    image, video = (
+        activation_estimate(info, layout, (2, 16, t, 90, 160), dtype="bfloat16", text_tokens=512)
+        for t in (1, 21)
+    )
+    assert 20.5 < video / image <= 21.0  # every frame's tokens (the text is cross-attended: not split)
+    with pytest.raises(ConfigError, match=r"latent of 16000x16000 px x 801 frames \(batch 1"):
+        admit(info, layout, ["cpu", "cpu"], [], (1, 16, 201, 2000, 2000), dtype="float32", text_tokens=512)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -10,12 +10,13 @@ ComfyUI's `WanModel._forward` / `forward_orig` (comfy/ldm/wan/model.py, 0.33.0),
 * 3-D RoPE from ids (t, row, column) = `torch.linspace` over the padded grid in x's dtype, not centred
   (`WanModel.rope_encode`), angles as comfy/ldm/flux/math.py `rope` (omega in float64, float32 positions,
   cos/sin rounded to float32) over axes (d - 4 (d // 6), 2 (d // 6), 2 (d // 6)) of the head width d.
-  diffusers' `WanRotaryPosEmbed` uses the same positions and split but its own frequency table, and keeps it
-  as buffers that a model built on the meta device never gets: `ComfyRope3D` replaces it and computes
-  ComfyUI's angles from the latent's shape.
+  diffusers' `WanRotaryPosEmbed` uses the same positions, split and (to float32 rounding) angles, but keeps
+  its table as non-persistent buffers, which a model the loader builds on the meta device never gets, and
+  caps positions at 1024: `ComfyRope3D` replaces it and computes ComfyUI's angles from the latent's shape.
 * The timestep (sigma x 1000: ModelSamplingSD3's multiplier) goes through `sinusoidal_embedding_1d`
   (`torch.pow(10000, -k / half)`, cos then sin): `ComfySinusoid` replaces diffusers' `Timesteps`, whose
-  exp(-log(10000) k / half) rounds differently at t ~ 1000. Wan 2.2's `process_timestep` (`model_base.WAN22`,
+  exp(-log(10000) k / half) rounds differently at t ~ 1000 (1.7e-5 per forward of a tiny model against
+  ComfyUI's, 1.3e-6 with ComfyUI's own formula). Wan 2.2's `process_timestep` (`model_base.WAN22`,
   with a noise mask: Wan22ImageToVideoLatent's start frame) gives one timestep per latent frame [B, T];
   ComfyUI's blocks repeat each frame's modulation over the frame's tokens (`repeat_e`), diffusers takes a
   timestep per token: `per_token_timesteps` repeats them as `repeat_e` does (equal frames stay one value).

@@ -472,3 +472,51 @@ def test_the_parallel_model_is_comfyuis_wan(wan_files, registry) -> None:
     ti2v = _parallel_model(registry, wan_files["paths"]["wan22-ti2v"], ParallelLayout(tp=2), "loader ti2v")
     assert type(ti2v.model) is comfy.model_base.WAN22
     assert isinstance(ti2v.model.latent_format, comfy.latent_formats.Wan22)
+
+
+CACHE_THRESHOLD = 1.0  # reuse_threshold at which the caches skip calls of the tiny model
+
+
+@pytest.mark.parametrize("node", ["EasyCache", "LazyCache"])
+def test_a_step_cache_on_the_parallel_wan_equals_comfyuis_own_wan_with_it(
+    comfy_modules, wan_files, registry, node: str
+) -> None:
+    """ComfyUI's step caches (comfy_extras/nodes_easycache.py: EasyCache's diffusion_model wrapper,
+    LazyCache's predict_noise wrapper) on ComfyUI's own Wan 2.1 T2V and on the ROCm Parallel Model (TP 2),
+    KSampler dpmpp_2m, 24 steps, cfg 2.5 with a negative prompt on 9 frames: the same calls skipped, the
+    same video within 1e-4, and the cache changed it. The nodes' default reuse_threshold 0.2 skips no call
+    of this tiny random Wan (its output changes fast at every step; EasyCache skips 8 of 24 at 1.0)."""
+    import comfy_extras.nodes_easycache as caches
+
+    cls = getattr(caches, f"{node}Node")
+    path = wan_files["paths"]["wan21-t2v"]
+    g = torch.Generator().manual_seed(23)
+    positive = [[torch.randn(1, 8, 4096, generator=g), {"pooled_output": None}]]
+    negative = [[torch.randn(1, 8, 4096, generator=g), {"pooled_output": None}]]
+    latent = {"samples": torch.zeros(1, 16, 3, 5, 9)}
+    shift = comfy_modules["advanced"].ModelSamplingSD3()
+
+    def sample(model: Any) -> torch.Tensor:
+        with torch.no_grad():
+            return (
+                comfy_modules["nodes"]
+                .common_ksampler(
+                    shift.patch(model, 8.0)[0], 3, 24, 2.5, "dpmpp_2m", "simple", positive, negative, latent
+                )[0]["samples"]
+                .float()
+            )
+
+    own = comfy_modules["sd"].load_diffusion_model(path, model_options={"dtype": torch.float32})
+    calls: list[int] = []
+    own.model.diffusion_model.patch_embedding.register_forward_pre_hook(lambda *_: calls.append(1))
+    plain = sample(own)
+    assert len(calls) == 24  # one batched cond + uncond call per step without a cache
+    calls.clear()
+    want = sample(cls.execute(own, CACHE_THRESHOLD, 0.15, 0.95, False)[0])
+    ours = _parallel_model(registry, path, ParallelLayout(tp=2), f"cache {node}")
+    runner = ours.model.diffusion_model.runner
+    got = sample(cls.execute(ours, CACHE_THRESHOLD, 0.15, 0.95, False)[0])
+    diff, effect = (got - want).abs().max().item(), (want - plain).abs().max().item()
+    print(f"{node} on Wan: max |diff| {diff:.2e}; calls {runner.calls} (ComfyUI's own {len(calls)}) of 24")
+    assert len(calls) < 24 and runner.calls == len(calls)
+    assert effect > 1e-3 and diff <= TOLERANCE
