@@ -52,7 +52,7 @@ if TYPE_CHECKING:  # the records' types; importing them here would make this mod
     from .parallel.tensor import TensorParallelSpec
 
 # Modules (relative to this package) whose import registers the built-in families, in detection order.
-BUILTIN: tuple[str, ...] = (".flux.family", ".flux2.family", ".qwen_image.family")
+BUILTIN: tuple[str, ...] = (".flux.family", ".flux2.family", ".qwen_image.family", ".wan.family")
 
 Shapes = Mapping[str, tuple[int, ...]]
 
@@ -166,6 +166,10 @@ class ComfyModel:
 
     config_class: str  # attribute of comfy.supported_models, e.g. "Flux", "FluxSchnell", "FluxInpaint"
     unet_config: Mapping[str, Any]
+    # weights of ComfyUI's own diffusion model that its model class reads from `diffusion_model` (Wan's
+    # `concat_cond` takes the input channels from `patch_embedding.weight`): path -> shape; the proxy holds
+    # each as an empty meta tensor (no storage, no parameter)
+    weights: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

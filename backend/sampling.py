@@ -237,6 +237,9 @@ class SamplingPlan:
     # the caller's latent in the format's dimensions, returned as is when there is nothing to do
     original: torch.Tensor
     latent: LatentFormat  # the family's: process_out turns the result back into a VAE latent
+    # the model's timestep per sigma (ComfyUI's `model_sampling.timestep`): 1 for FLUX's and AuraFlow's
+    # sampling (the model gets sigma), 1000 for ModelSamplingSD3's (Wan)
+    multiplier: float = 1.0
 
     @property
     def steps(self) -> int:
@@ -291,12 +294,14 @@ def make_plan(
     model: str,
     channels: int | None = None,
     frames: bool = False,
+    multiplier: float = 1.0,
 ) -> SamplingPlan:
     """Validate a job and decide noise, schedule and the call's inputs exactly as ComfyUI would, for any
     family: `latent` is ComfyUI's LATENT dict (`samples`, optional `noise_mask` and `batch_index`),
     `schedule(n, latent_shape)` gives the family's n-step sigmas, `conditioning(batch)` its model call's
     inputs, `fmt` its latent format (`channels`: the model's latent channels when not the format's;
-    `frames`: it takes several frames), `model` its name. The request's `sigmas` override steps/denoise."""
+    `frames`: it takes several frames), `model` its name, `multiplier` its timestep per sigma. The request's
+    `sigmas` override steps/denoise."""
     if not isinstance(latent, Mapping) or "samples" not in latent:
         raise ConfigError(
             f"latent must be a LATENT dict with 'samples' [batch, {channels or fmt.channels}, ...] as "
@@ -346,6 +351,7 @@ def make_plan(
         mask=mask,
         original=original,
         latent=fmt,
+        multiplier=float(multiplier),
     )
 
 
@@ -412,7 +418,7 @@ def euler(
         x_in = x
         if mask is not None:
             x_in = x * mask + _noise_scaling(_batch_sigma(sigma_b, x.ndim), noise, image) * keep
-        v = call(cast(x_in), sigma_b, inputs).float()
+        v = call(cast(x_in), sigma_b * plan.multiplier, inputs).float()  # model_sampling.timestep(sigma)
         denoised = x_in - v * _batch_sigma(sigma_b, v.ndim)
         if mask is not None:
             denoised = denoised * mask + image * keep

@@ -18,6 +18,8 @@ one fails with a RuntimeError naming the ComfyUI version and what is missing.
 from __future__ import annotations
 
 import importlib
+import types
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -105,9 +107,21 @@ class ParallelDiffusionModel(torch.nn.Module):
         dtype: torch.dtype,
         patch_size: Any = 2,
         default_ref_method: str = "",
+        weights: Mapping[str, tuple[int, ...]] | None = None,
     ) -> None:
         super().__init__()
         self.runner, self.dtype = runner, dtype
+        # The weight shapes ComfyUI's model class reads from its diffusion model (the family's
+        # `ComfyModel.weights`, e.g. Wan's patch_embedding for concat_cond): empty meta tensors at those paths,
+        # plain attributes, so ComfyUI finds no parameter to move or patch.
+        for path, shape in (weights or {}).items():
+            *parents, leaf = path.split(".")
+            holder: Any = self
+            for name in parents:
+                if name not in vars(holder):
+                    setattr(holder, name, types.SimpleNamespace())
+                holder = getattr(holder, name)
+            setattr(holder, leaf, torch.empty(shape, device="meta"))
         # Read by ComfyUI's model classes (FLUX's extra_conds upscales attention masks by it): the family's
         # unet_config value as ComfyUI's own model has it (an int for FLUX, Wan's (1, 2, 2) tuple).
         self.patch_size = patch_size
@@ -287,6 +301,7 @@ def parallel_model(
         dtype,
         patch_size=unet_config.get("patch_size", 2),
         default_ref_method=str(unet_config.get("default_ref_method", family.ref_method)),
+        weights=wanted.weights,
     )
     if _PATCHER_CLASS is None:
         _PATCHER_CLASS = _parallel_patcher_class()

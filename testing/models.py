@@ -1,7 +1,8 @@
 """Small models and random inputs for tests and benchmarks, for any registered family.
 
-* `tiny_flux_config` / `tiny_flux2_config` / `tiny_qwen_image_config`: structurally complete FLUX.1 /
-  FLUX.2 / Qwen-Image configs with small widths (every code path of the real model, in milliseconds);
+* `tiny_flux_config` / `tiny_flux2_config` / `tiny_qwen_image_config` / `tiny_wan_config`: structurally
+  complete FLUX.1 / FLUX.2 / Qwen-Image / Wan configs with small widths (every code path of the real model,
+  in milliseconds);
 * `random_inputs`: the keyword arguments of one diffusers forward, built through the family's own model
   call (`ModelFamily.call`, ComfyUI's semantics) from a random latent and text, so they are exactly
   what the worker's forward service gives the model, for any family.
@@ -22,6 +23,9 @@ from ..backend.flux.model import FLUX_DEV
 from ..backend.flux2.model import FLUX2_DEV
 from ..backend.qwen_image.keys import rope_axes as qwen_rope_axes
 from ..backend.qwen_image.model import QWEN_IMAGE
+from ..backend.wan.model import HEAD_DIM as WAN_HEAD_DIM
+from ..backend.wan.model import IMAGE_DIM as WAN_IMAGE_DIM
+from ..backend.wan.model import WAN21_T2V_1_3B
 
 
 def tiny_flux_config(
@@ -111,6 +115,33 @@ def tiny_qwen_image_config(
     return {**config, "zero_cond_t": True} if zero_cond_t else config
 
 
+def tiny_wan_config(
+    heads: int = 2,
+    blocks: int = 2,
+    ffn: int = 512,
+    text_dim: int = 64,
+    in_channels: int = 16,
+    out_channels: int = 16,
+    image: bool = False,
+) -> dict[str, Any]:
+    """A structurally complete Wan with small widths: 128 per head as every released Wan (ComfyUI and the
+    family read heads as width / 128), `heads` of them. `in_channels=36, image=True` is Wan 2.1 I2V's shape
+    (CLIP-H image embedder, image key/value per cross-attention), `in_channels=36` alone Wan 2.2 I2V A14B's,
+    48 in and out TI2V-5B's. `text_dim` 4096 (umt5) for a model ComfyUI loads: it hard-codes that width."""
+    return {
+        **WAN21_T2V_1_3B,
+        "num_attention_heads": heads,
+        "attention_head_dim": WAN_HEAD_DIM,
+        "num_layers": blocks,
+        "ffn_dim": ffn,
+        "text_dim": text_dim,
+        "in_channels": in_channels,
+        "out_channels": out_channels,
+        "image_dim": WAN_IMAGE_DIM if image else None,
+        "added_kv_proj_dim": heads * WAN_HEAD_DIM if image else None,
+    }
+
+
 # The inputs that carry activations (they take the compute dtype); timesteps, guidance and position ids
 # stay float32: the model casts the former itself and computes RoPE from the latter in float.
 ACTIVATIONS = ("hidden_states", "encoder_hidden_states", "pooled_projections")
@@ -195,4 +226,11 @@ def random_inputs(
     return ModelInputs(model.kwargs)
 
 
-__all__ = ["ModelInputs", "random_inputs", "tiny_flux2_config", "tiny_flux_config", "tiny_qwen_image_config"]
+__all__ = [
+    "ModelInputs",
+    "random_inputs",
+    "tiny_flux2_config",
+    "tiny_flux_config",
+    "tiny_qwen_image_config",
+    "tiny_wan_config",
+]

@@ -670,6 +670,9 @@ def test_the_reference_message_names_each_familys_own_workflow() -> None:
     root = Path(__file__).resolve().parents[1] / "workflows"
     for family in families():
         message = checks.references_message(family)
+        if family.references is None:  # Wan: no ReferenceLatent input at all
+            assert message.startswith(f"{family.title} takes no reference latents (ReferenceLatent)")
+            continue
         assert family.references.what in message
         if family.references.workflow is None:  # no shipped graph: ComfyUI's own template, named
             assert f"ComfyUI's own {family.title} edit template" in message

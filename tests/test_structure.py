@@ -20,19 +20,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FAMILY_FOLDERS = ("flux", "flux2", "qwen_image")
+FAMILY_FOLDERS = ("flux", "flux2", "qwen_image", "wan")
 # Family names, titles and the FLUX fields the generic engine used to read (issue 35's review), as they would
 # appear in code: identifiers and string literals.
 FORBIDDEN = re.compile(
-    r"\b(flux1|flux2|qwen_image|FluxDims|ParallelFlux|flux_forward|flux_for|flux_call|qwen_call|"
-    r"double_blocks|single_blocks|pooled_dim|guidance_embed)\b|FLUX\.1|FLUX\.2|Qwen-Image|FLUX dev"
+    r"\b(flux1|flux2|qwen_image|wan|FluxDims|WanDims|ParallelFlux|flux_forward|flux_for|flux_call|qwen_call|"
+    r"wan_call|double_blocks|single_blocks|pooled_dim|guidance_embed)\b|FLUX\.1|FLUX\.2|Qwen-Image|FLUX dev|"
+    r"Wan 2\.\d"
 )
 # The one place a family is named outside its folder: its registration. And the socket type saved in users'
 # workflows since the first release, which renaming would break (nodes/inputs.py HANDLE_TYPE).
 ALLOWED = {
     (
         "backend/family.py",
-        'BUILTIN: tuple[str, ...] = (".flux.family", ".flux2.family", ".qwen_image.family")',
+        'BUILTIN: tuple[str, ...] = (".flux.family", ".flux2.family", ".qwen_image.family", ".wan.family")',
     ),
     ("nodes/inputs.py", 'HANDLE_TYPE = "PARALLEL_FLUX"'),
     # the API class's name before it was generic: users' scripts import it

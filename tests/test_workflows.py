@@ -72,6 +72,20 @@ EXPECTED = {
         "qwen_image_fp8_e4m3fn.safetensors",
         None,
     ),
+    # ComfyUI's Wan 2.1 text-to-video template at 720p x 81 frames on the planner's layout for 4 x 24 GB
+    "wan2_1_t2v_14b_parallel_model_batch2_ulysses2": (
+        "KSampler",
+        "0,1,2,3",
+        "wan2.1_t2v_14B_fp8_e4m3fn.safetensors",
+        None,
+    ),
+    # ComfyUI's Wan 2.2 A14B image-to-video template: two loaders (the experts), two KSamplerAdvanced
+    "wan2_2_i2v_a14b_parallel_model_batch2_tp2": (
+        "KSamplerAdvanced",
+        "0,1,2,3",
+        "wan2.2_i2v_low_noise_14B_fp8_scaled.safetensors",  # the last loader's (the high-noise one's below)
+        None,
+    ),
 }
 
 
@@ -138,13 +152,19 @@ def test_workflow_does_what_its_name_says(name: str) -> None:
         assert (by_class[sampler]["ring_degree"], by_class[sampler]["ulysses_degree"]) == degrees
     # FLUX.1-dev takes a guidance value; schnell has no guidance input, so no FluxGuidance node.
     assert ("FluxGuidance" in by_class) == ("dev" in name)
-    standard = {"CLIPTextEncode", "VAELoader", "VAEDecode", "SaveImage"}
+    video = name.startswith("wan")
+    standard = {"CLIPTextEncode", "VAELoader", "VAEDecode", "SaveAnimatedWEBP" if video else "SaveImage"}
     # FLUX.1: two text encoders (clip_l + t5xxl); FLUX.2: one (Mistral 3 Small) and a 128-channel latent;
-    # Qwen-Image: one (Qwen2.5-VL 7B)
+    # Qwen-Image: one (Qwen2.5-VL 7B); Wan: one (umt5-xxl)
     standard.add("DualCLIPLoader" if name.startswith("flux1") else "CLIPLoader")
-    # text-to-image starts from an empty latent; an edit (Kontext) from the encoded image
+    # text-to-image starts from an empty latent; an edit (Kontext) from the encoded image; image-to-video
+    # from WanImageToVideo's latent and a start image
     if "kontext" in name:
         standard.add("VAEEncode")
+    elif "i2v" in name:
+        standard |= {"WanImageToVideo", "LoadImage"}
+    elif video:
+        standard.add("EmptyHunyuanLatentVideo")
     else:
         standard.add("EmptyFlux2LatentImage" if name.startswith("flux2") else "EmptySD3LatentImage")
     assert standard <= set(by_class)
@@ -316,6 +336,104 @@ def test_qwen_workflow_is_comfyuis_qwen_image_template_on_a_batch_split() -> Non
                   memory_gb=24, family="qwen_image", weight_dtype="fp8_e4m3fn")  # fmt: skip
     cost = estimate(setup, layout)
     assert cost.fits and cost.idle_groups == 0 and cost.local_batch == 1  # 10.2 GB of fp8 weights per GPU
+
+
+def test_wan_t2v_workflow_is_comfyuis_template_on_the_planners_layout() -> None:
+    """ComfyUI's Wan 2.1 text-to-video template (text_to_video_wan: ModelSamplingSD3 8, KSampler 30 steps
+    uni_pc / simple at cfg 6 with its negative prompt) with the 14B file (Comfy-Org's fp8) on the ROCm Parallel
+    Model at 1280x720 x 81 frames: the layout is the planner's first choice for 4 x 24 GB GPUs, and it fits."""
+    from rocm_parallel.backend.config import ParallelLayout
+    from rocm_parallel.backend.family import get_family
+    from rocm_parallel.backend.plan import Setup, plan
+    from rocm_parallel.backend.wan.model import WAN21_T2V_14B
+
+    api = load("wan2_1_t2v_14b_parallel_model_batch2_ulysses2", api=True)
+    ids = {node["class_type"]: node_id for node_id, node in api.items()}
+    inputs = {name: api[node_id]["inputs"] for name, node_id in ids.items()}
+    assert "UNETLoader" not in ids
+    assert inputs["RocmParallelModel"]["parallel_flux"] == [ids["RocmParallelLoader"], 0]
+    assert inputs["ModelSamplingSD3"] == {"shift": 8.0, "model": [ids["RocmParallelModel"], 0]}
+    assert (inputs["CLIPLoader"]["type"], inputs["VAELoader"]["vae_name"]) == (
+        "wan",
+        "wan_2.1_vae.safetensors",
+    )
+    sampler = inputs["KSampler"]
+    assert sampler["model"] == [ids["ModelSamplingSD3"], 0]
+    assert (sampler["steps"], sampler["cfg"], sampler["sampler_name"], sampler["scheduler"]) == (
+        30,
+        6,
+        "uni_pc",
+        "simple",
+    )
+    latent = inputs["EmptyHunyuanLatentVideo"]
+    assert (latent["width"], latent["height"], latent["length"], latent["batch_size"]) == (1280, 720, 81, 1)
+    assert sampler["latent_image"] == [ids["EmptyHunyuanLatentVideo"], 0]
+    assert inputs["SaveAnimatedWEBP"]["images"] == [ids["VAEDecode"], 0]
+
+    family = get_family("wan")
+    layout = ParallelLayout.parse(inputs["RocmParallelModel"]["layout"])
+    devices = len(inputs["RocmParallelLoader"]["devices"].split(","))
+    setup = Setup(family.dims(WAN21_T2V_14B), 1280, 720, batch=2, frames=81, text_tokens=family.text.tokens,
+                  devices=devices, memory_gb=24, family="wan", weight_dtype="fp8_e4m3fn")  # fmt: skip
+    best = plan(setup)[0]
+    assert best.layout == layout == ParallelLayout(batch=2, ulysses=2) and best.fits
+
+
+def test_wan_a14b_workflow_keeps_both_experts_on_the_same_gpus() -> None:
+    """ComfyUI's Wan 2.2 A14B image-to-video template (video_wan2_2_14B_i2v with its default, no 4-step LoRA:
+    WanImageToVideo 640x640 x 81, ModelSamplingSD3 5 on each expert, KSamplerAdvanced 20 steps at cfg 3.5 split
+    at step 10) with two ROCm Parallel Loaders on the same GPUs: two slots of one worker group, both experts'
+    weights and the activations fit 24 GB GPUs in its layout, so neither is unloaded for the other."""
+    from rocm_parallel.backend.config import ParallelLayout
+    from rocm_parallel.backend.family import get_family
+    from rocm_parallel.backend.plan import Setup, estimate
+    from rocm_parallel.backend.wan.model import WAN22_I2V_A14B
+
+    api = load("wan2_2_i2v_a14b_parallel_model_batch2_tp2", api=True)
+    of = lambda kind: sorted((k for k, v in api.items() if v["class_type"] == kind), key=int)  # noqa: E731
+    (high_loader, low_loader), (high_model, low_model) = of("RocmParallelLoader"), of("RocmParallelModel")
+    (first, second), (cond,) = of("KSamplerAdvanced"), of("WanImageToVideo")
+    loaders = [api[k]["inputs"] for k in (high_loader, low_loader)]
+    assert [x["checkpoint"] for x in loaders] == [
+        "wan2.2_i2v_high_noise_14B_fp8_scaled.safetensors",
+        "wan2.2_i2v_low_noise_14B_fp8_scaled.safetensors",
+    ]
+    assert loaders[0]["devices"] == loaders[1]["devices"] == "0,1,2,3"
+    assert api[high_model]["inputs"]["parallel_flux"] == [high_loader, 0]
+    assert api[low_model]["inputs"]["parallel_flux"] == [low_loader, 0]
+    a, b = api[first]["inputs"], api[second]["inputs"]
+    for sampler, model in ((a, high_model), (b, low_model)):
+        (shift_id,) = [
+            k
+            for k, v in api.items()
+            if v["class_type"] == "ModelSamplingSD3" and v["inputs"]["model"] == [model, 0]
+        ]
+        assert sampler["model"] == [shift_id, 0] and api[shift_id]["inputs"]["shift"] == 5.0
+        assert (sampler["steps"], sampler["cfg"], sampler["sampler_name"]) == (20, 3.5, "euler")
+        assert (sampler["positive"], sampler["negative"]) == ([cond, 0], [cond, 1])
+    assert (a["add_noise"], a["start_at_step"], a["end_at_step"], a["return_with_leftover_noise"]) == (
+        "enable",
+        0,
+        10,
+        "enable",
+    )
+    assert (b["add_noise"], b["start_at_step"], b["end_at_step"], b["return_with_leftover_noise"]) == (
+        "disable",
+        10,
+        10000,
+        "disable",
+    )
+    assert (a["latent_image"], b["latent_image"]) == ([cond, 2], [first, 0])
+    video = api[cond]["inputs"]
+    assert (video["width"], video["height"], video["length"]) == (640, 640, 81)
+
+    family = get_family("wan")
+    layout = ParallelLayout.parse(api[high_model]["inputs"]["layout"])
+    assert layout == ParallelLayout.parse(api[low_model]["inputs"]["layout"]) == ParallelLayout(batch=2, tp=2)
+    setup = Setup(family.dims(WAN22_I2V_A14B), 640, 640, batch=2, frames=81, text_tokens=family.text.tokens,
+                  devices=4, memory_gb=24, family="wan", weight_dtype="fp8_e4m3fn")  # fmt: skip
+    cost = estimate(setup, layout)
+    assert 2 * cost.weights + cost.activations <= cost.usable  # both experts resident, plus one's activations
 
 
 def test_checker_finds_broken_workflows(info: dict) -> None:

@@ -28,6 +28,8 @@ MODEL_FILE_INPUTS = {
     ("RocmParallelLoader", "checkpoint"),
     ("RocmParallelLoRA", "lora_name"),
     ("LoadImage", "image"),  # a file in the user's ComfyUI/input folder
+    ("UNETLoader", "unet_name"),
+    ("LoraLoaderModelOnly", "lora_name"),
 }
 
 

@@ -265,10 +265,8 @@ def check_block_splits(info: CheckpointInfo, tp: int, resolved: dict[str, Any] |
     if tp == 1 or not quantized_sources(info):
         return
     if resolved is None:
-        from ..parallel.tensor import resolve_plan
-
         family = info.model_family
-        resolved = resolve_plan(family.build(info.config, device="meta"), family.tp.plan)
+        resolved = family.tp.resolve(family.build(info.config, device="meta"))
     found = _misplaced(info, tp, resolved)
     if found is None:
         return

@@ -33,7 +33,7 @@ from torch import nn
 from ..dtypes import WEIGHT_DTYPES, stored_dtype
 from ..finite import all_finite, non_finite_kind
 from ..parallel.ggml import byte_shape, is_quantized
-from ..parallel.tensor import Pieces, apply_tensor_parallel, parameter_pieces, resolve_plan
+from ..parallel.tensor import Pieces, apply_tensor_parallel, parameter_pieces
 from ..parallel.weights import hold_quantized, is_fp8, keep_fp8_resident
 from ..redact import quoted
 from .files import CheckpointError, StoredTensor, full_shape
@@ -49,11 +49,12 @@ def resident_dtype(
     stored: StoredTensor, linear_weight: bool, weight_dtype: str, compute: torch.dtype, fp32: bool = False
 ) -> torch.dtype:
     """The dtype a parameter is held in: float32 for a parameter of a module the model class keeps in
-    float32 (`fp32`: diffusers' `_keep_in_fp32_modules`, e.g. Wan's time embedder and modulation tables),
-    fp8 for linear weights when `weight_dtype` says so (or, for 'default', when the file stores them in fp8),
-    the compute dtype for everything else."""
-    if fp32 and compute.is_floating_point and torch.finfo(compute).bits < 32:
-        return torch.float32
+    float32 (`fp32`: diffusers' `_keep_in_fp32_modules`, e.g. Wan's time embedder and modulation tables;
+    never fp8 either: diffusers casts such a module's input to its first parameter's dtype), fp8 for linear
+    weights when `weight_dtype` says so (or, for 'default', when the file stores them in fp8), the compute
+    dtype for everything else."""
+    if fp32 and compute.is_floating_point:
+        return torch.float32 if torch.finfo(compute).bits < 32 else compute
     if not linear_weight or weight_dtype == "compute":
         return compute
     if stored.offset is not None:  # GGUF: quantized blocks stay as they are (bytes), the rest computes
@@ -228,7 +229,7 @@ def load_model(
     weight = check_weight_dtype(weight_dtype, info)
     family = info.model_family
     model = family.build(info.config, device="meta", dtype=dtype)
-    resolved = resolve_plan(model, family.tp.plan)
+    resolved = family.tp.resolve(model)
     rank, degree = 0, 1
     if tp > 1:
         if not dist.is_initialized() or dist.get_world_size(group) != tp:

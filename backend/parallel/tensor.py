@@ -21,7 +21,7 @@ runs unchanged: it reshapes by head_dim and lets -1 absorb the local head count.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,13 +179,16 @@ def _pattern(path: str) -> re.Pattern[str]:
     return re.compile("^" + re.escape(path).replace(r"\*", r"[^.]+") + "$")
 
 
-def resolve_plan(model: nn.Module, plan: Mapping[str, Any]) -> dict[str, Any]:
-    """Module name -> plan entry for every module the plan names; each plan key must match something."""
+def resolve_plan(model: nn.Module, plan: Mapping[str, Any], optional: Collection[str] = ()) -> dict[str, Any]:
+    """Module name -> plan entry for every module the plan names; each plan key must match something, except
+    the `optional` ones (modules some checkpoints of the family have and others not)."""
     names = [name for name, _ in model.named_modules()]
     resolved: dict[str, Any] = {}
     for key, value in plan.items():
         rx = _pattern(key)
         hits = [n for n in names if rx.match(n)]
+        if not hits and key in optional:
+            continue
         if not hits:
             raise ValueError(
                 f"tensor-parallel plan entry '{key}' matches no module of {type(model).__name__}"
@@ -332,12 +335,19 @@ class TensorParallelSpec:
     - `modulation_source`: the module whose output `temb` feeds every Gathered linear (through silu):
       the ModulationBank evaluates them all right after it.
     - `attention_processors`: the diffusers processor classes (by name) whose math is shard-safe.
+    - `optional`: plan keys a model of the family may lack (Wan's image cross-attention, in its I2V
+      checkpoints only); every other key must name a module.
     """
 
     plan: Mapping[str, Split]
     block_forwards: Mapping[str, BlockForward]
     modulation_source: str
     attention_processors: tuple[str, ...]
+    optional: tuple[str, ...] = ()
+
+    def resolve(self, model: nn.Module) -> dict[str, Split]:
+        """Module name -> split kind for `model` (`resolve_plan` of the plan)."""
+        return resolve_plan(model, self.plan, self.optional)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -434,7 +444,7 @@ def apply_tensor_parallel(
         return model
 
     gathered: list[GatheredLinear] = []
-    for name, split in resolve_plan(model, spec.plan).items():
+    for name, split in spec.resolve(model).items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         new = _split_module(parent.get_submodule(child), split, rank, degree, dims, group)

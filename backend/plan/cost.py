@@ -262,12 +262,15 @@ def forward_flops(setup: Setup) -> float:
     """Dense FLOPs of one forward (all devices together): 2 x MACs of per-token linears + attention.
 
     The per-token MACs of every linear layer, by the tokens it reads (image, text or both), come from the
-    family's meta model (shapes.model_facts); attention is QK^T and PV over the joint sequence.
+    family's meta model (shapes.model_facts); attention is QK^T and PV over the self-attended sequence (joint
+    or image tokens), and over the text from the image tokens for a cross-attention.
     """
     facts = model_facts(setup.family, setup.dims)
     s, text, image = setup.tokens, setup.text_tokens, setup.image_tokens
     macs = image * facts.image_macs + text * facts.text_macs + (image + text) * facts.joint_macs
-    attention_macs = facts.attentions * 2 * s * s * setup.dims.hidden  # QK^T and PV
+    attention_macs = (
+        (facts.attentions * s * s + facts.cross_attentions * image * text) * 2 * setup.dims.hidden
+    )
     return 2 * setup.batch * (macs + attention_macs)
 
 

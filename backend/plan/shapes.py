@@ -32,11 +32,15 @@ _PROBE_TEXT = 3
 class ModelFacts:
     """One family's model with given dims, as the planner prices it."""
 
-    parameters: tuple[tuple[str, tuple[int, ...], Any], ...]  # (name, shape, TP split or None)
+    # (name, shape, TP split or None, whether the model class keeps it in float32: `_keep_in_fp32_modules`)
+    parameters: tuple[tuple[str, tuple[int, ...], Any, bool], ...]
     modulation_width: int  # features of all Gathered (AdaLN modulation) outputs of one forward
     tp_all_reduces: int  # activation all-reduces of one forward under TP
     norm_all_reduces: int  # [tokens x 1] statistics all-reduces of norms across heads (NormAcrossHeads)
-    attentions: int  # attention calls per forward
+    attentions: int  # attention calls per forward over the sequence context parallelism splits
+    # attention calls whose keys are the text alone (a family whose text is not joint: cross-attention from
+    # the image tokens, local on every rank)
+    cross_attentions: int
     image_macs: int  # multiply-accumulates per image token in the linear layers that read only image tokens
     text_macs: int  # ... only text tokens
     joint_macs: int  # ... the joint sequence (single-stream blocks)
@@ -48,14 +52,16 @@ def model_facts(family: str, dims: ModelDims) -> ModelFacts:
     import torch
     from torch import nn
 
+    from ..checkpoint.load import kept_in_fp32
     from ..parallel.tensor import Gathered, NormAcrossHeads, PackedRow, Row, resolve_plan
 
     fam = get_family(family)
     config = fam.config_from_dims(dims)
     model = fam.build(config, device="meta")
-    splits = resolve_plan(model, fam.tp.plan)
+    splits = fam.tp.resolve(model)
     parameters = tuple(
-        (name, tuple(p.shape), splits.get(name.rpartition(".")[0])) for name, p in model.named_parameters()
+        (name, tuple(p.shape), splits.get(name.rpartition(".")[0]), kept_in_fp32(model, name))
+        for name, p in model.named_parameters()
     )
     modulation = sum(
         model.get_submodule(m).out_features for m, s in splits.items() if isinstance(s, Gathered)
@@ -67,7 +73,7 @@ def model_facts(family: str, dims: ModelDims) -> ModelFacts:
 
     image = math.prod(_PROBE_IMAGE_PATCHES)
     macs = {image: 0, _PROBE_TEXT: 0, image + _PROBE_TEXT: 0}
-    attentions = 0
+    attentions = {False: 0, True: 0}  # cross-attention -> calls
 
     def linear(module: nn.Linear, args: tuple[Any, ...]) -> None:
         x = args[0] if args else None
@@ -76,15 +82,17 @@ def model_facts(family: str, dims: ModelDims) -> ModelFacts:
         ):  # [batch, tokens, features]; [batch, features] reads one vector per image
             macs[x.shape[1]] += module.in_features * module.out_features
 
-    def attention(module: nn.Module, args: tuple[Any, ...]) -> None:
-        nonlocal attentions
-        attentions += 1
+    def attention(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        # diffusers' attention modules take (hidden_states, encoder_hidden_states, ...): with a text that does
+        # not join the image tokens, a call given the text attends to it only
+        text = kwargs.get("encoder_hidden_states", args[1] if len(args) > 1 else None)
+        attentions[text is not None and not fam.text.joint] += 1
 
     for module in model.modules():
         if isinstance(module, nn.Linear):
             module.register_forward_pre_hook(linear)
         elif hasattr(module, "processor"):
-            module.register_forward_pre_hook(attention)
+            module.register_forward_pre_hook(attention, with_kwargs=True)
     _, ph, pw = fam.geometry.patch
     rows, cols = _PROBE_IMAGE_PATCHES[0] * ph, _PROBE_IMAGE_PATCHES[1] * pw
     x = torch.empty(1, fam.input_channels(config), rows, cols, device="meta")
@@ -99,7 +107,8 @@ def model_facts(family: str, dims: ModelDims) -> ModelFacts:
         modulation_width=modulation,
         tp_all_reduces=all_reduces,
         norm_all_reduces=norms,
-        attentions=attentions,
+        attentions=attentions[False],
+        cross_attentions=attentions[True],
         image_macs=macs[image],
         text_macs=macs[_PROBE_TEXT],
         joint_macs=macs[image + _PROBE_TEXT],
@@ -118,19 +127,22 @@ def weight_bytes(
 
     `family`: the model family whose shapes and TP plan count (the first registered when None). `linear_bytes`: bytes
     per element of the linear weights (the 2-D parameters) when they are held in another dtype than the
-    rest (fp8 weights: 1; GGUF blocks: their bytes per value); biases and norm scales always take `dtype_bytes`, as in the loader
+    rest (fp8 weights: 1; GGUF blocks: their bytes per value); biases and norm scales always take `dtype_bytes`,
+    and the modules the model class keeps in float32 (diffusers' `_keep_in_fp32_modules`, e.g. Wan's time
+    embedder) 4 bytes, as in the loader
     (checkpoint/load.py resident_dtype).
     """
     from ..parallel.tensor import shard_pieces
 
     linear = dtype_bytes if linear_bytes is None else linear_bytes
     total = 0.0
-    for name, shape, split in model_facts(family or families()[0].name, dims).parameters:
+    for name, shape, split, fp32 in model_facts(family or families()[0].name, dims).parameters:
         pieces = None
         if layout.tp > 1 and split is not None:
             pieces = shard_pieces(split, name.rpartition(".")[2], shape, rank, layout.tp, dims)
         held = shape if pieces is None else pieces.shape(shape)
-        total += (linear if len(shape) == 2 else dtype_bytes) * math.prod(held)
+        size = max(dtype_bytes, 4) if fp32 else linear if len(shape) == 2 else dtype_bytes
+        total += size * math.prod(held)
     return round(total)  # a GGUF type's bytes per value are fractional
 
 

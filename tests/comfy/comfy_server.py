@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -266,6 +267,8 @@ def running_comfy(base: Path) -> Iterator[Comfy]:
     (base / "custom_nodes" / "rp_test_nodes.py").write_text(REFERENCE_NODE.format(references=str(REFERENCES)))
     if COMFYUI_GGUF_PATH:
         (base / "custom_nodes" / "ComfyUI-GGUF").symlink_to(Path(COMFYUI_GGUF_PATH), target_is_directory=True)
+    # the Wan graphs' stand-ins for umt5, CLIP-H and the Wan VAE (test_comfy_wan.py)
+    shutil.copy(TESTS_DIR / "comfy" / "rp_wan_test_nodes.py", base / "custom_nodes" / "rp_wan_test_nodes.py")
     models = base / "models" / "diffusion_models"
     models.mkdir(parents=True)
     save_file(diffusers_to_bfl(flux_model("dev").state_dict()), str(models / "tiny-flux-dev.safetensors"))

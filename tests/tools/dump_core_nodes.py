@@ -31,6 +31,9 @@ NODES = [
     "EmptyFlux2LatentImage", "Flux2Scheduler", "BasicGuider", "KSamplerSelect", "RandomNoise",
     "SamplerCustomAdvanced", "VAELoader", "VAEDecode", "SaveImage", "SaveLatent", "VAEEncode", "LoadImage",
     "FluxKontextImageScale", "ReferenceLatent", "ModelSamplingAuraFlow",
+    # Wan (workflows/wan*, tests/comfy/test_comfy_wan.py)
+    "EmptyHunyuanLatentVideo", "WanImageToVideo", "Wan22ImageToVideoLatent", "ModelSamplingSD3", "KSamplerAdvanced",
+    "SaveAnimatedWEBP", "UNETLoader", "LoraLoaderModelOnly",
 ]  # fmt: skip
 
 

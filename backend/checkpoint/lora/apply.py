@@ -35,7 +35,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from ...parallel.tensor import Pieces, parameter_pieces, resolve_plan
+from ...parallel.tensor import Pieces, parameter_pieces
 from ...parallel.weights import compute_dtype, is_fp8, is_held_quantized, linear_weight
 from ..info import CheckpointInfo
 from ..load import full_shape, parameter_dtype, read_parameter
@@ -91,7 +91,7 @@ class Patcher:
     ) -> None:
         self.model, self.info, self.rank, self.degree = model, info, rank, degree
         self.active = active
-        self.resolved = resolve_plan(model, info.model_family.tp.plan)
+        self.resolved = info.model_family.tp.resolve(model)
         self.params = dict(model.named_parameters())
         self.compute = compute_dtype(model)
         self.patches: dict[str, list[Patch]] = {}
