@@ -228,7 +228,7 @@ def test_unknown_model_lists_keys(tmp_path: Path) -> None:
         f"'{tmp_path}/x.safetensors' is not a FLUX.1, FLUX.2 or Qwen-Image checkpoint: none of its keys is a "
         "FLUX.1, FLUX.2 or Qwen-Image transformer's (first keys: w0, w1, w2, w3). Pick a FLUX.1, FLUX.2 or "
         "Qwen-Image transformer file (e.g. "
-        "flux1-dev.safetensors, flux2-dev.safetensors) from models/diffusion_models"
+        "flux1-dev.safetensors, flux2-dev.safetensors, qwen-image.safetensors) from models/diffusion_models"
     )
 
 

@@ -254,7 +254,7 @@ def test_status_shows_what_start_up_changed() -> None:
 
 def test_the_panel_says_when_the_group_fell_back_to_a_slower_transport() -> None:
     registry = Registry(factory=RecordingFlux)
-    flux = registry.flux_for(("cpu", "cpu"))
+    flux = registry.group_for(("cpu", "cpu"))
     assert "transport" not in registry.snapshot()
     flux.transport_note = preflight.short_note(preflight.SHM, fell_back=True)
     assert registry.snapshot()["transport"] == (
