@@ -198,6 +198,34 @@ def test_a_request_that_reached_some_ranks_is_sent_to_the_rest_and_cancelled(
     _check_group(group, pids, seed=3)
 
 
+@pytest.mark.timeout(300)
+def test_a_request_that_could_not_be_written_is_waited_for_by_nobody(
+    group: WorkerGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception before any rank has the request that is no Ctrl+C (a full /dev/shm while the request's
+    tensors are written): the job exists, no rank has its request, so nothing is waited for; the error is
+    raised at once and the group keeps going. Mutation tried: with every rank counted as pending (not only
+    those sent the request), `Job.stop` waited for replies no rank would send and the group was closed."""
+    pids, t = group.pids, _tensor(4)
+    baseline = _shm_files()
+
+    def disk_full(*args: Any, **kwargs: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(client, "pack", disk_full)
+    previous = signal.signal(signal.SIGALRM, _hang_guard)
+    signal.setitimer(signal.ITIMER_REAL, ROUND_LIMIT)
+    try:
+        with pytest.raises(OSError, match="No space left on device"):
+            group.call_all("reduce_scaled", Scale(t))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    monkeypatch.undo()
+    assert _shm_files() == baseline
+    _check_group(group, pids, seed=4)
+
+
 # ------------------------------------------------------------------------------ random Ctrl+C rounds
 
 
