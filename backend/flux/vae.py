@@ -17,6 +17,13 @@ from typing import Any
 from ..vae.kind import VaeKind, VaePlannerFacts
 from ..vae.ldm import convert_kl, is_ldm_kl, kl_config
 
+RELEASED = {  # ae.safetensors (black-forest-labs/FLUX.1-dev, vae/config.json)
+    "in_channels": 3, "out_channels": 3, "down_block_types": ["DownEncoderBlock2D"] * 4,
+    "up_block_types": ["UpDecoderBlock2D"] * 4, "block_out_channels": [128, 256, 512, 512],
+    "layers_per_block": 2, "latent_channels": 16, "norm_num_groups": 32, "use_quant_conv": False,
+    "use_post_quant_conv": False,
+}  # fmt: skip
+
 
 def build_vae(config: Mapping[str, Any], device: Any = "cpu", dtype: Any = None) -> Any:
     from diffusers import AutoencoderKL
@@ -40,7 +47,9 @@ FLUX1_VAE = VaeKind(
     convert=convert_kl,
     latent_channels=lambda config: int(config["latent_channels"]),
     downscale=8,
-    # MemTracker on the meta device (`python -m rocm_parallel bench vae --calibrate`)
-    planner=VaePlannerFacts(decode_units=4.0, encode_units=4.0),
+    released=RELEASED,
+    # live full-resolution maps at a band's peak: torch's MemTracker on the meta device, 512 px, 1 and 4
+    # ranks, the released config (`bench vae`; 6.0 decoding, 5.0 encoding)
+    planner=VaePlannerFacts(decode_units=6.0, encode_units=5.1),
     widths=lambda c: (c["block_out_channels"][0], c["block_out_channels"][-1]),
 )

@@ -132,7 +132,7 @@ class BandParallel(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in (F.conv2d, F.conv3d):
             return self._conv(func, *_bind(_CONV, args, kwargs))
-        if self._pending is not None and func not in _PASSIVE:
+        if self._pending is not None and func in _HANDLED:  # a pad must feed the next convolution
             self._refuse_pending(func)
         if func is F.pad:
             return self._pad(*_bind(_PAD, args, kwargs))
@@ -398,9 +398,8 @@ class BandParallel(TorchFunctionMode):
         return torch.cat([p.narrow(-2, 0, n) for p, n in zip(parts, rows, strict=True)], dim=-2)
 
 
-# Calls that only read a tensor's metadata: harmless between a pad and its convolution.
-_PASSIVE = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__,
-            torch.Tensor.device.__get__}  # fmt: skip
+# The calls the mode changes besides convolutions: none may come between a pad and its convolution.
+_HANDLED = (F.pad, F.group_norm, F.scaled_dot_product_attention, F.interpolate)
 
 
 def _causal_frames(

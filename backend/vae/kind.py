@@ -11,7 +11,7 @@ kind is keyed by its `name`), built in the family's folder (e.g. backend/flux/va
 * ComfyUI's LATENT: `latent_channels(config)`, `downscale` (image pixels per latent pixel), `frames` (a latent
   [B, C, T, H, W]: Wan's causal 3-D VAE), and `to_model` / `from_model` between ComfyUI's latent and the
   diffusers model's (FLUX.2: the batch-norm statistics and the 2 x 2 patches ComfyUI's VAE applies);
-* the planner: `planner`, the measured activation bytes of one band, and `widths(config)` (backend/plan/vae.py).
+* the planner: `released` (the released file's config), `planner`, the measured activation bytes of one band, and `widths(config)` (backend/plan/vae.py).
 
 Lookups: `vae_kinds()`, `detect_vae(keys)`, `get_vae_kind(name)`.
 """
@@ -19,7 +19,7 @@ Lookups: `vae_kinds()`, `detect_vae(keys)`, `get_vae_kind(name)`.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..config import ConfigError
@@ -71,6 +71,7 @@ class VaeKind:
     planner: VaePlannerFacts
     # (config) -> (channels at the image's resolution, channels of the mid block's attention)
     widths: Callable[[Mapping[str, Any]], tuple[int, int]]
+    released: Mapping[str, Any] = field(default_factory=dict)  # the released file's config (planner, bench)
     frames: bool = False
     to_model: Callable[[Any, Any], Any] = _same  # (model, ComfyUI latent) -> the model's latent
     from_model: Callable[[Any, Any], Any] = _same  # (model, the model's latent) -> ComfyUI's latent
