@@ -10,6 +10,7 @@ Lives outside the shipped package (the wheel has no `testing/`).
 
 from __future__ import annotations
 
+import itertools
 import zlib
 from pathlib import Path
 from typing import Any
@@ -109,7 +110,7 @@ def wan21_shapes(dim: int = 16, z: int = 16) -> Shapes:
     dims = [dim * u for u in (1, *mult)]
     _conv(shapes, "encoder.conv1", dim, 3, (3, 3, 3))
     index = 0
-    for i, (inp, out) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
+    for i, (inp, out) in enumerate(itertools.pairwise(dims)):
         for _ in range(2):
             _wan_block(shapes, f"encoder.downsamples.{index}", inp, out)
             inp, index = out, index + 1
@@ -127,7 +128,7 @@ def wan21_shapes(dim: int = 16, z: int = 16) -> Shapes:
     _conv(shapes, "decoder.conv1", dims[0], z, (3, 3, 3))
     _wan_middle(shapes, "decoder.middle", dims[0])
     index = 0
-    for i, (inp, out) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
+    for i, (inp, out) in enumerate(itertools.pairwise(dims)):
         inp = inp // 2 if i in (1, 2, 3) else inp
         for _ in range(3):
             _wan_block(shapes, f"decoder.upsamples.{index}", inp, out)
@@ -163,7 +164,7 @@ def random_weights(shapes: Shapes, seed: int = 0) -> dict[str, torch.Tensor]:
                 fan_in *= s
             gain = 0.25 if ".conv_out." in key or key.startswith("decoder.head.2") else 1.0
             value = noise * gain / fan_in**0.5
-        elif key.endswith("gamma") or ".norm" in key and key.endswith("weight"):
+        elif key.endswith("gamma") or (".norm" in key and key.endswith("weight")):
             value = 1.0 + 0.1 * noise
         else:
             value = 0.02 * noise
