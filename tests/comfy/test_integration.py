@@ -49,6 +49,8 @@ def test_pack_loads_with_nodes_route_js_and_templates(comfy: Comfy) -> None:
         "RocmParallelTPSampler",
         "RocmParallelRingSampler",
         "RocmParallelStatus",
+        "RocmParallelVAEDecode",
+        "RocmParallelVAEEncode",
     ):
         assert info[node_id]["category"] == "ROCm Parallel"
     files = ["tiny-flux-dev.safetensors"] + (["tiny-flux2.safetensors"] if FLUX2_CASES else [])
