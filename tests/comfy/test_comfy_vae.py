@@ -44,8 +44,14 @@ def _comfy_model(name: str) -> torch.nn.Module:
             ddconfig = {**LDM, "z_channels": 16}
             return AutoencodingEngine(
                 regularizer_config={"target": "comfy.ldm.models.autoencoder.DiagonalGaussianRegularizer"},
-                encoder_config={"target": "comfy.ldm.modules.diffusionmodules.model.Encoder", "params": ddconfig},
-                decoder_config={"target": "comfy.ldm.modules.diffusionmodules.model.Decoder", "params": ddconfig},
+                encoder_config={
+                    "target": "comfy.ldm.modules.diffusionmodules.model.Encoder",
+                    "params": ddconfig,
+                },
+                decoder_config={
+                    "target": "comfy.ldm.modules.diffusionmodules.model.Decoder",
+                    "params": ddconfig,
+                },
             )
         if name == "flux2-vae":
             return AutoencoderKL(ddconfig={**LDM, "z_channels": 32, "batch_norm_latent": True}, embed_dim=32)
@@ -115,7 +121,9 @@ def test_parallel_decode_equals_comfyuis_vae_decode(comfy, registry, ranks: int,
     node = NODE_CLASS_MAPPINGS["RocmParallelVAEDecode"]()
     got = node.decode(handle(ranks), samples, f"{name}.safetensors")[0]
     diff = (got - want).abs().max().item()
-    print(f"ComfyUI {comfy['version']} {name} decode on {ranks} ranks: {list(got.shape)}, max |diff| {diff:.2e}")
+    print(
+        f"ComfyUI {comfy['version']} {name} decode on {ranks} ranks: {list(got.shape)}, max |diff| {diff:.2e}"
+    )
     assert got.shape == want.shape
     assert want.std() > 0.01 and ((want > 0) & (want < 1)).float().mean() > 0.9  # an image, not saturated
     assert diff <= TOLERANCE
@@ -130,7 +138,9 @@ def test_parallel_encode_equals_comfyuis_vae_encode(comfy, registry, ranks: int,
     node = NODE_CLASS_MAPPINGS["RocmParallelVAEEncode"]()
     got = node.encode(handle(ranks), pixels, f"{name}.safetensors")[0]["samples"]
     diff = (got - want).abs().max().item()
-    print(f"ComfyUI {comfy['version']} {name} encode on {ranks} ranks: {list(got.shape)}, max |diff| {diff:.2e}")
+    print(
+        f"ComfyUI {comfy['version']} {name} encode on {ranks} ranks: {list(got.shape)}, max |diff| {diff:.2e}"
+    )
     assert got.shape == want.shape and tuple(got.shape[-2:]) == LATENT[name][1:]
     assert want.std() > 0.01
     assert diff <= TOLERANCE
