@@ -7,7 +7,7 @@ Per rank, for a band of `rows` latent rows (the tallest band: `vae.bands.Bands.e
 * **activations**: the peak of live feature maps in one band, `units` x one map at the image's
   resolution (the kind's full-resolution channels x the band's pixel rows x columns x batch x dtype bytes).
   The units are the kind's, measured with torch's MemTracker on the meta device, where the engine's own
-  band code runs under the fake process group (`bench vae --calibrate`, testing/vae_meta.py); they include
+  band code runs under the fake process group (`bench vae`, testing/vae_meta.py), per dtype; they include
   the halo rows and the edge rows a convolution recomputes. Not below the mid block's peak: the keys and
   values of the whole latent, which every rank gathers for its attention;
 * **the image** on rank 0: every band gathered, joined and converted to float32 (3 channels).
@@ -68,7 +68,7 @@ def vae_memory(
     latent_rows = height // kind.downscale
     rows = band_rows(latent_rows, ranks)
     full, attention = kind.widths(config)
-    units = kind.planner.encode_units if encode else kind.planner.decode_units
+    units = kind.planner.units(encode, dtype_bytes)
     band_pixels = rows * kind.downscale * width
     activations = units * full * band_pixels * batch * dtype_bytes
     # the mid block runs at 1/8 of the pixels (every kind: FLUX.2's latent is patched after it)

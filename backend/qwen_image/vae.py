@@ -93,7 +93,7 @@ QWEN_IMAGE_VAE = VaeKind(
     encode=encode,
     released=RELEASED,
     # live full-resolution maps at a band's peak: torch's MemTracker on the meta device, 512 px, 1 and 4
-    # ranks, the released config (`bench vae`; 6.0 decoding, 5.0 encoding)
-    planner=VaePlannerFacts(decode_units=6.0, encode_units=5.1),
+    # ranks, the released config (`bench vae`), in float32 and in bfloat16
+    planner=VaePlannerFacts(decode_units=6.0, encode_units=5.1, decode_units_half=7.0, encode_units_half=6.1),
     widths=lambda c: (c["base_dim"], c["base_dim"] * c["dim_mult"][-1]),
 )

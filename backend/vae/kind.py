@@ -49,10 +49,19 @@ def diffusers_encode(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 class VaePlannerFacts:
     """Peak live activation bytes of one rank's band in units of one feature map at the image's
     resolution (the kind's `widths(config)[0]` channels x the band's pixel rows x columns x batch x dtype
-    bytes), measured with torch's MemTracker on the meta device (`bench vae --calibrate`)."""
+    bytes), measured with torch's MemTracker on the meta device (`bench vae`). In bfloat16 / float16 more:
+    GroupNorm's normalised band and diffusers' nearest upsampling are computed in float32 there."""
 
     decode_units: float
     encode_units: float
+    decode_units_half: float
+    encode_units_half: float
+
+    def units(self, encode: bool, dtype_bytes: int) -> float:
+        """The units of a decode (`encode`: an encode) in a dtype of `dtype_bytes` bytes."""
+        if dtype_bytes >= 4:
+            return self.encode_units if encode else self.decode_units
+        return self.encode_units_half if encode else self.decode_units_half
 
 
 @dataclass(frozen=True, eq=False)
