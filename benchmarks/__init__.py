@@ -18,5 +18,6 @@ BENCHMARKS = {
     "scaling": "sampling steps on 1, 2, 4 CPU workers: latency, time per step, peak memory per worker",
     "call": "one model call broken down: caller wrapper, conditioning key, latent out, compute, collectives, reply",
     "compile": "compiled repeated blocks (inductor) vs eager per step on CPU workers, first compile apart",
+    "vae": "patch-parallel VAE decode/encode: bytes per GPU on 1-4 ranks, planner vs meta device vs ComfyUI's (tiled) decode",
     "caches": "ComfyUI's step caches (EasyCache, LazyCache) on its own model and the parallel MODEL (needs ComfyUI)",
 }
