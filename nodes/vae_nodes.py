@@ -46,15 +46,15 @@ class RocmParallelVAEDecode:
     def INPUT_TYPES(cls) -> dict[str, Any]:
         return {
             "required": {
-                "parallel_model": (HANDLE_TYPE, {"tooltip": _HANDLE_TOOLTIP}),
+                "parallel_flux": (HANDLE_TYPE, {"tooltip": _HANDLE_TOOLTIP}),
                 "samples": ("LATENT", {"tooltip": "The latent to decode (from a sampler)."}),
                 "vae_name": (_vae_files(), {"tooltip": _VAE_TOOLTIP}),
             }
         }
 
     @shows_errors
-    def decode(self, parallel_model: ParallelHandle, samples: dict[str, Any], vae_name: str) -> tuple[Any]:
-        return (vae.decode(REGISTRY, parallel_model, _vae_path(vae_name), samples),)
+    def decode(self, parallel_flux: ParallelHandle, samples: dict[str, Any], vae_name: str) -> tuple[Any]:
+        return (vae.decode(REGISTRY, parallel_flux, _vae_path(vae_name), samples),)
 
 
 class RocmParallelVAEEncode:
@@ -71,12 +71,12 @@ class RocmParallelVAEEncode:
     def INPUT_TYPES(cls) -> dict[str, Any]:
         return {
             "required": {
-                "parallel_model": (HANDLE_TYPE, {"tooltip": _HANDLE_TOOLTIP}),
+                "parallel_flux": (HANDLE_TYPE, {"tooltip": _HANDLE_TOOLTIP}),
                 "pixels": ("IMAGE", {"tooltip": "The image to encode."}),
                 "vae_name": (_vae_files(), {"tooltip": _VAE_TOOLTIP}),
             }
         }
 
     @shows_errors
-    def encode(self, parallel_model: ParallelHandle, pixels: Any, vae_name: str) -> tuple[dict[str, Any]]:
-        return (vae.encode(REGISTRY, parallel_model, _vae_path(vae_name), pixels),)
+    def encode(self, parallel_flux: ParallelHandle, pixels: Any, vae_name: str) -> tuple[dict[str, Any]]:
+        return (vae.encode(REGISTRY, parallel_flux, _vae_path(vae_name), pixels),)
