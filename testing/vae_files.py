@@ -3,7 +3,7 @@ the ldm (CompVis) AutoencoderKL layout of FLUX.1's ae.safetensors and FLUX.2's f
 its batch-norm statistics), and the original Wan 2.1 layout of Qwen-Image's VAE. Written from the layouts'
 definitions (comfy/ldm/modules/diffusionmodules/model.py, comfy/ldm/wan/vae.py), never through the pack's
 converter, so loading them checks the converter. The comfy tier makes its files with ComfyUI's own classes
-(tests/tools/comfy_models.py).
+(tests/comfy/test_comfy_vae.py).
 
 Lives outside the shipped package (the wheel has no `testing/`).
 """

@@ -2,17 +2,19 @@
 imported in this process.
 
 Each VAE is built with ComfyUI's own classes (the FLUX.1 AutoencodingEngine, the FLUX.2 AutoencoderKL with its
-batch-norm latent, the Wan 2.1 WanVAE at a small width: ComfyUI's VAELoader fixes the ldm VAEs' widths, so
-those two are full size), given random weights and saved in models/vae/. ComfyUI loads the file as its
-VAELoader does and decodes / encodes with its VAEDecode / VAEEncode nodes (untiled); the pack's nodes run the
-same file on 2 and 4 CPU workers, in bands whose heights differ (7 latent rows over 4 ranks: 1 + 2 + 2 + 2),
-at sizes that are not multiples of 64 px and an image width ComfyUI crops. They must agree within 1e-4.
+batch-norm latent, the Wan 2.1 WanVAE), given random weights and saved in models/vae/. ComfyUI's VAELoader
+fixes the ldm VAEs' widths (and 0.3.75 the Wan VAE's), so those are full size; 0.33.0 reads the Wan VAE's
+width from the file, a small one here. ComfyUI loads the file as its VAELoader does and decodes / encodes
+with its VAEDecode / VAEEncode nodes (untiled); the pack's nodes run the same file on 2 and 4 CPU workers, in
+bands whose heights differ (7 latent rows over 4 ranks: 1 + 2 + 2 + 2), at sizes that are not multiples of
+64 px and an image width ComfyUI crops. They must agree within 1e-4.
 
     source /work/comfy/env.sh 0.33.0 <pack>; python -m pytest -q -s -m comfy tests/comfy/test_comfy_vae.py
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -55,8 +57,12 @@ def _comfy_model(name: str) -> torch.nn.Module:
             )
         if name == "flux2-vae":
             return AutoencoderKL(ddconfig={**LDM, "z_channels": 32, "batch_norm_latent": True}, embed_dim=32)
-        return WanVAE(dim=16, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
-                      temperal_downsample=[False, True, True], image_channels=3, conv_out_channels=3)  # fmt: skip
+        wan = {"dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [],
+               "temperal_downsample": [False, True, True]}  # fmt: skip
+        # ComfyUI 0.33.0 reads the width from the file (a small one here), 0.3.75 builds the released 96
+        if "image_channels" in inspect.signature(WanVAE).parameters:
+            wan.update(dim=16, image_channels=3, conv_out_channels=3)
+        return WanVAE(**wan)
 
 
 @pytest.fixture(scope="module")
