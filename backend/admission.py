@@ -10,7 +10,7 @@ shared by every worker; for GPUs the free memory each rank reported after its lo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import psutil
 
@@ -103,6 +103,29 @@ def admit(
         f"{estimate / GB:.1f} GB of activations per {word} in layout {layout} ({dtype}), but {why}: the limit "
         f"is {limit / GB:.1f} GB per {word}. What fits: {fit}{smaller_batch}; or more devices, or a smaller "
         "image, then upscale"
+    )
+
+
+def refuse_unless_fits(
+    need: float,
+    devices: Sequence[str],
+    reports: Sequence[RankStatus],
+    *,
+    what: str,
+    fits: Callable[[float], str],
+) -> None:
+    """Refuse a job of another phase than a model call (a VAE decode: backend/vae/api.py) that needs `need`
+    bytes on one rank beyond what is resident, when the devices do not have them. `what` names the job,
+    `fits(limit)` says what would fit in `limit` bytes per rank. A GPU group that has not reported its memory
+    yet is not refused (nothing is known)."""
+    bound = memory_limit(devices, reports)
+    if bound is None or need <= bound[0]:
+        return
+    limit, why = bound
+    word = "CPU worker" if devices[0] == "cpu" else "GPU"
+    raise ConfigError(
+        f"{what} needs about {need / GB:.1f} GB per {word}, but {why}: the limit is {limit / GB:.1f} GB per "
+        f"{word}. What fits: {fits(limit)}; or more devices"
     )
 
 

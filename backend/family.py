@@ -9,6 +9,7 @@ ever reads these fields:
 * context parallelism (parallel/context.py): `cp`, the attention processors it may rebuild;
 * the planner (backend/plan/): `dims`, `config_from_dims` (its meta model), `planner` (calibration);
 * the command line: `presets`;
+* the patch-parallel VAE (backend/vae/): `vae`, the family's VAE kind;
 * the model call (its inputs, checks and token geometry), read by the worker's forward service, the
   checks, admission, the planner and the ComfyUI proxy MODEL: `call_spec`, `call`, `model_fn`,
   `geometry`, `latent`, `text`, `references`, `comfy_model`.
@@ -50,6 +51,7 @@ if TYPE_CHECKING:  # the records' types; importing them here would make this mod
     from .checkpoint.keys import KeyLayout, Source
     from .parallel.context import ContextParallelSpec
     from .parallel.tensor import TensorParallelSpec
+    from .vae.kind import VaeKind
 
 # Modules (relative to this package) whose import registers the built-in families, in detection order.
 BUILTIN: tuple[str, ...] = (".flux.family", ".flux2.family", ".qwen_image.family", ".wan.family")
@@ -229,6 +231,10 @@ class ModelFamily:
       dev/schnell table; FLUX.2: Flux2Scheduler; Qwen-Image: ModelSamplingAuraFlow).
     - `demo`: the module (relative to the backend package) whose `add_arguments(parser)` and `run(args)`
       are `python -m rocm_parallel demo`, for a family that has one (the CLI runs the first).
+    The VAE
+    - `vae`: the VAE that decodes the family's latents (backend/vae/kind.py `VaeKind`: detection, diffusers
+      class, key conversion, ComfyUI's latent around it), read by the patch-parallel VAE nodes; families
+      that share a VAE name the same kind.
     """
 
     name: str
@@ -266,6 +272,7 @@ class ModelFamily:
     # (keys, ...) -> (what it is, what to use instead); every LoRA is checked against every family's
     lora_refusals: Mapping[tuple[str, ...], tuple[str, str]] = field(default_factory=dict)
     demo: str | None = None
+    vae: VaeKind | None = None
 
     def default_ref_method(self, config: Mapping[str, Any]) -> str:
         """How reference latents are placed when a call names no method: the checkpoint's own default

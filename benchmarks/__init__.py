@@ -20,6 +20,7 @@ BENCHMARKS = {
     "compile": "compiled repeated blocks (inductor) vs eager per step on CPU workers, first compile apart",
     "gguf": "GGUF models: bytes per GPU of FLUX.1-dev Q8_0, FLUX.2 [dev] Q4_K, Qwen-Image Q4_K from headers; host RSS while loading",
     "gpu": "one lent GPU in at most 8 minutes: LSE guard verdicts, TP shards vs the planner, compile, fp8, ComfyUI beside worker 0",
+    "vae": "patch-parallel VAE decode/encode: bytes per GPU on 1-4 ranks, planner vs meta device vs ComfyUI's (tiled) decode",
     "caches": "ComfyUI's step caches (EasyCache, LazyCache) on its own model and the parallel MODEL (needs ComfyUI)",
     "video": "a video model's weights per GPU (meta count, one or two resident experts) and the planner's layouts for a video size",
 }

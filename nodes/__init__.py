@@ -16,6 +16,7 @@ from .classes import (
     RocmParallelStatus,
     RocmParallelTPSampler,
 )
+from .vae_nodes import RocmParallelVAEDecode, RocmParallelVAEEncode
 
 NODE_CLASS_MAPPINGS: dict[str, type] = {
     "RocmParallelLoader": RocmParallelLoader,
@@ -24,6 +25,8 @@ NODE_CLASS_MAPPINGS: dict[str, type] = {
     "RocmParallelTPSampler": RocmParallelTPSampler,
     "RocmParallelRingSampler": RocmParallelRingSampler,
     "RocmParallelStatus": RocmParallelStatus,
+    "RocmParallelVAEDecode": RocmParallelVAEDecode,
+    "RocmParallelVAEEncode": RocmParallelVAEEncode,
 }
 NODE_DISPLAY_NAME_MAPPINGS: dict[str, str] = {
     "RocmParallelLoader": "ROCm Parallel Loader",
@@ -32,4 +35,6 @@ NODE_DISPLAY_NAME_MAPPINGS: dict[str, str] = {
     "RocmParallelTPSampler": "TP Sampler",
     "RocmParallelRingSampler": "Ring Attention Sampler",
     "RocmParallelStatus": "ROCm Parallel Status",
+    "RocmParallelVAEDecode": "ROCm Parallel VAE Decode",
+    "RocmParallelVAEEncode": "ROCm Parallel VAE Encode",
 }

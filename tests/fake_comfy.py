@@ -25,6 +25,7 @@ class FakeComfy:
     def __init__(self, models: Path, loras: Path | None = None) -> None:
         self.models = models
         self.loras = loras if loras is not None else models.parent / "loras"
+        self.vaes = models.parent / "vae"
         self.calls: list[str] = []  # model_management calls, in order
         self.progress: list[tuple[int, int]] = []  # every update_absolute(value, total)
         self.interrupt_at: int | None = None  # raise from the progress bar once this step is reported
@@ -34,7 +35,7 @@ class FakeComfy:
         fake = self
         folder_paths = types.ModuleType("folder_paths")
 
-        folders = {"diffusion_models": fake.models, "loras": fake.loras}
+        folders = {"diffusion_models": fake.models, "loras": fake.loras, "vae": fake.vaes}
 
         def get_filename_list(kind: str) -> list[str]:
             # ComfyUI lists its supported_pt_extensions only: a .gguf file is not among them

@@ -31,6 +31,8 @@ NAMES = sorted(p.stem for p in WORKFLOWS.glob("*.json"))
 EXPECTED = {
     # name: (sampler, devices, checkpoint, ring x ulysses)
     "flux1_dev_tp4": ("RocmParallelTPSampler", "0,1,2,3", "flux1-dev.safetensors", None),
+    # the same, its VAE decode split over the loader's GPUs (ROCm Parallel VAE Decode)
+    "flux1_dev_tp4_parallel_vae": ("RocmParallelTPSampler", "0,1,2,3", "flux1-dev.safetensors", None),
     "flux1_dev_ring2": ("RocmParallelRingSampler", "0,1", "flux1-dev.safetensors", (2, 1)),
     "flux1_dev_ring2_ulysses2": ("RocmParallelRingSampler", "0,1,2,3", "flux1-dev.safetensors", (2, 2)),
     "flux1_schnell_tp2": ("RocmParallelTPSampler", "0,1", "flux1-schnell.safetensors", None),
@@ -167,6 +169,11 @@ def test_workflow_does_what_its_name_says(name: str) -> None:
         standard.add("EmptyHunyuanLatentVideo")
     else:
         standard.add("EmptyFlux2LatentImage" if name.startswith("flux2") else "EmptySD3LatentImage")
+    if name.endswith("_parallel_vae"):  # the decode on the loader's GPUs: the VAE file is the node's own
+        standard -= {"VAELoader", "VAEDecode"}
+        standard.add("RocmParallelVAEDecode")
+        loader = next(k for k, node in api.items() if node["class_type"] == "RocmParallelLoader")
+        assert by_class["RocmParallelVAEDecode"]["parallel_flux"] == [loader, 0]
     assert standard <= set(by_class)
 
 

@@ -27,6 +27,8 @@ MODEL_FILE_INPUTS = {
     ("VAELoader", "vae_name"),
     ("RocmParallelLoader", "checkpoint"),
     ("RocmParallelLoRA", "lora_name"),
+    ("RocmParallelVAEDecode", "vae_name"),
+    ("RocmParallelVAEEncode", "vae_name"),
     ("LoadImage", "image"),  # a file in the user's ComfyUI/input folder
     ("UNETLoader", "unet_name"),
     ("LoraLoaderModelOnly", "lora_name"),

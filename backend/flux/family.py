@@ -35,6 +35,7 @@ from .model import FLUX_DEV, FLUX_SCHNELL, build_flux
 from .sampling import LATENT, diffusers_model_fn, plan_for
 from .sampling import variant as variant
 from .tp import FLUX_TP
+from .vae import FLUX1_VAE
 
 # comfy/supported_models.py FluxInpaint: the Fill model's channels per latent pixel (16 latent + 16 masked
 # image + 64 mask, the 8x8 mask pixels under each latent pixel).
@@ -157,6 +158,7 @@ FLUX1 = register(
         sampling=plan_for,  # KSampler(euler, simple) on the dev / schnell table (flux/sampling.py)
         lora_refusals=LORA_REFUSALS,
         demo=".flux.demo",  # `python -m rocm_parallel demo`: FLUX.1-dev-shaped random weights
+        vae=FLUX1_VAE,  # ae.safetensors: AutoencoderKL, 16 channels (flux/vae.py)
     )
 )
 

@@ -31,6 +31,7 @@ from .forward import REF_METHODS, TIMESTEP_ZERO, flux2_call, flux2_model_fn
 from .model import FLUX2_DEV, FLUX2_KLEIN_4B, FLUX2_KLEIN_9B, build_flux2
 from .sampling import plan_for
 from .tp import FLUX2_TP
+from .vae import FLUX2_VAE
 
 # ComfyUI's Flux.forward inputs; the pooled vector `y` is dropped (model_detection: vec_in_dim None)
 FLUX2_CALL = flux_call_spec(pooled=False)
@@ -165,6 +166,7 @@ FLUX2 = register(
         call=flux2_call,
         model_fn=flux2_model_fn,
         sampling=plan_for,  # Flux2Scheduler + euler, as ComfyUI's FLUX.2 template (flux2/sampling.py)
+        vae=FLUX2_VAE,  # flux2-vae.safetensors: AutoencoderKLFlux2, batch-norm latent (flux2/vae.py)
     )
 )
 

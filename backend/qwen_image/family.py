@@ -34,6 +34,7 @@ from .forward import PATCH, REF_METHODS, qwen_call, qwen_model_fn
 from .model import QWEN_IMAGE, QWEN_IMAGE_EDIT_2511, build_qwen_image
 from .sampling import plan_for
 from .tp import QWEN_TP
+from .vae import QWEN_IMAGE_VAE
 
 # comfy/latent_formats.py Wan21 (0.3.75 and 0.33.0): the same numbers as diffusers' AutoencoderKLQwenImage
 # config `latents_mean` / `latents_std`; scale_factor 1.
@@ -156,6 +157,7 @@ QWEN_IMAGE_FAMILY = register(
         model_fn=qwen_model_fn,
         sampling=plan_for,  # ModelSamplingAuraFlow 3.1 + KSampler euler/simple, as the template (sampling.py)
         lora_prefixes=("",),  # comfy/lora.py maps QwenImage's bare module names (the Qwen / DiffSynth format)
+        vae=QWEN_IMAGE_VAE,  # the Wan 2.1 causal 3-D VAE (qwen_image/vae.py)
     )
 )
 

@@ -49,6 +49,8 @@ def test_pack_loads_with_nodes_route_js_and_templates(comfy: Comfy) -> None:
         "RocmParallelTPSampler",
         "RocmParallelRingSampler",
         "RocmParallelStatus",
+        "RocmParallelVAEDecode",
+        "RocmParallelVAEEncode",
     ):
         assert info[node_id]["category"] == "ROCm Parallel"
     files = ["tiny-flux-dev.safetensors"] + (["tiny-flux2.safetensors"] if FLUX2_CASES else [])
@@ -66,6 +68,7 @@ def test_pack_loads_with_nodes_route_js_and_templates(comfy: Comfy) -> None:
         "flux1_dev_ring2",
         "flux1_dev_ring2_ulysses2",
         "flux1_dev_tp4",
+        "flux1_dev_tp4_parallel_vae",
         "flux1_kontext_dev_ksampler_parallel_model",
         "flux1_schnell_tp2",
         "flux2_dev_gguf_parallel_model_tp2",

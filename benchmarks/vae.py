@@ -1,0 +1,105 @@
+"""`bench vae`: bytes per GPU for a patch-parallel VAE decode (or encode) of FLUX.1's VAE (the released
+config, by default) at 1024, 2048 and 4096 px on 1, 2 and 4 ranks: the planner's figures (backend/plan/vae.py)
+next to the engine's own band code on the meta device (testing/vae_meta.py: torch's MemTracker peak of the
+tallest band under the fake process group), and beside them ComfyUI's untiled decode and its tiled one.
+
+ComfyUI's untiled decode runs the same arithmetic as one rank with the whole image (the 1-rank row); its
+tiled decode (VAE Decode (Tiled), 512 px tiles) holds one tile's decode at a time on the GPU (the stitched
+image lives in ComfyUI's intermediate device, the CPU), so its GPU peak is the weights plus a 1-rank decode of
+one 512 px tile with its 64 px overlap on each side (640 x 640 px), measured the same way. The last column
+is what ComfyUI 0.33.0 frees on the GPU before its untiled decode of an AutoencoderKL (comfy/sd.py,
+`VAE.memory_used_decode`: 2178 x 64 bytes per latent pixel per dtype byte, x 2.73 on AMD), its estimate, not a
+measurement. Nothing here needs a GPU or weights; no image is computed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import torch
+
+from ..backend.plan.vae import vae_memory
+from ..backend.text import GB
+from ..backend.vae.kind import get_vae_kind, vae_kinds
+from ..testing.helpers import markdown_row
+from ..testing.vae_meta import measure_vae_on_meta
+
+TILE = 512 + 2 * 64  # ComfyUI's VAEDecodeTiled defaults: 512 px tiles overlapping by 64 px
+COMFY_DECODE_BYTES = 2178 * 64  # per latent pixel and dtype byte (comfy/sd.py VAE.memory_used_decode)
+COMFY_AMD_RATIO = 2.73  # comfy/sd.py VAE_KL_MEM_RATIO when model_management.is_amd()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--vae", choices=[k.name for k in vae_kinds()], default="flux1-vae", help="VAE kind")
+    parser.add_argument("--sizes", default="1024,2048,4096", help="square image sides in pixels")
+    parser.add_argument("--ranks", default="1,2,4", help="rank counts")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--encode", action="store_true", help="an encode instead of a decode")
+    parser.add_argument("--json", help="also write the rows to this JSON file")
+
+
+def _weight_bytes(kind: Any, dtype: torch.dtype) -> int:
+    from ..backend.vae.load import build_vae
+
+    model = build_vae(kind, dict(kind.released), "meta", dtype)
+    return sum(p.numel() for p in model.parameters()) * dtype.itemsize
+
+
+def measure(
+    kind: Any, size: int, ranks: int, dtype: torch.dtype, encode: bool, weights: int
+) -> dict[str, Any]:
+    config = dict(kind.released)
+    planned = vae_memory(kind, config, size, size, ranks=ranks, dtype_bytes=dtype.itemsize,
+                         weight_bytes=weights, encode=encode)  # fmt: skip
+    measured = measure_vae_on_meta(kind, config, size, size, ranks=ranks, rank=ranks - 1, dtype=dtype,
+                                   encode=encode)  # fmt: skip
+    return {
+        "size": size, "ranks": ranks, "rows": planned.rows, "weights": weights,
+        "planned_activations": planned.activations, "planned_image": planned.image,
+        "planned_total": planned.total, "measured_activations": measured["activations"],
+    }  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> str:
+    kind = get_vae_kind(args.vae)
+    dtype = getattr(torch, args.dtype)
+    weights = _weight_bytes(kind, dtype)
+    tile = measure_vae_on_meta(
+        kind, dict(kind.released), TILE, TILE, ranks=1, dtype=dtype, encode=args.encode
+    )
+    rows = []
+    for size in (int(s) for s in args.sizes.split(",")):
+        for ranks in (int(r) for r in args.ranks.split(",")):
+            rows.append(measure(kind, size, ranks, dtype, args.encode, weights))
+            print(f"  measured {size} px on {ranks} rank(s)", flush=True)
+    what = "encode" if args.encode else "decode"
+    lines = [
+        f"{kind.title}, released config, {args.dtype}, one {what}, batch 1: GB per GPU (the tallest band; rank 0 "
+        f"also gathers the image). Weights {weights / GB:.3f} GB per rank. ComfyUI tiled ({TILE} px tiles with "
+        f"overlap): weights + {tile['activations'] / GB:.3f} GB at any size.",
+        "",
+        "| image | ranks | band (latent rows) | activations plan (GB) | MemTracker (GB) | error | per GPU plan, "
+        "total (GB) | ComfyUI untiled (GB) | ComfyUI tiled (GB) | ComfyUI reserves, NVIDIA / AMD (GB) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    untiled = {r["size"]: r for r in rows if r["ranks"] == 1}
+    for r in rows:
+        err = r["planned_activations"] / r["measured_activations"] - 1
+        whole = untiled.get(r["size"])
+        comfy = f"{(weights + whole['measured_activations']) / GB:.2f}" if whole else "-"
+        latent_pixels = (r["size"] // kind.downscale) ** 2
+        reserve = COMFY_DECODE_BYTES * latent_pixels * dtype.itemsize
+        lines.append(
+            markdown_row([f"{r['size']}x{r['size']}", r["ranks"], r["rows"], f"{r['planned_activations'] / GB:.2f}",
+                          f"{r['measured_activations'] / GB:.2f}", f"{err:+.1%}", f"{r['planned_total'] / GB:.2f}",
+                          comfy, f"{(weights + tile['activations']) / GB:.2f}",
+                          f"{reserve / GB:.2f} / {reserve * COMFY_AMD_RATIO / GB:.2f}"])
+        )  # fmt: skip
+    table = "\n".join(lines)
+    print("\n" + table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return table
