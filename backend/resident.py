@@ -294,7 +294,7 @@ class ResidentGroup:
         self._forget(slot)  # the workers drop what they held there first
         self._make_room(request, group)
         try:
-            reports = group.call_all("load", request, timeout=timeout, progress=progress)
+            reports = group.call_all(_load_method(request), request, timeout=timeout, progress=progress)
         except BaseException:
             # Loading has no collectives, so a cancel or a one-rank failure can leave some ranks holding
             # the new model and others nothing: drop it everywhere, so no rank holds what no record names.
@@ -304,7 +304,8 @@ class ResidentGroup:
             raise
         self.residents[slot], self._loaded_in[slot] = request, group
         self._last_status = reports
-        self._forwards[slot] = ForwardClient(request.info.model_family.call_spec, slot)
+        if isinstance(request, LoadRequest):  # a resident module (a VAE) takes no model calls
+            self._forwards[slot] = ForwardClient(request.info.model_family.call_spec, slot)
         return reports
 
     def _forget(self, slot: str) -> None:
@@ -312,15 +313,39 @@ class ResidentGroup:
         self._loaded_in.pop(slot, None)
         self._forwards.pop(slot, None)
 
-    def _resident_group(self, request: LoadRequest) -> WorkerGroup:
+    def _resident_group(self, request: Any, progress: ProgressCallback | None = None) -> WorkerGroup:
         """The group holding `request` in its slot, loading it first when the ranks hold something else
         there (or the group was restarted after a failure); the slot becomes the most recently used."""
         slot = request.slot
         held = self.residents.get(slot)
         if held != request or self._loaded_in.get(slot) is not self._group or not self.started:
-            self._load_resident(request)
+            self._load_resident(request, progress)
         self.residents.move_to_end(slot)
         return self.group
+
+    def call_resident(
+        self,
+        request: Any,
+        method: str,
+        payload: Any,
+        *,
+        timeout: float | None = None,
+        progress: ProgressCallback | None = None,
+    ) -> list[Any]:
+        """Run worker `method` on every rank with `request` resident in its slot (loaded first when the ranks
+        hold something else there), one job at a time with the group's other calls; each rank's reply.
+
+        `request` is a model's LoadRequest or a resident module's record: any frozen record with `slot`,
+        `checkpoint`, `weight_bytes` (per rank) and `load_method` (the worker method that loads it, e.g.
+        backend/vae/messages.py VaeLoadRequest), kept and evicted like a model."""
+        with self._lock:
+            group = self._resident_group(request, progress)
+            return group.call_all(method, payload, timeout=timeout)
+
+    @property
+    def reports(self) -> list[RankStatus]:
+        """Each rank's latest status (after the latest load or status call): what admission reads."""
+        return list(self._last_status)
 
     def _make_room(self, request: LoadRequest, group: WorkerGroup) -> None:
         """Unload the least recently used other slots while every resident model's weights and the new one's
@@ -406,9 +431,13 @@ class ResidentGroup:
         return self.compute_dtype_of(None)
 
 
-def weight_bytes_per_rank(request: LoadRequest, device: str) -> int:
-    """Parameter bytes one rank holds for `request` (the planner's exact count for its layout and dtypes)."""
+def weight_bytes_per_rank(request: Any, device: str) -> int:
+    """Parameter bytes one rank holds for `request` (the planner's exact count for its layout and dtypes; a
+    resident module's request says its own)."""
     from .plan import weight_bytes
+
+    if not isinstance(request, LoadRequest):
+        return int(request.weight_bytes)
 
     info = request.info
     compute = str(resolve_dtype(request.dtype, device)).removeprefix("torch.")
@@ -422,3 +451,8 @@ def weight_bytes_per_rank(request: LoadRequest, device: str) -> int:
         family=info.family,
         linear_bytes=fp8.bytes if fp8 is not None else None,
     )
+
+
+def _load_method(request: Any) -> str:
+    """The worker method that makes `request` resident: 'load' for a model, the module's own otherwise."""
+    return getattr(request, "load_method", "load")
