@@ -34,7 +34,11 @@ class FakeComfy:
         fake = self
         folder_paths = types.ModuleType("folder_paths")
 
-        folders = {"diffusion_models": fake.models, "loras": fake.loras}
+        folders = {
+            "diffusion_models": fake.models,
+            "loras": fake.loras,
+            "text_encoders": fake.models.parent / "te",
+        }
 
         def get_filename_list(kind: str) -> list[str]:
             folder = folders[kind]

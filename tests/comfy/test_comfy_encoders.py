@@ -164,3 +164,51 @@ def test_mistral3_on_the_workers_equals_comfyuis_own(
     assert (got.out - expected).abs().max() < TOLERANCE
     assert (got.intermediate - expected_mid).abs().max() < TOLERANCE
     group.unload("te mistral")
+
+
+def test_the_loader_node_gives_comfyuis_own_conditioning_to_comfyuis_text_nodes(
+    comfy: Any, flux_files: dict[str, Path], tmp_path: Path
+) -> None:
+    """The ROCm Parallel Text Encoder Loader node, as ComfyUI's executor calls it, under ComfyUI's own
+    CLIPTextEncode and CLIPTextEncodeFlux: the same CONDITIONING as ComfyUI's own CLIP. The CLIP-L beside
+    T5 is full size here (ComfyUI's own class, random weights in bf16): the node passes ComfyUI no config."""
+    import comfy_extras.nodes_flux as flux_nodes
+    import folder_paths
+
+    import nodes
+    from rocm_parallel.nodes.encoder_node import RocmParallelTextEncoderLoader
+    from rocm_parallel.nodes.registry import REGISTRY
+
+    with open(Path(COMFYUI_PATH) / "comfy" / "sd1_clip_config.json") as f:
+        config = json.load(f)
+    clip_l = comfy.clip_model.CLIPTextModel(config, torch.bfloat16, "cpu", comfy.ops.manual_cast)
+    folder = tmp_path / "text_encoders"
+    folder.mkdir()
+    (folder / "t5.safetensors").symlink_to(flux_files["t5"])
+    _save(clip_l, folder / "clip_l.safetensors", 5)
+    del clip_l
+    folder_paths.add_model_folder_path("text_encoders", str(folder))
+    own = _comfy_clip(
+        comfy,
+        [folder / "t5.safetensors", folder / "clip_l.safetensors"],
+        "flux",
+        {"t5xxl_model_config": TINY_T5},
+    )
+    try:
+        (ours,) = RocmParallelTextEncoderLoader().load(
+            "t5.safetensors", "clip_l.safetensors", "flux", "cpu x2", unique_id="12"
+        )
+        prompt = "a lighthouse on a cliff at dusk, oil painting"
+        for encode in (
+            lambda clip: nodes.CLIPTextEncode().encode(clip, prompt)[0],
+            lambda clip: flux_nodes.CLIPTextEncodeFlux.execute(clip, "a lighthouse", prompt, 3.5).args[0],
+        ):
+            (expected, expected_extra), (got, extra) = encode(own)[0], encode(ours)[0]
+            assert got.shape == expected.shape == (1, 256, TINY_T5["d_model"])
+            assert (got - expected).abs().max() < TOLERANCE
+            assert (extra["pooled_output"] - expected_extra["pooled_output"]).abs().max() < TOLERANCE
+            assert extra.get("guidance") == expected_extra.get("guidance")
+        held = [m.slot for s in REGISTRY.current.status() for m in s.models]
+        assert held == ["text encoder 12", "text encoder 12"]
+    finally:
+        REGISTRY.close()
