@@ -18,8 +18,10 @@ import torch
 from rocm_parallel.backend.config import ConfigError, ParallelLayout
 from rocm_parallel.backend.encoders.api import ParallelEncoder
 from rocm_parallel.backend.encoders.files import check_clip_type, inspect_encoder
+from rocm_parallel.backend.encoders.kind import get_encoder_kind
 from rocm_parallel.backend.encoders.load import load_encoder
 from rocm_parallel.backend.encoders.messages import EncoderLoadRequest
+from rocm_parallel.backend.plan.encoder import encoder_bytes, place_encoder
 from rocm_parallel.backend.resident import ResidentGroup
 from rocm_parallel.testing.encoder_files import KINDS, PACK_KINDS, VOCAB, reference, write_encoder
 
@@ -180,3 +182,46 @@ def test_a_split_that_does_not_divide_the_heads_is_refused(files: dict[str, Path
     info = inspect_encoder(files["mistral3"])
     with pytest.raises(ConfigError, match=r"3 does not divide its 8 attention heads; .* must be 2 or 4"):
         info.encoder.validate_tp(3, info.config)
+
+
+# --------------------------------------------------------------------------------------------------
+# The planner: bytes per rank of the released encoders (meta device), and where an encoder lives
+
+
+def test_the_planner_counts_t5_xxl_and_mistral3_bytes_per_rank() -> None:
+    """encoder_bytes against the parameter counts written out by hand: linear weights and token tables split
+    over the ranks in the held dtype, norms whole in float32 (T5's relative position table, an embedding,
+    whole in the held dtype)."""
+    t5 = get_encoder_kind("t5xxl")
+    d, ff, vocab, layers = 4096, 10240, 32128, 24
+    split = vocab * d + layers * (4 * d * d + 3 * d * ff)
+    for degree in (1, 2, 4):
+        for held, size in (("bfloat16", 2), ("float8_e4m3fn", 1)):
+            expected = split // degree * size + 32 * 64 * size + (2 * layers + 1) * d * 4
+            assert encoder_bytes(t5, t5.presets["t5-xxl"], degree, "vocab", held) == expected
+    # replicated embeddings: every rank holds the whole table
+    assert (
+        encoder_bytes(t5, t5.presets["t5-xxl"], 2, "replicated")
+        - encoder_bytes(t5, t5.presets["t5-xxl"], 2, "vocab")
+        == vocab * d // 2 * 2
+    )
+    mistral = get_encoder_kind("mistral3_24b")
+    d, q, kv, mlp, vocab, layers = 5120, 32 * 128, 8 * 128, 32768, 131072, 40
+    split = vocab * d + layers * (2 * d * q + 2 * d * kv + 3 * d * mlp)
+    norms = (2 * layers + 1) * d * 4
+    assert encoder_bytes(mistral, mistral.presets["mistral3-24b"], 1) == split * 2 + norms  # 47.1 GB: no card
+    assert (
+        encoder_bytes(mistral, mistral.presets["mistral3-24b"], 4, held="float8_e4m3fn") == split // 4 + norms
+    )
+
+
+def test_the_planner_places_the_encoder_by_what_fits_gpu_0() -> None:
+    gb = 10**9  # usable on GPU 0: 24 GB x 0.9 - 1.5 GB for ComfyUI = 20.1 GB
+    resident = place_encoder(encoder=6 * gb, model=6 * gb, activations=2 * gb, device=24 * gb)
+    assert resident.choice == "resident"
+    # fits beside the model's weights but not with the sampling activations too: parked in host memory
+    host = place_encoder(encoder=8 * gb, model=8 * gb, activations=5 * gb, device=24 * gb)
+    assert host.choice == "host"
+    left = place_encoder(encoder=14 * gb, model=8 * gb, activations=2 * gb, device=24 * gb)
+    assert left.choice == "comfyui"
+    assert "per GPU: encoder 14.00 GB, model 8.00 GB" in left.explanation()

@@ -1,13 +1,15 @@
 """The pack's text encoders against ComfyUI's own, in a real ComfyUI imported in this process.
 
 The files are small random encoders built with **ComfyUI's own** text-encoder classes (its `T5`, its
-`Mistral3Small24B`, its CLIP-L `CLIPTextModel`) and saved as ComfyUI's CLIPLoader reads them. Two checks:
+`Llama2_`, its CLIP-L `CLIPTextModel`) and saved as ComfyUI's CLIPLoader reads them. The checks:
 
 * FLUX.1's CLIP (T5-XXL + CLIP-L, DualCLIPLoader type 'flux'): the pack's CLIP (nodes/comfy_clip.py: ComfyUI's
   own CLIP with T5 sharded on CPU workers) gives ComfyUI's own CLIP's conditioning and pooled output within
   1e-4 for the same prompt, ComfyUI's tokenizer and its dtype choices on both sides;
-* FLUX.2 [dev]'s Mistral Small 3: ComfyUI's own `Mistral3Small24B` against the pack's sharded encoder on the
-  same token ids, left-padded, with FLUX.2's selection of intermediate layers (no final norm).
+* the language models (FLUX.2 [dev]'s Mistral Small 3, Qwen-Image's Qwen2.5-VL LM, FLUX.2 [klein]'s Qwen3):
+  ComfyUI's own `Llama2_` with each one's config class against the pack's sharded encoder on the same token
+  ids, left-padded, with FLUX.2's selection of intermediate layers (no final norm);
+* the loader node under ComfyUI's own CLIPTextEncode and CLIPTextEncodeFlux.
 
 Both at TP 2 and TP 4 (attention heads, key/value groups and MLP split, token embeddings split by vocabulary).
 
@@ -24,11 +26,10 @@ from typing import Any
 
 import pytest
 import torch
-from comfy_server import COMFYUI_PATH, TESTS_DIR
+from comfy_server import COMFYUI_PATH, COMFYUI_VERSION, TESTS_DIR
 from safetensors.torch import save_file
 
 from rocm_parallel.backend.encoders.api import ParallelEncoder
-from rocm_parallel.backend.encoders.llama.kind import MISTRAL3
 from rocm_parallel.backend.encoders.t5.kind import T5_XXL
 from rocm_parallel.backend.resident import ResidentGroup
 
@@ -38,10 +39,11 @@ TOLERANCE = 1e-4
 # ComfyUI detects T5-XXL by block 23's wi_1 of 10240 rows: 24 blocks of that MLP width, everything else tiny
 TINY_T5 = {**T5_XXL, "d_model": 32, "d_kv": 8, "num_heads": 4, "num_layers": 24}
 TINY_CLIP_L = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_hidden_layers": 2}
-TINY_MISTRAL = {
+# The language models' shapes, small; their norms' eps, rotary theta and sections stay ComfyUI's defaults, which
+# the pack's kinds must match (backend/encoders/llama/kind.py)
+TINY_LM = {
     "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
-    "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 8192,
-    "rms_norm_eps": MISTRAL3["rms_norm_eps"], "rope_theta": MISTRAL3["rope_theta"],
+    "num_attention_heads": 8, "num_key_value_heads": 4,
 }  # fmt: skip
 
 
@@ -138,32 +140,58 @@ def test_flux1_clip_on_the_workers_equals_comfyuis_own(
     group.unload("text encoder")
 
 
+# ComfyUI's config class of each language model, and what its prompts carry besides token ids
+LANGUAGE_MODELS = {
+    "mistral3": "Mistral3Small24BConfig",  # FLUX.2 [dev]
+    "qwen25": "Qwen25_7BVLI_Config",  # Qwen-Image: q/k/v biases, multimodal rotary sections
+    "qwen3": "Qwen3_4BConfig",  # FLUX.2 [klein]: per-head q/k norms
+}
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_mistral3_on_the_workers_equals_comfyuis_own(
-    request: pytest.FixtureRequest, comfy: Any, tmp_path: Path, world: int
+@pytest.mark.parametrize("kind", list(LANGUAGE_MODELS))
+def test_language_models_on_the_workers_equal_comfyuis_own(
+    request: pytest.FixtureRequest, comfy: Any, tmp_path: Path, kind: str, world: int
 ) -> None:
-    ops = comfy.ops.manual_cast
-    mistral = comfy.text_encoders.llama.Mistral3Small24B(TINY_MISTRAL, torch.float32, "cpu", ops)
-    path = tmp_path / "tiny-mistral3.safetensors"
-    sd = _save(mistral, path, 3)
-    mistral.load_state_dict(sd)
-    ids = torch.randint(0, TINY_MISTRAL["vocab_size"], (2, 11), generator=torch.Generator().manual_seed(4))
+    """ComfyUI's own `Llama2_` with each encoder's config class against the pack's sharded encoder: FLUX.2's
+    selection of intermediate layers without the final norm, a left-padded prompt, and for Qwen2.5-VL the
+    3-row position ids of an image prompt (temporal, height, width sections of the rotary embedding)."""
+    llama = comfy.text_encoders.llama
+    config = getattr(llama, LANGUAGE_MODELS[kind])(**TINY_LM)
+    model = llama.Llama2_(config, device="cpu", dtype=torch.float32, ops=comfy.ops.manual_cast)
+    sd = _randomize(model, 3)
+    model.load_state_dict(sd)
+    path = tmp_path / f"tiny-{kind}.safetensors"
+    save_file({f"model.{k}": v for k, v in sd.items()}, str(path))
+    ids = torch.randint(0, TINY_LM["vocab_size"], (2, 11), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # ComfyUI's Mistral tokenizer pads on the left
+    positions = None
+    if kind == "qwen25":  # an image's tokens: height and width rows differ from the temporal one
+        positions = torch.stack([torch.arange(11), torch.arange(11) // 3, torch.arange(11) % 3])
     layers = [1, 2, 3]  # FLUX.2 takes three intermediate layers, without the final norm
     with torch.no_grad():
-        expected, expected_mid = mistral(
-            ids, mask, intermediate_output=layers, final_layer_norm_intermediate=False, dtype=torch.float32
-        )
+        expected, expected_mid = model(
+            ids, mask, intermediate_output=layers, final_layer_norm_intermediate=False, dtype=torch.float32,
+            position_ids=positions,
+        )  # fmt: skip
     group = ResidentGroup(group=request.getfixturevalue(f"group{world}"))
-    encoder = ParallelEncoder(group, path, slot="te mistral")
+    encoder = ParallelEncoder(group, path, slot=f"te {kind}")
+    assert encoder.kind.name == {"mistral3": "mistral3_24b", "qwen25": "qwen25_7b", "qwen3": "qwen3"}[kind]
     got = encoder.encode(
-        ids, attention_mask=mask, intermediate_output=layers, final_layer_norm_intermediate=False
-    )
+        ids, attention_mask=mask, intermediate_output=layers, final_layer_norm_intermediate=False,
+        position_ids=positions,
+    )  # fmt: skip
     assert got.intermediate is not None and got.intermediate.shape == expected_mid.shape
-    assert (got.out - expected).abs().max() < TOLERANCE
-    assert (got.intermediate - expected_mid).abs().max() < TOLERANCE
-    group.unload("te mistral")
+    # ComfyUI 0.3.75 masks with -inf: a left-padded prompt's padding rows see no key, and their NaN reaches
+    # every row of that prompt through the masked keys' values (0 x NaN). Later ComfyUI masks with
+    # finfo.min / 4, as the pack does; there every prompt is compared, on 0.3.75 the unpadded one only.
+    compared = expected.flatten(1).isfinite().all(1)
+    assert compared[0] and (compared.all() or COMFYUI_VERSION == "0.3.75")
+    assert got.out.isfinite().all()
+    assert (got.out[compared] - expected[compared]).abs().max() < TOLERANCE
+    assert (got.intermediate[compared] - expected_mid[compared]).abs().max() < TOLERANCE
+    group.unload(f"te {kind}")
 
 
 def test_the_loader_node_gives_comfyuis_own_conditioning_to_comfyuis_text_nodes(
