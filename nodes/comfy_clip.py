@@ -375,19 +375,10 @@ def _materialize_rest(
 
 
 def _require() -> None:
-    import importlib
+    from .comfy_model import comfyui_version, missing_internals
 
-    missing = []
-    for module_name, path in _REQUIRED:
-        try:
-            obj: Any = importlib.import_module(module_name)
-            for part in path.split("."):
-                obj = getattr(obj, part)
-        except (ImportError, AttributeError):
-            missing.append(f"{module_name}.{path}")
+    missing = missing_internals(_REQUIRED)
     if missing:
-        from .comfy_model import comfyui_version
-
         raise RuntimeError(
             f"ROCm Parallel Text Encoder Loader: ComfyUI {comfyui_version()} lacks {', '.join(missing)}; update ComfyUI"
         )

@@ -27,6 +27,8 @@ MODEL_FILE_INPUTS = {
     ("VAELoader", "vae_name"),
     ("RocmParallelLoader", "checkpoint"),
     ("RocmParallelLoRA", "lora_name"),
+    ("RocmParallelTextEncoderLoader", "clip_name1"),
+    ("RocmParallelTextEncoderLoader", "clip_name2"),
     ("LoadImage", "image"),  # a file in the user's ComfyUI/input folder
 }
 
