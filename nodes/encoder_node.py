@@ -25,7 +25,7 @@ class RocmParallelTextEncoderLoader:
         "Parallel workers (attention heads, MLP and token embeddings split; each GPU reads only its slices). "
         "Use it where CLIPLoader / DualCLIPLoader would go, with the same files and type; ComfyUI's own text "
         "nodes (CLIPTextEncode, CLIPTextEncodeFlux, ...) work on it unchanged. A second file the pack does not "
-        "shard (FLUX.1's CLIP-L) stays in ComfyUI's process."
+        "shard (the CLIP-L beside T5-XXL) stays in ComfyUI's process."
     )
     CATEGORY = CATEGORY
     RETURN_TYPES = ("CLIP",)
@@ -50,7 +50,7 @@ class RocmParallelTextEncoderLoader:
                     [NONE, *files],
                     {
                         "default": NONE,
-                        "tooltip": "The second file of a dual encoder (FLUX.1: CLIP-L), or none.",
+                        "tooltip": "The second file of a dual encoder (CLIP-L beside T5-XXL), or none.",
                     },
                 ),
                 "type": (
