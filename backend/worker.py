@@ -9,8 +9,8 @@ Started by `client.WorkerGroup` (never imported by ComfyUI itself). Life of a wo
    Meanwhile a thread of its own reports what the rank is doing (heartbeat.py), from the first line of
    `main` on: the caller tells a hung rank from a slow one by these reports;
 4. report Ready, then serve `transport.Request` envelopes until "shutdown": `_run` finds the method
-   (`HANDLERS`, filled by `@handler` in jobs.py, serve.py, probe.py, vae/jobs.py and the modules the group
-   names),
+   (`HANDLERS`, filled by `@handler` in jobs.py, serve.py, probe.py, vae/jobs.py, encoders/jobs.py and the
+   modules the group names),
    checks the request record's type and calls it; a `Reply` (and `Progress` on the way) carries the
    request's job id back;
 5. leave the group cleanly (barrier, destroy_process_group, os._exit) — gloo can abort at interpreter
@@ -183,7 +183,7 @@ def _load_methods() -> None:
     The built-in ones first, then the modules the group was started with (`WorkerGroup(methods=...)`,
     e.g. tests' and benchmarks' own methods): product code carries no method that only they use.
     """
-    for module in ("jobs", "serve", "probe", "vae.jobs"):
+    for module in ("jobs", "serve", "probe", "vae.jobs", "encoders.jobs"):
         importlib.import_module(f"{__package__}.{module}")
     for module in filter(None, os.environ.get("RP_METHODS", "").split(",")):
         importlib.import_module(module)

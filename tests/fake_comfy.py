@@ -35,7 +35,12 @@ class FakeComfy:
         fake = self
         folder_paths = types.ModuleType("folder_paths")
 
-        folders = {"diffusion_models": fake.models, "loras": fake.loras, "vae": fake.vaes}
+        folders = {
+            "diffusion_models": fake.models,
+            "loras": fake.loras,
+            "vae": fake.vaes,
+            "text_encoders": fake.models.parent / "te",
+        }
 
         def get_filename_list(kind: str) -> list[str]:
             # ComfyUI lists its supported_pt_extensions only: a .gguf file is not among them

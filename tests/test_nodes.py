@@ -59,7 +59,8 @@ def test_pack_import_is_cheap_and_registers_nodes() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == (
         "False ['RocmParallelLoRA', 'RocmParallelLoader', 'RocmParallelModel', 'RocmParallelRingSampler', "
-        "'RocmParallelStatus', 'RocmParallelTPSampler', 'RocmParallelVAEDecode', 'RocmParallelVAEEncode']"
+        "'RocmParallelStatus', 'RocmParallelTPSampler', 'RocmParallelTextEncoderLoader', 'RocmParallelVAEDecode', "
+        "'RocmParallelVAEEncode']"
     )
     assert rocm_parallel.WEB_DIRECTORY == "./js"
     assert list((PACK_ROOT / "js").glob("*.js")), "WEB_DIRECTORY has no extension script"

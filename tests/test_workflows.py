@@ -38,6 +38,8 @@ EXPECTED = {
     "flux1_schnell_tp2": ("RocmParallelTPSampler", "0,1", "flux1-schnell.safetensors", None),
     "flux1_dev_lora_dpmpp2m_beta": ("RocmParallelTPSampler", "0,1,2,3", "flux1-dev.safetensors", None),
     "flux1_dev_ksampler_parallel_model": ("KSampler", "0,1,2,3", "flux1-dev.safetensors", None),
+    # the same graph with T5-XXL sharded on the model's 4 GPUs (ROCm Parallel Text Encoder Loader)
+    "flux1_dev_text_encoder_parallel_model": ("KSampler", "0,1,2,3", "flux1-dev.safetensors", None),
     "flux1_kontext_dev_ksampler_parallel_model": (
         "KSampler",
         "0,1,2,3",
@@ -158,7 +160,11 @@ def test_workflow_does_what_its_name_says(name: str) -> None:
     standard = {"CLIPTextEncode", "VAELoader", "VAEDecode", "SaveAnimatedWEBP" if video else "SaveImage"}
     # FLUX.1: two text encoders (clip_l + t5xxl); FLUX.2: one (Mistral 3 Small) and a 128-channel latent;
     # Qwen-Image: one (Qwen2.5-VL 7B); Wan: one (umt5-xxl)
-    standard.add("DualCLIPLoader" if name.startswith("flux1") else "CLIPLoader")
+    if "text_encoder" in name:  # the text encoder on the model's workers, in ComfyUI's loader's place
+        standard.add("RocmParallelTextEncoderLoader")
+        assert by_class["RocmParallelTextEncoderLoader"]["devices"] == devices
+    else:
+        standard.add("DualCLIPLoader" if name.startswith("flux1") else "CLIPLoader")
     # text-to-image starts from an empty latent; an edit (Kontext) from the encoded image; image-to-video
     # from WanImageToVideo's latent and a start image
     if "kontext" in name:

@@ -29,6 +29,8 @@ MODEL_FILE_INPUTS = {
     ("RocmParallelLoRA", "lora_name"),
     ("RocmParallelVAEDecode", "vae_name"),
     ("RocmParallelVAEEncode", "vae_name"),
+    ("RocmParallelTextEncoderLoader", "clip_name1"),
+    ("RocmParallelTextEncoderLoader", "clip_name2"),
     ("LoadImage", "image"),  # a file in the user's ComfyUI/input folder
     ("UNETLoader", "unet_name"),
     ("LoraLoaderModelOnly", "lora_name"),

@@ -159,6 +159,14 @@ def _read(
     return out
 
 
+def read_tensor(
+    stored: StoredTensor, pieces: Pieces | None, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """This rank's `pieces` of a stored tensor (the whole tensor when None) as `dtype` on `device`, read and
+    checked as every parameter of a model is (the text encoders' loader reads files through it)."""
+    return _read(stored, None, pieces, dtype, device)
+
+
 def check_values(stored: StoredTensor, tensor: torch.Tensor) -> None:
     """Refuse a tensor holding NaN or inf, naming it (finite.py: one min/max pass, no mask)."""
     if not all_finite(tensor):
@@ -275,5 +283,6 @@ __all__ = [
     "parameter_dtype",
     "read_parameter",
     "read_scale",
+    "read_tensor",
     "resident_dtype",
 ]

@@ -32,6 +32,7 @@ from torch import nn
 
 from ..config import ConfigError, ModelDims, validate_tp_degree
 from .comm import all_gather_single
+from .vocab import VocabParallelEmbedding, vocab_range
 from .weights import layer_dtype, linear_weight
 
 # --------------------------------------------------------------------------------------------------
@@ -92,7 +93,13 @@ class NormAcrossHeads:
     by their own statistics: silent noise, not an error."""
 
 
-Split = Column | Row | PackedRow | PackedColumn | Gathered | NormAcrossHeads
+@dataclass(frozen=True)
+class Vocab:
+    """An embedding table split by rows (tokens): each rank holds a block of the vocabulary and one
+    all-reduce rebuilds the looked-up rows (parallel/vocab.py). A text encoder's token embeddings."""
+
+
+Split = Column | Row | PackedRow | PackedColumn | Gathered | NormAcrossHeads | Vocab
 
 # --------------------------------------------------------------------------------------------------
 # Slicing: which part of a full tensor a rank keeps. Shared with the checkpoint loader, which reads
@@ -130,6 +137,8 @@ def shard_pieces(
     """The slice of parameter `param` ('weight' or 'bias') that `rank` keeps, or None when replicated."""
     if isinstance(split, Column | Gathered | NormAcrossHeads):
         return Pieces(0, (_even(full_shape[0], rank, degree),))
+    if isinstance(split, Vocab):  # blocks of ceil(rows / degree): a vocabulary need not divide
+        return Pieces(0, (vocab_range(full_shape[0], rank, degree),))
     if isinstance(split, PackedColumn):  # weight rows and bias entries alike
         return Pieces(0, _packed_ranges(split.parts, full_shape[0], rank, degree, dims, "output"))
     if param != "weight":  # row-parallel bias: whole on every rank, added after the reduction
@@ -366,6 +375,8 @@ def _split_module(
     """A new (or narrowed) module holding only this rank's shard of `module`'s parameters."""
     if isinstance(split, NormAcrossHeads):
         return _split_norm(module, rank, degree, dims, group)
+    if isinstance(split, Vocab):
+        return _split_embedding(module, rank, degree, group)
     if not isinstance(module, nn.Linear):
         raise TypeError(
             f"tensor-parallel plan names a {type(module).__name__} as {type(split).__name__}; only nn.Linear "
@@ -406,6 +417,18 @@ def _split_norm(module: nn.Module, rank: int, degree: int, dims: ModelDims, grou
         assert pieces is not None
         weight = nn.Parameter(pieces.take(weight.detach()), requires_grad=False)
     return HeadShardedRMSNorm(weight, module.eps, width, group)
+
+
+def _split_embedding(module: nn.Module, rank: int, degree: int, group: Any) -> nn.Module:
+    """A `Vocab` entry: this rank's block of an nn.Embedding's rows (parallel/vocab.py)."""
+    if not isinstance(module, nn.Embedding):
+        raise TypeError(
+            f"tensor-parallel plan names a {type(module).__name__} as Vocab; it must be an nn.Embedding"
+        )
+    size = module.weight.shape[0]
+    start, stop = vocab_range(size, rank, degree)
+    weight = nn.Parameter(module.weight.detach()[start:stop].clone(), requires_grad=False)
+    return VocabParallelEmbedding(weight, start, size, group, getattr(module, "out_dtype", None))
 
 
 def check_tensor_parallel_ready(model: nn.Module, spec: TensorParallelSpec) -> None:
@@ -497,6 +520,7 @@ __all__ = [
     "Row",
     "RowParallelLinear",
     "TensorParallelSpec",
+    "Vocab",
     "apply_tensor_parallel",
     "parameter_bytes",
     "parameter_pieces",

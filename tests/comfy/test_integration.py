@@ -67,6 +67,7 @@ def test_pack_loads_with_nodes_route_js_and_templates(comfy: Comfy) -> None:
         "flux1_dev_lora_dpmpp2m_beta",
         "flux1_dev_ring2",
         "flux1_dev_ring2_ulysses2",
+        "flux1_dev_text_encoder_parallel_model",
         "flux1_dev_tp4",
         "flux1_dev_tp4_parallel_vae",
         "flux1_kontext_dev_ksampler_parallel_model",

@@ -1,0 +1,215 @@
+"""A text encoder resident on a worker group, tensor-parallel: the caller's side.
+
+>>> from rocm_parallel.backend.api import ParallelModel
+>>> from rocm_parallel.backend.encoders.api import ParallelEncoder
+>>> with ParallelModel(["cuda:0", "cuda:1"]) as group:
+...     t5 = ParallelEncoder(group, "models/text_encoders/t5xxl_fp16.safetensors")
+...     hidden, _ = t5.encode(ids)       # ids: [B, S] token ids; hidden: [B, S, 4096] float32
+
+The encoder stays resident in its own slot of the group (`messages.ENCODER_SLOT`) beside the diffusion models,
+each rank holding its tensor-parallel shard read from the file by itself (attention heads, MLP and, by
+default, the token embeddings split). `encode` runs ComfyUI's transformer stack: the ROCm Parallel Text
+Encoder Loader (nodes/comfy_clip.py) puts it under ComfyUI's own CLIP, whose tokenizer, templates, layer
+selection and post-processing stay ComfyUI's. Everything a caller can get wrong is checked here before any
+rank runs: the file (files.py), the split (kind.py), the token ids, the prompt's length, the masks.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..config import ConfigError, ParallelLayout
+from ..dtypes import dtype_named, stored_dtype
+from ..plan.encoder import encoder_bytes
+from ..resident import ResidentGroup
+from .files import EncoderInfo, inspect_encoder
+from .kind import EMBEDDINGS, EncoderKind
+from .messages import ENCODER_SLOT, EncodeRequest, EncoderLoadRequest, EncoderPlacement
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """An encode's result: the last hidden state [B, S, D] and the selected intermediate output (or None),
+    float32, on the CPU."""
+
+    out: torch.Tensor
+    intermediate: torch.Tensor | None
+    seconds: float
+
+
+class ParallelEncoder:
+    """The text encoder at `checkpoint` on `group`'s ranks (module docstring).
+
+    `dtypes`: the dtype each parameter is held in, by parameter name (ComfyUI's choice; the nodes pass what
+    ComfyUI's own CLIP would hold); a name it lacks keeps the file's dtype. `embedding`: "vocab" (the token
+    embeddings split over the ranks) or "replicated"."""
+
+    def __init__(
+        self,
+        group: ResidentGroup,
+        checkpoint: str | os.PathLike[str] | EncoderInfo,
+        *,
+        dtypes: Mapping[str, str] | None = None,
+        embedding: str = "vocab",
+        slot: str = ENCODER_SLOT,
+    ) -> None:
+        self.group = group
+        info = checkpoint if isinstance(checkpoint, EncoderInfo) else inspect_encoder(checkpoint)
+        if embedding not in EMBEDDINGS:
+            raise ConfigError(f"embedding={embedding!r} is not offered; use {' or '.join(EMBEDDINGS)}")
+        if not isinstance(slot, str) or not slot:
+            raise ConfigError(f"slot={slot!r} must be a non-empty name")
+        kind = info.encoder
+        degree = len(group.devices)
+        kind.validate_tp(degree, info.config)
+        held = {n: _held_name(info, n, dtypes) for n in info.tensors}
+        weight_bytes = encoder_bytes(kind, info.config, degree, embedding, lambda n: dtype_named(held[n]))
+        self.info, self.kind = info, kind
+        self.request = EncoderLoadRequest(
+            checkpoint=info.path,
+            info=info,
+            layout=ParallelLayout(tp=degree),
+            dtypes=held,
+            embedding=embedding,
+            weight_bytes=weight_bytes,
+            slot=slot,
+        )
+        self.last_seconds = 0.0
+
+    @property
+    def dims(self) -> Any:
+        return self.kind.dims(self.info.config)
+
+    def load(self, progress: Any = None) -> None:
+        """Make the encoder resident now (otherwise the first `encode` does)."""
+        self.group.call_resident(self.request, "status", None, progress=progress)
+
+    def place(self, on_device: bool) -> None:
+        """Move the shards to pinned host memory (False) or back to the devices (True)."""
+        self.group.call_resident(
+            self.request, "encoder_offload", EncoderPlacement(self.request.slot, on_device)
+        )
+
+    def check(
+        self,
+        ids: torch.Tensor,
+        *,
+        external_at: torch.Tensor | None = None,
+        external: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        intermediate_output: Any = None,
+        final_layer_norm_intermediate: bool = True,
+    ) -> EncodeRequest:
+        """Validate an encode before any rank runs; the request the ranks get."""
+        return check_encode(
+            self.kind,
+            self.info,
+            self.request.slot,
+            ids,
+            external_at,
+            external,
+            attention_mask,
+            position_ids,
+            intermediate_output,
+            final_layer_norm_intermediate,
+        )
+
+    def encode(self, ids: torch.Tensor, **options: Any) -> Encoded:
+        """ComfyUI's transformer stack on token ids [B, S] (`check`'s keywords for the rest)."""
+        request = self.check(ids, **options)
+        replies = self.group.call_resident(self.request, "encoder_run", request)
+        first = next(r for r in replies if r.rank == 0)
+        self.last_seconds = max(r.seconds for r in replies)
+        return Encoded(first.out, first.intermediate, self.last_seconds)
+
+
+def _held_name(info: EncoderInfo, name: str, dtypes: Mapping[str, str] | None) -> str:
+    given = (dtypes or {}).get(name)
+    if given is not None:
+        found = dtype_named(given)
+        if found is None or not (found.compute or found.fp8):
+            raise ConfigError(f"dtypes[{name!r}]={given!r} is not a dtype the pack holds weights in")
+        return found.name
+    stored = stored_dtype(info.tensors[name].dtype)
+    if stored is None or not (stored.compute or stored.fp8):
+        raise ConfigError(
+            f"'{info.path}': tensor '{info.encoder.prefix}{name}' is stored as {info.tensors[name].dtype}, which "
+            "the pack cannot hold (bf16, fp16, fp32, fp8 e4m3fn / e5m2)"
+        )
+    return stored.name
+
+
+def check_encode(
+    kind: EncoderKind,
+    info: EncoderInfo,
+    slot: str,
+    ids: Any,
+    external_at: Any,
+    external: Any,
+    attention_mask: Any,
+    position_ids: Any,
+    intermediate_output: Any,
+    final_layer_norm_intermediate: bool,
+) -> EncodeRequest:
+    dims = kind.dims(info.config)
+    if not torch.is_tensor(ids) or ids.ndim != 2 or ids.dtype not in (torch.int64, torch.int32):
+        raise ConfigError(f"ids must be an integer tensor [batch, tokens]; got {_describe(ids)}")
+    batch, tokens = ids.shape
+    if tokens == 0 or batch == 0:
+        raise ConfigError(f"ids {list(ids.shape)} holds no prompt")
+    if dims.max_tokens and tokens > dims.max_tokens:
+        raise ConfigError(
+            f"the prompt is {tokens} tokens long; {kind.title} takes at most {dims.max_tokens} "
+            f"(its position embeddings): shorten the prompt"
+        )
+    high = int(ids.max())
+    if high >= dims.vocab:
+        raise ConfigError(
+            f"token id {high} is outside {kind.title}'s vocabulary of {dims.vocab} tokens: the tokenizer and "
+            f"the file '{info.name}' do not belong together"
+        )
+    marked = ids < 0
+    count = int(marked.sum())
+    if count:
+        if external is None or external_at is None:
+            raise ConfigError(f"{count} positions are marked as embeddings (-1) but no embeddings were given")
+        if external.ndim != 2 or external.shape != (count, dims.width) or external_at.shape != (count,):
+            raise ConfigError(
+                f"embeddings for {count} positions must be [{count}, {dims.width}] with {count} indices; got "
+                f"{list(external.shape)} and {list(external_at.shape)}"
+            )
+        if not torch.equal(torch.sort(external_at.long()).values, marked.flatten().nonzero().flatten()):
+            raise ConfigError("the embeddings' indices are not the positions marked -1 in ids")
+    elif external is not None:
+        raise ConfigError("embeddings were given but no position of ids is marked -1")
+    if attention_mask is not None and tuple(attention_mask.shape) != (batch, tokens):
+        raise ConfigError(
+            f"attention_mask must be [{batch}, {tokens}] like ids; got {list(attention_mask.shape)}"
+        )
+    if position_ids is not None and (position_ids.ndim != 2 or position_ids.shape[1] != tokens):
+        raise ConfigError(f"position_ids must be [rows, {tokens}]; got {list(position_ids.shape)}")
+    return EncodeRequest(
+        ids=ids.long(),
+        slot=slot,
+        external_at=external_at.long() if count else None,
+        external=external.to(torch.float32) if count else None,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        intermediate_output=intermediate_output,
+        final_layer_norm_intermediate=final_layer_norm_intermediate,
+    )
+
+
+def _describe(value: Any) -> str:
+    if torch.is_tensor(value):
+        return f"a {value.dtype} tensor {list(value.shape)}"
+    return type(value).__name__
+
+
+__all__ = ["Encoded", "ParallelEncoder", "check_encode"]

@@ -1,0 +1,242 @@
+"""The pack's text encoders against ComfyUI's own, in a real ComfyUI imported in this process.
+
+The files are small random encoders built with **ComfyUI's own** text-encoder classes (its `T5`, its
+`Llama2_`, its CLIP-L `CLIPTextModel`) and saved as ComfyUI's CLIPLoader reads them. The checks:
+
+* FLUX.1's CLIP (T5-XXL + CLIP-L, DualCLIPLoader type 'flux'): the pack's CLIP (nodes/comfy_clip.py: ComfyUI's
+  own CLIP with T5 sharded on CPU workers) gives ComfyUI's own CLIP's conditioning and pooled output within
+  1e-4 for the same prompt, ComfyUI's tokenizer and its dtype choices on both sides;
+* the language models (FLUX.2 [dev]'s Mistral Small 3, Qwen-Image's Qwen2.5-VL LM, FLUX.2 [klein]'s Qwen3):
+  ComfyUI's own `Llama2_` with each one's config class against the pack's sharded encoder on the same token
+  ids, left-padded, with FLUX.2's selection of intermediate layers (no final norm);
+* the loader node under ComfyUI's own CLIPTextEncode and CLIPTextEncodeFlux.
+
+Both at TP 2 and TP 4 (attention heads, key/value groups and MLP split, token embeddings split by vocabulary).
+
+    source /work/comfy/env.sh 0.33.0 <pack checkout>
+    python -m pytest -q -s -m comfy tests/comfy/test_comfy_encoders.py
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from comfy_server import COMFYUI_PATH, COMFYUI_VERSION, TESTS_DIR
+from safetensors.torch import save_file
+
+from rocm_parallel.backend.encoders.api import ParallelEncoder
+from rocm_parallel.backend.encoders.t5.kind import T5_XXL
+from rocm_parallel.backend.resident import ResidentGroup
+
+pytestmark = [pytest.mark.comfy, pytest.mark.timeout(1800)]
+
+TOLERANCE = 1e-4
+# ComfyUI detects T5-XXL by block 23's wi_1 of 10240 rows: 24 blocks of that MLP width, everything else tiny
+TINY_T5 = {**T5_XXL, "d_model": 32, "d_kv": 8, "num_heads": 4, "num_layers": 24}
+TINY_CLIP_L = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_hidden_layers": 2}
+# The language models' shapes, small; their norms' eps, rotary theta and sections stay ComfyUI's defaults, which
+# the pack's kinds must match (backend/encoders/llama/kind.py)
+TINY_LM = {
+    "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
+    "num_attention_heads": 8, "num_key_value_heads": 4,
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def comfy() -> Any:
+    if not COMFYUI_PATH:
+        pytest.skip("set COMFYUI_PATH to a ComfyUI checkout to run the comfy tier")
+    sys.path.insert(0, str(TESTS_DIR / "tools"))
+    from make_comfy_references import import_comfy
+
+    import_comfy(COMFYUI_PATH)
+    import comfy.clip_model
+    import comfy.ops
+    import comfy.sd
+    import comfy.text_encoders.llama
+    import comfy.text_encoders.t5
+
+    return comfy
+
+
+def _randomize(module: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """ComfyUI's classes leave their weights uninitialised: random ones of a sane scale, as a state dict."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, value in module.state_dict().items():
+        if "norm" in name:
+            values = 1 + 0.1 * torch.randn(value.shape, generator=g)
+        elif value.ndim == 2 and "embed" not in name and "shared" not in name and "relative" not in name:
+            values = torch.randn(value.shape, generator=g) / value.shape[1] ** 0.5
+        elif value.is_floating_point():
+            values = torch.randn(value.shape, generator=g) * (0.05 if name.endswith("bias") else 1.0)
+        else:
+            values = value
+        out[name] = values.to(value.dtype).contiguous()
+    return out
+
+
+def _save(comfy_module: torch.nn.Module, path: Path, seed: int) -> dict[str, torch.Tensor]:
+    sd = _randomize(comfy_module, seed)
+    save_file(sd, str(path))
+    return sd
+
+
+@pytest.fixture(scope="module")
+def flux_files(comfy: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("text_encoders")
+    ops = comfy.ops.manual_cast
+    t5 = comfy.text_encoders.t5.T5(TINY_T5, torch.float32, "cpu", ops)
+    with open(Path(COMFYUI_PATH) / "comfy" / "sd1_clip_config.json") as f:
+        clip_l = comfy.clip_model.CLIPTextModel({**json.load(f), **TINY_CLIP_L}, torch.float32, "cpu", ops)
+    return {
+        "t5": _save_path(t5, folder / "tiny-t5xxl.safetensors", 1),
+        "clip_l": _save_path(clip_l, folder / "tiny-clip-l.safetensors", 2),
+    }
+
+
+def _save_path(module: torch.nn.Module, path: Path, seed: int) -> Path:
+    _save(module, path, seed)
+    return path
+
+
+def _comfy_clip(comfy: Any, paths: list[Path], clip_type: str, options: dict[str, Any]) -> Any:
+    """ComfyUI's own CLIP for the files, as its CLIPLoader / DualCLIPLoader builds it."""
+    import comfy.utils
+
+    sds = [comfy.utils.load_torch_file(str(p), safe_load=True) for p in paths]
+    return comfy.sd.load_text_encoder_state_dicts(
+        sds, clip_type=comfy.sd.CLIPType[clip_type.upper()], model_options=options
+    )
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_flux1_clip_on_the_workers_equals_comfyuis_own(
+    request: pytest.FixtureRequest, comfy: Any, flux_files: dict[str, Path], world: int
+) -> None:
+    from rocm_parallel.nodes.comfy_clip import build_clip
+
+    # ComfyUI sets the CLIP-L's config from "model_config" (plus the file's positions: long_clipl.py)
+    options = {"t5xxl_model_config": TINY_T5, "model_config": dict(TINY_CLIP_L)}
+    own = _comfy_clip(comfy, [flux_files["t5"], flux_files["clip_l"]], "flux", options)
+    group = ResidentGroup(group=request.getfixturevalue(f"group{world}"))
+    ours = build_clip(
+        group, [str(flux_files["t5"]), str(flux_files["clip_l"])], "flux",
+        comfy_options={"model_config": dict(TINY_CLIP_L)},
+    )  # fmt: skip
+    prompt = "a tiny red fox reading a newspaper on a park bench, morning light"
+    expected, expected_pooled = own.encode_from_tokens(own.tokenize(prompt), return_pooled=True)
+    got, pooled = ours.encode_from_tokens(ours.tokenize(prompt), return_pooled=True)
+    assert got.shape == expected.shape == (1, 256, TINY_T5["d_model"])
+    assert (got - expected).abs().max() < TOLERANCE
+    assert (pooled - expected_pooled).abs().max() < TOLERANCE
+    # the sharded T5 really ran on the workers: its slot is resident on every rank
+    assert all(any(m.slot == "text encoder" for m in s.models) for s in group.status())
+    group.unload("text encoder")
+
+
+# ComfyUI's config class of each language model, and what its prompts carry besides token ids
+LANGUAGE_MODELS = {
+    "mistral3": "Mistral3Small24BConfig",  # FLUX.2 [dev]
+    "qwen25": "Qwen25_7BVLI_Config",  # Qwen-Image: q/k/v biases, multimodal rotary sections
+    "qwen3": "Qwen3_4BConfig",  # FLUX.2 [klein]: per-head q/k norms
+}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("kind", list(LANGUAGE_MODELS))
+def test_language_models_on_the_workers_equal_comfyuis_own(
+    request: pytest.FixtureRequest, comfy: Any, tmp_path: Path, kind: str, world: int
+) -> None:
+    """ComfyUI's own `Llama2_` with each encoder's config class against the pack's sharded encoder: FLUX.2's
+    selection of intermediate layers without the final norm, a left-padded prompt, and for Qwen2.5-VL the
+    3-row position ids of an image prompt (temporal, height, width sections of the rotary embedding)."""
+    llama = comfy.text_encoders.llama
+    config = getattr(llama, LANGUAGE_MODELS[kind])(**TINY_LM)
+    model = llama.Llama2_(config, device="cpu", dtype=torch.float32, ops=comfy.ops.manual_cast)
+    sd = _randomize(model, 3)
+    model.load_state_dict(sd)
+    path = tmp_path / f"tiny-{kind}.safetensors"
+    save_file({f"model.{k}": v for k, v in sd.items()}, str(path))
+    ids = torch.randint(0, TINY_LM["vocab_size"], (2, 11), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # ComfyUI's Mistral tokenizer pads on the left
+    positions = None
+    if kind == "qwen25":  # an image's tokens: height and width rows differ from the temporal one
+        positions = torch.stack([torch.arange(11), torch.arange(11) // 3, torch.arange(11) % 3])
+    layers = [1, 2, 3]  # FLUX.2 takes three intermediate layers, without the final norm
+    with torch.no_grad():
+        expected, expected_mid = model(
+            ids, mask, intermediate_output=layers, final_layer_norm_intermediate=False, dtype=torch.float32,
+            position_ids=positions,
+        )  # fmt: skip
+    group = ResidentGroup(group=request.getfixturevalue(f"group{world}"))
+    encoder = ParallelEncoder(group, path, slot=f"te {kind}")
+    assert encoder.kind.name == {"mistral3": "mistral3_24b", "qwen25": "qwen25_7b", "qwen3": "qwen3"}[kind]
+    got = encoder.encode(
+        ids, attention_mask=mask, intermediate_output=layers, final_layer_norm_intermediate=False,
+        position_ids=positions,
+    )  # fmt: skip
+    assert got.intermediate is not None and got.intermediate.shape == expected_mid.shape
+    # ComfyUI 0.3.75 masks with -inf: a left-padded prompt's padding rows see no key, and their NaN reaches
+    # every row of that prompt through the masked keys' values (0 x NaN). Later ComfyUI masks with
+    # finfo.min / 4, as the pack does; there every prompt is compared, on 0.3.75 the unpadded one only.
+    compared = expected.flatten(1).isfinite().all(1)
+    assert compared[0] and (compared.all() or COMFYUI_VERSION == "0.3.75")
+    assert got.out.isfinite().all()
+    assert (got.out[compared] - expected[compared]).abs().max() < TOLERANCE
+    assert (got.intermediate[compared] - expected_mid[compared]).abs().max() < TOLERANCE
+    group.unload(f"te {kind}")
+
+
+def test_the_loader_node_gives_comfyuis_own_conditioning_to_comfyuis_text_nodes(
+    comfy: Any, flux_files: dict[str, Path], tmp_path: Path
+) -> None:
+    """The ROCm Parallel Text Encoder Loader node, as ComfyUI's executor calls it, under ComfyUI's own
+    CLIPTextEncode and CLIPTextEncodeFlux: the same CONDITIONING as ComfyUI's own CLIP. The CLIP-L beside
+    T5 is full size here (ComfyUI's own class, random weights in bf16): the node passes ComfyUI no config."""
+    import comfy_extras.nodes_flux as flux_nodes
+    import folder_paths
+
+    import nodes
+    from rocm_parallel.nodes.encoder_node import RocmParallelTextEncoderLoader
+    from rocm_parallel.nodes.registry import REGISTRY
+
+    with open(Path(COMFYUI_PATH) / "comfy" / "sd1_clip_config.json") as f:
+        config = json.load(f)
+    clip_l = comfy.clip_model.CLIPTextModel(config, torch.bfloat16, "cpu", comfy.ops.manual_cast)
+    folder = tmp_path / "text_encoders"
+    folder.mkdir()
+    (folder / "t5.safetensors").symlink_to(flux_files["t5"])
+    _save(clip_l, folder / "clip_l.safetensors", 5)
+    del clip_l
+    folder_paths.add_model_folder_path("text_encoders", str(folder))
+    own = _comfy_clip(
+        comfy,
+        [folder / "t5.safetensors", folder / "clip_l.safetensors"],
+        "flux",
+        {"t5xxl_model_config": TINY_T5},
+    )
+    try:
+        (ours,) = RocmParallelTextEncoderLoader().load(
+            "t5.safetensors", "clip_l.safetensors", "flux", "cpu x2", unique_id="12"
+        )
+        prompt = "a lighthouse on a cliff at dusk, oil painting"
+        for encode in (
+            lambda clip: nodes.CLIPTextEncode().encode(clip, prompt)[0],
+            lambda clip: flux_nodes.CLIPTextEncodeFlux.execute(clip, "a lighthouse", prompt, 3.5).args[0],
+        ):
+            (expected, expected_extra), (got, extra) = encode(own)[0], encode(ours)[0]
+            assert got.shape == expected.shape == (1, 256, TINY_T5["d_model"])
+            assert (got - expected).abs().max() < TOLERANCE
+            assert (extra["pooled_output"] - expected_extra["pooled_output"]).abs().max() < TOLERANCE
+            assert extra.get("guidance") == expected_extra.get("guidance")
+        held = [m.slot for s in REGISTRY.current.status() for m in s.models]
+        assert held == ["text encoder 12", "text encoder 12"]
+    finally:
+        REGISTRY.close()
