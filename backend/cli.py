@@ -122,6 +122,9 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         help="how linear weights stay resident: in the compute dtype, or fp8 (1 byte, upcast per layer)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    parser.add_argument(
+        "--full", action="store_true", help="every column: weights, activations, collectives, bytes sent"
+    )
 
 
 def _run_plan(args: argparse.Namespace) -> int:
@@ -159,7 +162,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             choice, problem = None, str(exc)
     if args.json:
         print(json.dumps({
-            "setup": {k: v for k, v in vars(args).items() if k not in ("command", "json")},
+            "setup": {k: v for k, v in vars(args).items() if k not in ("command", "json", "full")},
             "layouts": [e.as_dict() for e in estimates],
             "call_batch": setup.batch,
             "auto": None if choice is None else {
@@ -168,7 +171,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             "error": problem,
         }, indent=2))  # fmt: skip
     else:
-        print(format_table(setup, estimates))
+        print(format_table(setup, estimates, full=args.full))
         if args.layout is None or problem is not None:
             print()
             print(choice.explanation if choice is not None else f"auto: {problem}")
