@@ -20,6 +20,7 @@ from ..files import listing, starts_like_safetensors, truncation_detail
 from ..info import CheckpointInfo
 from .kinds import APPLIED, CONV_ONLY, KINDS, REFUSED, WEIGHT_KINDS
 from .names import LOOKED_FOR, TEXT_ENCODER_PREFIXES, Slot, slot_table, split_key
+from .other import other_model
 from .records import LoraError, LoraInfo, LoraModule, Parsed
 
 
@@ -228,10 +229,9 @@ def _no_flux_keys(path: Path, shapes: Mapping[str, Any], skipped: Sequence[str])
             "CLIP/T5 model with ComfyUI's LoraLoader"
         )
     first = ", ".join(sorted(shapes)[:4]) or "none, the file is empty"
-    raise LoraError(
-        f"'{path}' has no FLUX LoRA keys (looked for {LOOKED_FOR}); it may be a LoRA for another model "
-        f"(first keys: {first})"
-    )
+    other = other_model(shapes)
+    what = "it may be a LoRA for another model" if other is None else f"it is {other}"
+    raise LoraError(f"'{path}' has no FLUX LoRA keys (looked for {LOOKED_FOR}); {what} (first keys: {first})")
 
 
 def _unknown_key(path: Path, key: str, info: CheckpointInfo) -> None:
