@@ -1085,7 +1085,12 @@ def _running(**fields: object) -> dict:
         ),
         ({"checkpoint": "tiny-dev.safetensors", "devices": "cpu x2", "preload": "auto"}, _running(), None),
         ({"checkpoint": "other.safetensors", "devices": "cpu x2", "preload": "tp"}, {"devices": []}, None),
-        ({"checkpoint": "tiny-dev.safetensors", "devices": "cpu x0", "preload": "tp"}, _running(), None),
+        (  # a loader whose devices would be refused is told the group shown is not its own, and why
+            {"checkpoint": "tiny-dev.safetensors", "devices": "cpu x0", "preload": "tp"},
+            _running(),
+            "showing the running group of tiny-dev.safetensors on cpu, cpu (tp 2), not this loader's: its "
+            "devices would be refused (devices='cpu x0' asks for 0 CPU workers; use at least 1, e.g. 'cpu x2')",
+        ),
         (
             {"checkpoint": "other.safetensors", "devices": "cpu x4", "preload": "tp"},
             _running(),
