@@ -883,6 +883,29 @@ def test_lora_node_chains_loras_onto_the_handle(
     )
 
 
+def test_lora_node_refuses_another_models_lora_before_reading_the_checkpoint(comfy: FakeComfy) -> None:
+    """An SDXL LoRA or a checkpoint picked as a LoRA is refused from the LoRA's key names alone: the base
+    checkpoint is not read (it does not even exist here; reading it imports diffusers, seconds)."""
+    from safetensors.torch import save_file
+
+    base = ParallelHandle(
+        str(comfy.models / "absent.safetensors"), "absent.safetensors", ("cpu", "cpu"), None
+    )
+    files = {
+        "sdxl.safetensors": ("lora_unet_input_blocks_4_1_proj_in.lora_down.weight", "it is an SDXL LoRA"),
+        "model.safetensors": ("model.diffusion_model.input_blocks.0.0.weight", "it is a model checkpoint"),
+    }
+    comfy.loras.mkdir(parents=True, exist_ok=True)
+    for name, (key, what) in files.items():
+        save_file({key: torch.zeros(4, 8)}, str(comfy.loras / name))
+        with pytest.raises(ConfigError) as err:
+            NODE_CLASS_MAPPINGS["RocmParallelLoRA"]().add_lora(
+                parallel_flux=base, lora_name=name, strength_model=1.0
+            )
+        assert str(err.value).startswith(f"'{comfy.loras / name}' has no FLUX LoRA keys")
+        assert what in str(err.value)
+
+
 def test_lora_node_refuses_a_file_that_is_no_lora_for_this_model(
     comfy: FakeComfy, lora_files: list[str], dev_checkpoint: str
 ) -> None:

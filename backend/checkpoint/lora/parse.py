@@ -20,7 +20,7 @@ from ..files import listing, starts_like_safetensors, truncation_detail
 from ..info import CheckpointInfo
 from .kinds import APPLIED, CONV_ONLY, KINDS, REFUSED, WEIGHT_KINDS
 from .names import LOOKED_FOR, TEXT_ENCODER_PREFIXES, Slot, slot_table, split_key
-from .other import other_model
+from .other import other_model, plainly_foreign
 from .records import LoraError, LoraInfo, LoraModule, Parsed
 
 
@@ -219,6 +219,17 @@ def _dora_axis(path: Path, module: str, key: str, shape: Sequence[int], weight: 
         f"[{out}, 1] or [1, {in_features}] (DoRA's magnitude per output row or per input column); the "
         "LoRA was made for a different model"
     )
+
+
+def refuse_foreign_lora(path: str | os.PathLike[str]) -> None:
+    """Refuse, from the file's key names alone, a LoRA for another model (SDXL, SD 1.5) or a checkpoint
+    picked as a LoRA: before the base checkpoint is read (that imports diffusers, seconds). Anything the
+    names do not settle is left to `inspect_lora`, which refuses it with the same message."""
+    path = Path(path).expanduser()
+    _check_file(path)
+    shapes, _ = read_header(path)
+    if plainly_foreign(shapes):
+        _no_flux_keys(path, shapes, ())
 
 
 def _no_flux_keys(path: Path, shapes: Mapping[str, Any], skipped: Sequence[str]) -> None:
