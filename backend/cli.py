@@ -123,6 +123,9 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "GGUF file's quantization (Q8_0, Q4_K, ...: its blocks, dequantized per layer)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    parser.add_argument(
+        "--full", action="store_true", help="every column: weights, activations, collectives, bytes sent"
+    )
 
 
 def _run_plan(args: argparse.Namespace) -> int:
@@ -162,7 +165,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     hint = gguf_hint(setup) if problem is not None else None  # neither bf16 nor fp8 fits: name a GGUF
     if args.json:
         print(json.dumps({
-            "setup": {k: v for k, v in vars(args).items() if k not in ("command", "json")},
+            "setup": {k: v for k, v in vars(args).items() if k not in ("command", "json", "full")},
             "layouts": [e.as_dict() for e in estimates],
             "call_batch": setup.batch,
             "auto": None if choice is None else {
@@ -172,7 +175,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             "gguf": hint,
         }, indent=2))  # fmt: skip
     else:
-        print(format_table(setup, estimates))
+        print(format_table(setup, estimates, full=args.full))
         if args.layout is None or problem is not None:
             print()
             print(choice.explanation if choice is not None else f"auto: {problem}")

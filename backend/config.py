@@ -310,19 +310,28 @@ class ParallelLayout:
         """Raise ConfigError unless this layout works for a model of `dims` on `devices` devices: the
         degrees multiply to the devices, tp divides the widths, Ulysses the heads a rank holds."""
         self.check_degrees()
-        if devices is not None and self.world_size != devices:
-            raise ConfigError(self._device_count_message(dims, devices))
+        if devices is not None:
+            self.check_devices(devices, dims)
         validate_tp_degree(self.tp, dims)
         validate_ulysses_degree(self.ulysses, dims, self.tp)
 
-    def _device_count_message(self, dims: ModelDims, devices: int) -> str:
+    def check_devices(self, devices: int, dims: ModelDims | None = None) -> None:
+        """Raise ConfigError unless the degrees multiply to `devices`. Needs no model (`dims` only narrows the
+        suggested fixes to layouts it takes), so a load checks it before reading the checkpoint."""
+        if self.world_size != devices:
+            raise ConfigError(self._device_count_message(dims, devices))
+
+    def _device_count_message(self, dims: ModelDims | None, devices: int) -> str:
         fixes = []
         for name, value in self.degrees.items():
             others = self.world_size // value
             if value > 1 and devices % others == 0:
                 candidate = replace(self, **{name: devices // others})
                 try:
-                    candidate.validate(dims, devices)
+                    if dims is None:
+                        candidate.check_degrees()
+                    else:
+                        candidate.validate(dims, devices)
                 except ConfigError:
                     continue
                 fixes.append(str(candidate))

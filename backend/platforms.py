@@ -257,6 +257,13 @@ def _device(item: str | int, spec: DeviceSpec) -> str:
         return f"cuda:{int(index)}"
     if name in ("cuda", "cpu"):
         return "cuda:0" if name == "cuda" else name
+    other = re.fullmatch(r"(rocm|hip):([0-9]{1,9})", name)
+    if other:  # the names a ROCm user reaches for first; torch has only 'cuda' for HIP GPUs too
+        raise ConfigError(
+            f"devices={echo_devices(spec)}: {name!r} is not a torch device name; ROCm (HIP) GPUs are "
+            f"'cuda:N' in torch as NVIDIA ones are: use 'cuda:{int(other.group(2))}' or the index "
+            f"{int(other.group(2))}"
+        )
     if re.fullmatch(r"cuda:-[0-9]+", name):
         raise ConfigError(
             f"devices={echo_devices(spec)}: a GPU is named 'cuda:N' with N = 0, 1, ... (an index, not {name!r})"

@@ -274,6 +274,10 @@ class ResidentGroup:
         compiled = compile_mode(opts.compile)
         if not isinstance(opts.slot, str) or not opts.slot:
             raise ConfigError(f"slot={opts.slot!r} must be a non-empty name")
+        if opts.layout != "auto":  # needs no file: refused before the header is read (that imports diffusers)
+            make_layout(opts.layout, len(self.devices), opts.ring, opts.ulysses).check_devices(
+                len(self.devices)
+            )
         info = checkpoint if isinstance(checkpoint, CheckpointInfo) else inspect_checkpoint(checkpoint)
         checked = check_loras(opts.loras, info)
         resolve_dtype(opts.dtype, self.devices[0])  # a bad dtype fails here, before anything is unloaded

@@ -18,7 +18,7 @@ import json
 from typing import Any
 
 from ..backend.cli import plan_models
-from ..backend.config import ParallelLayout
+from ..backend.config import ConfigError, ParallelLayout
 from ..backend.plan import Setup, count_by_kind, estimate, payload_by_kind
 from ..backend.text import GB
 from ..testing.helpers import markdown_row
@@ -32,7 +32,10 @@ LAYOUTS = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--layouts", default=LAYOUTS, help="layouts as the API takes them ('batch2xtp2'), comma-separated"
+        "--layouts",
+        default=LAYOUTS,
+        type=_layout_list,
+        help="layouts as the API takes them ('batch2xtp2'), comma-separated",
     )
     parser.add_argument(
         "--model", choices=tuple(plan_models()), default="flux1-dev", help="model, as `plan --model` takes it"
@@ -45,6 +48,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _layouts(text: str) -> list[ParallelLayout]:
     return [ParallelLayout.parse(item) for item in text.split(",")]
+
+
+def _layout_list(text: str) -> str:
+    """--layouts checked when the command line is read (a documented command that no longer parses fails
+    tests/test_docs_commands.py, not minutes into a run)."""
+    try:
+        _layouts(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return text
 
 
 def _by_dimension(comms: list) -> dict[str, int]:

@@ -249,7 +249,8 @@ def _comfy_config(config: dict[str, Any]) -> dict[str, Any]:
 
 def _split_files(paths: Sequence[str], clip_type: str) -> tuple[EncoderInfo, list[str]]:
     """The one file the pack shards and the files that stay in ComfyUI (a kind's companions)."""
-    from ..backend.checkpoint.files import CheckpointError, read_header
+    from ..backend.checkpoint.files import CheckpointError
+    from ..backend.checkpoint.headers import read_header
     from ..backend.encoders.files import inspect_encoder
     from ..backend.encoders.kind import detect_encoder, kinds_for_clip_type
 

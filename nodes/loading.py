@@ -136,7 +136,9 @@ def add_lora(handle: ParallelHandle, path: str, strength: float) -> ParallelHand
     """The ROCm Parallel LoRA node: `handle` plus this LoRA, after the backend checked from the file's
     header against the handle's checkpoint (no worker starts) that every key fits this model."""
     from ..backend.checkpoint import check_loras
+    from ..backend.checkpoint.lora.parse import refuse_foreign_lora
 
+    refuse_foreign_lora(path)  # an SDXL LoRA or a checkpoint: refused before the checkpoint is read
     check_loras([(path, strength)], read_checkpoint(handle))
     return handle.with_lora(path, strength)
 

@@ -231,16 +231,17 @@ def shows_errors(function: Node) -> Node:
 
 def loader_request(checkpoint: str, devices: str, preload: str) -> dict[str, Any]:
     """What a loader with these widgets would ask the workers for: its checkpoint's file name, the devices
-    its text names (None when refused: the queue will say why) and, for preload 'tp' / 'context', the
+    its text names (None when refused, with the reason in `refused`) and, for preload 'tp' / 'context', the
     layout ('auto' and 'none' leave the layout to the planner or the sampler: None)."""
     from ..backend.config import ConfigError, ParallelLayout
     from ..backend.platforms import validate_devices  # cheap: the status route runs it
     from .inputs import parse_devices, tp_layout
 
+    refused = None
     try:
         wanted: tuple[str, ...] | None = validate_devices(parse_devices(devices))
-    except ConfigError:
-        wanted = None
+    except ConfigError as exc:
+        wanted, refused = None, str(exc)
     layout = None
     if wanted and preload in ("tp", "context"):
         try:
@@ -252,7 +253,12 @@ def loader_request(checkpoint: str, devices: str, preload: str) -> dict[str, Any
             layout = describe_layout(made)
         except ConfigError:
             layout = None
-    return {"checkpoint": file_name(checkpoint) or None, "devices": wanted, "layout": layout}
+    return {
+        "checkpoint": file_name(checkpoint) or None,
+        "devices": wanted,
+        "layout": layout,
+        "refused": refused,
+    }
 
 
 def _group_text(checkpoint: str | None, devices: Sequence[str], layout: str | None) -> str:
@@ -263,12 +269,18 @@ def _group_text(checkpoint: str | None, devices: Sequence[str], layout: str | No
 def mismatch(state: Mapping[str, Any], request: Mapping[str, Any]) -> str | None:
     """The panel's notice when the running group (`state`, a snapshot) is not what this loader asks for
     (`request`, `loader_request`): another device list, another resident checkpoint, another layout.
-    None when they agree, when nothing runs, or when the loader's devices would be refused anyway."""
+    None when they agree or when nothing runs. A loader whose devices would be refused (a 4-GPU workflow
+    opened on a 2-GPU machine) is told so: the group shown is not its own."""
     running = list(state.get("devices") or [])
     wanted = request.get("devices")
-    if not running or wanted is None:
-        return None
     resident, layout = state.get("checkpoint"), state.get("layout")
+    if not running:
+        return None
+    if wanted is None:
+        return (
+            f"showing the running group of {_group_text(resident, running, layout)}, not this loader's: "
+            f"its devices would be refused ({request.get('refused')})"
+        )
     differs = list(wanted) != running
     differs |= bool(resident) and request.get("checkpoint") != resident
     differs |= bool(resident and layout and request.get("layout")) and request.get("layout") != layout

@@ -85,3 +85,20 @@ def test_bench_scaling_takes_its_workers_from_the_shared_device_words(
     assert _error_line(["bench", "scaling", "--devices", "cpu x0"], capsys) == (
         "error: devices='cpu x0' asks for 0 CPU workers; use at least 1, e.g. 'cpu x2'"
     )
+
+
+def test_plan_prints_a_short_table_unless_full(capsys: pytest.CaptureFixture[str]) -> None:
+    """What a user asks first (does it fit, how fast), the fitting layouts first; --full adds the engineering
+    columns."""
+    args = "plan --model flux2-dev --devices 4 --memory-gb 16 --weight-dtype fp8_e4m3fn".split()
+    assert cli.main(args) == 0
+    short = capsys.readouterr().out.splitlines()
+    assert short[2:4] == ["| layout | per GPU (GB) | fits | step (s) |", "|---|---:|---|---:|"]
+    assert short[4].startswith("| tp 4 | 8.7 | yes | ")  # the one layout that fits comes first
+    assert "(--full: weights, activations, collectives and bytes sent per layout)" in short
+    assert cli.main([*args, "--full"]) == 0
+    full = capsys.readouterr().out.splitlines()
+    assert full[2].startswith(
+        "| layout | weights (GB) | activations (GB) | of which buffers (GB) | per GPU (GB) |"
+    )
+    assert len(full[2].split("|")) - 2 == 11

@@ -305,3 +305,19 @@ def test_batch_shares_are_tensor_splits(batch: int, degree: int) -> None:
     from rocm_parallel.backend.parallel.mesh import batch_sizes
 
     assert batch_sizes(batch, degree) == [len(p) for p in torch.arange(batch).tensor_split(degree)]
+
+
+def test_a_load_whose_layout_misses_the_device_count_is_refused_before_the_file_is_read(tmp_path) -> None:
+    """The layout against the device count needs no checkpoint: refused before its header is read (which
+    imports diffusers: 12-31 s on a busy 2-core machine). The file does not exist, so reading it first
+    would answer with a file error instead."""
+    from rocm_parallel.backend.api import ParallelModel
+
+    flux = ParallelModel("cpu x4")
+    with pytest.raises(ConfigError) as err:
+        flux.check_load(str(tmp_path / "absent.safetensors"), layout="tp 2 x ring 3")
+    assert str(err.value) == (
+        "the layout tp 2 x ring 3 needs 6 devices (batch x tp x ring x ulysses) but 4 were given; make the "
+        "product 4 (e.g. tp 2 x ring 2)"
+    )
+    assert not flux.started

@@ -574,14 +574,39 @@ def test_missing_and_not_safetensors(files: dict[str, str], tmp_path: Path) -> N
     assert size > 0
 
 
+NO_FLUX_KEYS = (
+    "has no FLUX LoRA keys (looked for 'diffusion_model.*', 'lora_unet_*', 'transformer.*', 'lycoris_*' with "
+    "LoRA, LoHa, LoKr or .diff tensors); "
+)
+
+
 def test_no_flux_keys(files: dict[str, str], tmp_path: Path) -> None:
+    """A LoRA for another model, or a checkpoint picked as a LoRA, is named as what it is."""
     keys = ["lora_unet_down_blocks_0_attentions_0_proj_in", "lora_unet_mid_block_attentions_0_proj_out"]
-    sdxl = _lora(tmp_path / "sdxl.safetensors", {f"{k}.lora_down.weight": torch.zeros(4, 8) for k in keys})
-    assert _error(files, [(sdxl, 1.0)]) == (
-        f"'{sdxl}' has no FLUX LoRA keys (looked for 'diffusion_model.*', 'lora_unet_*', 'transformer.*', "
-        "'lycoris_*' with LoRA, LoHa, LoKr or .diff tensors); it may be a LoRA for another model (first keys: "
-        "lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight, "
+    sd15 = _lora(tmp_path / "sd15.safetensors", {f"{k}.lora_down.weight": torch.zeros(4, 8) for k in keys})
+    assert _error(files, [(sd15, 1.0)]) == (
+        f"'{sd15}' {NO_FLUX_KEYS}it is a LoRA for a Stable Diffusion 1.5 / 2.x UNet (its keys name down_blocks, "
+        "mid_block, up_blocks) (first keys: lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight, "
         "lora_unet_mid_block_attentions_0_proj_out.lora_down.weight)"
+    )
+    sdxl_keys = [
+        "lora_unet_input_blocks_4_1_proj_in.lora_down.weight",
+        "lora_te2_text_model_x.lora_up.weight",
+    ]
+    sdxl = _lora(tmp_path / "sdxl.safetensors", {k: torch.zeros(4, 8) for k in sdxl_keys})
+    assert _error(files, [(sdxl, 1.0)]) == (
+        f"'{sdxl}' {NO_FLUX_KEYS}it is an SDXL LoRA (its keys name SDXL's UNet blocks or its second text "
+        "encoder) (first keys: lora_te2_text_model_x.lora_up.weight, "
+        "lora_unet_input_blocks_4_1_proj_in.lora_down.weight)"
+    )
+    model = _lora(tmp_path / "model.safetensors", {"double_blocks.0.img_attn.qkv.weight": torch.zeros(4, 8)})
+    assert _error(files, [(model, 1.0)]) == (
+        f"'{model}' {NO_FLUX_KEYS}it is a model checkpoint (plain weights, no LoRA tensors), not a LoRA (first "
+        "keys: double_blocks.0.img_attn.qkv.weight)"
+    )
+    odd = _lora(tmp_path / "odd.safetensors", {"something.lora_down.weight": torch.zeros(4, 8)})
+    assert _error(files, [(odd, 1.0)]).endswith(
+        "it may be a LoRA for another model (first keys: something.lora_down.weight)"
     )
     te = _lora(
         tmp_path / "te.safetensors",

@@ -700,6 +700,42 @@ def test_any_latent_size_comfyui_accepts_passes_the_checks(
     assert started == [("cpu", "cpu")] and not registry.current.started  # made, never started
 
 
+def test_samplers_accept_qwen_images_text_mask(
+    comfy: FakeComfy, dev_checkpoint: str, recording_registry: tuple[Registry, list]
+) -> None:
+    """Qwen-Image's model takes the text encoder's mask (ComfyUI 0.33 passes it when a prompt is padded), so
+    the TP / Ring Attention Sampler's checks pass it on; FLUX.1's call has no mask and is refused by name."""
+    from rocm_parallel.backend.qwen_image.model import build_qwen_image
+    from rocm_parallel.testing.models import tiny_qwen_image_config
+
+    registry, _ = recording_registry
+    config = tiny_qwen_image_config(heads=4, head_dim=16, blocks=2, text_dim=32)
+    save_checkpoint(build_qwen_image(config, seed=1), comfy.models / "qwen.safetensors", prefix=True)
+    mask = torch.ones(1, 11, dtype=torch.long)
+    mask[0, 8:] = 0  # three padding tokens
+    conditioning = [[torch.randn(1, 11, 32), {"pooled_output": None, "attention_mask": mask}]]
+    latent = {"samples": torch.zeros(1, 16, 1, 8, 8)}
+    handle = ParallelHandle(str(comfy.models / "qwen.safetensors"), "qwen.safetensors", ("cpu", "cpu"), None)
+    for request in (
+        LayoutRequest(ParallelLayout(tp=2)),
+        LayoutRequest(ParallelLayout(ring=2), context_only=True),
+    ):
+        info = checks.check_sampler_inputs(
+            registry, handle, request, conditioning, conditioning, latent, cfg=2.5
+        )
+        assert info.model_family.name == "qwen_image"
+    flux = ParallelHandle(str(comfy.models / dev_checkpoint), dev_checkpoint, ("cpu", "cpu"), None)
+    ref = reference("dev_4steps")
+    flux_positive = positive(ref["cond"], ref["pooled"])
+    flux_positive[0][1]["attention_mask"] = torch.ones(1, ref["cond"].shape[1])
+    with pytest.raises(ConfigError) as err:
+        checks.check_sampler_inputs(
+            registry, flux, LayoutRequest(ParallelLayout(tp=2)), flux_positive, None,
+            {"samples": torch.zeros(1, 16, 8, 8)}, cfg=1.0,
+        )  # fmt: skip
+    assert str(err.value) == checks.ATTENTION_MASK_MESSAGE
+
+
 class KV_Attn_Input:  # the class name of ComfyUI's FluxKVCache attention patch, which the check reads
     """Stands in for comfy_extras/nodes_flux.py's KV_Attn_Input (the comfy tier uses the real node)."""
 
@@ -880,6 +916,29 @@ def test_lora_node_chains_loras_onto_the_handle(
         repr(two)
         == "<PARALLEL_FLUX dev.safetensors + style.safetensors x0.8 + kohya.safetensors x-0.5 on cpu, cpu>"
     )
+
+
+def test_lora_node_refuses_another_models_lora_before_reading_the_checkpoint(comfy: FakeComfy) -> None:
+    """An SDXL LoRA or a checkpoint picked as a LoRA is refused from the LoRA's key names alone: the base
+    checkpoint is not read (it does not even exist here; reading it imports diffusers, seconds)."""
+    from safetensors.torch import save_file
+
+    base = ParallelHandle(
+        str(comfy.models / "absent.safetensors"), "absent.safetensors", ("cpu", "cpu"), None
+    )
+    files = {
+        "sdxl.safetensors": ("lora_unet_input_blocks_4_1_proj_in.lora_down.weight", "it is an SDXL LoRA"),
+        "model.safetensors": ("model.diffusion_model.input_blocks.0.0.weight", "it is a model checkpoint"),
+    }
+    comfy.loras.mkdir(parents=True, exist_ok=True)
+    for name, (key, what) in files.items():
+        save_file({key: torch.zeros(4, 8)}, str(comfy.loras / name))
+        with pytest.raises(ConfigError) as err:
+            NODE_CLASS_MAPPINGS["RocmParallelLoRA"]().add_lora(
+                parallel_flux=base, lora_name=name, strength_model=1.0
+            )
+        assert str(err.value).startswith(f"'{comfy.loras / name}' has no FLUX LoRA keys")
+        assert what in str(err.value)
 
 
 def test_lora_node_refuses_a_file_that_is_no_lora_for_this_model(
@@ -1084,7 +1143,12 @@ def _running(**fields: object) -> dict:
         ),
         ({"checkpoint": "tiny-dev.safetensors", "devices": "cpu x2", "preload": "auto"}, _running(), None),
         ({"checkpoint": "other.safetensors", "devices": "cpu x2", "preload": "tp"}, {"devices": []}, None),
-        ({"checkpoint": "tiny-dev.safetensors", "devices": "cpu x0", "preload": "tp"}, _running(), None),
+        (  # a loader whose devices would be refused is told the group shown is not its own, and why
+            {"checkpoint": "tiny-dev.safetensors", "devices": "cpu x0", "preload": "tp"},
+            _running(),
+            "showing the running group of tiny-dev.safetensors on cpu, cpu (tp 2), not this loader's: its "
+            "devices would be refused (devices='cpu x0' asks for 0 CPU workers; use at least 1, e.g. 'cpu x2')",
+        ),
         (
             {"checkpoint": "other.safetensors", "devices": "cpu x4", "preload": "tp"},
             _running(),

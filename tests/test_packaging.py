@@ -60,6 +60,43 @@ def test_registry_metadata_is_complete() -> None:
     assert all((ROOT / folder).is_dir() for folder in comfy["includes"])
 
 
+NOT_IN_REGISTRY_PACKAGE = ("tests/", "testing/", "benchmarks/", ".ci/")
+
+
+def _registry_package() -> list[str]:
+    """The files `comfy node pack` zips: git-tracked files not matched by .comfyignore (gitwildmatch, as
+    comfy-cli's file_utils.zip_files applies it), plus [tool.comfy] includes."""
+    import pathspec  # a test extra: comfy-cli's own matcher
+
+    lines = (ROOT / ".comfyignore").read_text().splitlines()
+    spec = pathspec.PathSpec.from_lines(
+        "gitwildmatch", [ln.strip() for ln in lines if ln.strip() and not ln.startswith("#")]
+    )
+    tracked = _run("git", "-C", ROOT, "ls-files").stdout.splitlines()
+    includes = _pyproject()["tool"]["comfy"]["includes"]
+    return [f for f in tracked if not spec.match_file(f) or any(f.startswith(i + "/") for i in includes)]
+
+
+def test_registry_package_leaves_out_tests_and_benchmarks() -> None:
+    package = _registry_package()
+    leaked = [f for f in package if f.startswith(NOT_IN_REGISTRY_PACKAGE) or f.endswith(".png")]
+    assert leaked == []
+    product = ("__init__.py", "pyproject.toml", "requirements.txt", "README.md", "LICENSE", "docs/icon.svg")
+    assert [f for f in product if f not in package] == []
+    for folder in ("backend/", "nodes/", "js/", "workflows/"):
+        shipped = [f for f in package if f.startswith(folder)]
+        tracked = _run("git", "-C", ROOT, "ls-files", folder).stdout.splitlines()
+        assert shipped == tracked and shipped, folder
+
+
+def test_comfy_node_validate_security_check_is_silent() -> None:
+    # comfy-cli's `comfy node validate` runs exactly this and prints its output as "Security warnings".
+    done = _run(
+        sys.executable, "-m", "ruff", "check", ROOT, "-q", "--select", "S102,S307,E702", "--exit-zero"
+    )
+    assert done.stdout == ""
+
+
 def _run(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     done = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0, f"{args} failed:\n{done.stdout}\n{done.stderr}"

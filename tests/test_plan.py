@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -10,8 +11,10 @@ import torch
 from rocm_parallel.backend.api import ParallelModel, make_layout
 from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError, ParallelLayout
+from rocm_parallel.backend.family import get_family
 from rocm_parallel.backend.flux.dims import FluxDims
 from rocm_parallel.backend.flux.model import FLUX_DEV, build_flux
+from rocm_parallel.backend.flux2.model import FLUX2_DEV
 from rocm_parallel.backend.parallel.tensor import parameter_bytes
 from rocm_parallel.backend.plan import (
     Link,
@@ -32,6 +35,7 @@ from rocm_parallel.testing.models import tiny_flux_config
 from rocm_parallel.testing.parallel import apply_tensor_parallel
 
 DEV = FluxDims.from_diffusers_config(FLUX_DEV)
+DEV2 = get_family("flux2").dims(FLUX2_DEV)
 TINY_CONFIG = tiny_flux_config(
     heads=8, head_dim=32, double_blocks=2, single_blocks=4, text_dim=64, pooled_dim=32
 )
@@ -226,9 +230,24 @@ def test_nothing_fits_names_what_would() -> None:
         choose(Setup(DEV, 2048, 1024, devices=2, memory_gb=8, link=PCIE))
     assert str(info.value) == (
         "no layout of 2 device(s) fits 2048x1024 x1 in 8 GB per device: the smallest, tp 2, needs 12.5 GB "
-        "per GPU (11.9 weights + 0.5 activations) and 7.2 GB are usable (10% kept free); use GPUs with at "
-        "least 14 GB or 4 GPUs (tp 4)"
+        "per GPU (11.9 weights + 0.5 activations) and 7.2 GB are usable (10% kept free); use fp8 weights "
+        "(weight_dtype fp8_e4m3fn: tp 2, 6.5 GB per GPU) or GPUs with at least 14 GB or 4 GPUs (tp 4)"
     )
+
+
+def test_nothing_fits_in_bf16_names_fp8_when_it_fits() -> None:
+    """The issue's case: FLUX.2 [dev] on 4 x 16 GB does not fit in bf16; ComfyUI's FLUX.2 template loads the
+    fp8 file, which fits at tp 4 (8.7 GB per GPU, as `plan --weight-dtype fp8_e4m3fn` prices it)."""
+    setup = Setup(DEV2, 1024, 1024, text_tokens=512, devices=4, memory_gb=16, link=PCIE, family="flux2")
+    with pytest.raises(ConfigError) as info:
+        choose(setup)
+    hint = "; use fp8 weights (weight_dtype fp8_e4m3fn: tp 4, 8.7 GB per GPU) or GPUs with at least 19 GB"
+    assert hint in str(info.value)
+    fp8 = choose(dataclasses.replace(setup, weight_dtype="fp8_e4m3fn"))
+    assert fp8.layout == ParallelLayout(tp=4) and "fits 8.7 of 16 GB per GPU" in fp8.explanation
+    with pytest.raises(ConfigError) as info:  # fp8 already priced: nothing lighter to name
+        choose(dataclasses.replace(setup, weight_dtype="fp8_e4m3fn", memory_gb=8))
+    assert "fp8 weights" not in str(info.value)
 
 
 def test_make_layout_auto() -> None:

@@ -176,3 +176,13 @@ def test_a_huge_spec_is_not_echoed_and_the_advice_is_bounded_by_the_cores(
         "devices='" + "x" * 55 + "...' (500 characters): '" + "x" * 60 + "'... is not a device; use 'all', "
         "GPU indices like '0,1,2,3', 'cuda:0,cuda:1' or CPU workers like 'cpu x2'"
     )
+
+
+@pytest.mark.parametrize("name", ["rocm:1", "hip:1", "ROCm:1"])
+def test_rocm_and_hip_device_names_say_torch_calls_them_cuda(name: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        platforms.parse_devices(f"cuda:0,{name}")
+    assert str(err.value) == (
+        f"devices='cuda:0,{name}': {name.lower()!r} is not a torch device name; ROCm (HIP) GPUs are 'cuda:N' "
+        "in torch as NVIDIA ones are: use 'cuda:1' or the index 1"
+    )

@@ -45,6 +45,7 @@ def test_wheel_holds_the_product_and_nothing_else(wheel: Path) -> None:
     )
     assert [n for n in product if n not in package] == []
     assert "backend/flux/demo.py" in package  # the README's main job ships
+    assert "backend/plan/facts.json" in package  # without it `plan` would import diffusers (40-68 s)
 
 
 def test_bench_from_the_installed_wheel_says_how_to_get_it(wheel: Path, tmp_path: Path) -> None:

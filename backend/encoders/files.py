@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.files import COMFY_PREFIX, CheckpointError, StoredTensor, missing_checkpoint, read_header
+from ..checkpoint.files import COMFY_PREFIX, CheckpointError, StoredTensor, missing_checkpoint
+from ..checkpoint.headers import read_header
 from ..transport import record
 from .kind import EncoderKind, detect_encoder, encoder_kinds, get_encoder_kind, kinds_for_clip_type
 

@@ -25,10 +25,12 @@ degrees above the call's batch (they would leave groups idle in every call):
 the ring layout's attention numbers reduce to it (see `attention_ring`).
 
 All sizes are bytes; "GB" in text is 1e9 bytes. Nothing needs a device: the model facts come from the
-meta device, so the client plans before any worker starts.
+meta device (stored for the released models in facts.json, so `plan` never imports diffusers for them), so
+the client plans before any worker starts.
 
-The planner is a package split by job: `setup` (inputs), `shapes` (what the meta model says),
-`cost` (collectives, activations, compute, the ranked estimates), `choice` (`auto`), `report` (table).
+The planner is a package split by job: `setup` (inputs), `shapes` (what the meta model says), `facts`
+(the released models' facts as data), `cost` (collectives, activations, compute, the ranked estimates),
+`choice` (`auto`), `report` (table).
 The names below are its public surface: `from .plan import choose, Setup, Link` keeps working.
 """
 
@@ -59,7 +61,7 @@ from .cost import (
 )
 from .report import format_table
 from .setup import MARGIN, PCIE4, XGMI, Link, Setup, call_batch
-from .shapes import ModelFacts, model_facts, weight_bytes
+from .shapes import ModelFacts, meta_model_facts, model_facts, weight_bytes
 
 __all__ = [
     "GB",
@@ -88,6 +90,7 @@ __all__ = [
     "format_table",
     "forward_flops",
     "local_batch",
+    "meta_model_facts",
     "model_facts",
     "modulation_width",
     "payload_by_kind",

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from ..config import ConfigError, ParallelLayout
+from ..dtypes import FP8_DTYPES
 from ..text import GB
 from .cost import Estimate, plan
 from .report import capacity, gb
@@ -55,6 +56,18 @@ def _nothing_fits(setup: Setup, estimates: list[Estimate]) -> str:
     smallest = min(estimates, key=lambda e: e.per_gpu)
     need = smallest.per_gpu / (1 - setup.margin)
     hints = [f"GPUs with at least {math.ceil(need / GB)} GB"]
+    # bf16 weights priced: fp8 weights (the file ComfyUI's FLUX.2 template loads) may fit these devices
+    fp8 = FP8_DTYPES[0].short
+    lighter = (
+        [e for e in plan(replace(setup, weight_dtype=fp8)) if e.fits]
+        if setup.weight_dtype == "compute"
+        else []
+    )
+    if lighter:
+        best = lighter[0]
+        hints.insert(
+            0, f"fp8 weights (weight_dtype {fp8}: {best.name}, {gb(best.per_gpu)} GB per {setup.device_word})"
+        )
     for devices in (2, 4, 8):
         if devices > setup.devices:
             more = [e for e in plan(replace(setup, devices=devices)) if e.fits]

@@ -40,7 +40,13 @@ def _weights(setup: Setup) -> str:
     return "" if setup.weight_dtype == "compute" else f" ({setup.weight_dtype} weights)"
 
 
-def format_table(setup: Setup, estimates: list[Estimate]) -> str:
+SHORT_HEADER = ["layout", "per GPU (GB)", "fits", "step (s)"]
+SHORT_NOTE = "(--full: weights, activations, collectives and bytes sent per layout)"
+
+
+def format_table(setup: Setup, estimates: list[Estimate], full: bool = True) -> str:
+    """The plan's heading and table: every column when `full`, else what a user asks first (does it fit,
+    how fast), the layouts that fit first."""
     head = (
         f"{get_family(setup.family).planner.table_name} ({setup.dims.heads} heads x "
         f"{setup.dims.head_dim}, {setup.dims.blocks_text()}), "
@@ -50,6 +56,10 @@ def format_table(setup: Setup, estimates: list[Estimate]) -> str:
     )
     header = ["layout", "weights (GB)", "activations (GB)", "of which buffers (GB)", "per GPU (GB)", "fits",
               "collectives / step (per mesh dimension)", "sent per GPU (GB)", "compute (s)", "comm (s)", "step (s)"]  # fmt: skip
+    if not full:
+        ordered = [e for e in estimates if e.fits] + [e for e in estimates if not e.fits]
+        rows = [[e.name, gb(e.per_gpu), "yes" if e.fits else "no", f"{e.step_s:.2f}"] for e in ordered]
+        return f"{head}\n\n{markdown_table(SHORT_HEADER, rows, ['---', '---:', '---', '---:'])}\n{SHORT_NOTE}"
     rows = [_row(e) for e in estimates]
     align = ["---", *["---:"] * 4, "---", "---", *["---:"] * 4]
     return head + "\n\n" + markdown_table(header, rows, align)

@@ -11,44 +11,35 @@ once on the meta device (no weights; cached) from `config_from_dims`, and read:
 * the work of a forward: one tiny call through the family's own `call` on meta tensors, with hooks that
   record which linear layers read image tokens, text tokens or both (per-token MACs), and how many
   attention calls there are. Per-token work scales linearly with the tokens, so one call prices any size.
+
+The released models' facts are stored (facts.py, facts.json) so that `plan` does not import diffusers;
+`model_facts` reads them first and builds the meta model only for other dims.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 from typing import Any
 
 from ..config import ModelDims, ParallelLayout
 from ..family import families, get_family
+from .facts import ModelFacts, stored_facts
 
 # The probe call's token counts: distinct, so a layer's input length says which tokens it read.
 _PROBE_IMAGE_PATCHES = (1, 2)  # (rows, columns) of patches: 2 image tokens
 _PROBE_TEXT = 3
 
 
-@dataclass(frozen=True)
-class ModelFacts:
-    """One family's model with given dims, as the planner prices it."""
-
-    # (name, shape, TP split or None, whether the model class keeps it in float32: `_keep_in_fp32_modules`)
-    parameters: tuple[tuple[str, tuple[int, ...], Any, bool], ...]
-    modulation_width: int  # features of all Gathered (AdaLN modulation) outputs of one forward
-    tp_all_reduces: int  # activation all-reduces of one forward under TP
-    norm_all_reduces: int  # [tokens x 1] statistics all-reduces of norms across heads (NormAcrossHeads)
-    attentions: int  # attention calls per forward over the sequence context parallelism splits
-    # attention calls whose keys are the text alone (a family whose text is not joint: cross-attention from
-    # the image tokens, local on every rank)
-    cross_attentions: int
-    image_macs: int  # multiply-accumulates per image token in the linear layers that read only image tokens
-    text_macs: int  # ... only text tokens
-    joint_macs: int  # ... the joint sequence (single-stream blocks)
-
-
 @functools.lru_cache(maxsize=32)
 def model_facts(family: str, dims: ModelDims) -> ModelFacts:
-    """The facts of `family`'s model with `dims` (built once on the meta device per family and dims)."""
+    """The facts of `family`'s model with `dims`: a released model's from facts.json (no diffusers import),
+    any other's from the meta model (built once per family and dims)."""
+    return stored_facts(get_family(family), dims) or meta_model_facts(family, dims)
+
+
+def meta_model_facts(family: str, dims: ModelDims) -> ModelFacts:
+    """The facts of `family`'s model with `dims`, read from its diffusers model built on the meta device."""
     import torch
     from torch import nn
 
@@ -146,4 +137,4 @@ def weight_bytes(
     return round(total)  # a GGUF type's bytes per value are fractional
 
 
-__all__ = ["ModelFacts", "model_facts", "weight_bytes"]
+__all__ = ["ModelFacts", "meta_model_facts", "model_facts", "weight_bytes"]

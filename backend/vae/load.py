@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..checkpoint.files import read_header
+from ..checkpoint.headers import read_header
 from ..config import ConfigError
 from ..dtypes import compute_dtype_named
 from .kind import VaeKind, detect_vae, get_vae_kind, vae_kinds

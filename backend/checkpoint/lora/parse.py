@@ -21,6 +21,7 @@ from ..files import listing, special_kind, starts_like_safetensors, truncation_d
 from ..info import CheckpointInfo
 from .kinds import APPLIED, CONV_ONLY, KINDS, REFUSED, WEIGHT_KINDS
 from .names import LOOKED_FOR, TEXT_ENCODER_PREFIXES, Slot, slot_table, split_key
+from .other import other_model, plainly_foreign
 from .records import LoraError, LoraInfo, LoraModule, Parsed
 
 
@@ -228,6 +229,17 @@ def _dora_axis(path: Path, module: str, key: str, shape: Sequence[int], weight: 
     )
 
 
+def refuse_foreign_lora(path: str | os.PathLike[str]) -> None:
+    """Refuse, from the file's key names alone, a LoRA for another model (SDXL, SD 1.5) or a checkpoint
+    picked as a LoRA: before the base checkpoint is read (that imports diffusers, seconds). Anything the
+    names do not settle is left to `inspect_lora`, which refuses it with the same message."""
+    path = Path(path).expanduser()
+    _check_file(path)
+    shapes, _ = read_header(path)
+    if plainly_foreign(shapes):
+        _no_flux_keys(path, shapes, ())
+
+
 def _no_flux_keys(path: Path, shapes: Mapping[str, Any], skipped: Sequence[str]) -> None:
     if skipped and len(skipped) == len(shapes):
         raise LoraError(
@@ -236,9 +248,10 @@ def _no_flux_keys(path: Path, shapes: Mapping[str, Any], skipped: Sequence[str])
             "CLIP/T5 model with ComfyUI's LoraLoader"
         )
     first = ", ".join(sorted(shapes)[:4]) or "none, the file is empty"
+    other = other_model(shapes)
+    what = "it may be a LoRA for another model" if other is None else f"it is {other}"
     raise LoraError(
-        f"{quoted(path)} has no FLUX LoRA keys (looked for {LOOKED_FOR}); it may be a LoRA for another model "
-        f"(first keys: {first})"
+        f"{quoted(path)} has no FLUX LoRA keys (looked for {LOOKED_FOR}); {what} (first keys: {first})"
     )
 
 

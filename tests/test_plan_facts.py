@@ -1,0 +1,68 @@
+"""The planner's stored model facts: facts.json equals the meta model's facts for every preset, and `plan`
+answers from it without importing diffusers."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from rocm_parallel.backend.family import families
+from rocm_parallel.backend.plan import model_facts
+from rocm_parallel.backend.plan.facts import FACTS_FILE, ModelFacts, decode, encode, stored, stored_facts
+from rocm_parallel.backend.plan.shapes import meta_model_facts
+from rocm_parallel.testing.models import tiny_flux_config
+
+sys.path.insert(0, str(Path(__file__).parent / "tools"))
+from make_plan_facts import presets_facts, render
+
+
+def test_facts_file_equals_the_meta_models_facts() -> None:
+    # The file is data derived from code: a change to a family's model, TP plan or presets must rewrite it
+    # (python tests/tools/make_plan_facts.py), or plan would price the old model.
+    assert json.loads(FACTS_FILE.read_text()) == json.loads(render(presets_facts()))
+
+
+def test_every_preset_is_stored() -> None:
+    for family in families():
+        for preset, config in family.presets.items():
+            assert preset in stored()[family.name], f"{family.name} {preset} is not in facts.json"
+            assert stored_facts(family, family.dims(config)) is not None
+
+
+def test_a_record_decodes_to_the_facts_it_encodes() -> None:
+    family = next(f for f in families() if f.name == "flux1")
+    dims = family.dims(tiny_flux_config())
+    facts = meta_model_facts("flux1", dims)
+    decoded = decode(json.loads(json.dumps(encode(facts, dims))))
+    # The file groups a repeated block's parameters, so they come back grouped: the same set, in another order.
+    assert by_name(decoded) == by_name(facts)
+    assert dataclasses.replace(decoded, parameters=()) == dataclasses.replace(facts, parameters=())
+
+
+def by_name(facts: ModelFacts) -> dict[str, tuple]:
+    named = {name: (shape, split) for name, shape, split in facts.parameters}
+    assert len(named) == len(facts.parameters)
+    return named
+
+
+def test_dims_of_no_preset_come_from_the_meta_model() -> None:
+    family = next(f for f in families() if f.name == "flux1")
+    dims = family.dims(tiny_flux_config())
+    assert stored_facts(family, dims) is None
+    assert model_facts("flux1", dims) == meta_model_facts("flux1", dims)
+
+
+def test_plan_does_not_import_diffusers() -> None:
+    # Importing diffusers (and torch's compiler with it) took plan 40-68 s on a busy 2-core machine.
+    code = (
+        "import sys\n"
+        "from rocm_parallel.backend.cli import main\n"
+        "rc = main(['plan', '--model', 'flux2-dev', '--devices', '4', '--memory-gb', '16'])\n"
+        "print('rc', rc, 'diffusers' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.stderr == ""
+    assert done.stdout.splitlines()[-1] == "rc 1 False", done.stdout[-2000:]
