@@ -161,14 +161,14 @@ def short_note(transport: Transport, fell_back: bool) -> str | None:
 
 
 def gloo_cost(devices: int, gbps: float, latency_us: float) -> str:
-    """What gloo costs, priced by the planner: one 1024 px step of the first family's first released model
-    (FLUX.1-dev) at tp `devices` over the link gloo measured here, against the same step over PCIe 4.0 x16
+    """What gloo costs, priced by the planner: one 1024 px step of the first family's (by name) first released model
+    (flux1-dev) at tp `devices` over the link gloo measured here, against the same step over PCIe 4.0 x16
     peer-to-peer (the planner's defaults)."""
     from .config import ParallelLayout
     from .family import families
     from .plan import PCIE4, Link, Setup, estimate
 
-    family = families()[0]
+    family = min(families(), key=lambda f: f.name)  # by name: registration order depends on imports
     preset, config = next(iter(family.presets.items()))
     dims = family.dims(config)
 
