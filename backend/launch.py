@@ -113,6 +113,8 @@ def worker_env(
     )
     # The flight recorder keeps this many collectives (torch's default, 2000, makes each dump of its entries
     # ~1 MB of JSON and ~40 ms): the reports look one up only when a rank has waited in it (heartbeat.py).
+    # torch 2.9 records nothing unless given a buffer (measured: an empty `pg_status` on 2.9.1; 2.11 and
+    # later default to 2000 entries); without it a hung collective reads as 'computing'. A user's value wins.
     out.setdefault("TORCH_FR_BUFFER_SIZE", "256")
     if backend:
         out.update(RP_BACKEND=backend)
@@ -122,6 +124,7 @@ def worker_env(
     # interface the hostname resolves to. All workers of a group run on this machine anyway.
     out.setdefault("GLOO_SOCKET_IFNAME", "lo")
     out.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    # torch's flight recorder tells the caller which collective a rank waits in (heartbeat.Collectives).
     if devices[rank].startswith("cuda") and needs_aotriton_flag(gpu_arch(devices[rank])):
         # The one place this flag is set. RDNA3/4 (gfx11xx/gfx12xx) get flash SDPA from AOTriton only
         # with it set before torch starts; other known archs (MI300X, NVIDIA) do not get it; an arch

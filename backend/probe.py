@@ -126,25 +126,28 @@ def pair_rounds(n: int) -> list[list[tuple[int, int]]]:
 
 @handler("probe_pairs", HealthRequest)
 def probe_pairs(ctx: WorkerContext, request: HealthRequest) -> PairReport:
-    """Each pair of ranks swaps a tensor with point-to-point sends (round by round, every rank with at most
-    one partner at a time), checked and timed: the paths a group-wide all-reduce does not use (a ring
-    all-reduce over 4 GPUs never links GPU 0 and GPU 2; Ulysses' all-to-all does). Run after
+    """Each pair of ranks swaps a tensor (round by round, every rank with at most one partner at a time),
+    checked and timed: the paths a group-wide all-reduce does not use (a ring all-reduce over 4 GPUs never
+    links GPU 0 and GPU 2; Ulysses' all-to-all does). Each round is one all-to-all over the group in which
+    only the partners' splits are not empty: the communicator and the op Ulysses uses, and a collective
+    torch's flight recorder numbers like any other. (Point-to-point sends on gloo advance the recorder's
+    issued count without an entry, so every later hang was reported without its op's name.) Run after
     `health_check`: NCCL wants the group's first collective to include every rank. A pair whose path
-    hangs hangs here, and the caller's limit ends it with each rank's place (which partner) reported."""
+    hangs hangs here, and the caller's limit ends it with each rank's place reported."""
     device, rank = ctx.device, ctx.rank
     pairs: dict[str, float] = {}
     wrong = []
     for round_pairs in pair_rounds(ctx.world_size):
         partner = next((b if a == rank else a for a, b in round_pairs if rank in (a, b)), None)
-        if partner is None:
-            continue
-        mine = torch.full((request.elements,), float(rank + 1), dtype=torch.float32, device=device)
+        splits = [request.elements if r == partner else 0 for r in range(ctx.world_size)]
+        mine = torch.full((sum(splits),), float(rank + 1), dtype=torch.float32, device=device)
         theirs = torch.empty_like(mine)
         started = time.perf_counter()
-        ops = [dist.P2POp(dist.isend, mine, partner), dist.P2POp(dist.irecv, theirs, partner)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        # every rank joins every round (one sitting out, n odd, with nothing to send)
+        dist.all_to_all_single(theirs, mine, output_split_sizes=splits, input_split_sizes=splits)
         synchronize(device)
+        if partner is None:
+            continue
         pairs[f"{min(rank, partner)}-{max(rank, partner)}"] = time.perf_counter() - started
         if not bool((theirs == partner + 1).all().item()):
             wrong.append(f"from rank {partner}: {theirs[0].item():g} (expected {partner + 1})")

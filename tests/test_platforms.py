@@ -101,6 +101,17 @@ def test_worker_env_sets_aotriton_only_for_rdna(monkeypatch: pytest.MonkeyPatch)
     assert launch.worker_env(devices, 0, "sock", "/tmp")[platforms.AOTRITON_FLAG] == "0"
 
 
+def test_worker_env_turns_the_flight_recorder_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.9 records no collectives unless given a buffer: the liveness rules need the record (a rank
+    hung in a collective must not read as 'computing'; test_startup_health's hang tests on 2.9.1)."""
+    from rocm_parallel.backend import launch
+
+    monkeypatch.delenv("TORCH_FR_BUFFER_SIZE", raising=False)
+    assert launch.worker_env(("cpu", "cpu"), 0, "sock", "/tmp")["TORCH_FR_BUFFER_SIZE"] == "256"
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "64")  # a user's value wins
+    assert launch.worker_env(("cpu", "cpu"), 0, "sock", "/tmp")["TORCH_FR_BUFFER_SIZE"] == "64"
+
+
 # ------------------------------------------------------------------ one device vocabulary (issue 21)
 
 
