@@ -217,19 +217,19 @@ def test_sdxl_unet_is_recognized(tmp_path: Path) -> None:
     keys = ["input_blocks.0.0.weight", "label_emb.0.0.weight", "middle_block.0.in_layers.0.weight"]
     save_file({COMFY_PREFIX + k: torch.zeros(2) for k in keys}, str(tmp_path / "sdxl.safetensors"))
     assert _error(tmp_path / "sdxl.safetensors") == (
-        f"'{tmp_path}/sdxl.safetensors' is not a FLUX.1, FLUX.2 or Qwen-Image checkpoint: it looks like an SDXL UNet. "
-        "Pick a FLUX.1, FLUX.2 or Qwen-Image transformer file (e.g. flux1-dev.safetensors, flux2-dev.safetensors) from "
-        "models/diffusion_models"
+        f"'{tmp_path}/sdxl.safetensors' is not a FLUX.1, FLUX.2, Qwen-Image or Wan checkpoint: it looks like an SDXL "
+        "UNet. Pick a FLUX.1, FLUX.2, Qwen-Image or Wan transformer file (e.g. flux1-dev.safetensors, "
+        "flux2-dev.safetensors, qwen-image.safetensors, wan2.1-t2v-1.3b.safetensors) from models/diffusion_models"
     )
 
 
 def test_unknown_model_lists_keys(tmp_path: Path) -> None:
     save_file({k: torch.zeros(2) for k in ["w3", "w1", "w2", "w0", "w4"]}, str(tmp_path / "x.safetensors"))
     assert _error(tmp_path / "x.safetensors") == (
-        f"'{tmp_path}/x.safetensors' is not a FLUX.1, FLUX.2 or Qwen-Image checkpoint: none of its keys is a "
-        "FLUX.1, FLUX.2 or Qwen-Image transformer's (first keys: w0, w1, w2, w3). Pick a FLUX.1, FLUX.2 or "
-        "Qwen-Image transformer file (e.g. "
-        "flux1-dev.safetensors, flux2-dev.safetensors) from models/diffusion_models"
+        f"'{tmp_path}/x.safetensors' is not a FLUX.1, FLUX.2, Qwen-Image or Wan checkpoint: none of its keys is a "
+        "FLUX.1, FLUX.2, Qwen-Image or Wan transformer's (first keys: w0, w1, w2, w3). Pick a FLUX.1, FLUX.2, "
+        "Qwen-Image or Wan transformer file (e.g. flux1-dev.safetensors, flux2-dev.safetensors, "
+        "qwen-image.safetensors, wan2.1-t2v-1.3b.safetensors) from models/diffusion_models"
     )
 
 
@@ -343,7 +343,8 @@ def test_diffusers_folder_errors(tmp_path: Path) -> None:
     (transformer / "config.json").write_text(json.dumps({**config, "_class_name": "AutoencoderKL"}))
     assert _error(transformer) == (
         f"'{transformer}/config.json' describes a AutoencoderKL, not a FluxTransformer2DModel, "
-        "Flux2Transformer2DModel or QwenImageTransformer2DModel; pass a FLUX pipeline folder or its transformer/ folder"
+        "Flux2Transformer2DModel, QwenImageTransformer2DModel or WanTransformer3DModel; pass a FLUX pipeline "
+        "folder or its transformer/ folder"
     )
     empty = tmp_path / "empty"
     empty.mkdir()
