@@ -30,7 +30,7 @@ def test_flux2_is_registered_next_to_flux1() -> None:
     assert registry.get_family("flux2") is FLUX2
     assert FLUX2.tp.plan is FLUX2_TP_PLAN
     assert registry.family_for_class("Flux2Transformer2DModel") is FLUX2
-    assert {f.name for f in registry.families()} == {"flux1", "flux2", "qwen_image"}
+    assert {f.name for f in registry.families()} == {"flux1", "flux2", "qwen_image", "wan"}
 
 
 @pytest.mark.parametrize("config", [FLUX2_DEV, FLUX2_KLEIN_9B, CONFIG], ids=["dev", "klein-9b", "tiny"])

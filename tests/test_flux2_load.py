@@ -367,10 +367,10 @@ def test_not_flux_names_the_file(tmp_path: Path) -> None:
     path = tmp_path / "other.safetensors"
     save_file({"img_in.weight": torch.zeros(4, 4)}, str(path))
     assert _error(path) == (
-        f"'{path}' is not a FLUX.1, FLUX.2 or Qwen-Image checkpoint: none of its keys is a FLUX.1, FLUX.2 or "
-        "Qwen-Image transformer's (first keys: img_in.weight). Pick a FLUX.1, FLUX.2 or Qwen-Image transformer "
-        "file (e.g. flux1-dev.safetensors, "
-        "flux2-dev.safetensors) from models/diffusion_models"
+        f"'{path}' is not a FLUX.1, FLUX.2, Qwen-Image or Wan checkpoint: none of its keys is a FLUX.1, FLUX.2, "
+        "Qwen-Image or Wan transformer's (first keys: img_in.weight). Pick a FLUX.1, FLUX.2, Qwen-Image or Wan "
+        "transformer file (e.g. flux1-dev.safetensors, flux2-dev.safetensors, qwen-image.safetensors, "
+        "wan2.1-t2v-1.3b.safetensors) from models/diffusion_models"
     )
 
 

@@ -341,7 +341,8 @@ def test_diffusers_folder_errors(tmp_path: Path) -> None:
     (transformer / "config.json").write_text(json.dumps({**config, "_class_name": "AutoencoderKL"}))
     assert _error(transformer) == (
         f"'{transformer}/config.json' describes a AutoencoderKL, not a FluxTransformer2DModel, "
-        "Flux2Transformer2DModel or QwenImageTransformer2DModel; pass a FLUX pipeline folder or its transformer/ folder"
+        "Flux2Transformer2DModel, QwenImageTransformer2DModel or WanTransformer3DModel; pass a FLUX pipeline "
+        "folder or its transformer/ folder"
     )
     empty = tmp_path / "empty"
     empty.mkdir()
