@@ -12,8 +12,8 @@ from .inputs import CATEGORY, HANDLE_TYPE, ParallelHandle
 from .registry import REGISTRY, shows_errors
 
 _VAE_TOOLTIP = (
-    "A VAE from models/vae/ as ComfyUI's Load VAE reads it: FLUX.1's ae.safetensors, FLUX.2's VAE, or "
-    "Qwen-Image's (the Wan 2.1 VAE, one frame). Every worker reads it and keeps it resident beside the model."
+    "A VAE from models/vae/ as ComfyUI's Load VAE reads it: the one the loaded model's family decodes with "
+    "(docs/nodes.md lists them). Every worker reads it and keeps it resident beside the model."
 )
 _HANDLE_TOOLTIP = "The worker group from a ROCm Parallel Loader: the VAE runs on its devices."
 

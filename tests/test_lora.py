@@ -626,8 +626,8 @@ def test_targets_and_shapes_this_checkpoint_lacks(files: dict[str, str], tmp_pat
     _lora(path, {**lora, "lora_unet_double_blocks_7_img_attn_qkv.lora_up.weight": torch.zeros(384, 4)})
     assert _error(files, [(path, 1.0)]) == (
         f"LoRA '{path}': 'lora_unet_double_blocks_7_img_attn_qkv.lora_up.weight' targets "
-        "'lora_unet_double_blocks_7_img_attn_qkv', which this checkpoint (2 double + 3 single blocks, "
-        "hidden 128) does not have; the LoRA was made for a different model"
+        "'lora_unet_double_blocks_7_img_attn_qkv', which this checkpoint (FLUX.1-dev, hidden 128) "
+        "does not have; the LoRA was made for a different model"
     )
     _lora(path, {**lora, "lora_unet_img_in.lora_down.weight": torch.zeros(4, 80)})
     assert _error(files, [(path, 1.0)]) == (

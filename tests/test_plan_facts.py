@@ -43,7 +43,7 @@ def test_a_record_decodes_to_the_facts_it_encodes() -> None:
 
 
 def by_name(facts: ModelFacts) -> dict[str, tuple]:
-    named = {name: (shape, split) for name, shape, split in facts.parameters}
+    named = {name: (shape, split, fp32) for name, shape, split, fp32 in facts.parameters}
     assert len(named) == len(facts.parameters)
     return named
 

@@ -278,7 +278,8 @@ def test_the_gguf_flux2_workflow_fits_two_16_gb_gpus_where_fp8_does_not() -> Non
     """FLUX.2 [dev] as a Q4_K GGUF on 'tp' over the loader's two GPUs: the pack's own loader and Model node
     (no ComfyUI-GGUF node), the tp4 graph otherwise, node for node; the planner, pricing the file's Q4_K
     blocks kept quantized, finds tp 2 fits 16 GB GPUs, which the fp8 file does not."""
-    from rocm_parallel.backend.config import FluxDims, ParallelLayout
+    from rocm_parallel.backend.config import ParallelLayout
+    from rocm_parallel.backend.flux.dims import FluxDims
     from rocm_parallel.backend.flux2.model import FLUX2_DEV
     from rocm_parallel.backend.plan import Setup, estimate
 

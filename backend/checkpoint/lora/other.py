@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from ...family import families
+
 # Words in the tensor names that only LoRA-like files have (kohya, PEFT, LyCORIS).
 _ADAPTER_WORDS = ("lora", "hada_", "lokr_", "alpha", "dora_scale", "oft_", "boft_")
 _DIFF_ENDS = (".diff", ".diff_b")  # ComfyUI's full-difference patches ('.diffusion_model' is no such name)
@@ -14,8 +16,14 @@ _SDXL = ("input_blocks", "output_blocks", "middle_block", "lora_te2_", "text_enc
 _SD_UNET = ("down_blocks", "up_blocks", "mid_block")  # a Stable Diffusion UNet in diffusers' names
 
 
-# Names a LoRA for one of the pack's transformers has (FLUX, Qwen-Image: BFL, diffusers, kohya spellings).
-_OWN_MODEL_WORDS = ("transformer", "double_blocks", "single_blocks", "diffusion_model")
+def _own_model_words() -> tuple[str, ...]:
+    """Names a LoRA for one of the pack's transformers has: ComfyUI's and diffusers' prefixes and every
+    registered family's numbered blocks, in BFL and diffusers spelling (kohya writes them with '_')."""
+    words = {"transformer", "diffusion_model"}
+    for family in families():
+        for blocks in family.keys.blocks:
+            words.update(name.strip(".") for name in (blocks.bfl, blocks.diffusers) if name.strip("."))
+    return tuple(sorted(words))
 
 
 def plain_weights(keys: Iterable[str]) -> bool:
@@ -27,11 +35,12 @@ def plain_weights(keys: Iterable[str]) -> bool:
 
 def plainly_foreign(keys: Iterable[str]) -> bool:
     """The names alone say the file is no LoRA for the pack's models: plain weights, or another model's
-    LoRA with no name a FLUX / Qwen-Image LoRA has (a FLUX LoRA may carry a 'text_encoder_2' T5 part)."""
+    LoRA with no name a LoRA for the pack's models has (one may carry a 'text_encoder_2' T5 part)."""
     keys = list(keys)
     if plain_weights(keys):
         return True
-    return other_model(keys) is not None and not any(w in k for k in keys for w in _OWN_MODEL_WORDS)
+    own = _own_model_words()
+    return other_model(keys) is not None and not any(w in k for k in keys for w in own)
 
 
 def other_model(keys: Iterable[str]) -> str | None:
