@@ -222,9 +222,11 @@ def _companion(path: str) -> dict[str, torch.Tensor]:
     import comfy.utils
 
     sd = comfy.utils.load_torch_file(path, safe_load=True)
-    convert = getattr(comfy.utils, "convert_old_quants", None)  # ComfyUI >= 0.4: legacy scaled fp8
-    if convert is not None:
-        sd, _ = convert(sd, model_prefix="", metadata=None)
+    try:  # legacy scaled fp8, converted by newer ComfyUI (0.33 has it, 0.3.75 not): a version shim
+        convert = comfy.utils.convert_old_quants
+    except AttributeError:
+        return sd
+    sd, _ = convert(sd, model_prefix="", metadata=None)
     return sd
 
 
@@ -325,15 +327,15 @@ def _comfy_dtypes(transformer: Any, kind: EncoderKind, info: EncoderInfo) -> dic
     wanted = dict(kind.build(info.config, device="meta").named_parameters())
     out = {}
     for name, param in wanted.items():
-        comfy = params.get(kind.prefix + name)
-        if comfy is None or tuple(comfy.shape) != tuple(param.shape):
-            got = "missing" if comfy is None else list(comfy.shape)
+        held = params.get(kind.prefix + name)
+        if held is None or tuple(held.shape) != tuple(param.shape):
+            got = "missing" if held is None else list(held.shape)
             raise RuntimeError(
                 f"ComfyUI's {type(transformer).__name__} has '{kind.prefix}{name}' {got} where the pack's "
                 f"{kind.title} has {list(param.shape)}: this ComfyUI's text encoder differs from the one the pack "
                 "was checked against"
             )
-        out[name] = str(comfy.dtype).removeprefix("torch.")
+        out[name] = str(held.dtype).removeprefix("torch.")
     return out
 
 
