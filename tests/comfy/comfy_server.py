@@ -36,7 +36,7 @@ from rocm_parallel.backend.checkpoint import diffusers_to_bfl
 
 COMFYUI_PATH = os.environ.get("COMFYUI_PATH")
 # ComfyUI-GGUF's checkout (its repository, never committed here): linked into the server's custom_nodes when
-# set, for tests/comfy/test_gguf.py, which skips without it.
+# set, for tests/comfy/test_comfy_gguf.py, which skips without it.
 COMFYUI_GGUF_PATH = os.environ.get("COMFYUI_GGUF_PATH")
 FLUX2_CHECKPOINT = "tiny-flux2.safetensors"
 PACK_ROOT = Path(__file__).resolve().parents[2]

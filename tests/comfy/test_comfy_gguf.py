@@ -18,7 +18,7 @@ the unquantized weights once and rounds them back to float16 (GGUFModelPatcher.p
 the pack does the same (checkpoint/lora/calltime.py rounded_as_stored); without that the LoRA cases
 differed by 6e-3 (the Q8_0 file's one F16 tensor). The all-F16 file is compared without a LoRA.
 
-    COMFYUI_PATH=... COMFYUI_GGUF_PATH=... python -m pytest -q -s -m comfy tests/comfy/test_gguf.py
+    COMFYUI_PATH=... COMFYUI_GGUF_PATH=... python -m pytest -q -s -m comfy tests/comfy/test_comfy_gguf.py
 """
 
 from __future__ import annotations
