@@ -9,10 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from rocm_parallel.backend.config import ParallelLayout
 from rocm_parallel.backend.family import families
 from rocm_parallel.backend.plan import model_facts
 from rocm_parallel.backend.plan.facts import FACTS_FILE, ModelFacts, decode, encode, stored, stored_facts
-from rocm_parallel.backend.plan.shapes import meta_model_facts
+from rocm_parallel.backend.plan.shapes import meta_model_facts, weight_bytes
 from rocm_parallel.testing.models import tiny_flux_config
 
 sys.path.insert(0, str(Path(__file__).parent / "tools"))
@@ -66,3 +67,42 @@ def test_plan_does_not_import_diffusers() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.stderr == ""
     assert done.stdout.splitlines()[-1] == "rc 1 False", done.stdout[-2000:]
+
+
+def test_stored_facts_decode_and_shard_without_torch() -> None:
+    # `plan` reads facts.json and prices a rank's shard; importing torch for the split kinds and `shard_pieces`
+    # cost it ~2 s of CPU on a 2-core machine (issue 42). A fresh process decodes every stored record and sums
+    # rank 0's tp-2 shard in bf16 (float32 where the model keeps it) with nothing but splits.py; the sums must
+    # be the planner's own `weight_bytes`, and torch must not have been imported.
+    code = (
+        "import json, math, sys\n"
+        "from rocm_parallel.backend.config import ModelDims\n"
+        "from rocm_parallel.backend.parallel.splits import shard_pieces\n"
+        "from rocm_parallel.backend.plan.facts import decode, stored\n"
+        "held = {}\n"
+        "for family, records in stored().items():\n"
+        "    for preset, record in records.items():\n"
+        "        dims = ModelDims(**{k: record['dims'][k] for k in ('heads', 'head_dim', 'mlp', 'text_dim', "
+        "'token_channels')})\n"
+        "        total = 0\n"
+        "        for name, shape, split, fp32 in decode(record).parameters:\n"
+        "            pieces = None if split is None else shard_pieces(split, name.rpartition('.')[2], shape, 0, 2, "
+        "dims)\n"
+        "            total += (4 if fp32 else 2) * math.prod(shape if pieces is None else pieces.shape(shape))\n"
+        "        held[f'{family}/{preset}'] = total\n"
+        "print(json.dumps({'held': held, 'torch': 'torch' in sys.modules}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.stderr == ""
+    result = json.loads(done.stdout)
+    assert result["torch"] is False
+    expected = {
+        f"{family.name}/{preset}": weight_bytes(
+            family.dims(config), ParallelLayout(tp=2), 2, family=family.name
+        )
+        for family in families()
+        for preset, config in family.presets.items()
+        if preset in stored().get(family.name, {})
+    }
+    assert result["held"] == expected
+    assert len(expected) == sum(len(records) for records in stored().values())

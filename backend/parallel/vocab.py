@@ -14,12 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-
-def vocab_range(size: int, rank: int, degree: int) -> tuple[int, int]:
-    """Rows [start, stop) of a table of `size` rows that `rank` holds: blocks of ceil(size / degree), the last
-    rank's shorter when the degree does not divide the vocabulary (T5's 32128 rows over 3 ranks, say)."""
-    block = -(-size // degree)
-    return min(rank * block, size), min((rank + 1) * block, size)
+from .splits import vocab_range  # torch-free, for the planner; re-exported here
 
 
 class VocabParallelEmbedding(nn.Module):

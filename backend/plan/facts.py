@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ModelDims
+from ..parallel import splits  # the split kinds, torch-free
 
 FACTS_FILE = Path(__file__).with_name("facts.json")
 _INDEX = re.compile(r"\.(\d+)\.")  # the first numeric path component: a repeated block's index
@@ -60,10 +61,8 @@ def _split_record(split: Any) -> dict[str, Any] | None:
 def _split(record: Mapping[str, Any] | None) -> Any:
     if record is None:
         return None
-    from ..parallel import tensor  # the split kinds (imports torch, as weight_bytes' shard_pieces does)
-
     fields = {k: tuple(v) if isinstance(v, list) else v for k, v in record.items() if k != "kind"}
-    return getattr(tensor, record["kind"])(**fields)
+    return getattr(splits, record["kind"])(**fields)
 
 
 def encode(facts: ModelFacts, dims: ModelDims) -> dict[str, Any]:

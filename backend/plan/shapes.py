@@ -24,6 +24,7 @@ from typing import Any
 
 from ..config import ModelDims, ParallelLayout
 from ..family import families, get_family
+from ..parallel.splits import shard_pieces
 from .facts import ModelFacts, stored_facts
 
 # The probe call's token counts: distinct, so a layer's input length says which tokens it read.
@@ -123,8 +124,6 @@ def weight_bytes(
     embedder) 4 bytes, as in the loader
     (checkpoint/load.py resident_dtype).
     """
-    from ..parallel.tensor import shard_pieces
-
     linear = dtype_bytes if linear_bytes is None else linear_bytes
     total = 0.0
     for name, shape, split, fp32 in model_facts(family or families()[0].name, dims).parameters:
