@@ -39,27 +39,45 @@ def _demo_module() -> Any:
     return importlib.import_module(family.demo, __package__)
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command line's parser, with the arguments of `command`'s subparser only (None: of every one).
+
+    Each command's arguments come from its own modules (the demo's, every benchmark's), which import torch,
+    the API and the test models: `plan` must not pay for them (issue 42: it answers in seconds on 2 cores).
+    """
     parser = argparse.ArgumentParser(prog="python -m rocm_parallel", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="the main job on a built-in model: split across workers, check, time")
-    _demo_module().add_arguments(demo)
-    _add_plan_arguments(sub.add_parser("plan", help="per-GPU memory, bytes moved and step time per layout"))
-    from . import doctor
-
-    doctor.add_arguments(
-        sub.add_parser("doctor", help="check torch, GPUs, flags and a real worker group; advise")
-    )
+    plan = sub.add_parser("plan", help="per-GPU memory, bytes moved and step time per layout")
+    doctor = sub.add_parser("doctor", help="check torch, GPUs, flags and a real worker group; advise")
     bench = sub.add_parser("bench", help="run a benchmark and print its table (from a checkout)")
+    if command in (None, "demo"):
+        _demo_module().add_arguments(demo)
+    if command in (None, "plan"):
+        _add_plan_arguments(plan)
+    if command in (None, "doctor"):
+        from . import doctor as doctor_module
+
+        doctor_module.add_arguments(doctor)
+    if command in (None, "bench"):
+        _add_bench_arguments(bench)
+    return parser
+
+
+def _add_bench_arguments(bench: argparse.ArgumentParser) -> None:
     benchmarks = _benchmark_names()
     if benchmarks is None:
         bench.add_argument("bench", nargs=argparse.REMAINDER, help="not installed; see the message")
-        return parser
+        return
     names = bench.add_subparsers(dest="bench", required=True)
     for name, help_text in benchmarks.items():
         module = importlib.import_module(f"{_ROOT_PACKAGE}.benchmarks.{name}")
         module.add_arguments(names.add_parser(name, help=help_text))
-    return parser
+
+
+def _command(argv: Sequence[str]) -> str | None:
+    """The subcommand `argv` names (its first word; the top-level parser has no options but --help)."""
+    return next((arg for arg in argv if not arg.startswith("-")), None)
 
 
 def plan_models() -> dict[str, tuple[ModelFamily, Mapping[str, Any]]]:
@@ -185,7 +203,8 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _parser(_command(argv)).parse_args(argv)
     try:
         return _run(args)
     except ConfigError as exc:  # a wrong input: one line, never a traceback

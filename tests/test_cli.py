@@ -3,6 +3,9 @@ and spells devices as everything else does ('all', '0,1', 'cuda:0,cuda:1', 'cpu 
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -102,3 +105,19 @@ def test_plan_prints_a_short_table_unless_full(capsys: pytest.CaptureFixture[str
         "| layout | weights (GB) | activations (GB) | of which buffers (GB) | per GPU (GB) |"
     )
     assert len(full[2].split("|")) - 2 == 11
+
+
+def test_plan_imports_no_other_commands_modules() -> None:
+    # Every command's arguments come from its own modules (the demo's, each benchmark's), which import the API
+    # and the test models; `plan` must build its own parser only (issue 42: it answers in seconds on 2 cores).
+    code = (
+        "import sys\n"
+        "from rocm_parallel.backend.cli import main\n"
+        "rc = main(['plan', '--model', 'flux2-dev', '--devices', '4', '--memory-gb', '16', '--json'])\n"
+        "others = ('rocm_parallel.benchmarks', 'rocm_parallel.testing', 'rocm_parallel.backend.api',\n"
+        "          'rocm_parallel.backend.doctor', 'rocm_parallel.backend.flux.demo')\n"
+        "print('rc', rc, sorted(m for m in sys.modules if m.startswith(others)))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.stderr == ""
+    assert done.stdout.splitlines()[-1] == "rc 1 []", done.stdout[-2000:]
