@@ -64,9 +64,15 @@ def test_plan_does_not_import_diffusers() -> None:
         "rc = main(['plan', '--model', 'flux2-dev', '--devices', '4', '--memory-gb', '16'])\n"
         "print('rc', rc, 'diffusers' in sys.modules)\n"
     )
+    out = fresh_python(code)
+    assert out.splitlines()[-1] == "rc 1 False", out[-2000:]
+
+
+def fresh_python(code: str) -> str:
+    """The stdout of `code` run in a new interpreter (nothing this session imported), which writes no stderr."""
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.stderr == ""
-    assert done.stdout.splitlines()[-1] == "rc 1 False", done.stdout[-2000:]
+    return done.stdout
 
 
 def test_stored_facts_decode_and_shard_without_torch() -> None:
@@ -92,9 +98,7 @@ def test_stored_facts_decode_and_shard_without_torch() -> None:
         "        held[f'{family}/{preset}'] = total\n"
         "print(json.dumps({'held': held, 'torch': 'torch' in sys.modules}))\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert done.stderr == ""
-    result = json.loads(done.stdout)
+    result = json.loads(fresh_python(code))
     assert result["torch"] is False
     expected = {
         f"{family.name}/{preset}": weight_bytes(
