@@ -10,6 +10,11 @@ one 512 px tile with its 64 px overlap on each side (640 x 640 px), measured the
 is what ComfyUI 0.33.0 frees on the GPU before its untiled decode of an AutoencoderKL (comfy/sd.py,
 `VAE.memory_used_decode`: 2178 x 64 bytes per latent pixel per dtype byte, x 2.73 on AMD), its estimate, not a
 measurement. Nothing here needs a GPU or weights; no image is computed.
+
+`--cpu-sizes` also decodes those sizes for real on 1, 2 and 4 CPU workers (FLUX.1's released config, random
+weights): each rank reports the peak bytes of tensor storages its decode created and held at once, and the
+rise of its resident set (backend/vae/peak.py says what each counts); a second table sets the largest over
+the ranks beside the planner's bytes for the busiest rank (the tallest band plus, on rank 0, the image).
 """
 
 from __future__ import annotations
@@ -38,6 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--encode", action="store_true", help="an encode instead of a decode")
     parser.add_argument("--json", help="also write the rows to this JSON file")
+    parser.add_argument(
+        "--cpu-sizes", default="",
+        help="also decode these sizes on real CPU workers (FLUX.1's VAE, random weights) and measure each "
+        "rank's peak; slow (minutes per size on a few cores) and needs the memory: empty for none",
+    )  # fmt: skip
 
 
 def _weight_bytes(kind: Any, dtype: torch.dtype) -> int:
@@ -97,9 +107,81 @@ def run(args: argparse.Namespace) -> str:
                           comfy, f"{(weights + tile['activations']) / GB:.2f}",
                           f"{reserve / GB:.2f} / {reserve * COMFY_AMD_RATIO / GB:.2f}"])
         )  # fmt: skip
+    cpu_rows = measure_on_cpu_workers(kind, args) if args.cpu_sizes else []
+    if cpu_rows:
+        lines += ["", *cpu_table(args, cpu_rows)]
     table = "\n".join(lines)
     print("\n" + table)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump({"planned": rows, "cpu_workers": cpu_rows}, f, indent=2)
     return table
+
+
+def released_vae_file(kind: Any, folder: str) -> str:
+    """A random VAE file of `kind`'s released config, in the layout ComfyUI's VAELoader reads."""
+    from ..testing.vae_files import ldm_kl_shapes, write_vae
+
+    if kind.name != "flux1-vae":
+        raise SystemExit(f"--cpu-sizes decodes FLUX.1's VAE only (flux1-vae); got --vae {kind.name}")
+    return write_vae(f"{folder}/{kind.name}.safetensors", ldm_kl_shapes(ch=128, mult=(1, 2, 4, 4), blocks=2))
+
+
+def measure_on_cpu_workers(kind: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Decode a random latent of each `--cpu-sizes` size on each `--ranks` count of real CPU workers (one
+    group per count); per rank the measured peaks (VaeReply), beside the planner's figure for the busiest rank."""
+    import os
+    import tempfile
+
+    from ..backend.api import ParallelModel
+    from ..backend.client import WorkerGroup
+    from ..backend.vae.api import ParallelVae
+
+    if args.encode:
+        raise SystemExit("--cpu-sizes measures a decode; leave out --encode")
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        path = released_vae_file(kind, folder)
+        for ranks in (int(r) for r in args.ranks.split(",")):
+            threads = max(1, (os.cpu_count() or 1) // ranks)
+            with WorkerGroup(["cpu"] * ranks, threads=threads) as group:
+                vae = ParallelVae(ParallelModel(group=group), path, dtype=args.dtype)
+                assert vae.request.config == dict(kind.released), "the random file is not the released config"
+                vae.load()
+                for size in (int(s) for s in args.cpu_sizes.split(",")):
+                    side = size // kind.downscale
+                    latent = torch.randn(1, kind.latent_channels(vae.request.config), side, side)
+                    vae.decode(latent)
+                    planned = vae.memory(size, size)
+                    rows.append({
+                        "size": size, "ranks": ranks, "rows": planned.rows, "seconds": vae.last_seconds,
+                        "planned": planned.activations, "image": planned.image, "live": vae.last_peaks,
+                        "rss_rise": vae.last_rss_rises,
+                    })  # fmt: skip
+                    print(f"  {size} px on {ranks} CPU worker(s): {vae.last_seconds:.0f} s", flush=True)
+    return rows
+
+
+def cpu_table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        f"Measured on CPU workers ({args.dtype}, random weights, released config, one decode), weights excluded "
+        "on both sides. Plan: the tallest band's activations (the planner's per GPU figure adds the image rank "
+        "0 gathers, and the weights). Live tensors: the most bytes of tensor storages a rank's decode created "
+        "and held at once (torch dispatch; kernel scratch outside tensors not counted), the largest over the "
+        "ranks, then each rank's. RSS rise: a rank's resident high-water mark over its size before the decode "
+        "(everything the process touched, allocator caching included), the largest over the ranks.",
+        "",
+        "| image | ranks | band (latent rows) | activations plan (GB) | live tensors (GB) | error | plan + image "
+        "(GB) | live tensors per rank (GB) | RSS rise (GB) | seconds |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for r in rows:
+        live = max(r["live"])
+        per_rank = " / ".join(f"{b / GB:.2f}" for b in r["live"])
+        lines.append(
+            markdown_row([f"{r['size']}x{r['size']}", r["ranks"], r["rows"], f"{r['planned'] / GB:.2f}",
+                          f"{live / GB:.2f}", f"{r['planned'] / live - 1:+.1%}",
+                          f"{(r['planned'] + r['image']) / GB:.2f}", per_rank,
+                          f"{max(r['rss_rise']) / GB:.2f}", f"{r['seconds']:.0f}"])
+        )  # fmt: skip
+    return lines

@@ -230,3 +230,27 @@ def test_the_planner_prices_a_band_as_the_meta_device_measures_it(name: str, dty
         ratio = planned.activations / measured["activations"]
         print(f"{name} {dtype} {'encode' if encode else 'decode'}: planned / measured {ratio:.3f}")
         assert 0.95 <= ratio <= 1.05
+
+
+def test_cpu_workers_measure_a_peak_the_planner_predicts(
+    group2: WorkerGroup, group4: WorkerGroup, vae_files: dict[str, str]
+) -> None:
+    """Each CPU worker reports the peak of tensor storage bytes its decode held at once (backend/vae/peak.py,
+    what `bench vae --cpu-sizes` shows): on every rank within 5 % of the planner's activations for the tallest
+    band, never above the planner's activations plus the image rank 0 gathers (the planner adds the two; the
+    image comes after the band's peak), and halved from 2 to 4 ranks (the bands halve)."""
+    path = vae_files["flux1-vae"]
+    samples = torch.randn(1, 16, 64, 48, generator=torch.Generator().manual_seed(7))  # 384 x 512 px
+    measured = {}
+    for group in (group2, group4):
+        vae = ParallelVae(ParallelModel(group=group), path, dtype="float32")
+        vae.decode(samples)
+        planned = vae.memory(384, 512)
+        print(f"{group.world_size} ranks: live peaks {vae.last_peaks}, planned {planned}, "
+              f"rss rises {vae.last_rss_rises}")  # fmt: skip
+        assert len(vae.last_peaks) == group.world_size
+        for peak in vae.last_peaks:
+            assert 0.95 <= planned.activations / peak <= 1.05
+            assert peak <= planned.activations + planned.image
+        measured[group.world_size] = max(vae.last_peaks)
+    assert 0.45 <= measured[4] / measured[2] <= 0.55

@@ -59,7 +59,8 @@ class ParallelVae:
         self.request: VaeLoadRequest = inspect_vae(checkpoint, name, slot)
         self.kind: VaeKind = get_vae_kind(self.request.kind)
         self.last_seconds = 0.0
-        self.last_peaks: list[int] = []
+        self.last_peaks: list[int] = []  # per rank, VaeReply.peak_bytes of the last job
+        self.last_rss_rises: list[int] = []  # per rank, VaeReply.rss_rise_bytes (CPU workers)
 
     @property
     def ranks(self) -> int:
@@ -172,6 +173,7 @@ class ParallelVae:
         replies: list[VaeReply] = self.group.call_resident(self.request, method, payload, timeout=timeout)
         self.last_seconds = max(r.seconds for r in replies)
         self.last_peaks = [r.peak_bytes for r in replies]
+        self.last_rss_rises = [r.rss_rise_bytes for r in replies]
         out = replies[0].out
         assert out is not None, "rank 0 returned no result"
         return out

@@ -7,6 +7,7 @@ The VAE is a resident module like a diffusion model (worker.py `Resident`, one s
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -16,9 +17,10 @@ from ..messages import LoadReport
 from ..worker import WorkerContext, handler
 from .bands import BandParallel, Bands
 from .images import decoded_image
-from .kind import get_vae_kind
+from .kind import VaeKind, get_vae_kind
 from .load import load_vae
 from .messages import VaeLoadRequest, VaeReply, VaeRequest
+from .peak import LiveBytes, ResidentHighWater
 
 
 def _free(ctx: WorkerContext) -> None:
@@ -55,11 +57,25 @@ def _resident(ctx: WorkerContext, request: VaeRequest) -> tuple[torch.nn.Module,
 def _run(ctx: WorkerContext, request: VaeRequest, decode: bool) -> VaeReply:
     model, loaded = _resident(ctx, request)
     kind = get_vae_kind(loaded.kind)
-    dtype = next(model.parameters()).dtype
-    bands = Bands(tuple(request.starts))
-    if ctx.device.type == "cuda":
+    cpu = ctx.device.type == "cpu"
+    if not cpu:
         torch.cuda.reset_peak_memory_stats(ctx.device)
     started = time.perf_counter()
+    # On CPU no allocator counts a peak: count the job's tensor storages and the resident set (peak.py).
+    with ResidentHighWater() as rss, LiveBytes() if cpu else contextlib.nullcontext() as live:
+        whole = _compute(ctx, model, kind, request, decode)
+    ctx.synchronize()
+    peak = live.peak if live is not None else torch.cuda.max_memory_allocated(ctx.device)
+    return VaeReply(rank=ctx.rank, out=whole, seconds=time.perf_counter() - started, peak_bytes=peak,
+                    rss_rise_bytes=rss.rise if cpu else 0)  # fmt: skip
+
+
+def _compute(
+    ctx: WorkerContext, model: torch.nn.Module, kind: VaeKind, request: VaeRequest, decode: bool
+) -> torch.Tensor | None:
+    """This rank's band of the decode (encode); rank 0 returns the whole result on the CPU."""
+    dtype = next(model.parameters()).dtype
+    bands = Bands(tuple(request.starts))
     with torch.inference_mode():
         x = request.x.to(ctx.device, dtype)
         if decode:
@@ -75,9 +91,7 @@ def _run(ctx: WorkerContext, request: VaeRequest, decode: bool) -> VaeReply:
         if whole is not None:
             whole = decoded_image(whole) if decode else whole.to(torch.float32)
             whole = whole.cpu()
-    ctx.synchronize()
-    peak = torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else 0
-    return VaeReply(rank=ctx.rank, out=whole, seconds=time.perf_counter() - started, peak_bytes=peak)
+    return whole
 
 
 @handler("vae_decode", VaeRequest)

@@ -60,7 +60,10 @@ class VaeReply:
     rank: int
     out: torch.Tensor | None  # rank 0: the whole image (decode, ComfyUI's IMAGE) or latent (encode)
     seconds: float
-    peak_bytes: int = 0  # GPU: this rank's peak allocation during the job; CPU: 0 (the caller measures RSS)
+    # GPU: torch.cuda.max_memory_allocated during the job (weights included). CPU: the peak of tensor storage
+    # bytes the job created and held at once (weights and input excluded; peak.py LiveBytes)
+    peak_bytes: int = 0
+    rss_rise_bytes: int = 0  # CPU: the resident set's high-water mark over its start (peak.py); GPU: 0
 
 
 __all__ = ["VAE_SLOT", "VaeLoadRequest", "VaeReply", "VaeRequest"]
