@@ -122,6 +122,7 @@ def test_the_vae_stays_resident_beside_a_model(
 ) -> None:
     """The VAE has its own slot: a diffusion model loaded before stays, and both show in every rank's status."""
     group = ParallelModel(group=group2)
+    group.unload()  # the session's shared group may hold an earlier test's model
     group.load(checkpoints["dev"], layout="tp", dtype="float32", slot="model")
     vae = ParallelVae(group, vae_files["flux1-vae"], dtype="float32")
     vae.decode(latent_for("flux1-vae", vae_files["flux1-vae"]))

@@ -16,14 +16,30 @@ _SDXL = ("input_blocks", "output_blocks", "middle_block", "lora_te2_", "text_enc
 _SD_UNET = ("down_blocks", "up_blocks", "mid_block")  # a Stable Diffusion UNet in diffusers' names
 
 
-def _own_model_words() -> tuple[str, ...]:
-    """Names a LoRA for one of the pack's transformers has: ComfyUI's and diffusers' prefixes and every
-    registered family's numbered blocks, in BFL and diffusers spelling (kohya writes them with '_')."""
-    words = {"transformer", "diffusion_model"}
+# Where a LoRA's module path starts, in the trainers' spellings (kohya, ComfyUI, diffusers, PEFT).
+_PATH_PREFIXES = ("lora_unet_", "lora_transformer_", "base_model.model.", "model.diffusion_model.",
+                  "diffusion_model.", "transformer.")  # fmt: skip
+
+
+def _block_names() -> tuple[str, ...]:
+    """Every registered family's numbered blocks, in BFL and diffusers spelling ('double_blocks',
+    'transformer_blocks', Wan's 'blocks')."""
+    names = set()
     for family in families():
         for blocks in family.keys.blocks:
-            words.update(name.strip(".") for name in (blocks.bfl, blocks.diffusers) if name.strip("."))
-    return tuple(sorted(words))
+            names.update(name.strip(".") for name in (blocks.bfl, blocks.diffusers) if name.strip("."))
+    return tuple(sorted(names))
+
+
+def _own_model_key(key: str, blocks: tuple[str, ...]) -> bool:
+    """A key a LoRA for one of the pack's transformers has: ComfyUI's or diffusers' transformer names, or a
+    module path that starts with one of the families' block names (an SDXL 'input_blocks' does not)."""
+    if "transformer" in key or "diffusion_model" in key:
+        return True
+    path = key
+    for prefix in _PATH_PREFIXES:
+        path = path.removeprefix(prefix)
+    return any(path.startswith(name) and path[len(name) : len(name) + 1] in (".", "_") for name in blocks)
 
 
 def plain_weights(keys: Iterable[str]) -> bool:
@@ -39,8 +55,8 @@ def plainly_foreign(keys: Iterable[str]) -> bool:
     keys = list(keys)
     if plain_weights(keys):
         return True
-    own = _own_model_words()
-    return other_model(keys) is not None and not any(w in k for k in keys for w in own)
+    blocks = _block_names()
+    return other_model(keys) is not None and not any(_own_model_key(k, blocks) for k in keys)
 
 
 def other_model(keys: Iterable[str]) -> str | None:
