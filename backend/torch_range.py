@@ -8,7 +8,7 @@ all: there an older torch would fail deep inside a worker with an AttributeError
 one message with the range and the install commands. The version comes from the installed distribution's
 metadata (`importlib.metadata`), so the check costs no torch import: loading the pack stays cheap.
 
-The range is what CI runs the whole suite on (.ci/run): the lowest supported release, the GPU machines'
+The range is what CI tests (.ci/run): the lowest supported release, the GPU machines'
 2.11, the README's CPU wheel and the newest release; tests/test_packaging.py keeps the three places
 (this module, pyproject.toml, .ci/run) in step.
 """
@@ -20,7 +20,8 @@ import sys
 from importlib import metadata
 
 LOWEST = (2, 9)  # = pyproject.toml's `torch>=2.9` (tests/test_packaging.py)
-TESTED = ("2.9.1", "2.11.0", "2.13.0", "2.15.0")  # the releases CI runs the suite on (.ci/run)
+# the releases CI tests (.ci/run: the whole suite; on 2.11 its torch-facing files)
+TESTED = ("2.9.1", "2.11.0", "2.13.0", "2.15.0")
 INSTALL = (
     "install torch first, then this pack: ROCm (Linux): pip install torch --index-url "
     "https://download.pytorch.org/whl/rocmX.Y (X.Y from pytorch.org's install selector, e.g. rocm6.4); "
@@ -53,7 +54,7 @@ def release(version: str) -> tuple[int, int]:
 
 
 def supported() -> str:
-    return f"torch >= {LOWEST[0]}.{LOWEST[1]} (CI runs the suite on {', '.join(TESTED)})"
+    return f"torch >= {LOWEST[0]}.{LOWEST[1]} (CI tests {', '.join(TESTED)})"
 
 
 def check_torch(version: str | None = None) -> None:

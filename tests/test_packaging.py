@@ -300,8 +300,8 @@ def test_a_torch_below_the_range_is_refused_at_import(tmp_path: Path) -> None:
     )
     assert done.returncode == 1
     assert done.stderr.strip().splitlines()[-1] == (
-        "rocm_parallel.backend.torch_range.TorchVersionError: ROCm Parallel needs torch >= 2.9 (CI runs the "
-        "suite on 2.9.1, 2.11.0, 2.13.0, 2.15.0); this Python has torch 2.8.0+rocm6.4. Upgrade torch, keeping "
+        "rocm_parallel.backend.torch_range.TorchVersionError: ROCm Parallel needs torch >= 2.9 (CI tests "
+        "2.9.1, 2.11.0, 2.13.0, 2.15.0); this Python has torch 2.8.0+rocm6.4. Upgrade torch, keeping "
         "your build (ROCm, CUDA or CPU): install torch first, then this pack: ROCm (Linux): pip install torch "
         "--index-url https://download.pytorch.org/whl/rocmX.Y (X.Y from pytorch.org's install selector, e.g. "
         "rocm6.4); NVIDIA: pip install torch; CPU only: pip install torch --index-url "

@@ -112,7 +112,9 @@ def test_a_hostile_query_is_answered_at_once_and_never_blocks_the_loop(
     if status == 200:
         # the running group is shown, with why the query's devices would not be this loader's own
         assert body["devices"] == ["cpu", "cpu"]
-        assert body["mismatch"].startswith("showing the running group of no model on cpu, cpu, not this loader's: ")
+        assert body["mismatch"].startswith(
+            "showing the running group of no model on cpu, cpu, not this loader's: "
+        )
     # the event loop ran other tasks meanwhile (the real-ComfyUI tier measures another request)
     assert longest < 0.1, f"the event loop was blocked {longest:.2f} s"
 
