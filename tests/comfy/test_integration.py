@@ -76,6 +76,8 @@ def test_pack_loads_with_nodes_route_js_and_templates(comfy: Comfy) -> None:
         "flux2_dev_parallel_model_tp2_ulysses2",
         "flux2_dev_parallel_model_tp4",
         "qwen_image_parallel_model_batch2_tp2",
+        "wan2_1_t2v_14b_parallel_model_batch2_ulysses2",
+        "wan2_2_i2v_a14b_parallel_model_batch2_tp2",
     ]
     assert comfy.get(f"/api/workflow_templates/{PACK_DIR_NAME}/flux1_dev_tp4.json")["nodes"]
     # The samplers offer all of ComfyUI's own samplers and schedulers.
