@@ -883,17 +883,21 @@ def test_a_time_limit_must_be_positive(group2: WorkerGroup) -> None:
     assert flux.devices == ("cpu", "cpu")
 
 
-def test_a_workers_own_memory_is_within_the_bound(checkpoint: str, group2: WorkerGroup) -> None:
+def test_a_workers_own_memory_is_within_the_bound(checkpoint: str) -> None:
     """WORKER_HOST_BYTES, the per-worker host memory the CPU worker count is bounded by, is what a real
-    worker holds besides its model's weights once it has loaded and sampled one."""
+    worker holds besides its model's weights once it has loaded and sampled one. A fresh group: the
+    session's group2 has served hundreds of jobs by now (other tests' models, VAEs and encoders come and
+    go, and the allocator keeps what they freed), which is not what the bound is about (CI saw 1.04 GB
+    there with torch 2.15's CUDA build)."""
     from rocm_parallel.backend.platforms import WORKER_HOST_BYTES
 
-    flux = ParallelModel(group=group2)
-    flux.load(checkpoint, layout="tp", dtype="float32")
-    _sample(flux)
-    for pid, status in zip(group2.pids, flux.status(), strict=True):
-        own = psutil.Process(pid).memory_info().rss - status.parameter_bytes
-        assert own <= WORKER_HOST_BYTES, f"{own / 1e9:.2f} GB"
+    with WorkerGroup(["cpu", "cpu"], threads=1) as group:
+        flux = ParallelModel(group=group)
+        flux.load(checkpoint, layout="tp", dtype="float32")
+        _sample(flux)
+        for pid, status in zip(group.pids, flux.status(), strict=True):
+            own = psutil.Process(pid).memory_info().rss - status.parameter_bytes
+            assert own <= WORKER_HOST_BYTES, f"{own / 1e9:.2f} GB"
 
 
 def test_a_bad_dtype_leaves_the_resident_model_alone(checkpoint: str, group2: WorkerGroup) -> None:
