@@ -3,10 +3,11 @@ config, by default) at 1024, 2048 and 4096 px on 1, 2 and 4 ranks: the planner's
 next to the engine's own band code on the meta device (testing/vae_meta.py: torch's MemTracker peak of the
 tallest band under the fake process group), and beside them ComfyUI's untiled decode and its tiled one.
 
-ComfyUI's untiled decode runs the same arithmetic as one rank with the whole image (the 1-rank row); its
-tiled decode (VAE Decode (Tiled), 512 px tiles) holds one tile's decode at a time on the GPU (the stitched
-image lives in ComfyUI's intermediate device, the CPU), so its GPU peak is the weights plus a 1-rank decode of
-one 512 px tile with its 64 px overlap on each side (640 x 640 px), measured the same way. The last column
+ComfyUI's untiled decode holds COMFY_UNTILED_UNITS full-resolution maps at its peak (measured on ComfyUI's own
+VAE Decode, below) besides the weights: fewer than the pack's one rank with the whole image (the 1-rank row);
+its tiled decode (VAE Decode (Tiled), 512 px tiles) holds one tile's decode at a time on the GPU (the stitched
+image lives in ComfyUI's intermediate device, the CPU), so its GPU peak is the weights plus its own decoder's
+units on one 512 px tile with its 64 px overlap on each side (640 x 640 px). The last column
 is what ComfyUI 0.33.0 frees on the GPU before its untiled decode of an AutoencoderKL (comfy/sd.py,
 `VAE.memory_used_decode`: 2178 x 64 bytes per latent pixel per dtype byte, x 2.73 on AMD), its estimate, not a
 measurement. Nothing here needs a GPU or weights; no image is computed.
@@ -34,6 +35,12 @@ from ..testing.vae_meta import measure_vae_on_meta
 TILE = 512 + 2 * 64  # ComfyUI's VAEDecodeTiled defaults: 512 px tiles overlapping by 64 px
 COMFY_DECODE_BYTES = 2178 * 64  # per latent pixel and dtype byte (comfy/sd.py VAE.memory_used_decode)
 COMFY_AMD_RATIO = 2.73  # comfy/sd.py VAE_KL_MEM_RATIO when model_management.is_amd()
+# ComfyUI's own untiled decode of FLUX.1's VAE: the full-resolution maps (the first block's channels x the
+# image's pixels x dtype bytes) alive at its peak, the same in float32 and bfloat16. Measured with the CPU
+# workers' counter (backend/vae/peak.py) on ComfyUI's own VAE Decode at two sizes (0.33.0: 5.06-5.07,
+# 0.3.75: 5.00-5.01); tests/comfy/test_comfy_vae.py keeps it within 3 %. Its ldm Decoder holds fewer maps
+# than the pack's band code on one rank (the planner's 6.0 units in float32, 10.0 in bfloat16).
+COMFY_UNTILED_UNITS = 5.07
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,9 +83,9 @@ def run(args: argparse.Namespace) -> str:
     kind = get_vae_kind(args.vae)
     dtype = getattr(torch, args.dtype)
     weights = _weight_bytes(kind, dtype)
-    tile = measure_vae_on_meta(
-        kind, dict(kind.released), TILE, TILE, ranks=1, dtype=dtype, encode=args.encode
-    )
+    full, _ = kind.widths(dict(kind.released))
+    # ComfyUI's own decoder on one tile at a time (its units measured on its whole-image decode)
+    tile = {"activations": COMFY_UNTILED_UNITS * full * TILE * TILE * dtype.itemsize}
     rows = []
     for size in (int(s) for s in args.sizes.split(",")):
         for ranks in (int(r) for r in args.ranks.split(",")):
@@ -94,11 +101,9 @@ def run(args: argparse.Namespace) -> str:
         "total (GB) | ComfyUI untiled (GB) | ComfyUI tiled (GB) | ComfyUI reserves, NVIDIA / AMD (GB) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    untiled = {r["size"]: r for r in rows if r["ranks"] == 1}
     for r in rows:
         err = r["planned_activations"] / r["measured_activations"] - 1
-        whole = untiled.get(r["size"])
-        comfy = f"{(weights + whole['measured_activations']) / GB:.2f}" if whole else "-"
+        comfy = f"{(weights + COMFY_UNTILED_UNITS * full * r['size'] ** 2 * dtype.itemsize) / GB:.2f}"
         latent_pixels = (r["size"] // kind.downscale) ** 2
         reserve = COMFY_DECODE_BYTES * latent_pixels * dtype.itemsize
         lines.append(

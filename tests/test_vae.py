@@ -219,7 +219,7 @@ def test_the_planner_prices_a_band_as_the_meta_device_measures_it(name: str, dty
     """backend/plan/vae.py's activations per rank within 5 % of MemTracker's peak of the engine's own band
     code (the fake process group), for the tallest band of 4 ranks, with the released VAE's config (on the
     meta device: no weights, no compute; `bench vae` shows the same at 1024-4096 px), in float32 and in
-    bfloat16 (where GroupNorm and the upsampling make float32 copies of the band)."""
+    bfloat16 (a half-precision band's GroupNorm runs in float32 a few channels at a time)."""
     kind = get_vae_kind(name)
     config = dict(kind.released)
     ranks = 4

@@ -178,3 +178,39 @@ def test_the_nodes_are_listed_with_comfyuis_vae_folder(comfy) -> None:
     for node_id in ("RocmParallelVAEDecode", "RocmParallelVAEEncode"):
         files = NODE_CLASS_MAPPINGS[node_id].INPUT_TYPES()["required"]["vae_name"][0]
         assert {f"{name}.safetensors" for name in LATENT} <= set(files)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_comfyuis_own_untiled_decode_is_measured_as_bench_vae_prices_it(comfy, dtype: torch.dtype) -> None:
+    """ComfyUI's own untiled VAE Decode of the FLUX.1 VAE (the released widths), measured the way the CPU
+    workers measure theirs (backend/vae/peak.py `LiveBytes`: the peak of tensor storages alive at once, the
+    weights not counted), at two sizes and in both dtypes: `bench vae`'s COMFY_UNTILED_UNITS full-resolution
+    maps (128 channels x the image's pixels x dtype bytes), what BENCHMARKS' "ComfyUI untiled" column prices.
+    Beside it the planner's one-rank activations for the pack's own decode (6.0 units in float32, 10.0 in
+    bfloat16: its diffusers decoder and the whole-image GroupNorm hold more)."""
+    import folder_paths
+    from comfy.utils import load_torch_file
+
+    from rocm_parallel.backend.flux.vae import FLUX1_VAE, RELEASED
+    from rocm_parallel.backend.plan.vae import vae_memory
+    from rocm_parallel.backend.vae.peak import LiveBytes
+    from rocm_parallel.benchmarks.vae import COMFY_UNTILED_UNITS
+
+    path = folder_paths.get_full_path("vae", "flux1-vae.safetensors")
+    vae = comfy["sd"].VAE(sd=load_torch_file(path), dtype=dtype)
+    assert vae.vae_dtype == dtype
+    full, _ = FLUX1_VAE.widths(RELEASED)
+    for rows, cols in ((32, 24), (40, 48)):  # 192 x 256 and 384 x 320 px
+        samples = {"samples": torch.randn(1, 16, rows, cols, generator=torch.Generator().manual_seed(9))}
+        comfy["nodes"].VAEDecode().decode(vae, samples)  # ComfyUI moves and casts its model on the first call
+        with torch.no_grad(), LiveBytes() as live:
+            image = comfy["nodes"].VAEDecode().decode(vae, samples)[0]
+        units = live.peak / (full * rows * 8 * cols * 8 * dtype.itemsize)
+        planned = vae_memory(FLUX1_VAE, RELEASED, cols * 8, rows * 8, ranks=1, dtype_bytes=dtype.itemsize)
+        print(
+            f"ComfyUI {comfy['version']} untiled decode, {cols * 8}x{rows * 8} px, {dtype}: live peak "
+            f"{live.peak / 1e6:.1f} MB = {units:.2f} full-resolution maps; the pack on one rank (planner) "
+            f"{planned.activations / 1e6:.1f} MB"
+        )
+        assert tuple(image.shape) == (1, rows * 8, cols * 8, 3)
+        assert abs(units / COMFY_UNTILED_UNITS - 1) <= 0.03
