@@ -337,7 +337,7 @@ class BandParallel(TorchFunctionMode):
         out = torch.empty_like(x)
         step = max(1, channels // _NORM_SPLITS)
         for part, into, scale, shift in zip(
-            x.split(step, 1), out.split(step, 1), a.split(step, 1), b.split(step, 1)
+            x.split(step, 1), out.split(step, 1), a.split(step, 1), b.split(step, 1), strict=True
         ):
             into.copy_(torch.addcmul(shift, part.to(dtype), scale))
         return out
