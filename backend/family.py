@@ -45,6 +45,7 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -415,10 +416,20 @@ class ModelFamily:
         return self.keys.bfl_shapes(self.dims(config), self.parameter_shapes(config))
 
 
+# One build per family even when two threads read a part first at once (ComfyUI's status route beside a run):
+# parts() makes some records afresh, and readers may compare them by identity.
+_parts_lock = threading.RLock()
+
+
 @functools.cache
+def _built_parts(family: ModelFamily) -> FamilyParts:
+    return family.parts()
+
+
 def _parts_of(family: ModelFamily) -> FamilyParts:
     """The family's torch-side parts, imported and built once (the first read of any of them)."""
-    return family.parts()
+    with _parts_lock:
+        return _built_parts(family)
 
 
 def _frozen(config: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
