@@ -17,12 +17,19 @@ ever reads these fields:
 So adding a family touches its folder, `BUILTIN` below, its docs and its tests; nothing else branches on
 a family. Style: torchtitan's plans-as-data and diffusers' `_tp_plan` / `_cp_plan`.
 
+The registry imports no torch: a family's record holds its torch-free facts (configs, dims, planner units,
+geometry, latent and text formats), and the parts whose modules import torch, diffusers or safetensors
+(model, key layout and detection, TP / CP specs, call, sampling, VAE) come from its `parts()` the first time
+one is read (`FamilyParts`). So `python -m rocm_parallel plan` prices a released model without torch
+(tests/test_cli.py).
+
 How to add a family
 -------------------
-1. Make a folder like backend/flux2/: `model.py` (released configs, `build`), `keys.py` (checkpoint
-   layout, detection, configs from shapes), `tp.py` (the tensor-parallel spec and any fused block
-   forwards), `forward.py` (ComfyUI's model call), and `family.py`, which builds the `ModelFamily(...)`
-   and calls `register(...)` at import time.
+1. Make a folder like backend/flux2/: `facts.py` (torch-free: released configs, dims, latent format),
+   `model.py` (`build`), `keys.py` (checkpoint layout, detection, configs from shapes), `tp.py` (the
+   tensor-parallel spec and any fused block forwards), `forward.py` (ComfyUI's model call), and
+   `family.py`, which builds the `ModelFamily(...)` from torch-free modules only, with a `parts()` that
+   imports the rest and returns its `FamilyParts`, and calls `register(...)` at import time.
 2. Add `family.py`'s module name to `BUILTIN` below: the registry imports the modules lazily, the first
    time a family is looked up, so importing this module stays cheap and free of cycles.
 3. Make `matches_bfl` / `matches_diffusers` specific enough that no two families claim the same header:
@@ -38,6 +45,7 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -189,31 +197,61 @@ class PlannerFacts:
     block_full: float  # the fused double block's peak under TP: partial sums and residuals, full width
 
 
+@dataclass(frozen=True)
+class FamilyParts:
+    """The part of a family's record whose modules import torch, diffusers or safetensors: the model, its
+    checkpoint layout and detection, its parallel specs, its model call, sampling and VAE (`ModelFamily`
+    describes each field under the same name).
+
+    A family's `parts()` builds it, importing those modules then: the registry and the facts `plan` prices
+    (presets, dims, planner units, token geometry, latent and text) stay importable without torch, which is
+    most of `python -m rocm_parallel plan`'s time on a busy machine. `ModelFamily` reads every field through,
+    so `family.tp` or `family.build(...)` import the parts the first time one of them is read.
+    """
+
+    build: Callable[..., nn.Module]
+    keys: KeyLayout
+    matches_bfl: Callable[[Collection[str]], bool]
+    config_from_bfl: Callable[[Shapes], dict[str, Any]]
+    matches_diffusers: Callable[[Collection[str]], bool]
+    config_from_diffusers: Callable[[Shapes], dict[str, Any]]
+    tp: TensorParallelSpec
+    cp: ContextParallelSpec
+    call_spec: CallSpec
+    call: Callable[..., Any]
+    model_fn: Callable[[Any], Callable[..., Any]]
+    sampling: Callable[..., Any]
+    vae: VaeKind | None = None
+
+
 @dataclass(frozen=True, eq=False)
 class ModelFamily:
     """One transformer family. Every callable taking `config` takes the diffusers config (a dict).
 
+    The fields below marked (parts) are `FamilyParts`' fields, read through this record: `parts()` builds
+    them the first time one is read (their modules import torch); every other field is torch-free.
+
     Identity
-    - `build(config, device=, dtype=, seed=)`: the diffusers model; random weights when `seed` is set,
+    - `build(config, device=, dtype=, seed=)` (parts): the diffusers model; random weights when `seed` is set,
       none on the meta device (the loader builds on meta, shards, then fills from the file).
     - `presets`: released configs by the name `plan --model` offers ("flux1-dev"); `aliases`: older
       names for some of them ("dev" -> "flux1-dev").
     - `dims(config)`: the shape facts layouts depend on (a `ModelDims`, or the family's own subclass);
       `config_from_dims(dims)`: a config with those dims, from which the planner builds its meta model.
     Checkpoint
-    - `keys`: the BFL <-> diffusers key layout (data); `matches_bfl(keys)` / `matches_diffusers(keys)`:
+    - `keys` (parts): the BFL <-> diffusers key layout (data); `matches_bfl(keys)` / `matches_diffusers(keys)`:
       header detection (keys without `model.diffusion_model.`); `config_from_bfl(shapes)` /
       `config_from_diffusers(shapes)`: the config from a header's shapes.
     - `variant(config)`: the family's word for the checkpoint's kind (messages, the panel; only the family
       reads it); `describe(config)`: the model's name for messages; `input_channels(config)`: channels of
       `x` in a model call (latent plus concatenated extras); `latent_channels(config)`: of the latent itself.
     Parallelism and planning
-    - `tp`: the tensor-parallel spec (plan, block forwards, modulation source, attention processors);
-      `cp`: what context parallelism may rebuild and returns; `planner`: the measured activation units.
+    - `tp` (parts): the tensor-parallel spec (plan, block forwards, modulation source, attention processors);
+      `cp` (parts): what context parallelism may rebuild and returns; `planner`: the measured activation units.
     The model call (ComfyUI's)
-    - `call_spec`: the call as data (backend/call.py `CallSpec`): its inputs by ComfyUI's names, which are a
+    - `call_spec` (parts): the call as data (backend/call.py `CallSpec`): its inputs by ComfyUI's names, which are a
       prompt's and which change every step, which carry the batch or add tokens, and the family's checks.
-    - `call(model_fn, x, timestep, **inputs)`: one model call with ComfyUI's semantics (pad, patchify, ids,
+    - `call(model_fn, x, timestep, **inputs)` (parts): one model call with ComfyUI's semantics (pad, patchify, ids,
       crop) on the inputs `call_spec` declares; `model_fn(model)` adapts the diffusers model to it.
     - `geometry`: how a latent becomes tokens (`TokenGeometry`: patch per frame, row, column);
       `latent`, `text`: the latent format and the text conditioning (for messages and the planner).
@@ -225,14 +263,14 @@ class ModelFamily:
       `diffusion_model.`, `lora_unet_` and the diffusers names (comfy/lora.py; Qwen-Image's bare names);
       `lora_refusals`: LoRA kinds recognised by their keys and refused by name (FLUX's control LoRAs).
     Sampling
-    - `sampling(info, latent, positive, request)`: the `sampling.SamplingPlan` `ParallelModel.sample` runs
+    - `sampling(info, latent, positive, request)` (parts): the `sampling.SamplingPlan` `ParallelModel.sample` runs
       (its Euler loop) for a checkpoint of this family, from ComfyUI's LATENT dict, a CONDITIONING and a
       `sampling.SamplingRequest`: ComfyUI's default graph for it (FLUX.1: KSampler euler/simple on the
       dev/schnell table; FLUX.2: Flux2Scheduler; Qwen-Image: ModelSamplingAuraFlow).
     - `demo`: the module (relative to the backend package) whose `add_arguments(parser)` and `run(args)`
       are `python -m rocm_parallel demo`, for a family that has one (the CLI runs the first).
     The VAE
-    - `vae`: the VAE that decodes the family's latents (backend/vae/kind.py `VaeKind`: detection, diffusers
+    - `vae` (parts): the VAE that decodes the family's latents (backend/vae/kind.py `VaeKind`: detection, diffusers
       class, key conversion, ComfyUI's latent around it), read by the patch-parallel VAE nodes; families
       that share a VAE name the same kind.
     """
@@ -240,30 +278,19 @@ class ModelFamily:
     name: str
     title: str
     diffusers_class: str
-    build: Callable[..., nn.Module]
     presets: Mapping[str, Mapping[str, Any]]
     dims: Callable[[Mapping[str, Any]], ModelDims]
     config_from_dims: Callable[[Any], dict[str, Any]]
-    keys: KeyLayout
-    matches_bfl: Callable[[Collection[str]], bool]
-    config_from_bfl: Callable[[Shapes], dict[str, Any]]
-    matches_diffusers: Callable[[Collection[str]], bool]
-    config_from_diffusers: Callable[[Shapes], dict[str, Any]]
     variant: Callable[[Mapping[str, Any]], str]
     describe: Callable[[Mapping[str, Any]], str]
     input_channels: Callable[[Mapping[str, Any]], int]
     latent_channels: Callable[[Mapping[str, Any]], int]
-    tp: TensorParallelSpec
-    cp: ContextParallelSpec
     planner: PlannerFacts
     latent: LatentFormat
     geometry: TokenGeometry
     text: TextInputs
     comfy_model: Callable[[Mapping[str, Any]], ComfyModel]
-    call_spec: CallSpec
-    call: Callable[..., Any]
-    model_fn: Callable[[Any], Callable[..., Any]]
-    sampling: Callable[..., Any]
+    parts: Callable[[], FamilyParts]
     references: ReferenceLatents | None = None
     ref_method: str = ""
     aliases: Mapping[str, str] = field(default_factory=dict)
@@ -272,7 +299,59 @@ class ModelFamily:
     # (keys, ...) -> (what it is, what to use instead); every LoRA is checked against every family's
     lora_refusals: Mapping[tuple[str, ...], tuple[str, str]] = field(default_factory=dict)
     demo: str | None = None
-    vae: VaeKind | None = None
+
+    # The parts that import torch (FamilyParts), read through the record as if they were its fields
+    @property
+    def build(self) -> Callable[..., nn.Module]:
+        return _parts_of(self).build
+
+    @property
+    def keys(self) -> KeyLayout:
+        return _parts_of(self).keys
+
+    @property
+    def matches_bfl(self) -> Callable[[Collection[str]], bool]:
+        return _parts_of(self).matches_bfl
+
+    @property
+    def config_from_bfl(self) -> Callable[[Shapes], dict[str, Any]]:
+        return _parts_of(self).config_from_bfl
+
+    @property
+    def matches_diffusers(self) -> Callable[[Collection[str]], bool]:
+        return _parts_of(self).matches_diffusers
+
+    @property
+    def config_from_diffusers(self) -> Callable[[Shapes], dict[str, Any]]:
+        return _parts_of(self).config_from_diffusers
+
+    @property
+    def tp(self) -> TensorParallelSpec:
+        return _parts_of(self).tp
+
+    @property
+    def cp(self) -> ContextParallelSpec:
+        return _parts_of(self).cp
+
+    @property
+    def call_spec(self) -> CallSpec:
+        return _parts_of(self).call_spec
+
+    @property
+    def call(self) -> Callable[..., Any]:
+        return _parts_of(self).call
+
+    @property
+    def model_fn(self) -> Callable[[Any], Callable[..., Any]]:
+        return _parts_of(self).model_fn
+
+    @property
+    def sampling(self) -> Callable[..., Any]:
+        return _parts_of(self).sampling
+
+    @property
+    def vae(self) -> VaeKind | None:
+        return _parts_of(self).vae
 
     def default_ref_method(self, config: Mapping[str, Any]) -> str:
         """How reference latents are placed when a call names no method: the checkpoint's own default
@@ -335,6 +414,22 @@ class ModelFamily:
     def bfl_shapes(self, config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
         """BFL key -> shape a checkpoint of `config` has (a fused tensor has as many rows as its parts)."""
         return self.keys.bfl_shapes(self.dims(config), self.parameter_shapes(config))
+
+
+# One build per family even when two threads read a part first at once (ComfyUI's status route beside a run):
+# parts() makes some records afresh, and readers may compare them by identity.
+_parts_lock = threading.RLock()
+
+
+@functools.cache
+def _built_parts(family: ModelFamily) -> FamilyParts:
+    return family.parts()
+
+
+def _parts_of(family: ModelFamily) -> FamilyParts:
+    """The family's torch-side parts, imported and built once (the first read of any of them)."""
+    with _parts_lock:
+        return _built_parts(family)
 
 
 def _frozen(config: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
@@ -455,6 +550,7 @@ def detect_diffusers(keys: Collection[str]) -> ModelFamily | None:
 __all__ = [
     "BUILTIN",
     "ComfyModel",
+    "FamilyParts",
     "LatentFormat",
     "ModelFamily",
     "PlannerFacts",

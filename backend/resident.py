@@ -30,6 +30,7 @@ from .checkpoint import (
     resolve_dtype,
 )
 from .checkpoint.gguf import check_block_splits
+from .checkpoint.lora.values import refuse_foreign_loras
 from .client import ProgressCallback, WorkerError, WorkerGroup, check_group_options, validate_devices
 from .compile import compile_mode
 from .config import ConfigError, ModelDims, ParallelLayout, weight_dtype_name
@@ -278,6 +279,8 @@ class ResidentGroup:
             make_layout(opts.layout, len(self.devices), opts.ring, opts.ulysses).check_devices(
                 len(self.devices)
             )
+        # an SDXL LoRA or a model checkpoint given as a LoRA: named before the checkpoint's header is read
+        refuse_foreign_loras(opts.loras)
         info = checkpoint if isinstance(checkpoint, CheckpointInfo) else inspect_checkpoint(checkpoint)
         checked = check_loras(opts.loras, info)
         resolve_dtype(opts.dtype, self.devices[0])  # a bad dtype fails here, before anything is unloaded

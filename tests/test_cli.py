@@ -121,3 +121,31 @@ def test_plan_imports_no_other_commands_modules() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.stderr == ""
     assert done.stdout.splitlines()[-1] == "rc 1 []", done.stdout[-2000:]
+
+
+# What `plan` must not import: torch alone is ~2.4 s of CPU, diffusers and its compiler tens of seconds on a
+# busy 2-core machine (issue 42: `plan` answers in under 3 s). The registry holds each family's torch-free
+# facts and imports its torch parts on first use (backend/family.py FamilyParts).
+HEAVY = ("torch", "diffusers", "transformers", "safetensors", "numpy", "gguf", "accelerate")
+
+
+def test_plan_through_python_m_imports_no_torch() -> None:
+    # `python -m rocm_parallel plan ...` exactly: the package's __init__ (ComfyUI's entry: nodes, routes, the
+    # torch range check) runs first, then __main__. A deterministic stand-in for the wall-clock promise, which
+    # a loaded machine cannot test: without these modules the command takes ~0.2 s of CPU.
+    code = (
+        "import runpy, sys\n"
+        "sys.argv = ['rocm_parallel', 'plan', '--model', 'flux2-dev', '--devices', '4', '--memory-gb', '16']\n"
+        "try:\n"
+        "    runpy.run_module('rocm_parallel', run_name='__main__', alter_sys=True)\n"
+        "except SystemExit as exc:\n"
+        "    print('rc', exc.code)\n"
+        f"heavy = {HEAVY!r}\n"
+        "print('heavy', sorted({m.split('.')[0] for m in sys.modules} & set(heavy)))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.stderr == ""
+    out = done.stdout.splitlines()
+    assert out[-2:] == ["rc 1", "heavy []"], done.stdout[-2000:]
+    # it priced the model: FLUX.2 [dev] needs fp8 weights on 4 x 16 GB
+    assert "use fp8 weights (weight_dtype fp8_e4m3fn: tp 4, 8.7 GB per GPU)" in done.stdout

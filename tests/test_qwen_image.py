@@ -495,3 +495,41 @@ def test_sample_equals_comfyuis_ksampler_on_the_template_schedule(
             assert (out - want).abs().max().item() <= 1e-4, version
     finally:
         flux.unload()
+
+
+def test_sample_passes_a_padded_prompts_text_mask_as_comfyui(group2: WorkerGroup, tmp_path: Path) -> None:
+    """`ParallelModel.sample` with CLIPTextEncode's `attention_mask` (a prompt with three padded tokens) on ring
+    2 against ComfyUI 0.33.0's KSampler, whose QwenImage hands the mask to the model (0.3.75 drops it in
+    extra_conds, so only 0.33.0 recorded the case: tests/tools/make_qwen_references.py). Mutation check:
+    the same call without the mask lands far outside the tolerance, so a sampler that dropped it would fail."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent / "tools"))
+    from make_qwen_references import MODELS
+
+    name = "qwen_t2i_mask_cfg1"
+    cases, tensors = _references("0.33.0")
+    case, spec = cases[name], MODELS[cases[name]["model"]]
+    path = save_checkpoint(
+        build_qwen_image(tiny_qwen_image_config(**spec["config"]), seed=spec["seed"]),
+        tmp_path / "m.safetensors",
+        prefix=True,
+    )
+    cond, mask = tensors[f"{name}.cond"], tensors[f"{name}.mask"]
+    assert mask.tolist() == [[1] * 6 + [0] * 3]  # the recorded prompt: 9 tokens, the last 3 padding
+    latent = {"samples": torch.zeros(1, 16, case["height"] // 8, case["width"] // 8)}  # EmptySD3LatentImage
+    flux = ParallelModel(group=group2)
+    try:
+        flux.load(path, layout=ParallelLayout(ring=2), dtype="float32")
+
+        def sample(extras: dict[str, Any]) -> torch.Tensor:
+            positive = [[cond, {"pooled_output": None, **extras}]]
+            return flux.sample(positive, latent, seed=case["seed"], steps=case["steps"])["samples"]
+
+        want = tensors[f"{name}.output"]
+        out = sample({"attention_mask": mask})
+        assert out.shape == want.shape == (1, 16, 1, case["height"] // 8, case["width"] // 8)
+        assert (out - want).abs().max().item() <= 1e-4
+        assert (sample({}) - want).abs().max().item() > 1e-2
+    finally:
+        flux.unload()

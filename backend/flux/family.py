@@ -20,6 +20,7 @@ from typing import Any
 
 from ..family import (
     ComfyModel,
+    FamilyParts,
     ModelFamily,
     PlannerFacts,
     ReferenceLatents,
@@ -27,15 +28,8 @@ from ..family import (
     TokenGeometry,
     register,
 )
-from ..parallel.context import ContextParallelSpec
-from . import keys
-from .call import FLUX1_CALL
-from .forward import PATCH, REF_METHODS, flux_call
-from .model import FLUX_DEV, FLUX_SCHNELL, build_flux
-from .sampling import LATENT, diffusers_model_fn, plan_for
-from .sampling import variant as variant
-from .tp import FLUX_TP
-from .vae import FLUX1_VAE
+from .facts import FLUX_DEV, FLUX_SCHNELL, LATENT, PATCH, REF_METHODS, config_from_dims, dims
+from .facts import variant as variant
 
 # comfy/supported_models.py FluxInpaint: the Fill model's channels per latent pixel (16 latent + 16 masked
 # image + 64 mask, the 8x8 mask pixels under each latent pixel).
@@ -45,10 +39,6 @@ TEXT = TextInputs(
     encoder="a FLUX DualCLIPLoader (clip_l + t5xxl, type flux)",
     tokens=256,
 )
-
-
-# Context parallelism rebuilds diffusers' FluxAttnProcessor (double and single blocks alike).
-CP = ContextParallelSpec(processors={"FluxAttnProcessor": "diffusers.models.transformers.transformer_flux"})
 
 # Live activations at a forward's peak (PlannerFacts). Calibrated with torch's MemTracker on the meta device
 # (the GPU's flash attention standing in, no score matrix), bf16; a FLUX with 24 heads x 16 and FLUX.1-dev
@@ -124,27 +114,50 @@ def comfy_model(config: Mapping[str, Any]) -> ComfyModel:
     return ComfyModel(config_class=name, unet_config=unet)
 
 
-FLUX1 = register(
-    ModelFamily(
-        name="flux1",
-        title="FLUX.1",
-        diffusers_class="FluxTransformer2DModel",
+def parts() -> FamilyParts:
+    """FLUX.1's parts that import torch (ModelFamily.parts): imported the first time one is read."""
+    from ..parallel.context import ContextParallelSpec
+    from . import keys
+    from .call import FLUX1_CALL
+    from .forward import flux_call
+    from .model import build_flux
+    from .sampling import diffusers_model_fn, plan_for
+    from .tp import FLUX_TP
+    from .vae import FLUX1_VAE
+
+    return FamilyParts(
         build=build_flux,
-        presets={"flux1-dev": FLUX_DEV, "flux1-schnell": FLUX_SCHNELL},
-        aliases={"dev": "flux1-dev", "schnell": "flux1-schnell"},  # the names before FLUX.2
-        dims=keys.dims,
-        config_from_dims=keys.config_from_dims,
         keys=keys.FLUX1_KEYS,
         matches_bfl=keys.matches_bfl,
         config_from_bfl=keys.config_from_bfl,
         matches_diffusers=keys.matches_diffusers,
         config_from_diffusers=keys.config_from_diffusers,
+        tp=FLUX_TP,
+        # Context parallelism rebuilds diffusers' FluxAttnProcessor (double and single blocks alike).
+        cp=ContextParallelSpec(
+            processors={"FluxAttnProcessor": "diffusers.models.transformers.transformer_flux"}
+        ),
+        call_spec=FLUX1_CALL,
+        call=flux_call,
+        model_fn=diffusers_model_fn,
+        sampling=plan_for,  # KSampler(euler, simple) on the dev / schnell table (flux/sampling.py)
+        vae=FLUX1_VAE,  # ae.safetensors: AutoencoderKL, 16 channels (flux/vae.py)
+    )
+
+
+FLUX1 = register(
+    ModelFamily(
+        name="flux1",
+        title="FLUX.1",
+        diffusers_class="FluxTransformer2DModel",
+        presets={"flux1-dev": FLUX_DEV, "flux1-schnell": FLUX_SCHNELL},
+        aliases={"dev": "flux1-dev", "schnell": "flux1-schnell"},  # the names before FLUX.2
+        dims=dims,
+        config_from_dims=config_from_dims,
         variant=variant,
         describe=describe,
         input_channels=input_channels,
         latent_channels=lambda config: LATENT.channels,  # Fill's extra inputs are not output channels
-        tp=FLUX_TP,
-        cp=CP,
         planner=PLANNER,
         latent=LATENT,
         geometry=TokenGeometry((1, PATCH, PATCH)),  # 2 x 2 latent pixels per token
@@ -152,13 +165,9 @@ FLUX1 = register(
         ref_method=REF_METHODS[0],  # "offset": comfy/ldm/flux/model.py's default for FLUX.1
         references=REFERENCES,
         comfy_model=comfy_model,
-        call_spec=FLUX1_CALL,
-        call=flux_call,
-        model_fn=diffusers_model_fn,
-        sampling=plan_for,  # KSampler(euler, simple) on the dev / schnell table (flux/sampling.py)
+        parts=parts,
         lora_refusals=LORA_REFUSALS,
         demo=".flux.demo",  # `python -m rocm_parallel demo`: FLUX.1-dev-shaped random weights
-        vae=FLUX1_VAE,  # ae.safetensors: AutoencoderKL, 16 channels (flux/vae.py)
     )
 )
 

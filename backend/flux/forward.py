@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-PATCH = 2
+from .facts import PATCH  # torch-free: the family's record reads them
 
 # model_fn(hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids, guidance)
 # -> velocity tokens: exactly diffusers' FluxTransformer2DModel forward (timestep = sigma in [0, 1]).
@@ -61,11 +61,6 @@ def text_ids(tokens: int) -> torch.Tensor:
 def image_tokens(height: int, width: int) -> int:
     """How many image tokens a latent of height x width becomes (after padding to the patch size)."""
     return ((height + 1) // PATCH) * ((width + 1) // PATCH)
-
-
-# ComfyUI's `ref_latents_method` values (comfy_extras/nodes_flux.py FluxKontextMultiReferenceLatentMethod;
-# the node maps "uso" to "uxo"); comfy/ldm/flux/model.py treats anything else as "offset".
-REF_METHODS = ("offset", "index", "uxo")
 
 
 def patch_ids(height: int, width: int, index: int = 0, h_offset: int = 0, w_offset: int = 0) -> torch.Tensor:

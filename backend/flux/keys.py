@@ -22,8 +22,8 @@ from ..checkpoint.keys import (
     require,
     shapes_of,
 )
-from ..config import ConfigError
 from .dims import FluxDims
+from .facts import config_from_dims, dims, rope_axes  # torch-free: the registry reads them
 
 TITLE = "FLUX.1"
 
@@ -110,44 +110,6 @@ def matches_diffusers(keys: Collection[str]) -> bool:
 
 # --------------------------------------------------------------------------------------------------
 # Shapes -> dims and configuration
-
-
-def rope_axes(head_dim: int) -> tuple[int, int, int]:
-    """RoPE axes for a head width: FLUX's (16, 56, 56) of 128, the same proportions for small models.
-
-    RoPE has no weights, so a checkpoint cannot tell; every axis is even and they sum to head_dim.
-    """
-    b = (head_dim - head_dim // 8) // 4 * 2
-    return (head_dim - 2 * b, b, b)
-
-
-def dims(config: Mapping[str, Any]) -> FluxDims:
-    """The shape facts of a FluxTransformer2DModel config (mlp_ratio is FLUX.1's built-in 4)."""
-    return FluxDims.from_diffusers_config(config)
-
-
-def config_from_dims(dims: FluxDims) -> dict[str, Any]:
-    """A FluxTransformer2DModel config with these dims (the planner builds its meta model from it).
-
-    FluxTransformer2DModel has no MLP-ratio option: dims with another ratio (FLUX.2's 3) are no FLUX.1.
-    """
-    if dims.mlp_ratio != 4.0:
-        raise ConfigError(
-            f"FLUX.1's transformer has MLP ratio 4, these dims have {dims.mlp_ratio:g}; "
-            "price the model as the family its checkpoint is (CheckpointInfo.family)"
-        )
-    return {
-        "patch_size": 1,
-        "in_channels": dims.in_channels,
-        "num_layers": dims.double_blocks,
-        "num_single_layers": dims.single_blocks,
-        "attention_head_dim": dims.head_dim,
-        "num_attention_heads": dims.heads,
-        "joint_attention_dim": dims.text_dim,
-        "pooled_projection_dim": dims.pooled_dim,
-        "guidance_embeds": dims.guidance,
-        "axes_dims_rope": rope_axes(dims.head_dim),
-    }
 
 
 def dims_from_bfl(keys_and_shapes: Mapping[str, Any]) -> FluxDims:

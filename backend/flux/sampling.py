@@ -30,33 +30,18 @@ from ..sampling import (
     simple_schedule,
     single_entry,
 )
+from .facts import LATENT, SCALE_FACTOR, SHIFT_FACTOR, VARIANTS, variant  # torch-free
 from .forward import ModelFn, flux_call
 
 if TYPE_CHECKING:
     from ..checkpoint import CheckpointInfo
 
-# comfy/latent_formats.py `Flux`.
-LATENT_CHANNELS = 16
-SHIFT_FACTOR = 0.1159
-SCALE_FACTOR = 0.3611
-
 # comfy/model_sampling.py `ModelSamplingFlux` default shift (mu) for FLUX.1-dev.
 DEV_MU = 1.15
-VARIANTS = ("dev", "schnell")
 # Conditioning extras this sampler honours; anything else (areas, masks, strengths, hooks, ControlNets,
 # reference latents, timestep ranges) changes ComfyUI's result and is refused rather than ignored.
 SUPPORTED_COND_KEYS = ("pooled_output", "guidance")
 DEFAULT_GUIDANCE = 3.5  # comfy/model_base.py Flux.extra_conds: kwargs.get("guidance", 3.5)
-
-LATENT = LatentFormat(
-    comfy_name="Flux",
-    channels=16,
-    scale=SCALE_FACTOR,
-    shift=SHIFT_FACTOR,
-    downscale=8,
-    vae="the FLUX VAE (ae.safetensors)",
-    empty_node="EmptySD3LatentImage",
-)
 
 # --- latent format and tokens ---------------------------------------------------------------------
 
@@ -214,11 +199,6 @@ def plan_for(
         latent, positive, request, variant(info.config), dims.text_dim, dims.pooled_dim,
         info.model_family.latent, info.model_name,
     )  # fmt: skip
-
-
-def variant(config: Mapping[str, Any]) -> str:
-    """'dev' (a guidance embedder: FluxGuidance's value is an input) or 'schnell' (none)."""
-    return "dev" if config["guidance_embeds"] else "schnell"
 
 
 def call_model(model_fn: ModelFn) -> ModelCall:

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..family import (
     ComfyModel,
-    LatentFormat,
+    FamilyParts,
     ModelFamily,
     PlannerFacts,
     ReferenceLatents,
@@ -24,22 +24,17 @@ from ..family import (
     TokenGeometry,
     register,
 )
-from ..flux.call import flux_call_spec
-from ..parallel.context import ContextParallelSpec
-from . import keys
-from .forward import REF_METHODS, TIMESTEP_ZERO, flux2_call, flux2_model_fn
-from .model import FLUX2_DEV, FLUX2_KLEIN_4B, FLUX2_KLEIN_9B, build_flux2
-from .sampling import plan_for
-from .tp import FLUX2_TP
-from .vae import FLUX2_VAE
+from .facts import (
+    FLUX2_DEV,
+    FLUX2_KLEIN_4B,
+    FLUX2_KLEIN_9B,
+    LATENT,
+    REF_METHODS,
+    TIMESTEP_ZERO,
+    config_from_dims,
+    dims,
+)
 
-# ComfyUI's Flux.forward inputs; the pooled vector `y` is dropped (model_detection: vec_in_dim None)
-FLUX2_CALL = flux_call_spec(pooled=False)
-
-LATENT = LatentFormat(
-    comfy_name="Flux2", channels=128, scale=1.0, shift=0.0, downscale=16,
-    vae="the FLUX.2 VAE (flux2-vae.safetensors)", empty_node="EmptyFlux2LatentImage",
-)  # fmt: skip
 TEXT_TOKENS = 512  # comfy/model_base.py Flux2.extra_conds pads the text features to 512 tokens
 # ComfyUI 0.3.75's FLUX.2 text: CLIPLoader type "flux2" with Mistral 3 Small ([dev]) or Qwen 3 ([klein]),
 # three hidden layers stacked (15360 / 7680 / 12288 wide); no pooled vector (model_detection: vec_in_dim
@@ -47,17 +42,6 @@ TEXT_TOKENS = 512  # comfy/model_base.py Flux2.extra_conds pads the text feature
 TEXT = TextInputs(
     encoder="a CLIPLoader of type flux2 (mistral_3_small_flux2 for [dev], qwen_3_4b / qwen_3_8b for [klein])",
     tokens=TEXT_TOKENS,
-)
-
-
-# diffusers 0.42.1 transformer_flux2.py: double blocks, and single blocks whose packed QKV+MLP projection
-# feeds the same attention call; the forward returns its own output class.
-CP = ContextParallelSpec(
-    processors={
-        "Flux2AttnProcessor": "diffusers.models.transformers.transformer_flux2",
-        "Flux2ParallelSelfAttnProcessor": "diffusers.models.transformers.transformer_flux2",
-    },
-    output_class="diffusers.models.transformers.transformer_flux2.Flux2Transformer2DModelOutput",
 )
 
 # Live activations at a forward's peak (PlannerFacts), calibrated as FLUX.1's (flux/family.py) on
@@ -135,26 +119,56 @@ def comfy_model(config: Mapping[str, Any]) -> ComfyModel:
     return ComfyModel(config_class="Flux2", unet_config=unet)
 
 
-FLUX2 = register(
-    ModelFamily(
-        name="flux2",
-        title="FLUX.2",
-        diffusers_class="Flux2Transformer2DModel",
+def parts() -> FamilyParts:
+    """FLUX.2's parts that import torch (ModelFamily.parts): imported the first time one is read."""
+    from ..flux.call import flux_call_spec
+    from ..parallel.context import ContextParallelSpec
+    from . import keys
+    from .forward import flux2_call, flux2_model_fn
+    from .model import build_flux2
+    from .sampling import plan_for
+    from .tp import FLUX2_TP
+    from .vae import FLUX2_VAE
+
+    # diffusers 0.42.1 transformer_flux2.py: double blocks, and single blocks whose packed QKV+MLP projection
+    # feeds the same attention call; the forward returns its own output class.
+    cp = ContextParallelSpec(
+        processors={
+            "Flux2AttnProcessor": "diffusers.models.transformers.transformer_flux2",
+            "Flux2ParallelSelfAttnProcessor": "diffusers.models.transformers.transformer_flux2",
+        },
+        output_class="diffusers.models.transformers.transformer_flux2.Flux2Transformer2DModelOutput",
+    )
+    return FamilyParts(
         build=build_flux2,
-        presets={"flux2-dev": FLUX2_DEV, "flux2-klein": FLUX2_KLEIN_4B, "flux2-klein-9b": FLUX2_KLEIN_9B},
-        dims=keys.dims,
-        config_from_dims=keys.config_from_dims,
         keys=keys.FLUX2_KEYS,
         matches_bfl=keys.matches_bfl,
         config_from_bfl=keys.config_from_bfl,
         matches_diffusers=keys.matches_diffusers,
         config_from_diffusers=keys.config_from_diffusers,
+        tp=FLUX2_TP,
+        cp=cp,
+        # ComfyUI's Flux.forward inputs; the pooled vector `y` is dropped (model_detection: vec_in_dim None)
+        call_spec=flux_call_spec(pooled=False),
+        call=flux2_call,
+        model_fn=flux2_model_fn,
+        sampling=plan_for,  # Flux2Scheduler + euler, as ComfyUI's FLUX.2 template (flux2/sampling.py)
+        vae=FLUX2_VAE,  # flux2-vae.safetensors: AutoencoderKLFlux2, batch-norm latent (flux2/vae.py)
+    )
+
+
+FLUX2 = register(
+    ModelFamily(
+        name="flux2",
+        title="FLUX.2",
+        diffusers_class="Flux2Transformer2DModel",
+        presets={"flux2-dev": FLUX2_DEV, "flux2-klein": FLUX2_KLEIN_4B, "flux2-klein-9b": FLUX2_KLEIN_9B},
+        dims=dims,
+        config_from_dims=config_from_dims,
         variant=variant,
         describe=describe,
         input_channels=input_channels,
         latent_channels=lambda config: int(config.get("out_channels") or config["in_channels"]),
-        tp=FLUX2_TP,
-        cp=CP,
         planner=PLANNER,
         latent=LATENT,
         geometry=TokenGeometry((1, 1, 1)),  # one token per latent pixel
@@ -162,11 +176,7 @@ FLUX2 = register(
         ref_method="index",  # comfy/model_detection.py flux2 `default_ref_method`
         references=REFERENCES,
         comfy_model=comfy_model,
-        call_spec=FLUX2_CALL,
-        call=flux2_call,
-        model_fn=flux2_model_fn,
-        sampling=plan_for,  # Flux2Scheduler + euler, as ComfyUI's FLUX.2 template (flux2/sampling.py)
-        vae=FLUX2_VAE,  # flux2-vae.safetensors: AutoencoderKLFlux2, batch-norm latent (flux2/vae.py)
+        parts=parts,
     )
 )
 

@@ -32,16 +32,13 @@ import torch
 from torch import nn
 
 from ..flux.forward import reference_placements as flux1_placements
+from .facts import TIMESTEP_ZERO  # torch-free: the family's record reads them
 
 # model_fn(hidden_states, encoder_hidden_states, pooled (unused by FLUX.2), timestep, img_ids, txt_ids,
 # guidance) -> velocity tokens; the contract FLUX.1's flux_call uses, so the service calls both alike.
 ModelFn = Callable[..., torch.Tensor]
 
 REF_INDEX_SCALE = 10.0  # comfy/model_detection.py flux2 `ref_index_scale`
-TIMESTEP_ZERO = "index_timestep_zero"
-# ComfyUI's ref_latents_method values its FLUX.2 runs (the first is FLUX.2's default; comfy/ldm/flux/model.py
-# treats anything unknown as "offset", the pack refuses it: backend/checks.py)
-REF_METHODS = ("index", "offset", "uxo", TIMESTEP_ZERO)
 # img_ids[..., ROW_COLUMN]: the modulation row of an image-stream token under index_timestep_zero (0: the
 # step's timestep, 1: timestep 0); absent otherwise. FLUX.2's RoPE has four axes (0..3).
 ROW_COLUMN = 4

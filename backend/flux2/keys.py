@@ -44,6 +44,7 @@ from ..checkpoint.keys import (
 )
 from ..flux.dims import FluxDims
 from ..flux.keys import DOUBLE_ATTENTION
+from .facts import config_from_dims, dims  # torch-free: the registry reads them
 
 # Keys only FLUX.2 has (diffusers' CHECKPOINT_KEY_NAMES["flux2"] tests the single-stream one).
 FLUX2_MARKERS = ("double_stream_modulation_img.lin.weight", "single_stream_modulation.lin.weight")
@@ -99,29 +100,6 @@ def matches_diffusers(keys: Collection[str]) -> bool:
 
 # --------------------------------------------------------------------------------------------------
 # Shapes -> configuration
-
-
-def dims(config: Mapping[str, Any]) -> FluxDims:
-    """The shape facts of a Flux2Transformer2DModel config (mlp_ratio 3: SwiGLU)."""
-    return FluxDims.from_diffusers_config(config)
-
-
-def config_from_dims(dims: FluxDims) -> dict[str, Any]:
-    """A Flux2Transformer2DModel config with these dims (the planner builds its meta model from it)."""
-    from .model import FLUX2_DEV
-
-    return {
-        **FLUX2_DEV,
-        "in_channels": dims.in_channels,
-        "num_layers": dims.double_blocks,
-        "num_single_layers": dims.single_blocks,
-        "attention_head_dim": dims.head_dim,
-        "num_attention_heads": dims.heads,
-        "joint_attention_dim": dims.text_dim,
-        "mlp_ratio": dims.mlp_ratio,
-        "axes_dims_rope": (dims.head_dim // 4,) * 4,
-        "guidance_embeds": dims.guidance,
-    }
 
 
 def config_from_bfl(keys_and_shapes: Mapping[str, Any]) -> dict[str, Any]:

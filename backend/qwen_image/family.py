@@ -16,10 +16,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..checkpoint.files import CheckpointError
 from ..family import (
     ComfyModel,
-    LatentFormat,
+    FamilyParts,
     ModelFamily,
     PlannerFacts,
     ReferenceLatents,
@@ -27,31 +26,8 @@ from ..family import (
     TokenGeometry,
     register,
 )
-from . import keys
-from .call import QWEN_CALL
-from .cp import QWEN_CP
-from .forward import PATCH, REF_METHODS, qwen_call, qwen_model_fn
-from .model import QWEN_IMAGE, QWEN_IMAGE_EDIT_2511, build_qwen_image
-from .sampling import plan_for
-from .tp import QWEN_TP
-from .vae import QWEN_IMAGE_VAE
+from .facts import LATENT, PATCH, QWEN_IMAGE, QWEN_IMAGE_EDIT_2511, REF_METHODS, config_from_dims, dims
 
-# comfy/latent_formats.py Wan21 (0.3.75 and 0.33.0): the same numbers as diffusers' AutoencoderKLQwenImage
-# config `latents_mean` / `latents_std`; scale_factor 1.
-LATENT = LatentFormat(
-    comfy_name="Wan21",
-    channels=16,
-    scale=1.0,
-    shift=0.0,
-    downscale=8,
-    vae="the Qwen-Image VAE (qwen_image_vae.safetensors)",
-    empty_node="EmptySD3LatentImage",
-    mean=(-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
-          0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921),
-    std=(2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
-         3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160),
-    dimensions=3,
-)  # fmt: skip
 # ComfyUI's Qwen-Image text (comfy/text_encoders/qwen_image.py): Qwen2.5-VL-7B's last hidden state, the chat
 # template's prefix cut off, not padded: the prompt's own tokens (a long prompt ~ 250; an edit adds the
 # image's vision tokens: ~1340 for TextEncodeQwenImageEdit, ~200 per image for ...EditPlus). No pooled
@@ -78,8 +54,12 @@ def variant(config: Mapping[str, Any]) -> str:
     """'edit-2511' (the references modulated at timestep 0 by default) or 'image'; Qwen-Image-Layered is
     refused here, whatever layout it came in."""
     if config.get("use_additional_t_cond") or config.get("use_layer3d_rope"):
+        from . import keys
+
         keys.checked([keys.LAYERED_KEY])
     if config.get("guidance_embeds"):
+        from ..checkpoint.files import CheckpointError
+
         raise CheckpointError(
             "this Qwen-Image config has guidance_embeds=True (a guidance-distilled variant ComfyUI does not "
             "load); use a Qwen-Image or Qwen-Image-Edit transformer"
@@ -123,28 +103,48 @@ def comfy_model(config: Mapping[str, Any]) -> ComfyModel:
     return ComfyModel(config_class="QwenImage", unet_config=unet)
 
 
-QWEN_IMAGE_FAMILY = register(
-    ModelFamily(
-        name="qwen_image",
-        title="Qwen-Image",
-        diffusers_class="QwenImageTransformer2DModel",
+def parts() -> FamilyParts:
+    """Qwen-Image's parts that import torch (ModelFamily.parts): imported the first time one is read."""
+    from . import keys
+    from .call import QWEN_CALL
+    from .cp import QWEN_CP
+    from .forward import qwen_call, qwen_model_fn
+    from .model import build_qwen_image
+    from .sampling import plan_for
+    from .tp import QWEN_TP
+    from .vae import QWEN_IMAGE_VAE
+
+    return FamilyParts(
         build=build_qwen_image,
-        presets={"qwen-image": QWEN_IMAGE, "qwen-image-edit-2511": QWEN_IMAGE_EDIT_2511},
-        # Qwen-Image-Edit and -Edit-2509 are Qwen-Image's transformer with other inputs
-        aliases={"qwen-image-edit": "qwen-image", "qwen-image-edit-2509": "qwen-image"},
-        dims=keys.dims,
-        config_from_dims=keys.config_from_dims,
         keys=keys.QWEN_KEYS,
         matches_bfl=keys.matches,
         config_from_bfl=keys.config_from_shapes,
         matches_diffusers=keys.matches,
         config_from_diffusers=keys.config_from_shapes,
+        tp=QWEN_TP,
+        cp=QWEN_CP,
+        call_spec=QWEN_CALL,
+        call=qwen_call,
+        model_fn=qwen_model_fn,
+        sampling=plan_for,  # ModelSamplingAuraFlow 3.1 + KSampler euler/simple, as the template (sampling.py)
+        vae=QWEN_IMAGE_VAE,  # the Wan 2.1 causal 3-D VAE (qwen_image/vae.py)
+    )
+
+
+QWEN_IMAGE_FAMILY = register(
+    ModelFamily(
+        name="qwen_image",
+        title="Qwen-Image",
+        diffusers_class="QwenImageTransformer2DModel",
+        presets={"qwen-image": QWEN_IMAGE, "qwen-image-edit-2511": QWEN_IMAGE_EDIT_2511},
+        # Qwen-Image-Edit and -Edit-2509 are Qwen-Image's transformer with other inputs
+        aliases={"qwen-image-edit": "qwen-image", "qwen-image-edit-2509": "qwen-image"},
+        dims=dims,
+        config_from_dims=config_from_dims,
         variant=variant,
         describe=describe,
         input_channels=input_channels,
         latent_channels=latent_channels,
-        tp=QWEN_TP,
-        cp=QWEN_CP,
         planner=PLANNER,
         latent=LATENT,
         geometry=TokenGeometry((1, PATCH, PATCH)),  # 2 x 2 latent pixels per token, one frame
@@ -152,12 +152,8 @@ QWEN_IMAGE_FAMILY = register(
         ref_method="index",  # comfy/ldm/qwen_image/model.py's default (0.3.75: `kwargs.get(..., "index")`)
         references=REFERENCES,
         comfy_model=comfy_model,
-        call_spec=QWEN_CALL,
-        call=qwen_call,
-        model_fn=qwen_model_fn,
-        sampling=plan_for,  # ModelSamplingAuraFlow 3.1 + KSampler euler/simple, as the template (sampling.py)
+        parts=parts,
         lora_prefixes=("",),  # comfy/lora.py maps QwenImage's bare module names (the Qwen / DiffSynth format)
-        vae=QWEN_IMAGE_VAE,  # the Wan 2.1 causal 3-D VAE (qwen_image/vae.py)
     )
 )
 

@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-PATCH = 2
-REF_METHODS = ("index", "offset", "uxo", "negative_index", "index_timestep_zero")
+from .facts import PATCH, REF_METHODS  # torch-free: the family's record reads them
+
 THETA = 10000.0
 
 # model_fn(hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes, zero_cond_t)

@@ -26,7 +26,14 @@ from typing import Any
 from ..checkpoint.files import CheckpointError
 from ..checkpoint.keys import Blocks, KeyLayout, Source, block_count, require, shapes_of, strip_prefix
 from ..config import ModelDims
-from .model import QWEN_IMAGE, TIMESTEP_ZERO_MARKER
+from .facts import (  # torch-free: the registry reads them
+    QWEN_IMAGE,
+    QwenDims,
+    config_from_dims,
+    dims,
+    rope_axes,
+)
+from .model import TIMESTEP_ZERO_MARKER
 
 TITLE = "Qwen-Image"
 # What a Qwen-Image dual-stream file has that no other family with a `txt_norm` has (ComfyUI 0.33's Lens
@@ -74,47 +81,6 @@ def checked(keys: Iterable[str]) -> None:
 
 # --------------------------------------------------------------------------------------------------
 # Shapes -> configuration
-
-
-def rope_axes(head_dim: int) -> tuple[int, int, int]:
-    """RoPE axes (frame, row, column) for a head width: the released (16, 56, 56) of 128, in proportion for
-    small models. Every axis is even and they sum to head_dim."""
-    b = (head_dim - head_dim // 8) // 4 * 2
-    return (head_dim - 2 * b, b, b)
-
-
-@dataclass(frozen=True)
-class QwenDims(ModelDims):
-    """ModelDims plus Qwen-Image's block count (dual-stream blocks only)."""
-
-    blocks: int = 0
-
-
-def dims(config: Mapping[str, Any]) -> QwenDims:
-    """The shape facts of a QwenImageTransformer2DModel config: dual-stream blocks only, GELU MLPs 4 x
-    hidden, no pooled text vector, no guidance embedder."""
-    heads, head_dim = int(config["num_attention_heads"]), int(config["attention_head_dim"])
-    return QwenDims(
-        heads=heads,
-        head_dim=head_dim,
-        mlp=4 * heads * head_dim,
-        text_dim=int(config["joint_attention_dim"]),
-        token_channels=int(config["in_channels"]),
-        blocks=int(config["num_layers"]),
-    )
-
-
-def config_from_dims(dims: QwenDims) -> dict[str, Any]:
-    """A QwenImageTransformer2DModel config with these dims (the planner builds its meta model from it)."""
-    return {
-        **QWEN_IMAGE,
-        "in_channels": dims.token_channels,
-        "num_layers": dims.blocks,
-        "attention_head_dim": dims.head_dim,
-        "num_attention_heads": dims.heads,
-        "joint_attention_dim": dims.text_dim,
-        "axes_dims_rope": rope_axes(dims.head_dim),
-    }
 
 
 def config_from_shapes(keys_and_shapes: Mapping[str, Any]) -> dict[str, Any]:

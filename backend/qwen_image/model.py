@@ -24,20 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .facts import QWEN_IMAGE, QWEN_IMAGE_EDIT_2511  # the released configs (torch-free: plan reads them)
 from .forward import ComfyRope
-
-QWEN_IMAGE: dict[str, Any] = {
-    "patch_size": 2,
-    "in_channels": 64,
-    "out_channels": 16,
-    "num_layers": 60,
-    "attention_head_dim": 128,
-    "num_attention_heads": 24,
-    "joint_attention_dim": 3584,
-    "guidance_embeds": False,
-    "axes_dims_rope": (16, 56, 56),
-}
-QWEN_IMAGE_EDIT_2511: dict[str, Any] = {**QWEN_IMAGE, "zero_cond_t": True}
 
 # ComfyUI's marker of an Edit-2511 file (an empty tensor: no weights), a buffer of its QwenImage model.
 TIMESTEP_ZERO_MARKER = "__index_timestep_zero__"

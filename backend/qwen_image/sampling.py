@@ -42,8 +42,9 @@ if TYPE_CHECKING:
 TEMPLATE_SHIFT = 3.1  # image_qwen_image's ModelSamplingAuraFlow
 TIMESTEPS = 1000  # ModelSamplingDiscreteFlow's table
 # CLIPTextEncode with the qwen_image text encoder sets no pooled vector (None) and a mask only when the
-# tokens have padding, which one prompt never has (comfy/text_encoders/qwen_image.py drops an all-ones mask)
-SUPPORTED_COND_KEYS = ("pooled_output",)
+# tokens have padding (comfy/text_encoders/qwen_image.py drops an all-ones mask); ComfyUI 0.33's QwenImage
+# hands the mask to the model (model_base.QwenImage.extra_conds; 0.3.75 dropped it), as `sample` does
+SUPPORTED_COND_KEYS = ("pooled_output", "attention_mask")
 
 
 def time_snr_shift(shift: float, t: torch.Tensor) -> torch.Tensor:
@@ -61,11 +62,18 @@ def aura_flow_table(shift: float = TEMPLATE_SHIFT, timesteps: int = TIMESTEPS) -
 
 
 def convert_conditioning(positive: Any, batch: int, info: CheckpointInfo) -> dict[str, Any]:
-    """A Qwen-Image CONDITIONING `[[features, {"pooled_output": None}]]` -> the model call's inputs (no
-    pooled vector, no guidance), repeated to the latent batch."""
-    cond, _ = single_entry(positive, SUPPORTED_COND_KEYS)
+    """A Qwen-Image CONDITIONING `[[features, {"pooled_output": None, "attention_mask": mask?}]]` -> the
+    model call's inputs (no pooled vector, no guidance; the text mask when the prompt has padding), repeated
+    to the latent batch as ComfyUI's CONDRegular repeats them. The call's checks read the mask's shape and
+    values (checks.text_key_mask) before a rank runs."""
+    cond, extras = single_entry(positive, SUPPORTED_COND_KEYS)
     cond = text_features(cond, info.dims.text_dim, info.model_name, info.model_family.text.encoder)
-    return {"context": repeat_to_batch_size(cond, batch)}
+    inputs = {"context": repeat_to_batch_size(cond, batch)}
+    mask = extras.get("attention_mask")
+    if mask is not None:
+        shaped = torch.is_tensor(mask) and mask.ndim > 0  # any other value: the call's checks name it
+        inputs["attention_mask"] = repeat_to_batch_size(mask, batch) if shaped else mask
+    return inputs
 
 
 def plan_for(

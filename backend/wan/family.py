@@ -18,15 +18,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..checkpoint.files import CheckpointError
-from ..family import ComfyModel, ModelFamily, PlannerFacts, TextInputs, TokenGeometry, register
-from . import keys
-from .call import WAN_CALL
-from .cp import WAN_CP
-from .forward import PATCH, wan_call, wan_model_fn
-from .model import WAN21_I2V_14B, WAN21_T2V_1_3B, WAN21_T2V_14B, WAN22_I2V_A14B, WAN22_TI2V_5B, build_wan
-from .sampling import WAN21_LATENT, plan_for
-from .tp import WAN_TP
+from ..family import ComfyModel, FamilyParts, ModelFamily, PlannerFacts, TextInputs, TokenGeometry, register
+from .facts import (
+    PATCH,
+    WAN21_I2V_14B,
+    WAN21_LATENT,
+    WAN21_T2V_1_3B,
+    WAN21_T2V_14B,
+    WAN22_I2V_A14B,
+    WAN22_TI2V_5B,
+    config_from_dims,
+    dims,
+)
 
 # ComfyUI's Wan text (comfy/text_encoders/wan.py): umt5-xxl's last hidden state, padded to at least 512
 # tokens (min_length=512), never cut; no pooled vector. Cross-attended: the video tokens are the sequence.
@@ -69,6 +72,8 @@ def variant(config: Mapping[str, Any]) -> str:
     A14B) or 'ti2v' (TI2V-5B's 48 channels); an image embedder ComfyUI has no model class for is refused."""
     _, _, _, inp, out, image = _shape(config)
     if image and inp not in (36, 48):
+        from ..checkpoint.files import CheckpointError
+
         raise CheckpointError(
             f"this Wan checkpoint has a CLIP image embedder and {inp} input channels; ComfyUI loads such a "
             "model only with 36 (I2V) or 48 (Fun Control), so ROCm Parallel does not run it either"
@@ -129,12 +134,37 @@ def comfy_model(config: Mapping[str, Any]) -> ComfyModel:
     )
 
 
+def parts() -> FamilyParts:
+    """Wan's parts that import torch (ModelFamily.parts): imported the first time one is read."""
+    from . import keys
+    from .call import WAN_CALL
+    from .cp import WAN_CP
+    from .forward import wan_call, wan_model_fn
+    from .model import build_wan
+    from .sampling import plan_for
+    from .tp import WAN_TP
+
+    return FamilyParts(
+        build=build_wan,
+        keys=keys.WAN_KEYS,
+        matches_bfl=keys.matches,
+        config_from_bfl=keys.config_from_shapes,
+        matches_diffusers=keys.matches_diffusers,
+        config_from_diffusers=keys.config_from_diffusers,
+        tp=WAN_TP,
+        cp=WAN_CP,
+        call_spec=WAN_CALL,
+        call=wan_call,
+        model_fn=wan_model_fn,
+        sampling=plan_for,  # ModelSamplingSD3 8 (5: the A14B templates) + euler / simple (sampling.py)
+    )
+
+
 WAN_FAMILY = register(
     ModelFamily(
         name="wan",
         title="Wan",
         diffusers_class="WanTransformer3DModel",
-        build=build_wan,
         presets={
             "wan2.1-t2v-1.3b": WAN21_T2V_1_3B,
             "wan2.1-t2v-14b": WAN21_T2V_14B,
@@ -144,28 +174,18 @@ WAN_FAMILY = register(
         },
         # each Wan 2.2 T2V A14B expert is the Wan 2.1 T2V 14B transformer
         aliases={"wan2.2-t2v-a14b": "wan2.1-t2v-14b"},
-        dims=keys.dims,
-        config_from_dims=keys.config_from_dims,
-        keys=keys.WAN_KEYS,
-        matches_bfl=keys.matches,
-        config_from_bfl=keys.config_from_shapes,
-        matches_diffusers=keys.matches_diffusers,
-        config_from_diffusers=keys.config_from_diffusers,
+        dims=dims,
+        config_from_dims=config_from_dims,
         variant=variant,
         describe=describe,
         input_channels=input_channels,
         latent_channels=latent_channels,
-        tp=WAN_TP,
-        cp=WAN_CP,
         planner=PLANNER,
         latent=WAN21_LATENT,
         geometry=TokenGeometry(PATCH, frames=True),  # 2 x 2 latent pixels of one latent frame per token
         text=TEXT,
         comfy_model=comfy_model,
-        call_spec=WAN_CALL,
-        call=wan_call,
-        model_fn=wan_model_fn,
-        sampling=plan_for,  # ModelSamplingSD3 8 (5: the A14B templates) + euler / simple (sampling.py)
+        parts=parts,
     )
 )
 

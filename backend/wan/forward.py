@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import set_image_tokens
+from .facts import PATCH  # torch-free: the family's record reads it
 
-PATCH = (1, 2, 2)
 THETA = 10000.0
 
 # model_fn(x [B, C, T, H, W] padded, timestep [B] or [B, tokens], context, clip_fea) -> [B, C_out, T, H, W]

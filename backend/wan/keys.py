@@ -29,10 +29,16 @@ from typing import Any
 from ..checkpoint.files import CheckpointError
 from ..checkpoint.keys import Blocks, KeyLayout, Source, block_count, require, shapes_of, strip_prefix
 from ..config import ModelDims
-from .model import HEAD_DIM, WAN21_T2V_1_3B
+from .facts import (  # torch-free: the registry
+    HEAD_DIM,
+    PATCH,
+    WAN21_T2V_1_3B,
+    WanDims,
+    config_from_dims,
+    dims,
+)
 
 TITLE = "Wan"
-PATCH = (1, 2, 2)
 
 # diffusers module -> ComfyUI module (nothing fused)
 TOP = {
@@ -151,50 +157,6 @@ def checked(keys: Iterable[str]) -> None:
 
 # --------------------------------------------------------------------------------------------------
 # Shapes -> configuration
-
-
-@dataclass(frozen=True)
-class WanDims(ModelDims):
-    """ModelDims plus Wan's block count, its channels in and out and whether it has the I2V image branch."""
-
-    blocks: int = 0
-    in_channels: int = 16
-    out_channels: int = 16
-    image: bool = False
-
-
-def dims(config: Mapping[str, Any]) -> WanDims:
-    """The shape facts of a WanTransformer3DModel config: GELU MLPs of `ffn_dim`, umt5's text width."""
-    heads, head_dim = int(config["num_attention_heads"]), int(config["attention_head_dim"])
-    out = int(config.get("out_channels") or config["in_channels"])
-    return WanDims(
-        heads=heads,
-        head_dim=head_dim,
-        mlp=int(config["ffn_dim"]),
-        text_dim=int(config["text_dim"]),
-        token_channels=out * PATCH[0] * PATCH[1] * PATCH[2],
-        blocks=int(config["num_layers"]),
-        in_channels=int(config["in_channels"]),
-        out_channels=out,
-        image=config.get("image_dim") is not None,
-    )
-
-
-def config_from_dims(dims: WanDims) -> dict[str, Any]:
-    """A WanTransformer3DModel config with these dims (the planner builds its meta model from it)."""
-    image = getattr(dims, "image", False)
-    return {
-        **WAN21_T2V_1_3B,
-        "num_attention_heads": dims.heads,
-        "attention_head_dim": dims.head_dim,
-        "in_channels": getattr(dims, "in_channels", dims.token_channels // 4),
-        "out_channels": getattr(dims, "out_channels", dims.token_channels // 4),
-        "text_dim": dims.text_dim,
-        "ffn_dim": dims.mlp,
-        "num_layers": getattr(dims, "blocks", 0),
-        "image_dim": 1280 if image else None,
-        "added_kv_proj_dim": dims.hidden if image else None,
-    }
 
 
 def _config(

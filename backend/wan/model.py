@@ -27,50 +27,16 @@ import torch
 from torch import nn
 
 from .attention import use_comfy_processors
+from .facts import (  # the released configs (torch-free: plan reads them)
+    HEAD_DIM,
+    IMAGE_DIM,
+    WAN21_I2V_14B,
+    WAN21_T2V_1_3B,
+    WAN21_T2V_14B,
+    WAN22_I2V_A14B,
+    WAN22_TI2V_5B,
+)
 from .forward import install_comfy_embeddings
-
-HEAD_DIM = 128  # ComfyUI: num_heads = dim // 128 for every Wan it loads
-IMAGE_DIM = 1280  # CLIP-H's penultimate states (ComfyUI's MLPProj(1280, dim))
-
-WAN21_T2V_1_3B: dict[str, Any] = {
-    "patch_size": (1, 2, 2),
-    "num_attention_heads": 12,
-    "attention_head_dim": HEAD_DIM,
-    "in_channels": 16,
-    "out_channels": 16,
-    "text_dim": 4096,
-    "freq_dim": 256,
-    "ffn_dim": 8960,
-    "num_layers": 30,
-    "cross_attn_norm": True,
-    "qk_norm": "rms_norm_across_heads",
-    "eps": 1e-6,
-    "image_dim": None,
-    "added_kv_proj_dim": None,
-    "rope_max_seq_len": 1024,
-    "pos_embed_seq_len": None,
-}
-WAN21_T2V_14B: dict[str, Any] = {
-    **WAN21_T2V_1_3B,
-    "num_attention_heads": 40,
-    "ffn_dim": 13824,
-    "num_layers": 40,
-}
-WAN21_I2V_14B: dict[str, Any] = {
-    **WAN21_T2V_14B,
-    "in_channels": 36,
-    "image_dim": IMAGE_DIM,
-    "added_kv_proj_dim": 40 * HEAD_DIM,
-}
-WAN22_I2V_A14B: dict[str, Any] = {**WAN21_T2V_14B, "in_channels": 36}
-WAN22_TI2V_5B: dict[str, Any] = {
-    **WAN21_T2V_1_3B,
-    "num_attention_heads": 24,
-    "in_channels": 48,
-    "out_channels": 48,
-    "ffn_dim": 14336,
-    "num_layers": 30,
-}
 
 
 def build_wan(

@@ -70,6 +70,12 @@ CASES: dict[str, dict[str, Any]] = {
         "model": "qwen", "width": 56, "height": 72, "steps": 4, "seed": 56, "shift": 3.1, "text": 6,
         "latent": "random", "denoise": 0.6,
     },
+    # a prompt with three padded tokens and its text mask, which `ParallelModel.sample` passes on as ComfyUI 0.33
+    # does (0.3.75 drops the mask in model_base.QwenImage.extra_conds: recorded on the newer ComfyUI only)
+    "qwen_t2i_mask_cfg1": {
+        "model": "qwen", "width": 72, "height": 56, "steps": 3, "seed": 57, "shift": 3.1, "text": 9, "mask": 3,
+        "newer": True,
+    },
     # image_qwen_image_edit: the encoded image as the start latent and as the reference of both prompts,
     # ModelSamplingAuraFlow 3.0 + CFGNorm, a reference wider than the image (the text's RoPE start)
     "qwen_edit": {

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from ...redact import quoted
 from ..info import CheckpointInfo
 from .kinds import KINDS
-from .parse import inspect_lora
+from .parse import inspect_lora, refuse_foreign_lora
 from .records import LoraError, LoraInfo, Stats
 
 # The largest change a LoRA may make to one weight entry: the square root of float32's largest value.
@@ -120,4 +120,13 @@ def check_loras(
     return tuple(out)
 
 
-__all__ = ["LIMIT", "MAX_STRENGTH", "check_loras", "check_overflow", "scan_values"]
+def refuse_foreign_loras(loras: Iterable[tuple[str | os.PathLike[str], float]]) -> None:
+    """`refuse_foreign_lora` on each (path, strength) pair: an SDXL / SD 1.5 LoRA or a model checkpoint given
+    as a LoRA is named from its key names before the base checkpoint is read (that builds the family's
+    parts: torch, seconds). Malformed pairs are left to `check_loras`, which names them."""
+    for item in loras:
+        if isinstance(item, tuple | list) and len(item) == 2 and isinstance(item[0], str | os.PathLike):
+            refuse_foreign_lora(item[0])
+
+
+__all__ = ["LIMIT", "MAX_STRENGTH", "check_loras", "check_overflow", "refuse_foreign_loras", "scan_values"]
