@@ -140,9 +140,28 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         help="how linear weights stay resident: in the compute dtype, fp8 (1 byte, upcast per layer), or a "
         "GGUF file's quantization (Q8_0, Q4_K, ...: its blocks, dequantized per layer)",
     )
+    _add_encoder_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument(
         "--full", action="store_true", help="every column: weights, activations, collectives, bytes sent"
+    )
+
+
+def _add_encoder_arguments(parser: argparse.ArgumentParser) -> None:
+    from .plan.graph import ENCODER_DTYPES, stored_encoders
+
+    parser.add_argument(
+        "--encoder",
+        choices=("auto", "none", *stored_encoders()),
+        default="auto",
+        help="the text encoder the ROCm Parallel Text Encoder Loader puts on the same GPUs (auto: the model's "
+        "own, e.g. mistral3-24b for flux2-dev; none: no whole-graph table)",
+    )
+    parser.add_argument(
+        "--encoder-dtype",
+        choices=tuple(ENCODER_DTYPES),
+        default=None,
+        help="how the encoder's weights are held (default: bf16 beside bf16 weights, else fp8)",
     )
 
 
@@ -150,6 +169,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     from .config import ParallelLayout
     from .plan import Link, Setup, call_batch, choose, estimate, format_table, plan
     from .plan.gguf import gguf_hint
+    from .plan.graph import format_graph
     from .platforms import planned_gpus
 
     family, config = plan_models()[args.model]
@@ -181,6 +201,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             choice, problem = None, str(exc)
     hint = gguf_hint(setup) if problem is not None else None  # neither bf16 nor fp8 fits: name a GGUF
+    graph = _graph_plan(args, estimates, None if choice is None else choice.layout)
     if args.json:
         print(json.dumps({
             "setup": {k: v for k, v in vars(args).items() if k not in ("command", "json", "full")},
@@ -191,6 +212,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             },
             "error": problem,
             "gguf": hint,
+            "encoder": None if graph is None else graph.as_dict(),
         }, indent=2))  # fmt: skip
     else:
         print(format_table(setup, estimates, full=args.full))
@@ -199,7 +221,30 @@ def _run_plan(args: argparse.Namespace) -> int:
             print(choice.explanation if choice is not None else f"auto: {problem}")
         if hint is not None:
             print(hint)
+        if graph is not None:
+            print()
+            print(format_graph(graph, full=args.full))
     return 0 if problem is None else 1
+
+
+def _graph_plan(args: argparse.Namespace, estimates: list[Any], chosen: Any) -> Any:
+    """The text encoder beside the layout `plan` chose (or the one --layout priced), or None: no encoder
+    asked for or known for the model, or no layout to put it beside."""
+    from .plan.graph import MODEL_ENCODERS, encoder_dtype, plan_graph
+
+    family = plan_models()[args.model][0]
+    encoder = (
+        MODEL_ENCODERS.get(family.aliases.get(args.model, args.model))
+        if args.encoder == "auto"
+        else args.encoder
+    )
+    if encoder in (None, "none"):
+        return None
+    layout = next((e for e in estimates if e.layout == chosen), None) if args.layout is None else estimates[0]
+    if layout is None or not layout.fits:
+        return None
+    dtype = args.encoder_dtype or encoder_dtype(args.weight_dtype)
+    return plan_graph(encoder, dtype, args.devices, layout.weights, layout.activations, args.memory_gb)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
