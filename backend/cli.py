@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import sys
@@ -102,6 +103,13 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "call batch the batch degree splits is twice the images)",
     )
     parser.add_argument(
+        "--references",
+        type=int,
+        default=0,
+        help="reference images of the output's size (Qwen-Image-Edit's, FLUX.2's ReferenceLatent): their "
+        "tokens ride along in every step",
+    )
+    parser.add_argument(
         "--layout",
         default=None,
         help="price only this layout: degrees such as 'batch 2 x tp 2' or 'tp2xring2' (as load(layout=...) "
@@ -178,6 +186,9 @@ def _run_plan(args: argparse.Namespace) -> int:
     args.devices, memory_gb = planned_gpus(args.devices)
     if args.memory_gb is None:
         args.memory_gb = memory_gb or DEFAULT_GPU_GB
+    if args.references < 0:
+        print(f"error: --references {args.references}: give 0 or more reference images", file=sys.stderr)
+        return 2
     try:
         setup = Setup(
             family.dims(config),
@@ -186,6 +197,8 @@ def _run_plan(args: argparse.Namespace) -> int:
             weight_dtype=args.weight_dtype, devices=args.devices, memory_gb=args.memory_gb,
             link=Link(args.link_gbps, args.latency_us, name="link"), tflops=args.tflops, family=family.name,
         )  # fmt: skip
+        if args.references:  # references are tokens of the output's size: known once the setup is
+            setup = dataclasses.replace(setup, reference_tokens=args.references * setup.latent_tokens)
         if args.layout is None:
             estimates = plan(setup)
         else:
@@ -201,7 +214,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             choice, problem = None, str(exc)
     hint = gguf_hint(setup) if problem is not None else None  # neither bf16 nor fp8 fits: name a GGUF
-    graph = _graph_plan(args, estimates, None if choice is None else choice.layout)
+    graph = _graph_plan(args, estimates)
     if args.json:
         print(json.dumps({
             "setup": {k: v for k, v in vars(args).items() if k not in ("command", "json", "full")},
@@ -227,10 +240,10 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0 if problem is None else 1
 
 
-def _graph_plan(args: argparse.Namespace, estimates: list[Any], chosen: Any) -> Any:
-    """The text encoder beside the layout `plan` chose (or the one --layout priced), or None: no encoder
-    asked for or known for the model, or no layout to put it beside."""
-    from .plan.graph import MODEL_ENCODERS, encoder_dtype, plan_graph
+def _graph_plan(args: argparse.Namespace, estimates: list[Any]) -> Any:
+    """The text encoder beside the model's fitting layouts (or the one --layout priced), or None: no encoder
+    asked for or known for the model, or no layout that fits."""
+    from .plan.graph import MODEL_ENCODERS, encoder_dtype, place_beside_layouts
 
     family = plan_models()[args.model][0]
     encoder = (
@@ -240,11 +253,11 @@ def _graph_plan(args: argparse.Namespace, estimates: list[Any], chosen: Any) -> 
     )
     if encoder in (None, "none"):
         return None
-    layout = next((e for e in estimates if e.layout == chosen), None) if args.layout is None else estimates[0]
-    if layout is None or not layout.fits:
+    fitting = [e for e in estimates if e.fits]  # fastest first (plan's order); --layout: that one
+    if not fitting:
         return None
     dtype = args.encoder_dtype or encoder_dtype(args.weight_dtype)
-    return plan_graph(encoder, dtype, args.devices, layout.weights, layout.activations, args.memory_gb)
+    return place_beside_layouts(encoder, dtype, args.devices, args.memory_gb, fitting)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ..config import _one_of
 from ..text import GB, markdown_table
-from .encoder import COMFYUI_GPU0, Placement, place_encoder
+from .encoder import COMFYUI_GPU0, PLACEMENTS, Placement, place_encoder
 
 ENCODERS_FILE = Path(__file__).with_name("encoders.json")
 MAX_DEGREE = 8  # the largest tensor-parallel degree the file stores (the pack's machines have 2-8 GPUs)
@@ -61,10 +62,20 @@ class GraphPlan:
     degree: int  # its tensor-parallel degree: every GPU of the group
     whole: int  # its bytes unsharded (what ComfyUI's own CLIPLoader holds or streams)
     placement: Placement
+    layout: str = ""  # the model's layout the placement was priced beside
+    step_s: float = 0.0  # its predicted step
+    fastest: str = (
+        ""  # the model's fastest fitting layout alone (`auto`), when another was chosen for the graph
+    )
+    fastest_step_s: float = 0.0
+    fastest_choice: str = ""  # where the encoder would go beside `fastest`
 
     def as_dict(self) -> dict[str, Any]:
         p = self.placement
         return {
+            "layout": self.layout,
+            "step_s": self.step_s,
+            "model_alone_layout": self.fastest or self.layout,
             "encoder": self.encoder,
             "title": self.title,
             "dtype": self.dtype,
@@ -79,6 +90,32 @@ class GraphPlan:
             "usable_gb": p.usable / GB,
             "reason": p.reason,
         }
+
+
+def place_beside_layouts(
+    encoder: str, dtype: str, devices: int, memory_gb: float, layouts: Sequence[Any]
+) -> GraphPlan:
+    """Encoder preset `encoder` (held in `dtype`, split over `devices` GPUs of `memory_gb` GB) beside the
+    model's fitting `layouts`, fastest first (the planner's Estimates: name, weights, activations, step_s):
+    the fastest layout with the best placement, resident before host before comfyui. An encoder left to
+    ComfyUI is loaded whole for every new prompt (Mistral 24B: 23-46 GB over PCIe, or a CPU encode), and
+    one in host memory moves its shard both ways, which a layout a few percent slower per step costs less
+    than; so the graph may take a slower layout than `auto` does for the model alone."""
+    plans = [
+        replace(
+            plan_graph(encoder, dtype, devices, e.weights, e.activations, memory_gb),
+            layout=e.name,
+            step_s=e.step_s,
+        )
+        for e in layouts
+    ]
+    best = min(range(len(plans)), key=lambda i: (PLACEMENTS.index(plans[i].placement.choice), i))
+    if best == 0:
+        return plans[0]
+    first = plans[0]
+    return replace(
+        plans[best], fastest=first.layout, fastest_step_s=first.step_s, fastest_choice=first.placement.choice
+    )
 
 
 def plan_graph(
@@ -120,7 +157,15 @@ def format_graph(graph: GraphPlan, full: bool = False) -> str:
     else:
         row = [name, f"{p.encoder / GB:.2f}", f"{p.gpu0_peak / GB:.2f}", p.choice]
         table = markdown_table(SHORT_HEADER, [row], ["---", "---:", "---:", "---"])
-    return f"Whole graph on the GPUs (text encoder + model + activations + ComfyUI on GPU 0):\n\n{table}\n{p.explanation()}"
+    text = f"Whole graph on the GPUs (text encoder + model + activations + ComfyUI on GPU 0):\n\n{table}\n{p.explanation()}"
+    if graph.layout:
+        text += f"\nmodel layout for the graph: {graph.layout}, {graph.step_s:.2f} s/step"
+    if graph.fastest:
+        text += (
+            f" (auto for the model alone: {graph.fastest}, {graph.fastest_step_s:.2f} s/step, beside which the "
+            f"encoder would be {graph.fastest_choice}; set layout '{graph.layout}' on the ROCm Parallel Loader)"
+        )
+    return text
 
 
 __all__ = [
@@ -131,6 +176,7 @@ __all__ = [
     "GraphPlan",
     "encoder_dtype",
     "format_graph",
+    "place_beside_layouts",
     "plan_graph",
     "stored_encoders",
 ]
