@@ -9,6 +9,8 @@ The files are small random encoders built with **ComfyUI's own** text-encoder cl
 * the language models (FLUX.2 [dev]'s Mistral Small 3, Qwen-Image's Qwen2.5-VL LM, FLUX.2 [klein]'s Qwen3):
   ComfyUI's own `Llama2_` with each one's config class against the pack's sharded encoder on the same token
   ids, left-padded, with FLUX.2's selection of intermediate layers (no final norm);
+* Qwen-Image's CLIP (CLIPLoader type 'qwen_image': ComfyUI's Qwen2.5-VL tokenizer, templates and template cut)
+  with the language model sharded, under CLIPTextEncode and TextEncodeQwenImageEdit, against ComfyUI's own;
 * the loader node under ComfyUI's own CLIPTextEncode and CLIPTextEncodeFlux.
 
 Both at TP 2 and TP 4 (attention heads, key/value groups and MLP split, token embeddings split by vocabulary).
@@ -240,3 +242,62 @@ def test_the_loader_node_gives_comfyuis_own_conditioning_to_comfyuis_text_nodes(
         assert held == ["text encoder 12", "text encoder 12"]
     finally:
         REGISTRY.close()
+
+
+# Qwen-Image's CLIP as ComfyUI detects it (comfy/sd.py detect_te_model): Qwen2.5-VL 7B by its k_proj bias of
+# 512 = 4 key/value heads x 128, at any width; ComfyUI's own tokenizer and template, so the whole vocabulary
+TINY_QWEN25 = {**TINY_LM, "vocab_size": 152064}
+
+
+@pytest.fixture(scope="module")
+def qwen_file(comfy: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small Qwen2.5-VL language model built with ComfyUI's own `Llama2_` and `Qwen25_7BVLI_Config`, saved as
+    ComfyUI's qwen_2.5_vl_7b file keys it (no vision tower: ComfyUI's stays uninitialised, and a text prompt
+    never reaches it)."""
+    llama = comfy.text_encoders.llama
+    model = llama.Llama2_(
+        llama.Qwen25_7BVLI_Config(**TINY_QWEN25), device="cpu", dtype=torch.float32, ops=comfy.ops.manual_cast
+    )
+    path = tmp_path_factory.mktemp("qwen") / "tiny-qwen25-vl.safetensors"
+    save_file({f"model.{k}": v for k, v in _randomize(model, 6).items()}, str(path))
+    return path
+
+
+def _qwen_conditioning(clip: Any, prompt: str) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+    """What Qwen-Image graphs encode with: CLIPTextEncode, and TextEncodeQwenImageEdit without a reference
+    image (its own template: ComfyUI drops the template's tokens from the output)."""
+    import comfy_extras.nodes_qwen as qwen_nodes
+
+    import nodes
+
+    return [
+        nodes.CLIPTextEncode().encode(clip, prompt)[0][0],
+        qwen_nodes.TextEncodeQwenImageEdit.execute(clip, prompt).args[0][0],
+    ]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_qwen_image_clip_on_the_workers_equals_comfyuis_own(
+    request: pytest.FixtureRequest, comfy: Any, qwen_file: Path, world: int
+) -> None:
+    """ComfyUI's own CLIP for type 'qwen_image' (its Qwen2.5-VL tokenizer and prompt templates, its cut of the
+    template's tokens) with the language model sharded on the workers, under ComfyUI's own text nodes: the
+    conditioning and its attention mask equal ComfyUI's own CLIP's."""
+    from rocm_parallel.nodes.comfy_clip import build_clip
+
+    own = _comfy_clip(comfy, [qwen_file], "qwen_image", {"qwen25_7b_model_config": TINY_QWEN25})
+    group = ResidentGroup(group=request.getfixturevalue(f"group{world}"))
+    ours = build_clip(group, [str(qwen_file)], "qwen_image", slot="qwen te")
+    assert type(own.cond_stage_model).__name__ == type(ours.cond_stage_model).__name__
+    prompt = 'a neon sign that reads "ROCm" above a rainy street, night'
+    for (expected, expected_extra), (got, extra) in zip(
+        _qwen_conditioning(own, prompt), _qwen_conditioning(ours, prompt), strict=True
+    ):
+        assert got.shape == expected.shape and got.shape[-1] == TINY_QWEN25["hidden_size"]
+        assert (got - expected).abs().max() < TOLERANCE
+        assert sorted(extra) == sorted(expected_extra)
+        for key, value in expected_extra.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(extra[key], value), key
+    assert all(any(m.slot == "qwen te" for m in s.models) for s in group.status())
+    group.unload("qwen te")
