@@ -301,3 +301,46 @@ def test_qwen_image_clip_on_the_workers_equals_comfyuis_own(
                 assert torch.equal(extra[key], value), key
     assert all(any(m.slot == "qwen te" for m in s.models) for s in group.status())
     group.unload("qwen te")
+
+
+@pytest.fixture(scope="module")
+def qwen_vl_file(comfy: Any, qwen_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The small language model with ComfyUI's own Qwen2.5-VL vision tower beside it (`visual.*`, full size:
+    ComfyUI's class takes no config; random bf16 weights), as Comfy-Org's qwen_2.5_vl_7b file holds both."""
+    from comfy.text_encoders import qwen_vl
+    from safetensors.torch import load_file
+
+    tower = qwen_vl.Qwen2VLVisionTransformer(
+        hidden_size=1280, output_hidden_size=TINY_QWEN25["hidden_size"], device="cpu", dtype=torch.float32,
+        ops=comfy.ops.manual_cast,
+    )  # fmt: skip
+    sd = {f"visual.{k}": v.to(torch.bfloat16) for k, v in _randomize(tower, 7).items()}
+    del tower
+    path = tmp_path_factory.mktemp("qwen_vl") / "tiny-qwen25-vl-vision.safetensors"
+    save_file({**load_file(str(qwen_file)), **sd}, str(path))
+    return path
+
+
+def test_a_qwen_image_edit_prompt_with_two_reference_images_equals_comfyuis_own(
+    group2: Any, comfy: Any, qwen_vl_file: Path
+) -> None:
+    """TextEncodeQwenImageEditPlus with two reference images: ComfyUI's own vision tower (kept in ComfyUI's
+    process, filled from the file by ComfyUI's load_sd) turns each into embedding rows that ComfyUI splices into
+    the prompt, with 3-row rotary positions for them; the pack's workers get those rows as they are and the
+    token ids of the rest. The conditioning equals ComfyUI's own CLIP's."""
+    import comfy_extras.nodes_qwen as qwen_nodes
+
+    from rocm_parallel.nodes.comfy_clip import build_clip
+
+    own = _comfy_clip(comfy, [qwen_vl_file], "qwen_image", {"qwen25_7b_model_config": TINY_QWEN25})
+    group = ResidentGroup(group=group2)
+    ours = build_clip(group, [str(qwen_vl_file)], "qwen_image", slot="qwen vl")
+    g = torch.Generator().manual_seed(8)
+    images = [torch.rand(1, 48, 64, 3, generator=g), torch.rand(1, 72, 40, 3, generator=g)]
+    prompt = "put the cat from picture 1 on the sofa from picture 2"
+    edit = qwen_nodes.TextEncodeQwenImageEditPlus.execute
+    (expected, _), (got, _) = (edit(clip, prompt, None, *images).args[0][0] for clip in (own, ours))
+    text_only = edit(own, prompt).args[0][0][0]
+    assert got.shape == expected.shape and got.shape[1] > text_only.shape[1] + 100  # two images' tokens
+    assert (got - expected).abs().max() < TOLERANCE
+    group.unload("qwen vl")
