@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from rocm_parallel.backend.plan.graph import ENCODERS_FILE, MODEL_ENCODERS, stor
 sys.path.insert(0, str(Path(__file__).parent / "tools"))
 from make_encoder_facts import encoders_facts, render
 from test_docs_fit import _gpus, _table
+from test_plan_facts import fresh_python
 
 ROOT = Path(__file__).resolve().parents[1]
 GB = 10**9
@@ -167,9 +167,7 @@ def test_the_whole_graph_plan_imports_no_torch() -> None:
         "g = plan_graph('mistral3-24b', 'fp8', 4, 8e9, 0.5e9, 24)\n"
         "print(g.placement.choice, g.placement.encoder, 'torch' in sys.modules)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert done.stderr == ""
-    assert done.stdout.split() == ["resident", "5726883840", "False"]
+    assert fresh_python(code).split() == ["resident", "5726883840", "False"]
 
 
 # BENCHMARKS.md's whole-graph table: each row is `plan --json` with the row's model, GPUs and weights
