@@ -11,6 +11,9 @@ The files are small random encoders built with **ComfyUI's own** text-encoder cl
   ids, left-padded, with FLUX.2's selection of intermediate layers (no final norm);
 * Qwen-Image's CLIP (CLIPLoader type 'qwen_image': ComfyUI's Qwen2.5-VL tokenizer, templates and template cut)
   with the language model sharded, under CLIPTextEncode and TextEncodeQwenImageEdit, against ComfyUI's own;
+  an Edit prompt with two reference images through ComfyUI's own vision tower (TextEncodeQwenImageEditPlus);
+* a Qwen-Image-Edit graph end to end with the encoder and the diffusion model on one worker group, against
+  ComfyUI's own CLIP and model;
 * the loader node under ComfyUI's own CLIPTextEncode and CLIPTextEncodeFlux.
 
 Both at TP 2 and TP 4 (attention heads, key/value groups and MLP split, token embeddings split by vocabulary).
@@ -344,3 +347,70 @@ def test_a_qwen_image_edit_prompt_with_two_reference_images_equals_comfyuis_own(
     assert got.shape == expected.shape and got.shape[1] > text_only.shape[1] + 100  # two images' tokens
     assert (got - expected).abs().max() < TOLERANCE
     group.unload("qwen vl")
+
+
+def test_a_qwen_image_edit_graph_with_encoder_and_model_on_the_pack_equals_comfyuis_own(
+    comfy: Any, qwen_vl_file: Path, tmp_path: Path
+) -> None:
+    """The Qwen-Image-Edit-2511 graph (0.3.75: Qwen-Image-Edit's) end to end with both the text encoder and the diffusion model on one
+    worker group (TP 2): TextEncodeQwenImageEditPlus with a reference image (and its ReferenceLatent) for the
+    positive prompt, TextEncodeQwenImageEdit for the negative, ModelSamplingAuraFlow 3.1, KSampler at cfg 2.5.
+    The pack's CLIP and the ROCm Parallel Model against ComfyUI's own CLIP and ComfyUI's own QwenImage
+    (its loader, float32) on the same files: the sampled latent within 1e-4."""
+    import comfy_extras.nodes_model_advanced as advanced
+    import comfy_extras.nodes_qwen as qwen_nodes
+    import comfy_extras.nodes_sd3 as sd3
+    from make_comfy_references import import_comfy
+    from make_qwen_references import load_in_comfy
+
+    from rocm_parallel.backend.api import ParallelModel
+    from rocm_parallel.backend.checkpoint import save_checkpoint
+    from rocm_parallel.backend.config import ParallelLayout
+    from rocm_parallel.backend.qwen_image.model import build_qwen_image
+    from rocm_parallel.nodes import comfy_model
+    from rocm_parallel.nodes.comfy_clip import build_clip
+    from rocm_parallel.nodes.inputs import LayoutRequest, ParallelHandle
+    from rocm_parallel.nodes.registry import Registry
+    from rocm_parallel.testing.models import tiny_qwen_image_config
+
+    modules = import_comfy(COMFYUI_PATH)
+    # Edit-2511's model; on 0.3.75, which lacks its reference placement (index_timestep_zero), the Edit model's
+    edit_2511 = not COMFYUI_VERSION.startswith("0.3.")
+    config = tiny_qwen_image_config(text_dim=TINY_QWEN25["hidden_size"], zero_cond_t=edit_2511)
+    checkpoint = save_checkpoint(
+        build_qwen_image(config, seed=97), tmp_path / "tiny-qwen-edit.safetensors", prefix=True
+    )
+    g = torch.Generator().manual_seed(9)
+    image = torch.rand(1, 56, 40, 3, generator=g)
+    reference = {"samples": torch.randn(1, 16, 1, 8, 8, generator=g)}  # VAEEncode's latent of the image
+
+    def sample(clip: Any, model: Any) -> torch.Tensor:
+        positive = qwen_nodes.TextEncodeQwenImageEditPlus.execute(clip, "make it night", None, image).args[0]
+        positive = modules["edit"].ReferenceLatent.execute(positive, reference)[0]
+        negative = qwen_nodes.TextEncodeQwenImageEdit.execute(clip, "").args[0]
+        model = advanced.ModelSamplingAuraFlow().patch_aura(model, 3.1)[0]
+        latent = sd3.EmptySD3LatentImage.execute(64, 64, 1)[0]
+        with torch.no_grad():
+            out = modules["nodes"].common_ksampler(
+                model, 5, 3, 2.5, "euler", "simple", positive, negative, latent
+            )[0]  # fmt: skip
+        return out["samples"].to(torch.float32)
+
+    own_clip = _comfy_clip(comfy, [qwen_vl_file], "qwen_image", {"qwen25_7b_model_config": TINY_QWEN25})
+    expected = sample(own_clip, load_in_comfy(modules, checkpoint, config))
+    del own_clip
+    registry = Registry(factory=lambda devices: ParallelModel(list(devices), threads=1))
+    try:
+        handle = ParallelHandle(checkpoint, Path(checkpoint).name, ("cpu", "cpu"), "float32", ())
+        model = comfy_model.parallel_model(handle, LayoutRequest(ParallelLayout(tp=2)), registry)
+        clip = build_clip(
+            registry.group_for(("cpu", "cpu")), [str(qwen_vl_file)], "qwen_image", slot="edit te"
+        )
+        got = sample(clip, model)
+        held = sorted({m.slot for s in registry.current.status() for m in s.models})
+        assert held == ["default", "edit te"]  # the model and the encoder resident side by side
+        assert model.model.diffusion_model.runner.calls >= 3
+    finally:
+        registry.close()
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max() < TOLERANCE, (got - expected).abs().max()
