@@ -14,6 +14,8 @@ The files are small random encoders built with **ComfyUI's own** text-encoder cl
   an Edit prompt with two reference images through ComfyUI's own vision tower (TextEncodeQwenImageEditPlus);
 * a Qwen-Image-Edit graph end to end with the encoder and the diffusion model on one worker group, against
   ComfyUI's own CLIP and model;
+* FLUX.2 [klein]'s CLIP (type 'flux2' with Qwen3 4B: ComfyUI's tokenizer, template and three stacked layers)
+  with the language model sharded, against ComfyUI's own (0.33.0: 0.3.75 has no klein encoder);
 * the loader node under ComfyUI's own CLIPTextEncode and CLIPTextEncodeFlux.
 
 Both at TP 2 and TP 4 (attention heads, key/value groups and MLP split, token embeddings split by vocabulary).
@@ -414,3 +416,38 @@ def test_a_qwen_image_edit_graph_with_encoder_and_model_on_the_pack_equals_comfy
         registry.close()
     assert got.shape == expected.shape
     assert (got - expected).abs().max() < TOLERANCE, (got - expected).abs().max()
+
+
+# FLUX.2 [klein]'s encoder as ComfyUI detects it: Qwen3 4B by its q/k norms and residual width of 2560, and its
+# CLIP reads layers 9, 18 and 27, so 28 layers; everything else small (4 heads, 2 key/value groups, MLP 96)
+KLEIN_QWEN3 = {
+    "vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 96, "num_hidden_layers": 28,
+    "num_attention_heads": 4, "num_key_value_heads": 2,
+}  # fmt: skip
+
+
+def test_flux2_klein_clip_on_the_workers_equals_comfyuis_own(group2: Any, comfy: Any, tmp_path: Path) -> None:
+    """ComfyUI's own CLIP for type 'flux2' with a Qwen3 4B file (FLUX.2 [klein]: its Qwen3 tokenizer and chat
+    template, padding to 512 tokens, three intermediate layers stacked, no final norm) with the language model
+    sharded on the workers, under CLIPTextEncode: the conditioning equals ComfyUI's own CLIP's."""
+    import nodes
+    from rocm_parallel.nodes.comfy_clip import build_clip
+
+    if not hasattr(comfy.sd.CLIPType, "FLUX2"):  # 0.3.75 reads a Qwen3 4B file as Z-Image's encoder only
+        pytest.skip(f"ComfyUI {COMFYUI_VERSION} has no FLUX.2 [klein] text encoder (CLIP type 'flux2')")
+    llama = comfy.text_encoders.llama
+    model = llama.Llama2_(
+        llama.Qwen3_4BConfig(**KLEIN_QWEN3), device="cpu", dtype=torch.float32, ops=comfy.ops.manual_cast
+    )
+    path = tmp_path / "tiny-qwen3-4b.safetensors"
+    save_file({f"model.{k}": v for k, v in _randomize(model, 10).items()}, str(path))
+    del model
+    own = _comfy_clip(comfy, [path], "flux2", {"qwen3_4b_model_config": KLEIN_QWEN3})
+    group = ResidentGroup(group=group2)
+    ours = build_clip(group, [str(path)], "flux2", slot="klein te")
+    assert type(ours.cond_stage_model).__name__ == type(own.cond_stage_model).__name__
+    prompt = "a paper boat on a puddle, macro photograph"
+    (expected, _), (got, _) = (nodes.CLIPTextEncode().encode(clip, prompt)[0][0] for clip in (own, ours))
+    assert got.shape == expected.shape == (1, 512, 3 * KLEIN_QWEN3["hidden_size"])
+    assert (got - expected).abs().max() < TOLERANCE
+    group.unload("klein te")
