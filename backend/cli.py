@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import sys
@@ -102,6 +103,13 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "call batch the batch degree splits is twice the images)",
     )
     parser.add_argument(
+        "--references",
+        type=int,
+        default=0,
+        help="reference images of the output's size (Qwen-Image-Edit's, FLUX.2's ReferenceLatent): their "
+        "tokens ride along in every step",
+    )
+    parser.add_argument(
         "--layout",
         default=None,
         help="price only this layout: degrees such as 'batch 2 x tp 2' or 'tp2xring2' (as load(layout=...) "
@@ -140,9 +148,28 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         help="how linear weights stay resident: in the compute dtype, fp8 (1 byte, upcast per layer), or a "
         "GGUF file's quantization (Q8_0, Q4_K, ...: its blocks, dequantized per layer)",
     )
+    _add_encoder_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument(
         "--full", action="store_true", help="every column: weights, activations, collectives, bytes sent"
+    )
+
+
+def _add_encoder_arguments(parser: argparse.ArgumentParser) -> None:
+    from .plan.graph import ENCODER_DTYPES, stored_encoders
+
+    parser.add_argument(
+        "--encoder",
+        choices=("auto", "none", *stored_encoders()),
+        default="auto",
+        help="the text encoder the ROCm Parallel Text Encoder Loader puts on the same GPUs (auto: the model's "
+        "own, e.g. mistral3-24b for flux2-dev; none: no whole-graph table)",
+    )
+    parser.add_argument(
+        "--encoder-dtype",
+        choices=tuple(ENCODER_DTYPES),
+        default=None,
+        help="how the encoder's weights are held (default: bf16 beside bf16 weights, else fp8)",
     )
 
 
@@ -150,6 +177,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     from .config import ParallelLayout
     from .plan import Link, Setup, call_batch, choose, estimate, format_table, plan
     from .plan.gguf import gguf_hint
+    from .plan.graph import format_graph
     from .platforms import planned_gpus
 
     family, config = plan_models()[args.model]
@@ -158,6 +186,9 @@ def _run_plan(args: argparse.Namespace) -> int:
     args.devices, memory_gb = planned_gpus(args.devices)
     if args.memory_gb is None:
         args.memory_gb = memory_gb or DEFAULT_GPU_GB
+    if args.references < 0:
+        print(f"error: --references {args.references}: give 0 or more reference images", file=sys.stderr)
+        return 2
     try:
         setup = Setup(
             family.dims(config),
@@ -166,6 +197,8 @@ def _run_plan(args: argparse.Namespace) -> int:
             weight_dtype=args.weight_dtype, devices=args.devices, memory_gb=args.memory_gb,
             link=Link(args.link_gbps, args.latency_us, name="link"), tflops=args.tflops, family=family.name,
         )  # fmt: skip
+        if args.references:  # references are tokens of the output's size: known once the setup is
+            setup = dataclasses.replace(setup, reference_tokens=args.references * setup.latent_tokens)
         if args.layout is None:
             estimates = plan(setup)
         else:
@@ -181,6 +214,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             choice, problem = None, str(exc)
     hint = gguf_hint(setup) if problem is not None else None  # neither bf16 nor fp8 fits: name a GGUF
+    graph = _graph_plan(args, estimates)
     if args.json:
         print(json.dumps({
             "setup": {k: v for k, v in vars(args).items() if k not in ("command", "json", "full")},
@@ -191,6 +225,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             },
             "error": problem,
             "gguf": hint,
+            "encoder": None if graph is None else graph.as_dict(),
         }, indent=2))  # fmt: skip
     else:
         print(format_table(setup, estimates, full=args.full))
@@ -199,7 +234,30 @@ def _run_plan(args: argparse.Namespace) -> int:
             print(choice.explanation if choice is not None else f"auto: {problem}")
         if hint is not None:
             print(hint)
+        if graph is not None:
+            print()
+            print(format_graph(graph, full=args.full))
     return 0 if problem is None else 1
+
+
+def _graph_plan(args: argparse.Namespace, estimates: list[Any]) -> Any:
+    """The text encoder beside the model's fitting layouts (or the one --layout priced), or None: no encoder
+    asked for or known for the model, or no layout that fits."""
+    from .plan.graph import MODEL_ENCODERS, encoder_dtype, place_beside_layouts
+
+    family = plan_models()[args.model][0]
+    encoder = (
+        MODEL_ENCODERS.get(family.aliases.get(args.model, args.model))
+        if args.encoder == "auto"
+        else args.encoder
+    )
+    if encoder in (None, "none"):
+        return None
+    fitting = [e for e in estimates if e.fits]  # fastest first (plan's order); --layout: that one
+    if not fitting:
+        return None
+    dtype = args.encoder_dtype or encoder_dtype(args.weight_dtype)
+    return place_beside_layouts(encoder, dtype, args.devices, args.memory_gb, fitting)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
