@@ -106,8 +106,8 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--references",
         type=int,
         default=0,
-        help="reference images of the output's size (Qwen-Image-Edit's, FLUX.2's ReferenceLatent): their "
-        "tokens ride along in every step",
+        help="reference images of the output's size (an Edit model's, ReferenceLatent's): their tokens ride "
+        "along in every step",
     )
     parser.add_argument(
         "--layout",
@@ -163,7 +163,7 @@ def _add_encoder_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("auto", "none", *stored_encoders()),
         default="auto",
         help="the text encoder the ROCm Parallel Text Encoder Loader puts on the same GPUs (auto: the model's "
-        "own, e.g. mistral3-24b for flux2-dev; none: no whole-graph table)",
+        "own, the one its ComfyUI template loads; none: no whole-graph table)",
     )
     parser.add_argument(
         "--encoder-dtype",
@@ -243,11 +243,11 @@ def _run_plan(args: argparse.Namespace) -> int:
 def _graph_plan(args: argparse.Namespace, estimates: list[Any]) -> Any:
     """The text encoder beside the model's fitting layouts (or the one --layout priced), or None: no encoder
     asked for or known for the model, or no layout that fits."""
-    from .plan.graph import MODEL_ENCODERS, encoder_dtype, place_beside_layouts
+    from .plan.graph import encoder_dtype, model_encoders, place_beside_layouts
 
     family = plan_models()[args.model][0]
     encoder = (
-        MODEL_ENCODERS.get(family.aliases.get(args.model, args.model))
+        model_encoders().get(family.aliases.get(args.model, args.model))
         if args.encoder == "auto"
         else args.encoder
     )

@@ -19,7 +19,7 @@ from rocm_parallel.backend.encoders.kind import get_encoder_kind
 from rocm_parallel.backend.family import families
 from rocm_parallel.backend.plan import Setup, call_batch, estimate
 from rocm_parallel.backend.plan.encoder import COMFYUI_GPU0, encoder_bytes, place_encoder
-from rocm_parallel.backend.plan.graph import ENCODERS_FILE, MODEL_ENCODERS, stored_encoders
+from rocm_parallel.backend.plan.graph import ENCODERS_FILE, model_encoders, stored_encoders
 
 sys.path.insert(0, str(Path(__file__).parent / "tools"))
 from make_encoder_facts import encoders_facts, render
@@ -48,10 +48,10 @@ def test_encoders_file_equals_the_meta_models_bytes() -> None:
 def test_every_released_model_names_an_encoder_of_its_graph() -> None:
     for family in families():
         if family.name not in CLIP_TYPES:  # Wan: its UMT5 is not one of the pack's encoders
-            assert not set(family.presets) & set(MODEL_ENCODERS)
+            assert not set(family.presets) & set(model_encoders())
             continue
         for preset in family.presets:
-            record = stored_encoders()[MODEL_ENCODERS[preset]]
+            record = stored_encoders()[model_encoders()[preset]]
             kind = get_encoder_kind(record["kind"])
             assert CLIP_TYPES[family.name] in kind.clip_types, f"{preset}: {kind.title}"
 
@@ -71,9 +71,9 @@ def test_plan_places_the_encoder_as_the_meta_model_prices_it(
         "--model", model, "--devices", str(devices), "--memory-gb", str(memory), "--weight-dtype", weights
     )
     layout = next(e for e in answer["layouts"] if e["layout"] == answer["encoder"]["layout"])
-    kind = get_encoder_kind(stored_encoders()[MODEL_ENCODERS[model]]["kind"])
+    kind = get_encoder_kind(stored_encoders()[model_encoders()[model]]["kind"])
     held = "bfloat16" if weights == "compute" else "float8_e4m3fn"
-    shard = encoder_bytes(kind, kind.presets[MODEL_ENCODERS[model]], devices, "vocab", held)
+    shard = encoder_bytes(kind, kind.presets[model_encoders()[model]], devices, "vocab", held)
     expected = place_encoder(
         shard, round(layout["weights_gb"] * GB), round(layout["activations_gb"] * GB), memory * GB
     )

@@ -388,7 +388,7 @@ def test_text_encoder_workflows_are_the_plain_ones_with_the_encoder_on_the_worke
     from rocm_parallel.backend.config import ParallelLayout
     from rocm_parallel.backend.family import get_family
     from rocm_parallel.backend.plan import Setup, call_batch, estimate
-    from rocm_parallel.backend.plan.graph import MODEL_ENCODERS, plan_graph
+    from rocm_parallel.backend.plan.graph import model_encoders, plan_graph
 
     api, base = load(name, api=True), load(plain, api=True)
     assert sorted(api) == sorted(base)
@@ -417,7 +417,7 @@ def test_text_encoder_workflows_are_the_plain_ones_with_the_encoder_on_the_worke
                       memory_gb=memory, family=family.name, weight_dtype="fp8_e4m3fn")  # fmt: skip
         cost = estimate(setup, layout)
         assert cost.fits
-        graph = plan_graph(MODEL_ENCODERS[model], "bf16", count, cost.weights, cost.activations, memory)
+        graph = plan_graph(model_encoders()[model], "bf16", count, cost.weights, cost.activations, memory)
         assert graph.placement.choice == choice, (memory, graph.placement.explanation())
 
 

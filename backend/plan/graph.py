@@ -21,23 +21,19 @@ from pathlib import Path
 from typing import Any
 
 from ..config import _one_of
+from ..family import families
 from ..text import GB, markdown_table
 from .encoder import COMFYUI_GPU0, PLACEMENTS, Placement, place_encoder
 
 ENCODERS_FILE = Path(__file__).with_name("encoders.json")
 MAX_DEGREE = 8  # the largest tensor-parallel degree the file stores (the pack's machines have 2-8 GPUs)
 ENCODER_DTYPES = {"bf16": "bfloat16", "fp8": "float8_e4m3fn"}  # how the encoder's weights are held
-# The text encoder each released model's ComfyUI template loads (its CLIPLoader / DualCLIPLoader file): what
-# `plan --encoder auto` prices. FLUX.1's CLIP-L (0.25 GB) stays in ComfyUI beside the T5 and is not counted.
-MODEL_ENCODERS = {
-    "flux1-dev": "t5-xxl",
-    "flux1-schnell": "t5-xxl",
-    "flux2-dev": "mistral3-24b",
-    "flux2-klein": "qwen3-4b",
-    "flux2-klein-9b": "qwen3-8b",
-    "qwen-image": "qwen2.5-vl-7b",
-    "qwen-image-edit-2511": "qwen2.5-vl-7b",
-}
+
+
+def model_encoders() -> dict[str, str]:
+    """Model preset -> the text encoder its ComfyUI template loads (each family's `text.encoders`): what
+    `plan --encoder auto` prices."""
+    return {preset: encoder for f in families() for preset, encoder in f.text.encoders.items()}
 
 
 @functools.cache
@@ -172,10 +168,10 @@ __all__ = [
     "ENCODERS_FILE",
     "ENCODER_DTYPES",
     "MAX_DEGREE",
-    "MODEL_ENCODERS",
     "GraphPlan",
     "encoder_dtype",
     "format_graph",
+    "model_encoders",
     "place_beside_layouts",
     "plan_graph",
     "stored_encoders",
