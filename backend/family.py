@@ -496,11 +496,20 @@ def register(family: ModelFamily) -> ModelFamily:
 
 
 def _load_builtin() -> None:
+    """Import the built-in families and put them first, in BUILTIN's order, whatever order their modules were
+    imported in: a test or a tool that imports backend/flux2/ before the registry is first read registers
+    FLUX.2 first, and "the first family" (detection order, `families()[0]`) must not depend on that."""
     global _loaded
     if not _loaded:
         _loaded = True
+        builtin = []
         for module in BUILTIN:
-            importlib.import_module(module, __package__)
+            namespace = vars(importlib.import_module(module, __package__))
+            builtin += [f for f in namespace.values() if isinstance(f, ModelFamily) and f not in builtin]
+        order = [f for f in builtin if _REGISTRY.get(f.name) is f]
+        order += [f for f in _REGISTRY.values() if f not in order]
+        _REGISTRY.clear()
+        _REGISTRY.update((f.name, f) for f in order)
 
 
 def families() -> tuple[ModelFamily, ...]:
