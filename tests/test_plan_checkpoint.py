@@ -198,3 +198,17 @@ def test_an_edit_model_carries_one_reference_by_default(capsys: pytest.CaptureFi
     assert capsys.readouterr().err.strip() == (
         "error: --references 1: Wan takes no reference images; leave --references out"
     )
+
+
+def test_a_gguf_that_does_not_fit_is_told_the_lighter_one_that_does(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # what `plan --checkpoint` of a Q8_0 FLUX.2 [dev] file prices (its type is the file's weight dtype)
+    assert (
+        cli.main(
+            ["plan", "--model", "flux2-dev", "--weight-dtype", "Q8_0", "--devices", "2", "--memory-gb", "16"]
+        )
+        == 1
+    )
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("gguf: "))
+    assert line.startswith("gguf: a Q6_K GGUF file of this model fits (tp 2: ") and "; Q8_0 does not." in line
