@@ -188,16 +188,18 @@ def test_reference_tokens_are_the_engines(
     assert answer["tokens"]["sequence"] == image + get_family(family).text.tokens
 
 
-def test_an_edit_model_carries_one_reference_by_default(capsys: pytest.CaptureFixture[str]) -> None:
-    _, edit = _plan_json(capsys, "--model", "qwen-image-edit")
-    _, plain = _plan_json(capsys, "--model", "qwen-image")
+def test_references_are_priced_when_asked(capsys: pytest.CaptureFixture[str]) -> None:
+    _, edit = _plan_json(capsys, "--model", "qwen-image-edit", "--references", "1")
+    _, plain = _plan_json(capsys, "--model", "qwen-image-edit")
     _, one = _plan_json(capsys, "--model", "qwen-image", "--references", "1")
     assert (edit["tokens"]["references"], plain["tokens"]["references"]) == (4096, 0)
-    assert edit["layouts"] == one["layouts"] != plain["layouts"]
+    assert edit["layouts"] == one["layouts"] != plain["layouts"]  # Qwen-Image's weights, one input image
     assert cli.main(["plan", "--model", "wan2.1-t2v-14b", "--references", "1"]) == 2
     assert capsys.readouterr().err.strip() == (
         "error: --references 1: Wan takes no reference images; leave --references out"
     )
+    assert cli.main(["plan", "--model", "qwen-image-edit", "--references", "-1"]) == 2
+    assert capsys.readouterr().err == "error: --references -1: give 0 or more reference images\n"
 
 
 def test_a_gguf_that_does_not_fit_is_told_the_lighter_one_that_does(

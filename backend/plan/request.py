@@ -4,9 +4,9 @@
   fp8, a GGUF quantization type), read from its header without torch (checkpoint.py);
 * `--references N` (`--reference-size`): reference latents (ReferenceLatent: Qwen-Image-Edit's input
   image, FLUX.1 Kontext's, FLUX.2's references), which every step carries after the image's own tokens, so
-  they are split, attended and held like image tokens (Setup.reference_tokens). An Edit model
-  (`--model qwen-image-edit*`, or a file whose header says Edit-2511) takes one by default: its graph
-  always has an input image (ComfyUI's TextEncodeQwenImageEdit / ReferenceLatent).
+  they are split, attended and held like image tokens (Setup.reference_tokens). None unless asked: an
+  Edit model's graph has at least one (ComfyUI's TextEncodeQwenImageEdit / ReferenceLatent), and the fit
+  tables price Qwen-Image-Edit with `--references 1`.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--references",
         type=int,
-        default=None,
-        help="reference images each call carries (ReferenceLatent: Qwen-Image-Edit's, FLUX.1 Kontext's); "
-        "default 1 for an Edit model, else 0",
+        default=0,
+        help="reference images each call carries (ReferenceLatent: Qwen-Image-Edit's input image, FLUX.1 "
+        "Kontext's): their tokens ride along in every step",
     )
     parser.add_argument(
         "--reference-size",
@@ -51,13 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def resolve_model(
     args: argparse.Namespace, models: Models
 ) -> tuple[ModelFamily, Mapping[str, Any], str | None]:
-    """(family, config, a line naming the file or None) of what `args` price; sets `args.model`,
-    `args.weight_dtype` (the file's when not given) and `args.references` (1 for an Edit model)."""
-    note, edit = None, False
+    """(family, config, a line naming the file or None) of what `args` price; sets `args.model` and
+    `args.weight_dtype` (the file's when not given)."""
+    note = None
     if args.checkpoint is None:
         args.model = args.model or next(iter(models))
         family, config = models[args.model]
-        edit = "edit" in args.model
     else:
         if args.model is not None:
             raise ConfigError(
@@ -71,15 +70,12 @@ def resolve_model(
         if found.preset is None:
             raise CheckpointError(unreleased_dims(found))
         family, config, args.model = found.family, found.config, found.preset
-        edit = family.variant(config).startswith("edit")
         note = (
             f"checkpoint {found.path}: {found.name} ({args.model}), linear weights stored as {found.stored}, "
             f"priced as {_dtype_text(args.weight_dtype)}"
         )
     if args.weight_dtype is None:
         args.weight_dtype = "compute"
-    if args.references is None:
-        args.references = 1 if edit and family.references is not None else 0
     return family, config, note
 
 
@@ -107,7 +103,7 @@ def with_references(setup: Setup, args: argparse.Namespace, family: ModelFamily)
     """`setup` with `args.references` reference latents of `args.reference_size` (default: the image's)."""
     count = args.references
     if not isinstance(count, int) or count < 0:
-        raise ConfigError(f"--references {count!r} must be 0 or a positive integer")
+        raise ConfigError(f"--references {count}: give 0 or more reference images")
     if count == 0:
         return setup
     if family.references is None:
