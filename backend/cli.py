@@ -144,6 +144,7 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "(1 byte, upcast per layer), or a GGUF file's quantization (Q8_0, Q4_K, ...: its blocks, dequantized "
         "per layer)",
     )
+    _add_encoder_arguments(parser)
     from .plan import request as plan_request  # here: only `plan` reads the planner
 
     plan_request.add_arguments(parser)
@@ -153,11 +154,30 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_encoder_arguments(parser: argparse.ArgumentParser) -> None:
+    from .plan.graph import ENCODER_DTYPES, stored_encoders
+
+    parser.add_argument(
+        "--encoder",
+        choices=("auto", "none", *stored_encoders()),
+        default="auto",
+        help="the text encoder the ROCm Parallel Text Encoder Loader puts on the same GPUs (auto: the model's "
+        "own, the one its ComfyUI template loads; none: no whole-graph table)",
+    )
+    parser.add_argument(
+        "--encoder-dtype",
+        choices=tuple(ENCODER_DTYPES),
+        default=None,
+        help="how the encoder's weights are held (default: bf16 beside bf16 weights, else fp8)",
+    )
+
+
 def _run_plan(args: argparse.Namespace) -> int:
     from .config import ParallelLayout
     from .plan import Link, Setup, call_batch, choose, estimate, format_table, plan
     from .plan import request as plan_request
     from .plan.gguf import gguf_hint
+    from .plan.graph import format_graph
     from .platforms import planned_gpus
 
     try:
@@ -194,6 +214,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             choice, problem = None, str(exc)
     hint = gguf_hint(setup) if problem is not None else None  # neither bf16 nor fp8 fits: name a GGUF
+    graph = _graph_plan(args, estimates)
     if args.json:
         print(json.dumps({
             "setup": {k: v for k, v in vars(args).items() if k not in ("command", "json", "full")},
@@ -205,6 +226,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             },
             "error": problem,
             "gguf": hint,
+            "encoder": None if graph is None else graph.as_dict(),
         }, indent=2))  # fmt: skip
     else:
         if file_note is not None:
@@ -215,7 +237,30 @@ def _run_plan(args: argparse.Namespace) -> int:
             print(choice.explanation if choice is not None else f"auto: {problem}")
         if hint is not None:
             print(hint)
+        if graph is not None:
+            print()
+            print(format_graph(graph, full=args.full))
     return 0 if problem is None else 1
+
+
+def _graph_plan(args: argparse.Namespace, estimates: list[Any]) -> Any:
+    """The text encoder beside the model's fitting layouts (or the one --layout priced), or None: no encoder
+    asked for or known for the model, or no layout that fits."""
+    from .plan.graph import encoder_dtype, model_encoders, place_beside_layouts
+
+    family = plan_models()[args.model][0]
+    encoder = (
+        model_encoders().get(family.aliases.get(args.model, args.model))
+        if args.encoder == "auto"
+        else args.encoder
+    )
+    if encoder in (None, "none"):
+        return None
+    fitting = [e for e in estimates if e.fits]  # fastest first (plan's order); --layout: that one
+    if not fitting:
+        return None
+    dtype = args.encoder_dtype or encoder_dtype(args.weight_dtype)
+    return place_beside_layouts(encoder, dtype, args.devices, args.memory_gb, fitting)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -144,6 +144,9 @@ class TextInputs:
     # whether the text joins the image tokens in one self-attention (FLUX, Qwen-Image: joint attention,
     # which context parallelism splits too) or is only attended to from them (cross-attention)
     joint: bool = True
+    # the text encoder each released model's ComfyUI template loads (its CLIPLoader / DualCLIPLoader file), by
+    # preset name: backend/plan/encoders.json's key, what `plan --encoder auto` prices beside the model
+    encoders: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

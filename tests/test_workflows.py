@@ -60,6 +60,14 @@ EXPECTED = {
         "flux2_dev_fp8mixed.safetensors",
         None,
     ),
+    # The same template with its CLIPLoader replaced by the ROCm Parallel Text Encoder Loader: Mistral Small 3
+    # 24B (Comfy-Org's bf16 file) tensor parallel on the model's 4 GPUs
+    "flux2_dev_text_encoder_parallel_model_tp4": (
+        "SamplerCustomAdvanced",
+        "0,1,2,3",
+        "flux2_dev_fp8mixed.safetensors",
+        None,
+    ),
     # The same template on two GPUs with a GGUF file, kept quantized (the pack's own loader: no
     # ComfyUI-GGUF node in the graph).
     "flux2_dev_gguf_parallel_model_tp2": (
@@ -71,6 +79,13 @@ EXPECTED = {
     # ComfyUI's Qwen-Image template (image_qwen_image) with cfg 2.5: cond + uncond, one call of 2 that the
     # batch degree splits over two TP pairs; Comfy-Org's fp8 file, as the template loads it.
     "qwen_image_parallel_model_batch2_tp2": (
+        "KSampler",
+        "0,1,2,3",
+        "qwen_image_fp8_e4m3fn.safetensors",
+        None,
+    ),
+    # The same graph with Qwen2.5-VL 7B (Comfy-Org's bf16 file) tensor parallel on the model's 4 GPUs
+    "qwen_image_text_encoder_parallel_model_batch2_tp2": (
         "KSampler",
         "0,1,2,3",
         "qwen_image_fp8_e4m3fn.safetensors",
@@ -350,6 +365,60 @@ def test_qwen_workflow_is_comfyuis_qwen_image_template_on_a_batch_split() -> Non
                   memory_gb=24, family="qwen_image", weight_dtype="fp8_e4m3fn")  # fmt: skip
     cost = estimate(setup, layout)
     assert cost.fits and cost.idle_groups == 0 and cost.local_batch == 1  # 10.2 GB of fp8 weights per GPU
+
+
+@pytest.mark.parametrize(
+    ("name", "plain", "clip_name", "model", "placed"),
+    [
+        # bf16 Mistral at TP 4: 11.45 GB per GPU beside 8.2 GB of fp8 model; on 24 GB GPUs only between phases
+        ("flux2_dev_text_encoder_parallel_model_tp4", "flux2_dev_parallel_model_tp4",
+         "mistral_3_small_flux2_bf16.safetensors", "flux2-dev", {24: "host", 32: "resident"}),
+        ("qwen_image_text_encoder_parallel_model_batch2_tp2", "qwen_image_parallel_model_batch2_tp2",
+         "qwen_2.5_vl_7b.safetensors", "qwen-image", {16: "comfyui", 24: "resident"}),
+    ],
+)  # fmt: skip
+def test_text_encoder_workflows_are_the_plain_ones_with_the_encoder_on_the_workers(
+    name: str, plain: str, clip_name: str, model: str, placed: dict[int, str]
+) -> None:
+    """The FLUX.2 [dev] and Qwen-Image workflows with ComfyUI's CLIPLoader replaced by the ROCm Parallel Text
+    Encoder Loader (its bf16 file: the pack holds no scaled-fp8 encoder; same type; the model loader's devices),
+    whose CLIP feeds the same nodes; every other node's inputs are the plain workflow's. The planner, pricing
+    the encoder's shard beside the Model node's layout and ComfyUI on GPU 0, keeps it resident on the larger
+    GPUs named and says where it goes on the smaller ones."""
+    from rocm_parallel.backend.config import ParallelLayout
+    from rocm_parallel.backend.family import get_family
+    from rocm_parallel.backend.plan import Setup, call_batch, estimate
+    from rocm_parallel.backend.plan.graph import model_encoders, plan_graph
+
+    api, base = load(name, api=True), load(plain, api=True)
+    assert sorted(api) == sorted(base)
+    ids = {node["class_type"]: node_id for node_id, node in api.items()}
+    assert (
+        "CLIPLoader" not in ids and base[ids["RocmParallelTextEncoderLoader"]]["class_type"] == "CLIPLoader"
+    )
+    clip_type = base[ids["RocmParallelTextEncoderLoader"]]["inputs"]["type"]
+    by_class = {node["class_type"]: node["inputs"] for node in api.values()}
+    devices = by_class["RocmParallelLoader"]["devices"]
+    assert by_class["RocmParallelTextEncoderLoader"] == {
+        "clip_name1": clip_name, "clip_name2": "none", "type": clip_type, "devices": devices
+    }  # fmt: skip
+    for node_id, node in api.items():
+        if node["class_type"] not in ("RocmParallelTextEncoderLoader", "SaveImage"):
+            assert node["inputs"] == base[node_id]["inputs"], node["class_type"]
+
+    family = next(f for f in (get_family("flux2"), get_family("qwen_image")) if model in f.presets)
+    latent = by_class.get("EmptyFlux2LatentImage") or by_class["EmptySD3LatentImage"]
+    cfg = by_class["KSampler"]["cfg"] if "KSampler" in by_class else 1.0  # BasicGuider: no negative prompt
+    count = len(devices.split(","))
+    layout = ParallelLayout.make(by_class["RocmParallelModel"]["layout"], count)
+    for memory, choice in placed.items():
+        setup = Setup(family.dims(family.presets[model]), latent["width"], latent["height"],
+                      batch=call_batch(latent["batch_size"], cfg), text_tokens=family.text.tokens, devices=count,
+                      memory_gb=memory, family=family.name, weight_dtype="fp8_e4m3fn")  # fmt: skip
+        cost = estimate(setup, layout)
+        assert cost.fits
+        graph = plan_graph(model_encoders()[model], "bf16", count, cost.weights, cost.activations, memory)
+        assert graph.placement.choice == choice, (memory, graph.placement.explanation())
 
 
 def test_wan_t2v_workflow_is_comfyuis_template_on_the_planners_layout() -> None:

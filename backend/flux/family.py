@@ -39,6 +39,8 @@ FILL_CHANNELS = 96
 TEXT = TextInputs(
     encoder="a FLUX DualCLIPLoader (clip_l + t5xxl, type flux)",
     tokens=256,
+    # CLIP-L (0.25 GB) stays in ComfyUI beside the T5 and is not priced
+    encoders={"flux1-dev": "t5-xxl", "flux1-schnell": "t5-xxl"},
 )
 
 # Live activations at a forward's peak (PlannerFacts). Calibrated with torch's MemTracker on the meta device

@@ -43,6 +43,7 @@ TEXT_TOKENS = 512  # comfy/model_base.py Flux2.extra_conds pads the text feature
 TEXT = TextInputs(
     encoder="a CLIPLoader of type flux2 (mistral_3_small_flux2 for [dev], qwen_3_4b / qwen_3_8b for [klein])",
     tokens=TEXT_TOKENS,
+    encoders={"flux2-dev": "mistral3-24b", "flux2-klein": "qwen3-4b", "flux2-klein-9b": "qwen3-8b"},
 )
 
 # Live activations at a forward's peak (PlannerFacts), calibrated as FLUX.1's (flux/family.py) on

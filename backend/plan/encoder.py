@@ -97,11 +97,27 @@ class Placement:
     device: int  # one GPU's memory
     reason: str
 
+    @property
+    def usable(self) -> int:
+        """What GPU 0 may fill: `MARGIN` of its memory."""
+        return int(self.device * MARGIN)
+
+    @property
+    def gpu0_peak(self) -> int:
+        """GPU 0's bytes at its fullest under this choice (ComfyUI's own share included): while sampling, and
+        for "resident" and "host" also while encoding (the model's shard stays; no sampling activations)."""
+        if self.choice == "resident":
+            return self.comfyui + self.encoder + self.model + self.activations
+        if self.choice == "host":
+            return self.comfyui + self.model + max(self.encoder, self.activations)
+        return self.comfyui + self.model + self.activations
+
     def explanation(self) -> str:
         return (
             f"text encoder {self.choice}: {self.reason} (per GPU: encoder {self.encoder / GB:.2f} GB, model "
             f"{self.model / GB:.2f} GB, activations {self.activations / GB:.2f} GB, ComfyUI on GPU 0 "
-            f"{self.comfyui / GB:.2f} GB, of {self.device / GB:.1f} GB)"
+            f"{self.comfyui / GB:.2f} GB; GPU 0 at peak {self.gpu0_peak / GB:.2f} GB of {self.usable / GB:.2f} GB "
+            f"usable, {self.device / GB:.1f} GB)"
         )
 
 
@@ -120,6 +136,14 @@ def place_encoder(
         "comfyui": comfyui,
         "device": device,
     }
+    if sampling > usable:
+        return Placement(
+            "comfyui",
+            reason="the model's shard, its activations and ComfyUI's own process alone fill GPU 0 past its usable "
+            "memory: no room for the encoder's shard (and GPU 0 may run out while sampling; use fp8 weights or "
+            "more GPUs); ComfyUI's own CLIPLoader runs the encoder",
+            **facts,
+        )
     if encoder + sampling <= usable:
         return Placement("resident", reason="encoder and model fit together", **facts)
     # while encoding, the model's shard stays but no sampling activations are live

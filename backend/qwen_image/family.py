@@ -36,6 +36,7 @@ from .facts import LATENT, PATCH, QWEN_IMAGE, QWEN_IMAGE_EDIT_2511, REF_METHODS,
 TEXT = TextInputs(
     encoder="a CLIPLoader of type qwen_image (qwen_2.5_vl_7b) and CLIPTextEncode or TextEncodeQwenImageEdit",
     tokens=256,
+    encoders={"qwen-image": "qwen2.5-vl-7b", "qwen-image-edit-2511": "qwen2.5-vl-7b"},
 )
 
 # Live activations at a forward's peak (PlannerFacts): FLUX.1's units (flux/family.py), checked with

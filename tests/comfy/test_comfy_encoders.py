@@ -9,6 +9,13 @@ The files are small random encoders built with **ComfyUI's own** text-encoder cl
 * the language models (FLUX.2 [dev]'s Mistral Small 3, Qwen-Image's Qwen2.5-VL LM, FLUX.2 [klein]'s Qwen3):
   ComfyUI's own `Llama2_` with each one's config class against the pack's sharded encoder on the same token
   ids, left-padded, with FLUX.2's selection of intermediate layers (no final norm);
+* Qwen-Image's CLIP (CLIPLoader type 'qwen_image': ComfyUI's Qwen2.5-VL tokenizer, templates and template cut)
+  with the language model sharded, under CLIPTextEncode and TextEncodeQwenImageEdit, against ComfyUI's own;
+  an Edit prompt with two reference images through ComfyUI's own vision tower (TextEncodeQwenImageEditPlus);
+* a Qwen-Image-Edit graph end to end with the encoder and the diffusion model on one worker group, against
+  ComfyUI's own CLIP and model;
+* FLUX.2 [klein]'s CLIP (type 'flux2' with Qwen3 4B: ComfyUI's tokenizer, template and three stacked layers)
+  with the language model sharded, against ComfyUI's own (0.33.0: 0.3.75 has no klein encoder);
 * the loader node under ComfyUI's own CLIPTextEncode and CLIPTextEncodeFlux.
 
 Both at TP 2 and TP 4 (attention heads, key/value groups and MLP split, token embeddings split by vocabulary).
@@ -240,3 +247,207 @@ def test_the_loader_node_gives_comfyuis_own_conditioning_to_comfyuis_text_nodes(
         assert held == ["text encoder 12", "text encoder 12"]
     finally:
         REGISTRY.close()
+
+
+# Qwen-Image's CLIP as ComfyUI detects it (comfy/sd.py detect_te_model): Qwen2.5-VL 7B by its k_proj bias of
+# 512 = 4 key/value heads x 128, at any width; ComfyUI's own tokenizer and template, so the whole vocabulary
+TINY_QWEN25 = {**TINY_LM, "vocab_size": 152064}
+
+
+@pytest.fixture(scope="module")
+def qwen_file(comfy: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small Qwen2.5-VL language model built with ComfyUI's own `Llama2_` and `Qwen25_7BVLI_Config`, saved as
+    ComfyUI's qwen_2.5_vl_7b file keys it (no vision tower: ComfyUI's stays uninitialised, and a text prompt
+    never reaches it)."""
+    llama = comfy.text_encoders.llama
+    model = llama.Llama2_(
+        llama.Qwen25_7BVLI_Config(**TINY_QWEN25), device="cpu", dtype=torch.float32, ops=comfy.ops.manual_cast
+    )
+    path = tmp_path_factory.mktemp("qwen") / "tiny-qwen25-vl.safetensors"
+    save_file({f"model.{k}": v for k, v in _randomize(model, 6).items()}, str(path))
+    return path
+
+
+def _qwen_conditioning(clip: Any, prompt: str) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+    """What Qwen-Image graphs encode with: CLIPTextEncode, and TextEncodeQwenImageEdit without a reference
+    image (its own template: ComfyUI drops the template's tokens from the output)."""
+    import comfy_extras.nodes_qwen as qwen_nodes
+
+    import nodes
+
+    return [
+        nodes.CLIPTextEncode().encode(clip, prompt)[0][0],
+        qwen_nodes.TextEncodeQwenImageEdit.execute(clip, prompt).args[0][0],
+    ]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_qwen_image_clip_on_the_workers_equals_comfyuis_own(
+    request: pytest.FixtureRequest, comfy: Any, qwen_file: Path, world: int
+) -> None:
+    """ComfyUI's own CLIP for type 'qwen_image' (its Qwen2.5-VL tokenizer and prompt templates, its cut of the
+    template's tokens) with the language model sharded on the workers, under ComfyUI's own text nodes: the
+    conditioning and its attention mask equal ComfyUI's own CLIP's."""
+    from rocm_parallel.nodes.comfy_clip import build_clip
+
+    own = _comfy_clip(comfy, [qwen_file], "qwen_image", {"qwen25_7b_model_config": TINY_QWEN25})
+    group = ResidentGroup(group=request.getfixturevalue(f"group{world}"))
+    ours = build_clip(group, [str(qwen_file)], "qwen_image", slot="qwen te")
+    assert type(own.cond_stage_model).__name__ == type(ours.cond_stage_model).__name__
+    prompt = 'a neon sign that reads "ROCm" above a rainy street, night'
+    for (expected, expected_extra), (got, extra) in zip(
+        _qwen_conditioning(own, prompt), _qwen_conditioning(ours, prompt), strict=True
+    ):
+        assert got.shape == expected.shape and got.shape[-1] == TINY_QWEN25["hidden_size"]
+        assert (got - expected).abs().max() < TOLERANCE
+        assert sorted(extra) == sorted(expected_extra)
+        for key, value in expected_extra.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(extra[key], value), key
+    assert all(any(m.slot == "qwen te" for m in s.models) for s in group.status())
+    group.unload("qwen te")
+
+
+@pytest.fixture(scope="module")
+def qwen_vl_file(comfy: Any, qwen_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The small language model with ComfyUI's own Qwen2.5-VL vision tower beside it (`visual.*`, full size:
+    ComfyUI's class takes no config; random bf16 weights), as Comfy-Org's qwen_2.5_vl_7b file holds both."""
+    from comfy.text_encoders import qwen_vl
+    from safetensors.torch import load_file
+
+    tower = qwen_vl.Qwen2VLVisionTransformer(
+        hidden_size=1280, output_hidden_size=TINY_QWEN25["hidden_size"], device="cpu", dtype=torch.float32,
+        ops=comfy.ops.manual_cast,
+    )  # fmt: skip
+    sd = {f"visual.{k}": v.to(torch.bfloat16) for k, v in _randomize(tower, 7).items()}
+    del tower
+    path = tmp_path_factory.mktemp("qwen_vl") / "tiny-qwen25-vl-vision.safetensors"
+    save_file({**load_file(str(qwen_file)), **sd}, str(path))
+    return path
+
+
+def test_a_qwen_image_edit_prompt_with_two_reference_images_equals_comfyuis_own(
+    group2: Any, comfy: Any, qwen_vl_file: Path
+) -> None:
+    """TextEncodeQwenImageEditPlus with two reference images: ComfyUI's own vision tower (kept in ComfyUI's
+    process, filled from the file by ComfyUI's load_sd) turns each into embedding rows that ComfyUI splices into
+    the prompt, with 3-row rotary positions for them; the pack's workers get those rows as they are and the
+    token ids of the rest. The conditioning equals ComfyUI's own CLIP's."""
+    import comfy_extras.nodes_qwen as qwen_nodes
+
+    from rocm_parallel.nodes.comfy_clip import build_clip
+
+    own = _comfy_clip(comfy, [qwen_vl_file], "qwen_image", {"qwen25_7b_model_config": TINY_QWEN25})
+    group = ResidentGroup(group=group2)
+    ours = build_clip(group, [str(qwen_vl_file)], "qwen_image", slot="qwen vl")
+    g = torch.Generator().manual_seed(8)
+    images = [torch.rand(1, 48, 64, 3, generator=g), torch.rand(1, 72, 40, 3, generator=g)]
+    prompt = "put the cat from picture 1 on the sofa from picture 2"
+    edit = qwen_nodes.TextEncodeQwenImageEditPlus.execute
+    (expected, _), (got, _) = (edit(clip, prompt, None, *images).args[0][0] for clip in (own, ours))
+    text_only = edit(own, prompt).args[0][0][0]
+    assert got.shape == expected.shape and got.shape[1] > text_only.shape[1] + 100  # two images' tokens
+    assert (got - expected).abs().max() < TOLERANCE
+    group.unload("qwen vl")
+
+
+def test_a_qwen_image_edit_graph_with_encoder_and_model_on_the_pack_equals_comfyuis_own(
+    comfy: Any, qwen_vl_file: Path, tmp_path: Path
+) -> None:
+    """The Qwen-Image-Edit-2511 graph (0.3.75: Qwen-Image-Edit's) end to end with both the text encoder and the diffusion model on one
+    worker group (TP 2): TextEncodeQwenImageEditPlus with a reference image (and its ReferenceLatent) for the
+    positive prompt, TextEncodeQwenImageEdit for the negative, ModelSamplingAuraFlow 3.1, KSampler at cfg 2.5.
+    The pack's CLIP and the ROCm Parallel Model against ComfyUI's own CLIP and ComfyUI's own QwenImage
+    (its loader, float32) on the same files: the sampled latent within 1e-4."""
+    import comfy_extras.nodes_model_advanced as advanced
+    import comfy_extras.nodes_qwen as qwen_nodes
+    import comfy_extras.nodes_sd3 as sd3
+    from make_comfy_references import import_comfy
+    from make_qwen_references import load_in_comfy
+
+    from rocm_parallel.backend.api import ParallelModel
+    from rocm_parallel.backend.checkpoint import save_checkpoint
+    from rocm_parallel.backend.config import ParallelLayout
+    from rocm_parallel.backend.qwen_image.model import build_qwen_image
+    from rocm_parallel.nodes import comfy_model
+    from rocm_parallel.nodes.comfy_clip import build_clip
+    from rocm_parallel.nodes.inputs import LayoutRequest, ParallelHandle
+    from rocm_parallel.nodes.registry import Registry
+    from rocm_parallel.testing.models import tiny_qwen_image_config
+
+    modules = import_comfy(COMFYUI_PATH)
+    # Edit-2511's model; on 0.3.75, which lacks its reference placement (index_timestep_zero), the Edit model's
+    edit_2511 = not COMFYUI_VERSION.startswith("0.3.")
+    config = tiny_qwen_image_config(text_dim=TINY_QWEN25["hidden_size"], zero_cond_t=edit_2511)
+    checkpoint = save_checkpoint(
+        build_qwen_image(config, seed=97), tmp_path / "tiny-qwen-edit.safetensors", prefix=True
+    )
+    g = torch.Generator().manual_seed(9)
+    image = torch.rand(1, 56, 40, 3, generator=g)
+    reference = {"samples": torch.randn(1, 16, 1, 8, 8, generator=g)}  # VAEEncode's latent of the image
+
+    def sample(clip: Any, model: Any) -> torch.Tensor:
+        positive = qwen_nodes.TextEncodeQwenImageEditPlus.execute(clip, "make it night", None, image).args[0]
+        positive = modules["edit"].ReferenceLatent.execute(positive, reference)[0]
+        negative = qwen_nodes.TextEncodeQwenImageEdit.execute(clip, "").args[0]
+        model = advanced.ModelSamplingAuraFlow().patch_aura(model, 3.1)[0]
+        latent = sd3.EmptySD3LatentImage.execute(64, 64, 1)[0]
+        with torch.no_grad():
+            out = modules["nodes"].common_ksampler(
+                model, 5, 3, 2.5, "euler", "simple", positive, negative, latent
+            )[0]  # fmt: skip
+        return out["samples"].to(torch.float32)
+
+    own_clip = _comfy_clip(comfy, [qwen_vl_file], "qwen_image", {"qwen25_7b_model_config": TINY_QWEN25})
+    expected = sample(own_clip, load_in_comfy(modules, checkpoint, config))
+    del own_clip
+    registry = Registry(factory=lambda devices: ParallelModel(list(devices), threads=1))
+    try:
+        handle = ParallelHandle(checkpoint, Path(checkpoint).name, ("cpu", "cpu"), "float32", ())
+        model = comfy_model.parallel_model(handle, LayoutRequest(ParallelLayout(tp=2)), registry)
+        clip = build_clip(
+            registry.group_for(("cpu", "cpu")), [str(qwen_vl_file)], "qwen_image", slot="edit te"
+        )
+        got = sample(clip, model)
+        held = sorted({m.slot for s in registry.current.status() for m in s.models})
+        assert held == ["default", "edit te"]  # the model and the encoder resident side by side
+        assert model.model.diffusion_model.runner.calls >= 3
+    finally:
+        registry.close()
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max() < TOLERANCE, (got - expected).abs().max()
+
+
+# FLUX.2 [klein]'s encoder as ComfyUI detects it: Qwen3 4B by its q/k norms and residual width of 2560, and its
+# CLIP reads layers 9, 18 and 27, so 28 layers; everything else small (4 heads, 2 key/value groups, MLP 96)
+KLEIN_QWEN3 = {
+    "vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 96, "num_hidden_layers": 28,
+    "num_attention_heads": 4, "num_key_value_heads": 2,
+}  # fmt: skip
+
+
+def test_flux2_klein_clip_on_the_workers_equals_comfyuis_own(group2: Any, comfy: Any, tmp_path: Path) -> None:
+    """ComfyUI's own CLIP for type 'flux2' with a Qwen3 4B file (FLUX.2 [klein]: its Qwen3 tokenizer and chat
+    template, padding to 512 tokens, three intermediate layers stacked, no final norm) with the language model
+    sharded on the workers, under CLIPTextEncode: the conditioning equals ComfyUI's own CLIP's."""
+    import nodes
+    from rocm_parallel.nodes.comfy_clip import build_clip
+
+    if not hasattr(comfy.sd.CLIPType, "FLUX2"):  # 0.3.75 reads a Qwen3 4B file as Z-Image's encoder only
+        pytest.skip(f"ComfyUI {COMFYUI_VERSION} has no FLUX.2 [klein] text encoder (CLIP type 'flux2')")
+    llama = comfy.text_encoders.llama
+    model = llama.Llama2_(
+        llama.Qwen3_4BConfig(**KLEIN_QWEN3), device="cpu", dtype=torch.float32, ops=comfy.ops.manual_cast
+    )
+    path = tmp_path / "tiny-qwen3-4b.safetensors"
+    save_file({f"model.{k}": v for k, v in _randomize(model, 10).items()}, str(path))
+    del model
+    own = _comfy_clip(comfy, [path], "flux2", {"qwen3_4b_model_config": KLEIN_QWEN3})
+    group = ResidentGroup(group=group2)
+    ours = build_clip(group, [str(path)], "flux2", slot="klein te")
+    assert type(ours.cond_stage_model).__name__ == type(own.cond_stage_model).__name__
+    prompt = "a paper boat on a puddle, macro photograph"
+    (expected, _), (got, _) = (nodes.CLIPTextEncode().encode(clip, prompt)[0][0] for clip in (own, ours))
+    assert got.shape == expected.shape == (1, 512, 3 * KLEIN_QWEN3["hidden_size"])
+    assert (got - expected).abs().max() < TOLERANCE
+    group.unload("klein te")

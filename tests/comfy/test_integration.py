@@ -75,7 +75,9 @@ def test_pack_loads_with_nodes_route_js_and_templates(comfy: Comfy) -> None:
         "flux2_dev_gguf_parallel_model_tp2",
         "flux2_dev_parallel_model_tp2_ulysses2",
         "flux2_dev_parallel_model_tp4",
+        "flux2_dev_text_encoder_parallel_model_tp4",
         "qwen_image_parallel_model_batch2_tp2",
+        "qwen_image_text_encoder_parallel_model_batch2_tp2",
         "wan2_1_t2v_14b_parallel_model_batch2_ulysses2",
         "wan2_2_i2v_a14b_parallel_model_batch2_tp2",
     ]
