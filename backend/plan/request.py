@@ -37,14 +37,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--references",
         type=int,
         default=0,
-        help="reference images each call carries (ReferenceLatent: Qwen-Image-Edit's input image, FLUX.1 "
-        "Kontext's): their tokens ride along in every step",
+        help="reference images each call carries (ReferenceLatent: an Edit model's input image): their tokens "
+        "ride along in every step",
     )
     parser.add_argument(
         "--reference-size",
         default=None,
-        help="size of each reference image: WIDTHxHEIGHT (default: --size; ComfyUI's "
-        "TextEncodeQwenImageEdit scales the input to about 1024x1024)",
+        help="size of each reference image: WIDTHxHEIGHT (default: --size; an Edit model's text encode node "
+        "scales its input to about 1024x1024)",
     )
 
 
