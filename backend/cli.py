@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import json
 import sys
@@ -91,7 +90,10 @@ def plan_models() -> dict[str, tuple[ModelFamily, Mapping[str, Any]]]:
 def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     models = plan_models()
     parser.add_argument(
-        "--model", choices=tuple(models), default=next(iter(models)), help="model (a released config's name)"
+        "--model",
+        choices=tuple(models),
+        default=None,
+        help=f"model (a released config's name; {next(iter(models))})",
     )
     parser.add_argument("--size", default="1024", help="image size in pixels: 1024 or WIDTHxHEIGHT")
     parser.add_argument("--batch", type=int, default=1, help="images per step")
@@ -101,13 +103,6 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="cfg scale: at any value but 1 the negative prompt runs too, in the same model call (the "
         "call batch the batch degree splits is twice the images)",
-    )
-    parser.add_argument(
-        "--references",
-        type=int,
-        default=0,
-        help="reference images of the output's size (an Edit model's, ReferenceLatent's): their tokens ride "
-        "along in every step",
     )
     parser.add_argument(
         "--layout",
@@ -144,11 +139,15 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--weight-dtype",
         choices=("compute", *(d.short for d in FP8_DTYPES), *GGUF_BLOCKS),
-        default="compute",
-        help="how linear weights stay resident: in the compute dtype, fp8 (1 byte, upcast per layer), or a "
-        "GGUF file's quantization (Q8_0, Q4_K, ...: its blocks, dequantized per layer)",
+        default=None,
+        help="how linear weights stay resident: in the compute dtype (the default, or --checkpoint's), fp8 "
+        "(1 byte, upcast per layer), or a GGUF file's quantization (Q8_0, Q4_K, ...: its blocks, dequantized "
+        "per layer)",
     )
     _add_encoder_arguments(parser)
+    from .plan import request as plan_request  # here: only `plan` reads the planner
+
+    plan_request.add_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument(
         "--full", action="store_true", help="every column: weights, activations, collectives, bytes sent"
@@ -176,19 +175,21 @@ def _add_encoder_arguments(parser: argparse.ArgumentParser) -> None:
 def _run_plan(args: argparse.Namespace) -> int:
     from .config import ParallelLayout
     from .plan import Link, Setup, call_batch, choose, estimate, format_table, plan
+    from .plan import request as plan_request
     from .plan.gguf import gguf_hint
     from .plan.graph import format_graph
     from .platforms import planned_gpus
 
-    family, config = plan_models()[args.model]
+    try:
+        family, config, file_note = plan_request.resolve_model(args, plan_models())
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     text_tokens = family.text.tokens  # what ComfyUI pads a short prompt to: 256 FLUX.1, 512 FLUX.2
     width, _, height = args.size.partition("x")
     args.devices, memory_gb = planned_gpus(args.devices)
     if args.memory_gb is None:
         args.memory_gb = memory_gb or DEFAULT_GPU_GB
-    if args.references < 0:
-        print(f"error: --references {args.references}: give 0 or more reference images", file=sys.stderr)
-        return 2
     try:
         setup = Setup(
             family.dims(config),
@@ -197,8 +198,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             weight_dtype=args.weight_dtype, devices=args.devices, memory_gb=args.memory_gb,
             link=Link(args.link_gbps, args.latency_us, name="link"), tflops=args.tflops, family=family.name,
         )  # fmt: skip
-        if args.references:  # references are tokens of the output's size: known once the setup is
-            setup = dataclasses.replace(setup, reference_tokens=args.references * setup.latent_tokens)
+        setup = plan_request.with_references(setup, args, family)
         if args.layout is None:
             estimates = plan(setup)
         else:
@@ -220,6 +220,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             "setup": {k: v for k, v in vars(args).items() if k not in ("command", "json", "full")},
             "layouts": [e.as_dict() for e in estimates],
             "call_batch": setup.batch,
+            "tokens": {"image": setup.latent_tokens, "references": setup.reference_tokens, "sequence": setup.tokens},
             "auto": None if choice is None else {
                 "layout": str(choice.layout), **choice.layout.degrees, "explanation": choice.explanation
             },
@@ -228,6 +229,8 @@ def _run_plan(args: argparse.Namespace) -> int:
             "encoder": None if graph is None else graph.as_dict(),
         }, indent=2))  # fmt: skip
     else:
+        if file_note is not None:
+            print(file_note)
         print(format_table(setup, estimates, full=args.full))
         if args.layout is None or problem is not None:
             print()

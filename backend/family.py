@@ -18,18 +18,20 @@ So adding a family touches its folder, `BUILTIN` below, its docs and its tests; 
 a family. Style: torchtitan's plans-as-data and diffusers' `_tp_plan` / `_cp_plan`.
 
 The registry imports no torch: a family's record holds its torch-free facts (configs, dims, planner units,
-geometry, latent and text formats), and the parts whose modules import torch, diffusers or safetensors
-(model, key layout and detection, TP / CP specs, call, sampling, VAE) come from its `parts()` the first time
-one is read (`FamilyParts`). So `python -m rocm_parallel plan` prices a released model without torch
-(tests/test_cli.py).
+geometry, latent and text formats); its checkpoint key layout, header detection and configs from shapes
+come from its `header()` (`FamilyHeader`, torch-free too), and the parts whose modules import torch,
+diffusers or safetensors (model, TP / CP specs, call, sampling, VAE) from its `parts()` the first time one
+is read (`FamilyParts`). So `python -m rocm_parallel plan` prices a released model, or a checkpoint's header
+(`--checkpoint`), without torch (tests/test_cli.py).
 
 How to add a family
 -------------------
 1. Make a folder like backend/flux2/: `facts.py` (torch-free: released configs, dims, latent format),
    `model.py` (`build`), `keys.py` (checkpoint layout, detection, configs from shapes), `tp.py` (the
    tensor-parallel spec and any fused block forwards), `forward.py` (ComfyUI's model call), and
-   `family.py`, which builds the `ModelFamily(...)` from torch-free modules only, with a `parts()` that
-   imports the rest and returns its `FamilyParts`, and calls `register(...)` at import time.
+   `family.py`, which builds the `ModelFamily(...)` from torch-free modules only, with a `header()` that
+   imports `keys.py` (torch-free) and returns its `FamilyHeader`, a `parts()` that imports the rest and
+   returns its `FamilyParts`, and calls `register(...)` at import time.
 2. Add `family.py`'s module name to `BUILTIN` below: the registry imports the modules lazily, the first
    time a family is looked up, so importing this module stays cheap and free of cycles.
 3. Make `matches_bfl` / `matches_diffusers` specific enough that no two families claim the same header:
@@ -201,6 +203,20 @@ class PlannerFacts:
 
 
 @dataclass(frozen=True)
+class FamilyHeader:
+    """The part of a family's record that reads checkpoint headers: its key layout, header detection and
+    configs from shapes (`ModelFamily` describes each field under the same name). Its modules import no
+    torch, so `plan --checkpoint` detects a file's family and dims without it; a family's `header()` builds
+    it the first time one is read."""
+
+    keys: KeyLayout
+    matches_bfl: Callable[[Collection[str]], bool]
+    config_from_bfl: Callable[[Shapes], dict[str, Any]]
+    matches_diffusers: Callable[[Collection[str]], bool]
+    config_from_diffusers: Callable[[Shapes], dict[str, Any]]
+
+
+@dataclass(frozen=True)
 class FamilyParts:
     """The part of a family's record whose modules import torch, diffusers or safetensors: the model, its
     checkpoint layout and detection, its parallel specs, its model call, sampling and VAE (`ModelFamily`
@@ -213,11 +229,6 @@ class FamilyParts:
     """
 
     build: Callable[..., nn.Module]
-    keys: KeyLayout
-    matches_bfl: Callable[[Collection[str]], bool]
-    config_from_bfl: Callable[[Shapes], dict[str, Any]]
-    matches_diffusers: Callable[[Collection[str]], bool]
-    config_from_diffusers: Callable[[Shapes], dict[str, Any]]
     tp: TensorParallelSpec
     cp: ContextParallelSpec
     call_spec: CallSpec
@@ -231,7 +242,8 @@ class FamilyParts:
 class ModelFamily:
     """One transformer family. Every callable taking `config` takes the diffusers config (a dict).
 
-    The fields below marked (parts) are `FamilyParts`' fields, read through this record: `parts()` builds
+    The fields below marked (header) are `FamilyHeader`'s (torch-free; `header()` builds them the first time
+    one is read), those marked (parts) are `FamilyParts`' fields, read through this record: `parts()` builds
     them the first time one is read (their modules import torch); every other field is torch-free.
 
     Identity
@@ -242,7 +254,7 @@ class ModelFamily:
     - `dims(config)`: the shape facts layouts depend on (a `ModelDims`, or the family's own subclass);
       `config_from_dims(dims)`: a config with those dims, from which the planner builds its meta model.
     Checkpoint
-    - `keys` (parts): the BFL <-> diffusers key layout (data); `matches_bfl(keys)` / `matches_diffusers(keys)`:
+    - `keys` (header): the BFL <-> diffusers key layout (data); `matches_bfl(keys)` / `matches_diffusers(keys)`:
       header detection (keys without `model.diffusion_model.`); `config_from_bfl(shapes)` /
       `config_from_diffusers(shapes)`: the config from a header's shapes.
     - `variant(config)`: the family's word for the checkpoint's kind (messages, the panel; only the family
@@ -294,6 +306,7 @@ class ModelFamily:
     text: TextInputs
     comfy_model: Callable[[Mapping[str, Any]], ComfyModel]
     parts: Callable[[], FamilyParts]
+    header: Callable[[], FamilyHeader]  # torch-free: key layout, detection, configs from shapes
     references: ReferenceLatents | None = None
     ref_method: str = ""
     aliases: Mapping[str, str] = field(default_factory=dict)
@@ -310,23 +323,23 @@ class ModelFamily:
 
     @property
     def keys(self) -> KeyLayout:
-        return _parts_of(self).keys
+        return _header_of(self).keys
 
     @property
     def matches_bfl(self) -> Callable[[Collection[str]], bool]:
-        return _parts_of(self).matches_bfl
+        return _header_of(self).matches_bfl
 
     @property
     def config_from_bfl(self) -> Callable[[Shapes], dict[str, Any]]:
-        return _parts_of(self).config_from_bfl
+        return _header_of(self).config_from_bfl
 
     @property
     def matches_diffusers(self) -> Callable[[Collection[str]], bool]:
-        return _parts_of(self).matches_diffusers
+        return _header_of(self).matches_diffusers
 
     @property
     def config_from_diffusers(self) -> Callable[[Shapes], dict[str, Any]]:
-        return _parts_of(self).config_from_diffusers
+        return _header_of(self).config_from_diffusers
 
     @property
     def tp(self) -> TensorParallelSpec:
@@ -433,6 +446,17 @@ def _parts_of(family: ModelFamily) -> FamilyParts:
     """The family's torch-side parts, imported and built once (the first read of any of them)."""
     with _parts_lock:
         return _built_parts(family)
+
+
+@functools.cache
+def _built_header(family: ModelFamily) -> FamilyHeader:
+    return family.header()
+
+
+def _header_of(family: ModelFamily) -> FamilyHeader:
+    """The family's header readers (torch-free), imported and built once."""
+    with _parts_lock:
+        return _built_header(family)
 
 
 def _frozen(config: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
@@ -562,6 +586,7 @@ def detect_diffusers(keys: Collection[str]) -> ModelFamily | None:
 __all__ = [
     "BUILTIN",
     "ComfyModel",
+    "FamilyHeader",
     "FamilyParts",
     "LatentFormat",
     "ModelFamily",

@@ -16,8 +16,15 @@ import pytest
 from rocm_parallel.backend import cli
 
 ROOT = Path(__file__).resolve().parents[1]
-MODELS = {"FLUX.1-dev": "flux1-dev", "FLUX.2 [dev]": "flux2-dev", "Qwen-Image": "qwen-image"}
-CFG = {"qwen-image": 2.5}  # its template's cfg; FLUX.1-dev and FLUX.2 [dev] run at cfg 1
+MODELS = {
+    "FLUX.1-dev": "flux1-dev",
+    "FLUX.2 [dev]": "flux2-dev",
+    "Qwen-Image": "qwen-image",
+    "Qwen-Image-Edit": "qwen-image-edit",
+}
+# Qwen-Image's template's cfg (for the Edit model too); FLUX.1-dev and FLUX.2 [dev] run at cfg 1
+CFG = {"qwen-image": 2.5, "qwen-image-edit": 2.5}
+REFERENCES = {"qwen-image-edit": 1}  # its input image, at the output's size
 GPUS = re.compile(r"^(\d+) × (\d+) GB$")
 
 
@@ -38,6 +45,7 @@ def _auto(model: str, devices: int, memory_gb: int, weight_dtype: str) -> str:
     """`plan`'s answer as the tables write it: 'tp 2, 12.2 GB' (auto's layout, its memory per GPU) or 'no'."""
     args = ["plan", "--model", model, "--devices", str(devices), "--memory-gb", str(memory_gb)]
     args += ["--cfg", str(CFG.get(model, 1.0)), "--weight-dtype", weight_dtype, "--json"]
+    args += ["--references", str(REFERENCES.get(model, 0))]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         cli.main(args)

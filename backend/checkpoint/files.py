@@ -14,8 +14,6 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from safetensors import SafetensorError, safe_open
-
 from ..config import ConfigError
 from ..redact import listing_text, quoted
 
@@ -152,6 +150,8 @@ def is_gguf(path: Path, head: bytes | None = None) -> bool:
 def read_safetensors_header(path: Path) -> tuple[dict[str, StoredTensor], dict[str, str]]:
     """(key -> stored tensor, the header's `__metadata__` strings) of a safetensors file (headers.py reads
     either kind of file)."""
+    from safetensors import SafetensorError, safe_open  # here: `plan` imports this module without it
+
     try:
         with safe_open(str(path), "pt") as f:
             out = {}

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .files import StoredTensor, check_file_kind, is_gguf, read_safetensors_header
-from .gguf import read_gguf_header
+from .gguf_header import read_gguf_header
 
 
 def read_header(path: Path) -> tuple[dict[str, StoredTensor], dict[str, str]]:

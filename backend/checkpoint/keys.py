@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..config import ModelDims
 from .files import COMFY_PREFIX, CheckpointError
+
+if TYPE_CHECKING:  # torch only where tensors are cut or joined: `plan` reads key layouts without it
+    import torch
 
 T = TypeVar("T")
 
@@ -243,6 +244,8 @@ def take_rows(tensor: torch.Tensor, rows: tuple[tuple[int, int], ...] | None) ->
     """The `rows` of a stored tensor, concatenated (the whole tensor for None)."""
     if rows is None:
         return tensor
+    import torch
+
     parts = [tensor[a:b] for a, b in rows]
     return parts[0].clone() if len(parts) == 1 else torch.cat(parts, dim=0)
 
@@ -252,6 +255,8 @@ def assemble_bfl(
 ) -> dict[str, torch.Tensor]:
     """The BFL tensors of a diffusers state dict, given where each diffusers tensor lives (`sources`):
     fused tensors are the row blocks of their parts in file order; unfused ones are passed through."""
+    import torch
+
     pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
     for name, source in sources.items():
         tensor = state_dict[name]

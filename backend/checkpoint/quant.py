@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
-
-import torch
-from safetensors import safe_open
+from typing import TYPE_CHECKING, Any
 
 from ..dtypes import FP8_DTYPES, stored_dtype
 from ..redact import quoted
 from .files import CheckpointError, StoredTensor, numel
+
+if TYPE_CHECKING:  # torch and safetensors where values are read: `plan` reads the keys without them
+    import torch
 
 # ComfyUI's quantized ("mixed precision") layers, e.g. Comfy-Org's flux2_dev_fp8mixed.safetensors: some
 # linears are stored quantized, each with companions `<layer>.weight_scale` (the per-tensor scale:
@@ -59,6 +59,8 @@ _FIX = "Use a plain fp8, bf16 or fp16 FLUX file"
 
 def read_marker(stored: StoredTensor) -> Any:
     """The JSON object a `<layer>.comfy_quant` uint8 tensor holds (None when it holds none)."""
+    from safetensors import safe_open
+
     with safe_open(stored.file, "pt") as f:
         raw = bytes(f.get_tensor(stored.key).reshape(-1).tolist()) if stored.dtype == "U8" else b""
     try:
@@ -197,6 +199,8 @@ def dequantize(state: Mapping[str, torch.Tensor], key: str, dtype: torch.dtype |
     tensor = state[key]
     scale_key = key.removesuffix(".weight") + WEIGHT_SCALE
     if key.endswith(".weight") and scale_key in state:
+        import torch
+
         dtype = dtype or torch.float32
         return tensor.to(dtype) * state[scale_key].to(dtype)
     return tensor if dtype is None else tensor.to(dtype)

@@ -20,6 +20,7 @@ from typing import Any
 
 from ..family import (
     ComfyModel,
+    FamilyHeader,
     FamilyParts,
     ModelFamily,
     PlannerFacts,
@@ -116,10 +117,22 @@ def comfy_model(config: Mapping[str, Any]) -> ComfyModel:
     return ComfyModel(config_class=name, unet_config=unet)
 
 
+def header() -> FamilyHeader:
+    """FLUX.1's checkpoint key layout and header detection (ModelFamily.header): torch-free."""
+    from . import keys
+
+    return FamilyHeader(
+        keys=keys.FLUX1_KEYS,
+        matches_bfl=keys.matches_bfl,
+        config_from_bfl=keys.config_from_bfl,
+        matches_diffusers=keys.matches_diffusers,
+        config_from_diffusers=keys.config_from_diffusers,
+    )
+
+
 def parts() -> FamilyParts:
     """FLUX.1's parts that import torch (ModelFamily.parts): imported the first time one is read."""
     from ..parallel.context import ContextParallelSpec
-    from . import keys
     from .call import FLUX1_CALL
     from .forward import flux_call
     from .model import build_flux
@@ -129,11 +142,6 @@ def parts() -> FamilyParts:
 
     return FamilyParts(
         build=build_flux,
-        keys=keys.FLUX1_KEYS,
-        matches_bfl=keys.matches_bfl,
-        config_from_bfl=keys.config_from_bfl,
-        matches_diffusers=keys.matches_diffusers,
-        config_from_diffusers=keys.config_from_diffusers,
         tp=FLUX_TP,
         # Context parallelism rebuilds diffusers' FluxAttnProcessor (double and single blocks alike).
         cp=ContextParallelSpec(
@@ -168,6 +176,7 @@ FLUX1 = register(
         references=REFERENCES,
         comfy_model=comfy_model,
         parts=parts,
+        header=header,
         lora_refusals=LORA_REFUSALS,
         demo=".flux.demo",  # `python -m rocm_parallel demo`: FLUX.1-dev-shaped random weights
     )

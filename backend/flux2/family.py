@@ -16,6 +16,7 @@ from typing import Any
 
 from ..family import (
     ComfyModel,
+    FamilyHeader,
     FamilyParts,
     ModelFamily,
     PlannerFacts,
@@ -120,11 +121,23 @@ def comfy_model(config: Mapping[str, Any]) -> ComfyModel:
     return ComfyModel(config_class="Flux2", unet_config=unet)
 
 
+def header() -> FamilyHeader:
+    """FLUX.2's checkpoint key layout and header detection (ModelFamily.header): torch-free."""
+    from . import keys
+
+    return FamilyHeader(
+        keys=keys.FLUX2_KEYS,
+        matches_bfl=keys.matches_bfl,
+        config_from_bfl=keys.config_from_bfl,
+        matches_diffusers=keys.matches_diffusers,
+        config_from_diffusers=keys.config_from_diffusers,
+    )
+
+
 def parts() -> FamilyParts:
     """FLUX.2's parts that import torch (ModelFamily.parts): imported the first time one is read."""
     from ..flux.call import flux_call_spec
     from ..parallel.context import ContextParallelSpec
-    from . import keys
     from .forward import flux2_call, flux2_model_fn
     from .model import build_flux2
     from .sampling import plan_for
@@ -142,11 +155,6 @@ def parts() -> FamilyParts:
     )
     return FamilyParts(
         build=build_flux2,
-        keys=keys.FLUX2_KEYS,
-        matches_bfl=keys.matches_bfl,
-        config_from_bfl=keys.config_from_bfl,
-        matches_diffusers=keys.matches_diffusers,
-        config_from_diffusers=keys.config_from_diffusers,
         tp=FLUX2_TP,
         cp=cp,
         # ComfyUI's Flux.forward inputs; the pooled vector `y` is dropped (model_detection: vec_in_dim None)
@@ -178,6 +186,7 @@ FLUX2 = register(
         references=REFERENCES,
         comfy_model=comfy_model,
         parts=parts,
+        header=header,
     )
 )
 

@@ -19,10 +19,13 @@ LADDER = ("Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K")
 
 def lightest_fitting_gguf(setup: Setup) -> tuple[str, Estimate] | None:
     """(GGUF type, its fastest fitting layout) of the type with the most bits per value that fits `setup`'s
-    devices; None when none does or the setup already prices a GGUF type."""
+    devices; None when none does. A setup that prices a GGUF type (`plan --checkpoint` of a .gguf file) is
+    offered the lighter ones only."""
+    ladder = LADDER
     if setup.weight_dtype in GGUF_BLOCKS:
-        return None
-    for name in LADDER:
+        known = setup.weight_dtype in LADDER
+        ladder = LADDER[LADDER.index(setup.weight_dtype) + 1 :] if known else ()
+    for name in ladder:
         fitting = [e for e in plan(dataclasses.replace(setup, weight_dtype=name)) if e.fits]
         if fitting:
             return name, fitting[0]
@@ -35,7 +38,8 @@ def gguf_hint(setup: Setup) -> str | None:
     if found is None:
         return None
     name, best = found
-    heavier = LADDER[: LADDER.index(name)]
+    first = LADDER.index(setup.weight_dtype) if setup.weight_dtype in LADDER else 0
+    heavier = LADDER[first : LADDER.index(name)]
     not_fit = f"; {', '.join(heavier)} {'does' if len(heavier) == 1 else 'do'} not" if heavier else ""
     return (
         f"gguf: a {name} GGUF file of this model fits ({best.name}: {best.per_gpu / GB:.1f} GB per "

@@ -36,6 +36,12 @@ def _row(e: Estimate) -> list[str]:
             f"{e.sent_per_gpu / GB:.2f}", f"{e.compute_s:.2f}", f"{e.comm_s:.3f}", f"{e.step_s:.2f}"]  # fmt: skip
 
 
+def _tokens(setup: Setup) -> str:
+    """'8448 tokens' of one call's sequence, naming the reference images' share when there is one."""
+    refs = f", {setup.reference_tokens} of them reference images'" if setup.reference_tokens else ""
+    return f"{setup.tokens} tokens{refs}"
+
+
 def _weights(setup: Setup) -> str:
     return "" if setup.weight_dtype == "compute" else f" ({setup.weight_dtype} weights)"
 
@@ -51,7 +57,7 @@ def format_table(setup: Setup, estimates: list[Estimate], full: bool = True) -> 
         f"{get_family(setup.family).planner.table_name} ({setup.dims.heads} heads x "
         f"{setup.dims.head_dim}, {setup.dims.blocks_text()}), "
         f"{setup.dtype}{_weights(setup)}, {setup.width}x{setup.height}, call batch {setup.batch} "
-        f"({setup.tokens} tokens), {setup.devices} device(s) x {capacity(setup.memory_gb)} GB, "
+        f"({_tokens(setup)}), {setup.devices} device(s) x {capacity(setup.memory_gb)} GB, "
         f"{setup.link.describe()}, {setup.tflops:g} TFLOPS per device"
     )
     header = ["layout", "weights (GB)", "activations (GB)", "of which buffers (GB)", "per GPU (GB)", "fits",

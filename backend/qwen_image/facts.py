@@ -28,6 +28,8 @@ QWEN_IMAGE_EDIT_2511: dict[str, Any] = {**QWEN_IMAGE, "zero_cond_t": True}
 
 PATCH = 2
 REF_METHODS = ("index", "offset", "uxo", "negative_index", "index_timestep_zero")
+# ComfyUI's marker of an Edit-2511 file (an empty tensor: no weights), a buffer of its QwenImage model.
+TIMESTEP_ZERO_MARKER = "__index_timestep_zero__"
 
 # comfy/latent_formats.py Wan21 (0.3.75 and 0.33.0): the same numbers as diffusers' AutoencoderKLQwenImage
 # config `latents_mean` / `latents_std`; scale_factor 1.
@@ -94,6 +96,7 @@ __all__ = [
     "QWEN_IMAGE",
     "QWEN_IMAGE_EDIT_2511",
     "REF_METHODS",
+    "TIMESTEP_ZERO_MARKER",
     "QwenDims",
     "config_from_dims",
     "dims",

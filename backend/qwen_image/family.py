@@ -18,6 +18,7 @@ from typing import Any
 
 from ..family import (
     ComfyModel,
+    FamilyHeader,
     FamilyParts,
     ModelFamily,
     PlannerFacts,
@@ -104,9 +105,21 @@ def comfy_model(config: Mapping[str, Any]) -> ComfyModel:
     return ComfyModel(config_class="QwenImage", unet_config=unet)
 
 
+def header() -> FamilyHeader:
+    """Qwen-Image's checkpoint key layout and header detection (ModelFamily.header): torch-free."""
+    from . import keys
+
+    return FamilyHeader(
+        keys=keys.QWEN_KEYS,
+        matches_bfl=keys.matches,
+        config_from_bfl=keys.config_from_shapes,
+        matches_diffusers=keys.matches,
+        config_from_diffusers=keys.config_from_shapes,
+    )
+
+
 def parts() -> FamilyParts:
     """Qwen-Image's parts that import torch (ModelFamily.parts): imported the first time one is read."""
-    from . import keys
     from .call import QWEN_CALL
     from .cp import QWEN_CP
     from .forward import qwen_call, qwen_model_fn
@@ -117,11 +130,6 @@ def parts() -> FamilyParts:
 
     return FamilyParts(
         build=build_qwen_image,
-        keys=keys.QWEN_KEYS,
-        matches_bfl=keys.matches,
-        config_from_bfl=keys.config_from_shapes,
-        matches_diffusers=keys.matches,
-        config_from_diffusers=keys.config_from_shapes,
         tp=QWEN_TP,
         cp=QWEN_CP,
         call_spec=QWEN_CALL,
@@ -154,6 +162,7 @@ QWEN_IMAGE_FAMILY = register(
         references=REFERENCES,
         comfy_model=comfy_model,
         parts=parts,
+        header=header,
         lora_prefixes=("",),  # comfy/lora.py maps QwenImage's bare module names (the Qwen / DiffSynth format)
     )
 )

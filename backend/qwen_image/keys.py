@@ -28,12 +28,12 @@ from ..checkpoint.keys import Blocks, KeyLayout, Source, block_count, require, s
 from ..config import ModelDims
 from .facts import (  # torch-free: the registry reads them
     QWEN_IMAGE,
+    TIMESTEP_ZERO_MARKER,
     QwenDims,
     config_from_dims,
     dims,
     rope_axes,
 )
-from .model import TIMESTEP_ZERO_MARKER
 
 TITLE = "Qwen-Image"
 # What a Qwen-Image dual-stream file has that no other family with a `txt_norm` has (ComfyUI 0.33's Lens

@@ -24,11 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .facts import QWEN_IMAGE, QWEN_IMAGE_EDIT_2511  # the released configs (torch-free: plan reads them)
+from .facts import (
+    QWEN_IMAGE,
+    QWEN_IMAGE_EDIT_2511,
+    TIMESTEP_ZERO_MARKER,
+)  # the released configs (torch-free: plan reads them)
 from .forward import ComfyRope
-
-# ComfyUI's marker of an Edit-2511 file (an empty tensor: no weights), a buffer of its QwenImage model.
-TIMESTEP_ZERO_MARKER = "__index_timestep_zero__"
 
 
 def build_qwen_image(

@@ -18,7 +18,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..family import ComfyModel, FamilyParts, ModelFamily, PlannerFacts, TextInputs, TokenGeometry, register
+from ..family import (
+    ComfyModel,
+    FamilyHeader,
+    FamilyParts,
+    ModelFamily,
+    PlannerFacts,
+    TextInputs,
+    TokenGeometry,
+    register,
+)
 from .facts import (
     PATCH,
     WAN21_I2V_14B,
@@ -134,9 +143,21 @@ def comfy_model(config: Mapping[str, Any]) -> ComfyModel:
     )
 
 
+def header() -> FamilyHeader:
+    """Wan's checkpoint key layout and header detection (ModelFamily.header): torch-free."""
+    from . import keys
+
+    return FamilyHeader(
+        keys=keys.WAN_KEYS,
+        matches_bfl=keys.matches,
+        config_from_bfl=keys.config_from_shapes,
+        matches_diffusers=keys.matches_diffusers,
+        config_from_diffusers=keys.config_from_diffusers,
+    )
+
+
 def parts() -> FamilyParts:
     """Wan's parts that import torch (ModelFamily.parts): imported the first time one is read."""
-    from . import keys
     from .call import WAN_CALL
     from .cp import WAN_CP
     from .forward import wan_call, wan_model_fn
@@ -146,11 +167,6 @@ def parts() -> FamilyParts:
 
     return FamilyParts(
         build=build_wan,
-        keys=keys.WAN_KEYS,
-        matches_bfl=keys.matches,
-        config_from_bfl=keys.config_from_shapes,
-        matches_diffusers=keys.matches_diffusers,
-        config_from_diffusers=keys.config_from_diffusers,
         tp=WAN_TP,
         cp=WAN_CP,
         call_spec=WAN_CALL,
@@ -186,6 +202,7 @@ WAN_FAMILY = register(
         text=TEXT,
         comfy_model=comfy_model,
         parts=parts,
+        header=header,
     )
 )
 
