@@ -18,7 +18,9 @@ The files are small random encoders built with **ComfyUI's own** text-encoder cl
   with the language model sharded, against ComfyUI's own (0.33.0: 0.3.75 has no klein encoder);
 * the loader node under ComfyUI's own CLIPTextEncode and CLIPTextEncodeFlux.
 
-Both at TP 2 and TP 4 (attention heads, key/value groups and MLP split, token embeddings split by vocabulary).
+At TP 2 and TP 4 (attention heads, key/value groups and MLP split, token embeddings split by vocabulary), and
+for FLUX.1's CLIP, Qwen-Image's CLIP and the language models also on one worker ("single": the whole encoder on
+one rank, the pack's code path without a split).
 
     source /work/comfy/env.sh 0.33.0 <pack checkout>
     python -m pytest -q -s -m comfy tests/comfy/test_comfy_encoders.py
@@ -28,14 +30,17 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 from comfy_server import COMFYUI_PATH, COMFYUI_VERSION, TESTS_DIR
 from safetensors.torch import save_file
 
+from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.encoders.api import ParallelEncoder
 from rocm_parallel.backend.encoders.t5.kind import T5_XXL
 from rocm_parallel.backend.resident import ResidentGroup
@@ -69,6 +74,15 @@ def comfy() -> Any:
     import comfy.text_encoders.t5
 
     return comfy
+
+
+@pytest.fixture(scope="module")
+def group1() -> Iterator[WorkerGroup]:
+    """One worker ("single"): the session's groups are 2 and 4 ranks (tests/conftest.py); closed here, and its
+    process really gone."""
+    with WorkerGroup(["cpu"], threads=1) as group:
+        yield group
+    assert not [p for p in group.pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
 
 
 def _randomize(module: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
@@ -122,7 +136,7 @@ def _comfy_clip(comfy: Any, paths: list[Path], clip_type: str, options: dict[str
     )
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_flux1_clip_on_the_workers_equals_comfyuis_own(
     request: pytest.FixtureRequest, comfy: Any, flux_files: dict[str, Path], world: int
 ) -> None:
@@ -155,7 +169,7 @@ LANGUAGE_MODELS = {
 }
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("kind", list(LANGUAGE_MODELS))
 def test_language_models_on_the_workers_equal_comfyuis_own(
     request: pytest.FixtureRequest, comfy: Any, tmp_path: Path, kind: str, world: int
@@ -281,7 +295,7 @@ def _qwen_conditioning(clip: Any, prompt: str) -> list[tuple[torch.Tensor, dict[
     ]
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_qwen_image_clip_on_the_workers_equals_comfyuis_own(
     request: pytest.FixtureRequest, comfy: Any, qwen_file: Path, world: int
 ) -> None:
