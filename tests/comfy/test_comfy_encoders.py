@@ -21,8 +21,8 @@ The files are small random encoders built with **ComfyUI's own** text-encoder cl
 * the loader node under ComfyUI's own CLIPTextEncode and CLIPTextEncodeFlux.
 
 At TP 2 and TP 4 (attention heads, key/value groups and MLP split, token embeddings split by vocabulary), and
-for FLUX.1's CLIP, Qwen-Image's CLIP and the language models also on one worker ("single": the whole encoder on
-one rank, the pack's code path without a split).
+for FLUX.1's CLIP, Qwen-Image's CLIP, FLUX.2 [klein]'s CLIP and the language models also on one worker ("single":
+the whole encoder on one rank, the pack's code path without a split).
 
     source /work/comfy/env.sh 0.33.0 <pack checkout>
     python -m pytest -q -s -m comfy tests/comfy/test_comfy_encoders.py
@@ -461,17 +461,18 @@ def klein_file(comfy: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.mark.parametrize("world", [1, 2])  # 2 key/value groups: TP 4 does not divide them
 def test_flux2_klein_clip_on_the_workers_equals_comfyuis_own(
-    group2: Any, comfy: Any, klein_file: Path
+    request: pytest.FixtureRequest, comfy: Any, klein_file: Path, world: int
 ) -> None:
     """ComfyUI's own CLIP for type 'flux2' with a Qwen3 4B file (FLUX.2 [klein]: its Qwen3 tokenizer and chat
     template, padding to 512 tokens, three intermediate layers stacked, no final norm) with the language model
-    sharded on the workers, under CLIPTextEncode: the conditioning equals ComfyUI's own CLIP's."""
+    sharded on the workers (or whole on one), under CLIPTextEncode: the conditioning equals ComfyUI's own CLIP's."""
     import nodes
     from rocm_parallel.nodes.comfy_clip import build_clip
 
     own = _comfy_clip(comfy, [klein_file], "flux2", {"qwen3_4b_model_config": KLEIN_QWEN3})
-    group = ResidentGroup(group=group2)
+    group = ResidentGroup(group=request.getfixturevalue(f"group{world}"))
     ours = build_clip(group, [str(klein_file)], "flux2", slot="klein te")
     assert type(ours.cond_stage_model).__name__ == type(own.cond_stage_model).__name__
     prompt = "a paper boat on a puddle, macro photograph"
