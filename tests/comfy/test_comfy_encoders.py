@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -367,6 +367,32 @@ def test_a_qwen_image_edit_prompt_with_two_reference_images_equals_comfyuis_own(
     group.unload("qwen vl")
 
 
+def _sample_on_the_pack(
+    checkpoint: Path, encoder: Path, clip_type: str, sample: Callable[[Any, Any], torch.Tensor]
+) -> torch.Tensor:
+    """`sample(clip, model)` with the pack's CLIP and the ROCm Parallel Model (TP 2) on one worker group: both
+    resident side by side, every model call on the workers."""
+    from rocm_parallel.backend.api import ParallelModel
+    from rocm_parallel.backend.config import ParallelLayout
+    from rocm_parallel.nodes import comfy_model
+    from rocm_parallel.nodes.comfy_clip import build_clip
+    from rocm_parallel.nodes.inputs import LayoutRequest, ParallelHandle
+    from rocm_parallel.nodes.registry import Registry
+
+    registry = Registry(factory=lambda devices: ParallelModel(list(devices), threads=1))
+    try:
+        handle = ParallelHandle(str(checkpoint), checkpoint.name, ("cpu", "cpu"), "float32", ())
+        model = comfy_model.parallel_model(handle, LayoutRequest(ParallelLayout(tp=2)), registry)
+        clip = build_clip(registry.group_for(("cpu", "cpu")), [str(encoder)], clip_type, slot="graph te")
+        got = sample(clip, model)
+        held = sorted({m.slot for s in registry.current.status() for m in s.models})
+        assert held == ["default", "graph te"]  # the model and the encoder resident side by side
+        assert model.model.diffusion_model.runner.calls >= 3
+        return got
+    finally:
+        registry.close()
+
+
 def test_a_qwen_image_edit_graph_with_encoder_and_model_on_the_pack_equals_comfyuis_own(
     comfy: Any, qwen_vl_file: Path, tmp_path: Path
 ) -> None:
@@ -381,14 +407,8 @@ def test_a_qwen_image_edit_graph_with_encoder_and_model_on_the_pack_equals_comfy
     from make_comfy_references import import_comfy
     from make_qwen_references import load_in_comfy
 
-    from rocm_parallel.backend.api import ParallelModel
     from rocm_parallel.backend.checkpoint import save_checkpoint
-    from rocm_parallel.backend.config import ParallelLayout
     from rocm_parallel.backend.qwen_image.model import build_qwen_image
-    from rocm_parallel.nodes import comfy_model
-    from rocm_parallel.nodes.comfy_clip import build_clip
-    from rocm_parallel.nodes.inputs import LayoutRequest, ParallelHandle
-    from rocm_parallel.nodes.registry import Registry
     from rocm_parallel.testing.models import tiny_qwen_image_config
 
     modules = import_comfy(COMFYUI_PATH)
@@ -417,19 +437,7 @@ def test_a_qwen_image_edit_graph_with_encoder_and_model_on_the_pack_equals_comfy
     own_clip = _comfy_clip(comfy, [qwen_vl_file], "qwen_image", {"qwen25_7b_model_config": TINY_QWEN25})
     expected = sample(own_clip, load_in_comfy(modules, checkpoint, config))
     del own_clip
-    registry = Registry(factory=lambda devices: ParallelModel(list(devices), threads=1))
-    try:
-        handle = ParallelHandle(checkpoint, Path(checkpoint).name, ("cpu", "cpu"), "float32", ())
-        model = comfy_model.parallel_model(handle, LayoutRequest(ParallelLayout(tp=2)), registry)
-        clip = build_clip(
-            registry.group_for(("cpu", "cpu")), [str(qwen_vl_file)], "qwen_image", slot="edit te"
-        )
-        got = sample(clip, model)
-        held = sorted({m.slot for s in registry.current.status() for m in s.models})
-        assert held == ["default", "edit te"]  # the model and the encoder resident side by side
-        assert model.model.diffusion_model.runner.calls >= 3
-    finally:
-        registry.close()
+    got = _sample_on_the_pack(Path(checkpoint), qwen_vl_file, "qwen_image", sample)
     assert got.shape == expected.shape
     assert (got - expected).abs().max() < TOLERANCE, (got - expected).abs().max()
 
@@ -494,13 +502,6 @@ def test_a_flux2_klein_graph_with_encoder_and_model_on_the_pack_equals_comfyuis_
     import comfy_models
     from make_comfy_references import import_comfy
 
-    from rocm_parallel.backend.api import ParallelModel
-    from rocm_parallel.backend.config import ParallelLayout
-    from rocm_parallel.nodes import comfy_model
-    from rocm_parallel.nodes.comfy_clip import build_clip
-    from rocm_parallel.nodes.inputs import LayoutRequest, ParallelHandle
-    from rocm_parallel.nodes.registry import Registry
-
     modules, tool = import_comfy(COMFYUI_PATH), comfy_models.import_comfy(COMFYUI_PATH)
     # klein's text width: three of Qwen3 4B's layers stacked (3 x 2560); no guidance embedding
     spec = {"family": "flux2", "in": 128, "text": 3 * KLEIN_QWEN3["hidden_size"], "guidance": False, "seed": 11}  # fmt: skip
@@ -525,17 +526,7 @@ def test_a_flux2_klein_graph_with_encoder_and_model_on_the_pack_equals_comfyuis_
     own_clip = _comfy_clip(comfy, [klein_file], "flux2", {"qwen3_4b_model_config": KLEIN_QWEN3})
     expected = sample(own_clip, comfy_models.load_in_comfy(tool, checkpoint, spec))
     del own_clip
-    registry = Registry(factory=lambda devices: ParallelModel(list(devices), threads=1))
-    try:
-        handle = ParallelHandle(str(checkpoint), checkpoint.name, ("cpu", "cpu"), "float32", ())
-        model = comfy_model.parallel_model(handle, LayoutRequest(ParallelLayout(tp=2)), registry)
-        clip = build_clip(registry.group_for(("cpu", "cpu")), [str(klein_file)], "flux2", slot="klein te")
-        got = sample(clip, model)
-        held = sorted({m.slot for s in registry.current.status() for m in s.models})
-        assert held == ["default", "klein te"]  # the model and the encoder resident side by side
-        assert model.model.diffusion_model.runner.calls >= 3
-    finally:
-        registry.close()
+    got = _sample_on_the_pack(checkpoint, klein_file, "flux2", sample)
     assert got.shape == expected.shape
     diff = (got - expected).abs().max().item()
     print(
