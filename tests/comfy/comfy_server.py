@@ -203,8 +203,63 @@ class RPTestSeededConditioning:
         return ([[torch.randn(1, tokens, width, generator=g), {{}}]],)
 
 
+class RPTestTinyCLIPLoader:
+    # ComfyUI's own CLIPLoader (comfy.sd.load_clip with its type) for the tests' small text encoders: ComfyUI
+    # builds a released encoder's config, so it is told the file's (`options`, JSON: its model_options, e.g.
+    # {{"qwen25_7b_model_config": {{...}}}}); tokenizer, templates and weights are ComfyUI's own reading.
+    CATEGORY = "_for_testing"
+    RETURN_TYPES = ("CLIP",)
+    FUNCTION = "load"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {{"required": {{"clip_name": ("STRING", {{"default": ""}}), "type": ("STRING", {{"default": "qwen_image"}}),
+                              "options": ("STRING", {{"default": "{{}}"}})}}}}
+
+    def load(self, clip_name, type, options):
+        import json
+
+        import comfy.sd
+        import folder_paths
+
+        return (comfy.sd.load_clip(
+            ckpt_paths=[folder_paths.get_full_path_or_raise("text_encoders", clip_name)],
+            embedding_directory=folder_paths.get_folder_paths("embeddings"),
+            clip_type=comfy.sd.CLIPType[type.upper()], model_options=json.loads(options),
+        ),)
+
+
+class RPTestSaveConditioning:
+    # A CONDITIONING's first entry as <output>/<filename_prefix>.safetensors: its tensor (`cond`) and the
+    # tensors beside it (pooled_output, attention_mask, ...), for a comparison outside the server.
+    CATEGORY = "_for_testing"
+    RETURN_TYPES = ()
+    OUTPUT_NODE = True
+    FUNCTION = "save"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {{"required": {{"conditioning": ("CONDITIONING",), "filename_prefix": ("STRING", {{"default": "cond"}})}}}}
+
+    def save(self, conditioning, filename_prefix):
+        import os
+
+        import folder_paths
+        import torch
+        from safetensors.torch import save_file
+
+        cond, extra = conditioning[0]
+        tensors = {{"cond": cond, **{{k: v for k, v in extra.items() if isinstance(v, torch.Tensor)}}}}
+        os.makedirs(folder_paths.get_output_directory(), exist_ok=True)
+        path = os.path.join(folder_paths.get_output_directory(), filename_prefix + ".safetensors")
+        save_file({{k: v.contiguous() for k, v in tensors.items()}}, path)
+        return {{}}
+
+
 NODE_CLASS_MAPPINGS = {{
     "RPTestTinyUnetLoaderGGUF": RPTestTinyUnetLoaderGGUF,
+    "RPTestTinyCLIPLoader": RPTestTinyCLIPLoader,
+    "RPTestSaveConditioning": RPTestSaveConditioning,
     "RPTestSeededConditioning": RPTestSeededConditioning,
     "RPTestReferenceConditioning": RPTestReferenceConditioning,
     "RPTestReferenceLatent": RPTestReferenceLatent,

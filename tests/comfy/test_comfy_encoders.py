@@ -16,9 +16,13 @@ The files are small random encoders built with **ComfyUI's own** text-encoder cl
   ComfyUI's own CLIP and model;
 * FLUX.2 [klein]'s CLIP (type 'flux2' with Qwen3 4B: ComfyUI's tokenizer, template and three stacked layers)
   with the language model sharded, against ComfyUI's own (0.33.0: 0.3.75 has no klein encoder);
+* a FLUX.2 [klein] graph end to end with that encoder and a small FLUX.2 (ComfyUI's own classes, its ModelSave)
+  on one worker group, against ComfyUI's own CLIP and model (0.33.0);
 * the loader node under ComfyUI's own CLIPTextEncode and CLIPTextEncodeFlux.
 
-Both at TP 2 and TP 4 (attention heads, key/value groups and MLP split, token embeddings split by vocabulary).
+At TP 2 and TP 4 (attention heads, key/value groups and MLP split, token embeddings split by vocabulary), and
+for FLUX.1's CLIP, Qwen-Image's CLIP, FLUX.2 [klein]'s CLIP and the language models also on one worker ("single":
+the whole encoder on one rank, the pack's code path without a split).
 
     source /work/comfy/env.sh 0.33.0 <pack checkout>
     python -m pytest -q -s -m comfy tests/comfy/test_comfy_encoders.py
@@ -28,14 +32,17 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 from comfy_server import COMFYUI_PATH, COMFYUI_VERSION, TESTS_DIR
 from safetensors.torch import save_file
 
+from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.encoders.api import ParallelEncoder
 from rocm_parallel.backend.encoders.t5.kind import T5_XXL
 from rocm_parallel.backend.resident import ResidentGroup
@@ -69,6 +76,15 @@ def comfy() -> Any:
     import comfy.text_encoders.t5
 
     return comfy
+
+
+@pytest.fixture(scope="module")
+def group1() -> Iterator[WorkerGroup]:
+    """One worker ("single"): the session's groups are 2 and 4 ranks (tests/conftest.py); closed here, and its
+    process really gone."""
+    with WorkerGroup(["cpu"], threads=1) as group:
+        yield group
+    assert not [p for p in group.pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
 
 
 def _randomize(module: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
@@ -122,7 +138,7 @@ def _comfy_clip(comfy: Any, paths: list[Path], clip_type: str, options: dict[str
     )
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_flux1_clip_on_the_workers_equals_comfyuis_own(
     request: pytest.FixtureRequest, comfy: Any, flux_files: dict[str, Path], world: int
 ) -> None:
@@ -155,7 +171,7 @@ LANGUAGE_MODELS = {
 }
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("kind", list(LANGUAGE_MODELS))
 def test_language_models_on_the_workers_equal_comfyuis_own(
     request: pytest.FixtureRequest, comfy: Any, tmp_path: Path, kind: str, world: int
@@ -281,7 +297,7 @@ def _qwen_conditioning(clip: Any, prompt: str) -> list[tuple[torch.Tensor, dict[
     ]
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_qwen_image_clip_on_the_workers_equals_comfyuis_own(
     request: pytest.FixtureRequest, comfy: Any, qwen_file: Path, world: int
 ) -> None:
@@ -351,6 +367,32 @@ def test_a_qwen_image_edit_prompt_with_two_reference_images_equals_comfyuis_own(
     group.unload("qwen vl")
 
 
+def _sample_on_the_pack(
+    checkpoint: Path, encoder: Path, clip_type: str, sample: Callable[[Any, Any], torch.Tensor]
+) -> torch.Tensor:
+    """`sample(clip, model)` with the pack's CLIP and the ROCm Parallel Model (TP 2) on one worker group: both
+    resident side by side, every model call on the workers."""
+    from rocm_parallel.backend.api import ParallelModel
+    from rocm_parallel.backend.config import ParallelLayout
+    from rocm_parallel.nodes import comfy_model
+    from rocm_parallel.nodes.comfy_clip import build_clip
+    from rocm_parallel.nodes.inputs import LayoutRequest, ParallelHandle
+    from rocm_parallel.nodes.registry import Registry
+
+    registry = Registry(factory=lambda devices: ParallelModel(list(devices), threads=1))
+    try:
+        handle = ParallelHandle(str(checkpoint), checkpoint.name, ("cpu", "cpu"), "float32", ())
+        model = comfy_model.parallel_model(handle, LayoutRequest(ParallelLayout(tp=2)), registry)
+        clip = build_clip(registry.group_for(("cpu", "cpu")), [str(encoder)], clip_type, slot="graph te")
+        got = sample(clip, model)
+        held = sorted({m.slot for s in registry.current.status() for m in s.models})
+        assert held == ["default", "graph te"]  # the model and the encoder resident side by side
+        assert model.model.diffusion_model.runner.calls >= 3
+        return got
+    finally:
+        registry.close()
+
+
 def test_a_qwen_image_edit_graph_with_encoder_and_model_on_the_pack_equals_comfyuis_own(
     comfy: Any, qwen_vl_file: Path, tmp_path: Path
 ) -> None:
@@ -365,14 +407,8 @@ def test_a_qwen_image_edit_graph_with_encoder_and_model_on_the_pack_equals_comfy
     from make_comfy_references import import_comfy
     from make_qwen_references import load_in_comfy
 
-    from rocm_parallel.backend.api import ParallelModel
     from rocm_parallel.backend.checkpoint import save_checkpoint
-    from rocm_parallel.backend.config import ParallelLayout
     from rocm_parallel.backend.qwen_image.model import build_qwen_image
-    from rocm_parallel.nodes import comfy_model
-    from rocm_parallel.nodes.comfy_clip import build_clip
-    from rocm_parallel.nodes.inputs import LayoutRequest, ParallelHandle
-    from rocm_parallel.nodes.registry import Registry
     from rocm_parallel.testing.models import tiny_qwen_image_config
 
     modules = import_comfy(COMFYUI_PATH)
@@ -401,19 +437,7 @@ def test_a_qwen_image_edit_graph_with_encoder_and_model_on_the_pack_equals_comfy
     own_clip = _comfy_clip(comfy, [qwen_vl_file], "qwen_image", {"qwen25_7b_model_config": TINY_QWEN25})
     expected = sample(own_clip, load_in_comfy(modules, checkpoint, config))
     del own_clip
-    registry = Registry(factory=lambda devices: ParallelModel(list(devices), threads=1))
-    try:
-        handle = ParallelHandle(checkpoint, Path(checkpoint).name, ("cpu", "cpu"), "float32", ())
-        model = comfy_model.parallel_model(handle, LayoutRequest(ParallelLayout(tp=2)), registry)
-        clip = build_clip(
-            registry.group_for(("cpu", "cpu")), [str(qwen_vl_file)], "qwen_image", slot="edit te"
-        )
-        got = sample(clip, model)
-        held = sorted({m.slot for s in registry.current.status() for m in s.models})
-        assert held == ["default", "edit te"]  # the model and the encoder resident side by side
-        assert model.model.diffusion_model.runner.calls >= 3
-    finally:
-        registry.close()
+    got = _sample_on_the_pack(Path(checkpoint), qwen_vl_file, "qwen_image", sample)
     assert got.shape == expected.shape
     assert (got - expected).abs().max() < TOLERANCE, (got - expected).abs().max()
 
@@ -426,28 +450,86 @@ KLEIN_QWEN3 = {
 }  # fmt: skip
 
 
-def test_flux2_klein_clip_on_the_workers_equals_comfyuis_own(group2: Any, comfy: Any, tmp_path: Path) -> None:
-    """ComfyUI's own CLIP for type 'flux2' with a Qwen3 4B file (FLUX.2 [klein]: its Qwen3 tokenizer and chat
-    template, padding to 512 tokens, three intermediate layers stacked, no final norm) with the language model
-    sharded on the workers, under CLIPTextEncode: the conditioning equals ComfyUI's own CLIP's."""
-    import nodes
-    from rocm_parallel.nodes.comfy_clip import build_clip
-
+def _klein_available(comfy: Any) -> None:
     if not hasattr(comfy.sd.CLIPType, "FLUX2"):  # 0.3.75 reads a Qwen3 4B file as Z-Image's encoder only
         pytest.skip(f"ComfyUI {COMFYUI_VERSION} has no FLUX.2 [klein] text encoder (CLIP type 'flux2')")
+
+
+@pytest.fixture(scope="module")
+def klein_file(comfy: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Qwen3 4B as ComfyUI detects it (KLEIN_QWEN3), built with ComfyUI's own `Llama2_` and `Qwen3_4BConfig`,
+    saved as Comfy-Org's qwen_3_4b file keys it."""
+    _klein_available(comfy)
     llama = comfy.text_encoders.llama
     model = llama.Llama2_(
         llama.Qwen3_4BConfig(**KLEIN_QWEN3), device="cpu", dtype=torch.float32, ops=comfy.ops.manual_cast
     )
-    path = tmp_path / "tiny-qwen3-4b.safetensors"
+    path = tmp_path_factory.mktemp("klein") / "tiny-qwen3-4b.safetensors"
     save_file({f"model.{k}": v for k, v in _randomize(model, 10).items()}, str(path))
-    del model
-    own = _comfy_clip(comfy, [path], "flux2", {"qwen3_4b_model_config": KLEIN_QWEN3})
-    group = ResidentGroup(group=group2)
-    ours = build_clip(group, [str(path)], "flux2", slot="klein te")
+    return path
+
+
+@pytest.mark.parametrize("world", [1, 2])  # 2 key/value groups: TP 4 does not divide them
+def test_flux2_klein_clip_on_the_workers_equals_comfyuis_own(
+    request: pytest.FixtureRequest, comfy: Any, klein_file: Path, world: int
+) -> None:
+    """ComfyUI's own CLIP for type 'flux2' with a Qwen3 4B file (FLUX.2 [klein]: its Qwen3 tokenizer and chat
+    template, padding to 512 tokens, three intermediate layers stacked, no final norm) with the language model
+    sharded on the workers (or whole on one), under CLIPTextEncode: the conditioning equals ComfyUI's own CLIP's."""
+    import nodes
+    from rocm_parallel.nodes.comfy_clip import build_clip
+
+    own = _comfy_clip(comfy, [klein_file], "flux2", {"qwen3_4b_model_config": KLEIN_QWEN3})
+    group = ResidentGroup(group=request.getfixturevalue(f"group{world}"))
+    ours = build_clip(group, [str(klein_file)], "flux2", slot="klein te")
     assert type(ours.cond_stage_model).__name__ == type(own.cond_stage_model).__name__
     prompt = "a paper boat on a puddle, macro photograph"
     (expected, _), (got, _) = (nodes.CLIPTextEncode().encode(clip, prompt)[0][0] for clip in (own, ours))
     assert got.shape == expected.shape == (1, 512, 3 * KLEIN_QWEN3["hidden_size"])
     assert (got - expected).abs().max() < TOLERANCE
     group.unload("klein te")
+
+
+def test_a_flux2_klein_graph_with_encoder_and_model_on_the_pack_equals_comfyuis_own(
+    comfy: Any, klein_file: Path, tmp_path: Path
+) -> None:
+    """FLUX.2 [klein]'s graph end to end with both the text encoder and the diffusion model on one worker group
+    (TP 2): CLIPTextEncode for the positive and the (empty) negative prompt, CFGGuider at cfg 2.5,
+    EmptyFlux2LatentImage, Flux2Scheduler, SamplerCustomAdvanced (euler). The model is a small FLUX.2 built with
+    ComfyUI's own classes for the encoder's width (3 x 2560) and written by ComfyUI's own ModelSave
+    (tests/tools/comfy_models.py). The pack's CLIP and the ROCm Parallel Model against ComfyUI's own CLIP and
+    ComfyUI's own Flux2 (its UNETLoader's loader, float32) on the same files: the sampled latent within 1e-4."""
+    import comfy_models
+    from make_comfy_references import import_comfy
+
+    modules, tool = import_comfy(COMFYUI_PATH), comfy_models.import_comfy(COMFYUI_PATH)
+    # klein's text width: three of Qwen3 4B's layers stacked (3 x 2560); no guidance embedding
+    spec = {"family": "flux2", "in": 128, "text": 3 * KLEIN_QWEN3["hidden_size"], "guidance": False, "seed": 11}  # fmt: skip
+    checkpoint = tmp_path / "tiny-flux2-klein.safetensors"
+    with torch.no_grad():
+        comfy_models.model_save(tool, comfy_models.build(tool, spec, torch.float32), checkpoint)
+    custom, flux_nodes = modules["custom"], modules["flux_nodes"]
+
+    def sample(clip: Any, model: Any) -> torch.Tensor:
+        positive, negative = (
+            modules["nodes"].CLIPTextEncode().encode(clip, text)[0]
+            for text in ("a paper boat on a puddle, macro photograph", "")
+        )
+        guider = custom.CFGGuider().get_guider(model, positive, negative, 2.5)[0]
+        with torch.no_grad():
+            out = custom.SamplerCustomAdvanced().sample(
+                custom.RandomNoise().get_noise(5)[0], guider, custom.KSamplerSelect().get_sampler("euler")[0],
+                flux_nodes.Flux2Scheduler.execute(3, 64, 48)[0], flux_nodes.EmptyFlux2LatentImage.execute(64, 48, 1)[0],
+            )[0]  # fmt: skip
+        return out["samples"].to(torch.float32)
+
+    own_clip = _comfy_clip(comfy, [klein_file], "flux2", {"qwen3_4b_model_config": KLEIN_QWEN3})
+    expected = sample(own_clip, comfy_models.load_in_comfy(tool, checkpoint, spec))
+    del own_clip
+    got = _sample_on_the_pack(checkpoint, klein_file, "flux2", sample)
+    assert got.shape == expected.shape
+    diff = (got - expected).abs().max().item()
+    print(
+        f"\nFLUX.2 [klein] graph: max |pack - ComfyUI| {diff:.2e} of max |latent| {expected.abs().max():.2f}"
+    )
+    assert diff < TOLERANCE
