@@ -226,16 +226,18 @@ def test_a_rank_hung_while_loading_is_named_within_seconds(
 
 def test_a_rank_left_alone_in_a_collective_is_named_with_where_it_waits() -> None:
     """Rank 1 enters one all-reduce more than rank 0, which finishes the job: rank 1 is alive and reports,
-    but waits in a collective no peer will enter. Mutation tried: with `_peers` ignoring finished peers
-    the call never returned (pytest-timeout)."""
+    but waits in a collective no peer will enter. On a loaded machine rank 1's last report may still show
+    the step's broadcast before it (which rank 0 completed): the verdict is the same, rank 1 named because
+    rank 0 has finished the job (seen once in a full run at load ~8). Mutation tried: with `_peers`
+    ignoring finished peers the call never returned (pytest-timeout)."""
     group = _group()
     started = time.monotonic()
     with pytest.raises(WorkerError) as err:
         group.call("hang_at", OnRank(rank=1, at_step=3, n=6, kind="strand"))
     assert re.fullmatch(
-        r"rank 1 \(cpu\) has been waiting in collective #\d+ \(all_reduce over ranks 0, 1\) for \d+ s while "
-        r"running 'hang_at', which rank 0 will never enter: it has finished the job; the worker group was "
-        r"stopped \(the next call starts it again\)",
+        r"rank 1 \(cpu\) has been waiting in collective #\d+ \((all_reduce|broadcast) over ranks 0, 1\) for "
+        r"\d+ s while running 'hang_at', which rank 0 (will never enter: it|has left: it completed it and) has "
+        r"finished the job; the worker group was stopped \(the next call starts it again\)",
         str(err.value),
     ), str(err.value)
     assert err.value.rank == 1 and time.monotonic() - started < HANG_NAMED_WITHIN
