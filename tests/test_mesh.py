@@ -183,6 +183,13 @@ def test_collectives_per_dimension_at_flux_dev_size(layout: str, counts: dict) -
 TINY = tiny_flux_config(heads=8, head_dim=32, double_blocks=2, single_blocks=4, text_dim=64, pooled_dim=32)
 
 
+# torch 2.9's `fake` process group cannot resolve a sub-mesh's group by name inside MemTracker's trace
+# ("Could not resolve the process group registered under the name 14", torch 2.9.1); the engine's composed
+# layouts themselves run on 2.9 (the gloo tests above), only this meta-device measurement needs 2.10+.
+@pytest.mark.skipif(
+    tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 10),
+    reason="torch 2.9's fake process group cannot resolve a sub-mesh's group for MemTracker's trace",
+)
 @pytest.mark.parametrize("layout", DONE_WHEN)
 def test_composed_activations_within_ten_percent_of_memtracker(layout: str) -> None:
     """An odd size (31 x 31 image + 61 text tokens, padded under CP) and a batch of 3 (2 + 1 under a batch

@@ -230,7 +230,9 @@ def test_the_planner_prices_a_band_as_the_meta_device_measures_it(name: str, dty
         assert measured["rows"] == planned.rows
         ratio = planned.activations / measured["activations"]
         print(f"{name} {dtype} {'encode' if encode else 'decode'}: planned / measured {ratio:.3f}")
-        assert 0.95 <= ratio <= 1.05
+        # bf16 on torch 2.9 holds one more full-resolution map than on 2.13 (7.0 vs 6.0 units measured): the
+        # planner prices the larger, so on newer torch it is up to 1/6 above the trace, never below
+        assert 0.95 <= ratio <= (1.2 if dtype == torch.bfloat16 and name != "wan21-vae" else 1.05)
 
 
 def test_cpu_workers_measure_a_peak_the_planner_predicts(

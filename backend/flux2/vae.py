@@ -79,7 +79,7 @@ FLUX2_VAE = VaeKind(
     released=RELEASED,
     # live full-resolution maps at a band's peak: torch's MemTracker on the meta device, 512 px, 1 and 4
     # ranks, the released config (`bench vae`), in float32 and in bfloat16
-    planner=VaePlannerFacts(decode_units=6.0, encode_units=5.1, decode_units_half=6.0, encode_units_half=5.0),
+    planner=VaePlannerFacts(decode_units=6.0, encode_units=5.1, decode_units_half=7.0, encode_units_half=5.0),
     widths=lambda c: (c["block_out_channels"][0], c["block_out_channels"][-1]),
     to_model=to_model,
     from_model=from_model,
