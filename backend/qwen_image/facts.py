@@ -6,12 +6,13 @@ them from here.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ..config import ModelDims
-from ..family import LatentFormat
+from ..wan.facts import WAN21_LATENT
 
 QWEN_IMAGE: dict[str, Any] = {
     "patch_size": 2,
@@ -31,22 +32,14 @@ REF_METHODS = ("index", "offset", "uxo", "negative_index", "index_timestep_zero"
 # ComfyUI's marker of an Edit-2511 file (an empty tensor: no weights), a buffer of its QwenImage model.
 TIMESTEP_ZERO_MARKER = "__index_timestep_zero__"
 
-# comfy/latent_formats.py Wan21 (0.3.75 and 0.33.0): the same numbers as diffusers' AutoencoderKLQwenImage
-# config `latents_mean` / `latents_std`; scale_factor 1.
-LATENT = LatentFormat(
-    comfy_name="Wan21",
-    channels=16,
-    scale=1.0,
-    shift=0.0,
-    downscale=8,
+# comfy/latent_formats.py Wan21 (0.3.75 and 0.33.0), the same numbers as diffusers' AutoencoderKLQwenImage
+# config `latents_mean` / `latents_std`: Wan 2.1's latent format at one frame, with Qwen-Image's VAE and node.
+LATENT = dataclasses.replace(
+    WAN21_LATENT,
     vae="the Qwen-Image VAE (qwen_image_vae.safetensors)",
     empty_node="EmptySD3LatentImage",
-    mean=(-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
-          0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921),
-    std=(2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
-         3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160),
-    dimensions=3,
-)  # fmt: skip
+    temporal_downscale=1,
+)
 
 
 def rope_axes(head_dim: int) -> tuple[int, int, int]:
