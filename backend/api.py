@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .admission import admit
+from .admission import activation_estimate, admit
 from .auto import make_layout
 from .call import bind, check_call, reference_tokens, text_tokens
 from .checkpoint import CheckpointInfo, inspect_checkpoint, planned_weight_dtype
@@ -210,11 +210,17 @@ class ParallelModel(ResidentGroup):
         refs: int = 0,
         what: str = "latent",
     ) -> None:
-        """Refuse a call whose activations cannot fit the devices (admission.py), before any rank runs."""
+        """Refuse a call whose activations cannot fit the devices (admission.py), before any rank runs; a
+        text encoder waiting beside the model is parked in host memory first if that makes it fit
+        (parking.py)."""
+        dtype = str(self.compute_dtype_of(resident.slot)).removeprefix("torch.")
+        need = activation_estimate(
+            resident.info, resident.layout, shape, dtype=dtype, text_tokens=text_tokens, reference_tokens=refs
+        )
+        self.make_headroom(need, exclude=resident.slot)
         admit(
             resident.info, resident.layout, self.devices, self._last_status, shape,
-            dtype=str(self.compute_dtype_of(resident.slot)).removeprefix("torch."), text_tokens=text_tokens,
-            reference_tokens=refs, what=what,
+            dtype=dtype, text_tokens=text_tokens, reference_tokens=refs, what=what,
         )  # fmt: skip
 
 

@@ -36,6 +36,8 @@ from .worker import Resident, WorkerContext, handler
 
 # Attribute of a resident model: the parameters that currently hold LoRA deltas.
 LORA_PATCHED = "_rocm_parallel_lora_patched"
+# Attribute of a resident module parked in host memory (backend/parking.py; set by the module's park method)
+ON_HOST = "_rocm_parallel_on_host"
 
 
 def _memory(device: torch.device) -> DeviceMemory | None:
@@ -57,6 +59,7 @@ def _model_status(slot: str, resident: Resident) -> ResidentModel:
         loaded=resident.key,
         parameter_bytes=parameter_bytes(model) if model is not None else 0,
         parameter_bytes_by_dtype=resident_bytes_by_dtype(model) if model is not None else {},
+        on_host=bool(getattr(model, ON_HOST, False)),
     )
 
 

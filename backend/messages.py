@@ -129,6 +129,7 @@ class ResidentModel:
     loaded: Any  # a Loaded, or a test's own record describing random weights
     parameter_bytes: int = 0  # fp8 weights count 1 byte each
     parameter_bytes_by_dtype: dict[str, int] = field(default_factory=dict)
+    on_host: bool = False  # parked in host memory between jobs (backend/parking.py)
 
 
 @record

@@ -20,6 +20,7 @@ from typing import Any
 import psutil
 import torch
 
+from . import admission
 from .auto import choose_layout, make_layout, measure_machine
 from .checkpoint import (
     CheckpointInfo,
@@ -37,6 +38,7 @@ from .config import ConfigError, ModelDims, ParallelLayout, weight_dtype_name
 from .dtypes import WEIGHT_DTYPES, compute_dtype_named
 from .forward_client import ForwardClient
 from .messages import DEFAULT_SLOT, LinkReport, LoadReport, LoadRequest, RankStatus, UnloadRequest
+from .parking import check_policy, to_park
 from .plan import Choice
 from .platforms import DeviceSpec, parse_devices
 from .text import GB
@@ -131,6 +133,11 @@ class ResidentGroup:
         self._last_status: list[RankStatus] = []
         self._forwards: dict[str, ForwardClient] = {}  # what the ranks hold for `forward`, per slot
         self.evicted: list[str] = []  # one line per model unloaded to make room for another (the panel)
+        # slots whose weights wait in host memory (parking.py), and each parkable slot's policy
+        self.parked: set[str] = set()
+        self.park_policy: dict[str, str] = {}
+        # called (under the group's lock) after what the ranks hold or where changed: the panel's refresh
+        self.on_residency_change: Any = None
 
     # ------------------------------------------------------------------ group
 
@@ -320,12 +327,58 @@ class ResidentGroup:
         self._last_status = reports
         if isinstance(request, LoadRequest):  # a resident module (a VAE) takes no model calls
             self._forwards[slot] = ForwardClient(request.info.model_family.call_spec, slot)
+        self._residency_changed()
         return reports
 
     def _forget(self, slot: str) -> None:
         self.residents.pop(slot, None)
         self._loaded_in.pop(slot, None)
         self._forwards.pop(slot, None)
+        self.parked.discard(slot)
+
+    def _residency_changed(self) -> None:
+        if self.on_residency_change is not None:
+            self.on_residency_change()
+
+    # ------------------------------------------------------------------ host placement (parking.py)
+
+    def set_park_policy(self, slot: str, policy: str) -> None:
+        """Where `slot`'s module waits between jobs: "auto", "resident" or "host" (parking.py)."""
+        self.park_policy[slot] = check_policy(policy)
+
+    def park(self, slot: str) -> None:
+        """Move the module in `slot` to host memory on every rank (each its own shard), if not there."""
+        with self._lock:
+            if slot in self.parked or slot not in self.residents or not self.started:
+                return
+            self._place(slot, self.group, on_device=False)
+
+    def _place(self, slot: str, group: WorkerGroup, *, on_device: bool) -> None:
+        request = self.residents[slot]
+        self._last_status = group.call_all(request.park_method, request.placement(on_device))
+        if on_device:
+            self.parked.discard(slot)
+        else:
+            self.parked.add(slot)
+        self._residency_changed()
+
+    def _parking_frees_memory(self) -> bool:
+        """On CPU workers the host is the device: parking would move nothing."""
+        return self.devices[0] != "cpu"
+
+    def make_headroom(self, need: float, *, exclude: str = "") -> None:
+        """Before a job that needs `need` bytes per rank beyond the resident weights (its activations):
+        park the modules whose policy allows it, least recently used first, while the job would not fit
+        (admission.memory_limit, the bound the job is then admitted against)."""
+        with self._lock:
+            if not self._parking_frees_memory() or not self.started:
+                return
+            policies = self.park_policy
+            for slot in to_park(self.residents.items(), self.parked, policies, exclude=exclude):
+                bound = admission.memory_limit(self.devices, self._last_status)
+                if bound is None or need <= bound[0]:
+                    return
+                self._place(slot, self.group, on_device=False)
 
     def _resident_group(self, request: Any, progress: ProgressCallback | None = None) -> WorkerGroup:
         """The group holding `request` in its slot, loading it first when the ranks hold something else
@@ -334,6 +387,9 @@ class ResidentGroup:
         held = self.residents.get(slot)
         if held != request or self._loaded_in.get(slot) is not self._group or not self.started:
             self._load_resident(request, progress)
+        elif slot in self.parked:  # back on the devices before it runs (beside what still fits there)
+            self._make_room(request, self.group)
+            self._place(slot, self.group, on_device=True)
         self.residents.move_to_end(slot)
         return self.group
 
@@ -362,10 +418,14 @@ class ResidentGroup:
         return list(self._last_status)
 
     def _make_room(self, request: LoadRequest, group: WorkerGroup) -> None:
-        """Unload the least recently used other slots while every resident model's weights and the new one's
-        would not fit the devices together (`RESIDENT_SHARE` of the smallest device's memory)."""
+        """Make room on the devices for `request`'s weights: while every resident model's weights and the
+        new one's would not fit together (`RESIDENT_SHARE` of the smallest device's memory), park the
+        modules that may wait in host memory (parking.py; they then hold no device memory), then unload
+        the least recently used other slots."""
         others = [
-            s for s, r in self.residents.items() if s != request.slot and self._loaded_in.get(s) is group
+            s
+            for s, r in self.residents.items()
+            if s != request.slot and self._loaded_in.get(s) is group and s not in self.parked
         ]
         if not others:
             return
@@ -374,7 +434,13 @@ class ResidentGroup:
             return
         held = {s: weight_bytes_per_rank(self.residents[s], self.devices[0]) for s in others}
         need = weight_bytes_per_rank(request, self.devices[0])
-        for slot in others:  # least recently used first
+        if self._parking_frees_memory():
+            for slot in to_park(((s, self.residents[s]) for s in others), self.parked, self.park_policy):
+                if sum(held.values()) + need <= limit:
+                    return
+                self._place(slot, group, on_device=False)
+                held.pop(slot)
+        for slot in [s for s in others if s in held]:  # least recently used first
             if sum(held.values()) + need <= limit:
                 return
             dropped = self.residents[slot]

@@ -32,7 +32,11 @@ export function panelLines(state, now = Date.now()) {
     if (state.layout) lines.push(`layout: ${state.layout}`);
     // Several loaders on these devices: every model stays resident (the one above was used last).
     if (state.models && state.models.length > 1)
-      lines.push(`resident: ${state.models.map((m) => `${m.checkpoint} (${m.layout})`).join(", ")}`);
+      lines.push(
+        `resident: ${state.models
+          .map((m) => `${m.checkpoint} (${m.layout}${m.placement ? `, ${m.placement}` : ""})`)
+          .join(", ")}`,
+      );
     if (state.evicted) lines.push(state.evicted);
     // A slower transport the start-up pre-flight fell back to (backend/preflight.py); details: Status node.
     if (state.transport) lines.push(state.transport);

@@ -174,13 +174,14 @@ def build_clip(
     *,
     embedding: str = "vocab",
     slot: str | None = None,
+    placement: str = "auto",
     before: Callable[[], None] = lambda: None,
     embedding_directory: Any = None,
     comfy_options: dict[str, Any] | None = None,
 ) -> Any:
     """ComfyUI's own CLIP for `paths` and `clip_type` with its sharded encoder on `group` (module docstring).
     `comfy_options`: more of ComfyUI's `model_options` (e.g. a companion's `model_config` for a small
-    test file). Every file is checked first (backend/encoders/files.py); nothing runs on a rank here."""
+    test file). `placement`: where the shard waits between prompts (backend/parking.py). Every file is checked first (backend/encoders/files.py); nothing runs on a rank here."""
     import comfy.sd
 
     from ..backend.encoders.api import ParallelEncoder
@@ -207,7 +208,9 @@ def build_clip(
     for owner, transformer in held:
         dtypes = _comfy_dtypes(transformer, kind, info)
         name = slot or ENCODER_SLOT
-        encoder = ParallelEncoder(group, info, dtypes=dtypes, embedding=embedding, slot=name)
+        encoder = ParallelEncoder(
+            group, info, dtypes=dtypes, embedding=embedding, slot=name, placement=placement
+        )
         dims = encoder.dims
         marker = TokenMarker(dims.width, dims.vocab)
         _set_path(transformer, kind.stack, StackProxy(encoder, marker, before))

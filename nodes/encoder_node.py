@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..backend.parking import DEFAULT_POLICY, PARK_POLICIES, check_policy
 from . import inputs
 from .inputs import CATEGORY
 from .registry import REGISTRY, shows_errors
@@ -66,12 +67,29 @@ class RocmParallelTextEncoderLoader:
                     },
                 ),
             },
+            "optional": {
+                "placement": (
+                    list(PARK_POLICIES),
+                    {
+                        "default": DEFAULT_POLICY,
+                        "tooltip": "Where the encoder's shard waits between prompts. auto: on the GPUs, moved to "
+                        "host memory only when sampling or a VAE decode needs the room (and back for the next "
+                        "prompt); resident: always on the GPUs; host: in host memory except while encoding.",
+                    },
+                ),
+            },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
     @shows_errors
     def load(
-        self, clip_name1: str, clip_name2: str, type: str, devices: str, unique_id: str | None = None
+        self,
+        clip_name1: str,
+        clip_name2: str,
+        type: str,
+        devices: str,
+        placement: str = DEFAULT_POLICY,
+        unique_id: str | None = None,
     ) -> tuple[Any]:
         import folder_paths
 
@@ -81,7 +99,9 @@ class RocmParallelTextEncoderLoader:
         names = [clip_name1] + ([clip_name2] if clip_name2 != NONE else [])
         paths = [folder_paths.get_full_path_or_raise("text_encoders", name) for name in names]
         group = REGISTRY.group_for(validate_devices(inputs.parse_devices(devices)))
-        return (build_clip(group, paths, type, slot=encoder_slot(unique_id)),)
+        check_policy(placement)
+        REGISTRY.watch_residency(group)
+        return (build_clip(group, paths, type, slot=encoder_slot(unique_id), placement=placement),)
 
 
 __all__ = ["RocmParallelTextEncoderLoader", "encoder_slot"]

@@ -196,12 +196,14 @@ class Registry:
         self.update(
             checkpoint=os.path.basename(latest.checkpoint) if latest is not None else None,
             layout=describe_layout(latest.layout) if latest is not None else None,
-            models=[
-                {"checkpoint": os.path.basename(r.checkpoint), "layout": describe_layout(r.layout)}
-                for r in residents
-            ],
+            models=[_resident_entry(model, slot, r) for slot, r in model.residents.items()],
             evicted=model.evicted[-1] if model.evicted else None,
         )
+
+    def watch_residency(self, model: ParallelModel) -> None:
+        """Keep the panel's `models` current whenever what `model`'s ranks hold, or where, changes (a text
+        encoder parked in host memory while the model samples: backend/parking.py)."""
+        model.on_residency_change = lambda: self.record_resident(model)
 
     def record_ranks(self, reports: Sequence[RankStatus]) -> None:
         """Keep each rank's device, parameter bytes and memory for the panel (plain data: it is JSON)."""
@@ -210,6 +212,26 @@ class Registry:
             memory = dataclasses.asdict(r.memory) if r.memory is not None else {}
             ranks.append({"rank": r.rank, "device": r.device, "parameter_bytes": r.parameter_bytes, **memory})
         self.update(ranks=ranks)
+
+
+def model_text(entry: Mapping[str, Any]) -> str:
+    """One resident model as the Status node shows it (the panel draws the same: js/rocm_parallel.js)."""
+    placement = f", {entry['placement']}" if entry.get("placement") else ""
+    return f"{entry['checkpoint']} ({entry['layout']}{placement})"
+
+
+def _resident_entry(model: ParallelModel, slot: str, request: Any) -> dict[str, Any]:
+    """One resident model for the panel: its file, its layout (a resident module's own words: "text encoder,
+    tp 4"), and for a module that may wait in host memory where it is now."""
+    describe = getattr(request, "describe", None)
+    entry = {
+        "checkpoint": os.path.basename(request.checkpoint),
+        "layout": describe() if callable(describe) else describe_layout(request.layout),
+    }
+    if getattr(request, "park_method", None):
+        where = "in host memory" if slot in model.parked else "on the devices"
+        entry["placement"] = f"{size_text(int(request.weight_bytes))} per device, {where}"
+    return entry
 
 
 REGISTRY = Registry()

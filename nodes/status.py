@@ -7,7 +7,7 @@ from typing import Any
 
 from ..backend.config import ConfigError
 from .inputs import STATUS_ACTIONS
-from .registry import Registry, rank_line
+from .registry import Registry, model_text, rank_line
 
 
 def status_text(registry: Registry, action: str, devices: Sequence[str] | None = None) -> str:
@@ -56,6 +56,9 @@ def format_state(state: dict[str, Any]) -> str:
         ]
         if state.get("loading"):
             lines.append(f"loading: {state['loading']}")
+        models = state.get("models") or []
+        if len(models) > 1:  # a text encoder beside the model: where it waits (backend/parking.py)
+            lines.append("resident: " + ", ".join(model_text(m) for m in models))
         lines += [f"  {rank_line(r)}" for r in state.get("ranks", [])]
         if state.get("auto"):
             lines.append(state["auto"])

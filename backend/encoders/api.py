@@ -25,11 +25,12 @@ import torch
 
 from ..config import ConfigError, ParallelLayout
 from ..dtypes import dtype_named, stored_dtype
+from ..parking import DEFAULT_POLICY, check_policy
 from ..plan.encoder import encoder_bytes
 from ..resident import ResidentGroup
 from .files import EncoderInfo, inspect_encoder
 from .kind import EMBEDDINGS, EncoderKind
-from .messages import ENCODER_SLOT, EncodeRequest, EncoderLoadRequest, EncoderPlacement
+from .messages import ENCODER_SLOT, EncodeRequest, EncoderLoadRequest
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class ParallelEncoder:
         dtypes: Mapping[str, str] | None = None,
         embedding: str = "vocab",
         slot: str = ENCODER_SLOT,
+        placement: str = DEFAULT_POLICY,
     ) -> None:
         self.group = group
         info = checkpoint if isinstance(checkpoint, EncoderInfo) else inspect_encoder(checkpoint)
@@ -64,6 +66,7 @@ class ParallelEncoder:
             raise ConfigError(f"embedding={embedding!r} is not offered; use {' or '.join(EMBEDDINGS)}")
         if not isinstance(slot, str) or not slot:
             raise ConfigError(f"slot={slot!r} must be a non-empty name")
+        self.placement = check_policy(placement)
         kind = info.encoder
         degree = len(group.devices)
         kind.validate_tp(degree, info.config)
@@ -79,6 +82,7 @@ class ParallelEncoder:
             weight_bytes=weight_bytes,
             slot=slot,
         )
+        group.set_park_policy(slot, self.placement)
         self.last_seconds = 0.0
 
     @property
@@ -90,10 +94,17 @@ class ParallelEncoder:
         self.group.call_resident(self.request, "status", None, progress=progress)
 
     def place(self, on_device: bool) -> None:
-        """Move the shards to pinned host memory (False) or back to the devices (True)."""
-        self.group.call_resident(
-            self.request, "encoder_offload", EncoderPlacement(self.request.slot, on_device)
-        )
+        """Move the shards to pinned host memory (False) or back to the devices (True, loading the encoder
+        first if the group does not hold it)."""
+        if on_device:
+            self.load()
+        else:
+            self.group.park(self.request.slot)
+
+    @property
+    def on_host(self) -> bool:
+        """Whether the shards wait in host memory now (the next encode brings them back)."""
+        return self.request.slot in self.group.parked
 
     def check(
         self,
@@ -126,6 +137,8 @@ class ParallelEncoder:
         replies = self.group.call_resident(self.request, "encoder_run", request)
         first = next(r for r in replies if r.rank == 0)
         self.last_seconds = max(r.seconds for r in replies)
+        if self.group.park_policy.get(self.request.slot) == "host":
+            self.group.park(self.request.slot)
         return Encoded(first.out, first.intermediate, self.last_seconds)
 
 

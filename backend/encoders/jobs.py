@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from ..jobs import status
+from ..jobs import ON_HOST, status
 from ..messages import LoadReport
 from ..worker import WorkerContext, handler
 from .load import load_encoder
@@ -95,5 +95,6 @@ def place(ctx: WorkerContext, request: EncoderPlacement) -> LoadReport:
             moved = param.data.to(target, non_blocking=False)
             param.data = moved.pin_memory() if pin else moved
     ctx.synchronize()
+    setattr(model, ON_HOST, not request.on_device)
     _free(ctx)
     return _report(ctx, reused=True, seconds=time.perf_counter() - started)

@@ -48,10 +48,15 @@ class EncoderLoadRequest:
     weight_bytes: int = 0
     slot: str = ENCODER_SLOT
     load_method: str = "encoder_load"
+    park_method: str = "encoder_offload"  # it may wait in host memory between jobs (backend/parking.py)
 
     def describe(self) -> str:
         """The panel's layout column for a resident text encoder."""
         return f"text encoder, {self.layout.describe()}"
+
+    def placement(self, on_device: bool) -> EncoderPlacement:
+        """The park method's message: this encoder to its devices (True) or to host memory (False)."""
+        return EncoderPlacement(self.slot, on_device)
 
 
 @record

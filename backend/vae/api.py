@@ -148,6 +148,7 @@ class ParallelVae:
             )
 
         what = f"{'encoding' if encode else 'decoding'} {width}x{height} px (batch {batch}) with {self.kind.title}"
+        self.group.make_headroom(need(memory), exclude=self.request.slot)  # a parked text encoder: parking.py
         refuse_unless_fits(need(memory), self.group.devices, self.group.reports, what=what, fits=fits)
         return memory
 

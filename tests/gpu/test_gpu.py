@@ -173,3 +173,24 @@ def test_plan_on_this_machines_gpus_prices_their_memory(capsys: pytest.CaptureFi
     assert setup["devices"] == torch.cuda.device_count()
     smallest = min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
     assert setup["memory_gb"] == pytest.approx(smallest / 1e9)
+
+
+def test_a_parked_text_encoder_leaves_the_gpu(tmp_path: Path) -> None:
+    """backend/parking.py on a real GPU: each rank's shard moves to pinned host memory (the GPU's allocated
+    bytes drop by at least its weights) and back for the next encode, which gives the same hidden states."""
+    from rocm_parallel.backend.api import ParallelModel
+    from rocm_parallel.backend.encoders.api import ParallelEncoder
+    from rocm_parallel.testing.encoder_files import VOCAB, write_encoder
+
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
+    with one_gpu_group(2) as workers:
+        group = ParallelModel(group=workers)
+        encoder = ParallelEncoder(group, write_encoder("t5", tmp_path), slot="te")
+        first = encoder.encode(ids).out
+        on_gpu = [r.memory.allocated_gb for r in group.status()]
+        encoder.place(False)
+        parked = [r.memory.allocated_gb for r in group.status()]
+        shard_gb = encoder.request.weight_bytes / 1e9
+        assert all(a - b >= 0.9 * shard_gb for a, b in zip(on_gpu, parked, strict=True)), (on_gpu, parked)
+        assert torch.equal(encoder.encode(ids).out, first)
+        assert [r.memory.allocated_gb for r in group.status()] == pytest.approx(on_gpu, abs=shard_gb * 0.1)
