@@ -38,8 +38,9 @@ from .config import ConfigError, ModelDims, ParallelLayout, weight_dtype_name
 from .dtypes import WEIGHT_DTYPES, compute_dtype_named
 from .forward_client import ForwardClient
 from .messages import DEFAULT_SLOT, LinkReport, LoadReport, LoadRequest, RankStatus, UnloadRequest
-from .parking import check_policy, to_park
+from .parking import check_policy, parkable, to_park
 from .plan import Choice
+from .plan.encoder import COMFYUI_GPU0, MARGIN
 from .platforms import DeviceSpec, parse_devices
 from .text import GB
 
@@ -429,7 +430,7 @@ class ResidentGroup:
         ]
         if not others:
             return
-        limit = self._weight_limit()
+        limit = self._encode_limit() if parkable(request) else self._weight_limit()
         if limit is None:
             return
         held = {s: weight_bytes_per_rank(self.residents[s], self.devices[0]) for s in others}
@@ -463,6 +464,16 @@ class ResidentGroup:
             return (memory.available + held) * RESIDENT_SHARE / len(self.devices)
         totals = [r.memory.total_gb for r in self._last_status if r.memory is not None]
         return min(totals) * GB * RESIDENT_SHARE if totals else None
+
+    def _encode_limit(self) -> float | None:
+        """Bytes per rank the weights may take together while a parkable module (a text encoder) runs: the
+        planner's bound for its "host" placement (plan/encoder.py: `MARGIN` of the smallest GPU less ComfyUI's
+        own share on GPU 0), not `RESIDENT_SHARE`, which keeps room for sampling activations that an encode does
+        not have (a job that needs them parks the encoder first: `make_headroom`)."""
+        if not self._parking_frees_memory():
+            return self._weight_limit()
+        totals = [r.memory.total_gb for r in self._last_status if r.memory is not None]
+        return min(totals) * GB * MARGIN - COMFYUI_GPU0 if totals else None
 
     def unload(self, slot: str | None = None) -> None:
         """Free the model in `slot` (every model when None) on every device; the worker group stays up."""

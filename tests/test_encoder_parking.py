@@ -193,3 +193,26 @@ def test_the_panel_and_the_status_node_say_where_the_encoder_waits(flux: Paralle
     encoder.place(True)
     entry = next(m for m in registry.snapshot()["models"] if m["checkpoint"] == t5.name)
     assert entry["placement"] == f"{size} per device, on the devices"
+
+
+def test_an_encode_brings_the_encoder_back_beside_the_model_within_the_encode_bound(
+    flux: ParallelModel, t5: Path
+) -> None:
+    """Encoder and model may fit together only while no sampling activations are live (the planner's "host":
+    FLUX.2 [dev]'s bf16 Mistral beside its fp8 model on 24 GB GPUs). Bringing the parked encoder back for the
+    next prompt must not unload the model: an encode is bounded by `_encode_limit`, not by the share that keeps
+    room for sampling."""
+    encoder = ParallelEncoder(flux, t5, slot=SLOT)
+    model = weight_bytes_per_rank(flux.residents["default"], "cpu")
+    shard = encoder.request.weight_bytes
+    with (
+        mock.patch.object(type(flux), "_parking_frees_memory", return_value=True),
+        mock.patch.object(type(flux), "_weight_limit", return_value=model + shard / 2),
+        mock.patch.object(type(flux), "_encode_limit", return_value=model + shard * 2),
+    ):
+        first = encoder.encode(_ids()).out
+        flux.park(SLOT)
+        assert _on_host(flux) == [True, True]
+        assert torch.equal(encoder.encode(_ids()).out, first)
+    assert _on_host(flux) == [False, False]
+    assert flux.evicted == [] and set(flux.residents) == {"default", SLOT}
