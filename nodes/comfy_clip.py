@@ -167,6 +167,18 @@ def _is_data(key: str, s: Any) -> bool:
     return s.get_dtype() in ("U8", "I8", "I32", "I64", "BOOL")
 
 
+def _is_real(key: str, s: Any) -> bool:
+    """What ComfyUI's detection reads the values of: data, and the scales of a scaled fp8 file (one number a
+    layer: `convert_old_quants` drops a `scale_input` of 1.0)."""
+    from ..backend.checkpoint.quant import QUANT_SUFFIXES, SCALE_INPUT, SCALE_WEIGHT, SCALED_FP8_MARKER
+
+    return (
+        _is_data(key, s)
+        or key == SCALED_FP8_MARKER
+        or key.endswith((SCALE_WEIGHT, SCALE_INPUT, *QUANT_SUFFIXES))
+    )
+
+
 def build_clip(
     group: ResidentGroup,
     paths: Sequence[str],
@@ -196,7 +208,10 @@ def build_clip(
     for name in kind.names_in_comfy():  # the file's own config (a small test file's too)
         options[f"{name}_model_config"] = _comfy_config(info.config)
     # the lists ComfyUI's detection converts in place (a companion in OpenAI's CLIP layout, say): kept
-    data = [_state_dict(info.path, _is_data), *(_companion(p) for p in companions)]
+    data = [
+        _as_comfy_reads(info.path, _state_dict(info.path, _is_real)),
+        *(_companion(p) for p in companions),
+    ]
     try:
         clip_type_enum = comfy.sd.CLIPType[clip_type.upper()]
     except KeyError:
@@ -224,12 +239,24 @@ def _companion(path: str) -> dict[str, torch.Tensor]:
     """A file that stays in ComfyUI, read as ComfyUI's CLIPLoader reads it."""
     import comfy.utils
 
-    sd = comfy.utils.load_torch_file(path, safe_load=True)
-    try:  # legacy scaled fp8, converted by newer ComfyUI (0.33 has it, 0.3.75 not): a version shim
-        convert = comfy.utils.convert_old_quants
-    except AttributeError:
-        return sd
-    sd, _ = convert(sd, model_prefix="", metadata=None)
+    return _as_comfy_reads(path, comfy.utils.load_torch_file(path, safe_load=True))
+
+
+def _as_comfy_reads(path: str, sd: dict[str, Any]) -> dict[str, Any]:
+    """`sd` as ComfyUI's `load_clip` hands a file's state dict on, its quantization declared its own way
+    (a version shim): newer ComfyUI converts the legacy scaled fp8 form to `weight_scale` + `comfy_quant`
+    (`convert_old_quants`, 0.33 has it), 0.3.75 passes the header's `_quantization_metadata` in the dict."""
+    import comfy.utils
+
+    from ..backend.checkpoint.headers import read_header
+    from ..backend.checkpoint.quant import QUANT_METADATA
+
+    _, metadata = read_header(_existing(path))
+    convert = getattr(comfy.utils, "convert_old_quants", None)
+    if convert is not None:
+        sd, _ = convert(sd, model_prefix="", metadata=dict(metadata))
+    elif QUANT_METADATA in metadata:
+        sd[QUANT_METADATA] = metadata[QUANT_METADATA]
     return sd
 
 
@@ -367,6 +394,7 @@ def _materialize_rest(
             if buffer is not None and buffer.is_meta:
                 module.register_buffer(name, torch.empty_like(buffer, device=device))
     sharded = {kind.prefix + n for n in info.tensors}
+    sharded |= {s.key for s in info.scales.values()} | _scale_companions(sharded)
     from safetensors import safe_open
 
     rest = {}
@@ -378,6 +406,17 @@ def _materialize_rest(
         clip.load_sd(rest)
     for sd in companions:
         clip.load_sd(sd)
+
+
+def _scale_companions(keys: set[str]) -> set[str]:
+    """The scaled fp8 marker and the input scales / quantization tags of the layers whose weights are `keys`:
+    the workers' part of the file, not ComfyUI's."""
+    from ..backend.checkpoint.quant import COMFY_QUANT, INPUT_SCALE, SCALE_INPUT, SCALED_FP8_MARKER
+
+    layers = {k.removesuffix(".weight") for k in keys if k.endswith(".weight")}
+    return {SCALED_FP8_MARKER} | {
+        f"{layer}{s}" for layer in layers for s in (SCALE_INPUT, INPUT_SCALE, COMFY_QUANT)
+    }
 
 
 def _require() -> None:

@@ -107,7 +107,11 @@ def quantized_layers(
 
 
 def split_scales(
-    path: str, header: dict[str, StoredTensor], metadata: Mapping[str, str], prefix: str = ""
+    path: str,
+    header: dict[str, StoredTensor],
+    metadata: Mapping[str, str],
+    prefix: str = "",
+    fix: str | None = None,
 ) -> tuple[dict[str, StoredTensor], dict[str, StoredTensor], str]:
     """(the model's tensors, stored weight -> its scale, how the scales were declared) of a ComfyUI scaled
     fp8 or quantized "mixed" file; any other file comes back unchanged with no scales. `header`: the file's
@@ -123,16 +127,23 @@ def split_scales(
     only to quantize activations for fp8 x fp8 matmuls; its upcasting path, which this loader's
     arithmetic follows, ignores them as well. Anything but one scale per fp8 weight (nvfp4, block or
     per-channel scales, an unknown format) is refused here, from the header, before a worker starts.
+    `fix`: what each refusal tells the user to do instead (default: the diffusion models' advice).
     """
+    damaged = f"The file is damaged. {fix}" if fix else None
+    fix = fix or _FIX
     layers = quantized_layers(path, header, metadata, prefix)
     for layer, (fmt, how) in sorted(layers.items()):
         if fmt not in QUANT_FORMATS:
             shown = "no format" if fmt is None else repr(fmt)
             raise CheckpointError(
                 f"{quoted(path)}: layer '{layer}' is quantized as {shown} ({_DECLARED[how]}); this loader reads "
-                f"ComfyUI's {' and '.join(QUANT_FORMATS)} layers (one scale per weight) only. Use an fp8 "
-                "(e.g. flux2_dev_fp8mixed.safetensors), bf16 or fp16 version of the model, or load this file "
-                "with ComfyUI's own Load Diffusion Model"
+                f"ComfyUI's {' and '.join(QUANT_FORMATS)} layers (one scale per weight) only. "
+                + (
+                    fix
+                    if damaged
+                    else "Use an fp8 (e.g. flux2_dev_fp8mixed.safetensors), bf16 or fp16 version of the model, "
+                    "or load this file with ComfyUI's own Load Diffusion Model"
+                )
             )
     marker = [k for k in header if k == SCALED_FP8_MARKER]
     # (scale key, weight key, how it is declared) of every scaled weight
@@ -151,7 +162,7 @@ def split_scales(
         raise CheckpointError(
             f"{quoted(path)}: '{stray[0]}' is a ComfyUI weight scale, but neither a "
             f"'{stray[0].removesuffix(WEIGHT_SCALE)}{COMFY_QUANT}' tensor nor the header's {QUANT_METADATA} "
-            f"declares its layer quantized; the file is damaged or from a tool this loader does not know. {_FIX}"
+            f"declares its layer quantized; the file is damaged or from a tool this loader does not know. {fix}"
         )
     if not pairs and not dropped:
         return header, {}, ""
@@ -162,32 +173,37 @@ def split_scales(
         if how == "scaled_fp8" and weight is None:
             raise CheckpointError(
                 f"{quoted(path)}: scale '{key}' has no weight '{weight_key}' beside it; the scaled fp8 file is "
-                f"damaged or from a tool this loader does not know. {_FIX}"
+                f"damaged or from a tool this loader does not know. {fix}"
             )
         if weight is None or scale is None:
             layer, fmt = weight_key.removesuffix(".weight"), layers[weight_key.removesuffix(".weight")][0]
             raise CheckpointError(
                 f"{quoted(path)}: layer '{layer}' is declared {fmt} ({_DECLARED[how]}) but the file has no "
                 f"'{key if weight is not None else weight_key}'; ComfyUI's quantized layers need a weight and "
-                f"its weight_scale. The file is damaged; download it again. {_FIX}"
+                f"its weight_scale. The file is damaged; download it again. {fix}"
             )
         if numel(scale.shape) != 1 or scale.dtype not in ("F32", "BF16", "F16"):
             stores = "ComfyUI scaled fp8 stores" if how == "scaled_fp8" else "ComfyUI's fp8 layers store"
             raise CheckpointError(
                 f"{quoted(path)}: '{key}' is a {scale.dtype} tensor of shape {list(scale.shape)}; {stores} one float "
-                f"scale per weight (shape []), and per-channel or block scales are not supported. {_FIX}"
+                f"scale per weight (shape []), and per-channel or block scales are not supported. {fix}"
             )
         if how == "scaled_fp8" and weight.dtype not in ("F8_E4M3", "F8_E5M2"):
             raise CheckpointError(
                 f"{quoted(path)}: '{weight_key}' is stored as {weight.dtype} but has a scale '{key}'; only fp8 "
-                "weights are scaled. The file is damaged; use a plain fp8, bf16 or fp16 FLUX file"
+                "weights are scaled. "
+                + (damaged or "The file is damaged; use a plain fp8, bf16 or fp16 FLUX file")
             )
         fmt = layers.get(weight_key.removesuffix(".weight"), (None, ""))[0]
         stored = stored_dtype(weight.dtype)
         if how != "scaled_fp8" and (stored is None or stored.name != fmt):
             raise CheckpointError(
                 f"{quoted(path)}: '{weight_key}' is stored as {weight.dtype} but its layer is declared {fmt} "
-                f"({_DECLARED[how]}); the file is damaged. Download it again, or use a plain fp8, bf16 or fp16 FLUX file"
+                f"({_DECLARED[how]}); "
+                + (
+                    damaged
+                    or "the file is damaged. Download it again, or use a plain fp8, bf16 or fp16 FLUX file"
+                )
             )
         scales[weight.key] = scale
     return tensors, scales, "+".join(sorted({how for _, _, how in pairs}))

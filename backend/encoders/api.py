@@ -71,7 +71,13 @@ class ParallelEncoder:
         degree = len(group.devices)
         kind.validate_tp(degree, info.config)
         held = {n: _held_name(info, n, dtypes) for n in info.tensors}
-        weight_bytes = encoder_bytes(kind, info.config, degree, embedding, lambda n: dtype_named(held[n]))
+        # a scaled weight is held as stored (fp8); `held` names the dtype ComfyUI dequantizes it to (load.py).
+        # Its one scale per tensor (2-4 bytes a layer) is left out of the bytes
+        kept = {
+            n: stored_dtype(info.tensors[n].dtype) if n in info.scales else dtype_named(d)
+            for n, d in held.items()
+        }
+        weight_bytes = encoder_bytes(kind, info.config, degree, embedding, kept.__getitem__)
         self.info, self.kind = info, kind
         self.request = EncoderLoadRequest(
             checkpoint=info.path,

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..checkpoint.files import COMFY_PREFIX, CheckpointError, StoredTensor, missing_checkpoint
 from ..checkpoint.headers import read_header
+from ..checkpoint.quant import split_scales
 from ..transport import record
 from .kind import EncoderKind, detect_encoder, encoder_kinds, get_encoder_kind, kinds_for_clip_type
 
@@ -31,6 +32,10 @@ class EncoderInfo:
     kind: str
     config: dict[str, Any] = field(hash=False)
     tensors: dict[str, StoredTensor] = field(hash=False, repr=False)
+    # ComfyUI's scaled fp8 (`scale_weight`) or quantized (`weight_scale` + `comfy_quant`) linear weights: the
+    # per-tensor scale of each, by parameter name (checkpoint/quant.py reads both forms); how they were declared
+    scales: dict[str, StoredTensor] = field(default_factory=dict, hash=False, repr=False)
+    quantization: str = ""
 
     @property
     def encoder(self) -> EncoderKind:
@@ -76,23 +81,51 @@ def inspect_encoder(path: str | os.PathLike[str]) -> EncoderInfo:
     file = Path(path)
     if not file.is_file():
         raise missing_checkpoint(file)
-    header, _ = read_header(file)
-    keys = set(header)
-    kind = detect_encoder(keys)
+    header, metadata = read_header(file)
+    kind = detect_encoder(set(header))
     if kind is None:
-        what = _what_else(keys)
+        what = _what_else(set(header))
         runs = _names(encoder_kinds())
         raise CheckpointError(
             f"text encoder '{file}' is {what or 'no text encoder the pack knows'}; the ROCm Parallel Text "
             f"Encoder Loader runs {runs} from models/text_encoders"
         )
+    # the scale tensors and markers leave the header here: the rest is the model's parameters
+    header, scales, quantization = split_scales(str(file), header, metadata, fix=_FIX)
+    keys = set(header)
     tensors = {}
     for key, stored in header.items():
         if key.startswith(kind.prefix):
             tensors[key.removeprefix(kind.prefix)] = stored
     config = kind.config_from_shapes({k: v.shape for k, v in header.items()})
     _check_complete(file, kind, config, tensors, keys)
-    return EncoderInfo(str(file), kind.name, config, tensors)
+    by_name = {k.removeprefix(kind.prefix): s for k, s in scales.items()}
+    _check_scaled(file, kind, config, by_name)
+    return EncoderInfo(str(file), kind.name, config, tensors, by_name, quantization)
+
+
+# What a refused scaled or quantized encoder file can be replaced with
+_FIX = (
+    "Use ComfyUI's fp8_scaled, fp8 or bf16 file of this encoder (e.g. qwen_2.5_vl_7b_fp8_scaled.safetensors, "
+    "t5xxl_fp8_e4m3fn_scaled.safetensors), or load this one with ComfyUI's own CLIPLoader"
+)
+
+
+def _check_scaled(
+    file: Path, kind: EncoderKind, config: Mapping[str, Any], scales: Mapping[str, StoredTensor]
+) -> None:
+    """Scales sit on linear weights only: the workers apply them where a linear layer reads its weight
+    (parallel/weights.py linear_weight); ComfyUI quantizes nothing else of a text encoder either."""
+    from torch import nn
+
+    model = kind.build(config, device="meta")
+    for name in sorted(scales):
+        module_name, _, param = name.rpartition(".")
+        if param != "weight" or not isinstance(model.get_submodule(module_name), nn.Linear):
+            raise CheckpointError(
+                f"text encoder '{file}': '{scales[name].key}' scales '{kind.prefix}{name}', which is not a linear "
+                f"layer's weight; ComfyUI's scaled fp8 {kind.title} files scale linear weights only. {_FIX}"
+            )
 
 
 def _check_complete(

@@ -7,6 +7,13 @@ text encoders: the linear weights and the token embeddings stay in the dtype Com
 request's `dtypes`: bf16, fp16, fp8) and are upcast per layer to float32, the compute dtype of every ComfyUI
 text encoder; norms and biases (a few MB) are held in float32 after rounding through that dtype, which gives
 the same numbers as ComfyUI's cast at each use.
+
+ComfyUI's scaled fp8 encoder files (files.py `scales`): each rank holds its slices of the fp8 weight as stored
+and the one per-tensor scale, which every slice shares; the layer forms weight x scale in float32 for each
+matmul (parallel/weights.py linear_weight), as ComfyUI's text encoders do: 0.3.75's scaled_fp8_ops cast the
+fp8 weight to the float32 input's dtype and multiply by the scale; 0.33's quantized layers dequantize
+straight to the input's dtype (`QuantizedTensor.to(float32)`, then `fp8.to(float32) * scale`), not to their
+bf16 "original" dtype (checked against ComfyUI's own layers in tests/comfy/test_comfy_scaled_encoders.py).
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checkpoint.load import read_tensor
+from ..checkpoint.load import read_scale, read_tensor
 from ..dtypes import dtype_named, stored_dtype
 from ..parallel.tensor import apply_tensor_parallel, parameter_pieces, resolve_plan
 from ..parallel.weights import COMPUTE_DTYPE_ATTR
@@ -36,6 +43,15 @@ def held_dtype(request: EncoderLoadRequest, name: str) -> torch.dtype:
         raise TypeError(
             f"'{stored.file}': tensor '{stored.key}' is {named or stored.dtype}, which the pack cannot hold"
         )
+    return found.torch
+
+
+def scaled_dtype(request: EncoderLoadRequest, name: str) -> torch.dtype:
+    """The dtype a scaled weight is held in: the file's own fp8, whatever ComfyUI's dtype for its layer."""
+    stored = request.info.tensors[name]
+    found = stored_dtype(stored.dtype)
+    if found is None or not found.fp8:  # checkpoint/quant.py refuses these in the caller's process
+        raise TypeError(f"'{stored.file}': scaled tensor '{stored.key}' is {stored.dtype}, not fp8")
     return found.torch
 
 
@@ -74,8 +90,12 @@ def load_encoder(
             pieces = parameter_pieces(resolved, name, stored.shape, rank, degree, dims)
             module_name, _, param = name.rpartition(".")
             module = model.get_submodule(module_name)
-            tensor = read_tensor(stored, pieces, held_dtype(request, name), device)
-            if not _kept(module, param):
+            scale = info.scales.get(name)
+            held = scaled_dtype(request, name) if scale is not None else held_dtype(request, name)
+            tensor = read_tensor(stored, pieces, held, device)
+            if scale is not None:  # one float32 scale for the whole tensor: every rank's slices share it
+                module.register_buffer("scale_weight", read_scale(scale).to(device), persistent=False)
+            elif not _kept(module, param):
                 tensor = tensor.to(COMPUTE)
             if tensor.shape != meta.shape:  # the plan and the meta model disagree: a bug, not bad input
                 raise RuntimeError(
@@ -91,4 +111,4 @@ def load_encoder(
     return model.eval()
 
 
-__all__ = ["COMPUTE", "held_dtype", "load_encoder"]
+__all__ = ["COMPUTE", "held_dtype", "load_encoder", "scaled_dtype"]

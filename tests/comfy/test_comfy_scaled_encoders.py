@@ -1,0 +1,238 @@
+"""ComfyUI's scaled fp8 text encoder files on the pack's workers, against ComfyUI's own CLIPLoader on the same file.
+
+The files ComfyUI's templates ship for Qwen-Image (qwen_2.5_vl_7b_fp8_scaled) and FLUX.1
+(t5xxl_fp8_e4m3fn_scaled) are "scaled fp8": every linear weight fp8 with one float32 `scale_weight`, a
+`scale_input` of 1.0, a `scaled_fp8` marker, the rest (norms, biases, token table) bf16. Small ones are built
+here with ComfyUI's own classes (its `T5`, its `Llama2_` with Qwen2.5-VL's config), each linear weight
+quantized per tensor as ComfyUI does (scale = max |w| / 448, comfy/quant_ops.py `quantize` with
+scale="recalculate"). The newer form (`weight_scale` + a `comfy_quant` tag per layer) is what ComfyUI 0.33's
+own `comfy.utils.convert_old_quants` makes of that file, saved as is (0.33 only: 0.3.75 has no such function).
+
+ComfyUI's numbers differ between versions, and the pack follows each: 0.33 converts the legacy file to its
+quantized layers and dequantizes each weight in its text encoder's dtype, bf16 here (`fp8.to(bf16) *
+scale.to(bf16)`), before the float32 matmul; 0.3.75 keeps `scaled_fp8_ops`, the product formed in float32.
+
+    source /work/comfy/env.sh 0.33.0 <pack checkout>
+    python -m pytest -q -s -m comfy tests/comfy/test_comfy_scaled_encoders.py
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from comfy_server import COMFYUI_PATH, COMFYUI_VERSION, TESTS_DIR
+from safetensors.torch import save_file
+
+from rocm_parallel.backend.client import WorkerGroup
+from rocm_parallel.backend.encoders.t5.kind import T5_XXL
+from rocm_parallel.backend.resident import ResidentGroup
+
+pytestmark = [pytest.mark.comfy, pytest.mark.timeout(1800)]
+
+TOLERANCE = 1e-4
+TINY_T5 = {**T5_XXL, "d_model": 32, "d_kv": 8, "num_heads": 4, "num_layers": 24}  # as test_comfy_encoders
+TINY_CLIP_L = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_hidden_layers": 2}
+TINY_QWEN25 = {
+    "vocab_size": 152064, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
+    "num_attention_heads": 8, "num_key_value_heads": 4,
+}  # fmt: skip
+FORMS = ["scaled_fp8", "comfy_quant"]
+
+
+@pytest.fixture(scope="module")
+def comfy() -> Any:
+    if not COMFYUI_PATH:
+        pytest.skip("set COMFYUI_PATH to a ComfyUI checkout to run the comfy tier")
+    sys.path.insert(0, str(TESTS_DIR / "tools"))
+    from make_comfy_references import import_comfy
+
+    import_comfy(COMFYUI_PATH)
+    import comfy.clip_model
+    import comfy.ops
+    import comfy.sd
+    import comfy.text_encoders.llama
+    import comfy.text_encoders.t5
+    import comfy.utils
+
+    return comfy
+
+
+@pytest.fixture(scope="module")
+def group1() -> Iterator[WorkerGroup]:
+    with WorkerGroup(["cpu"], threads=1) as group:
+        yield group
+
+
+def _random(module: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, value in module.state_dict().items():
+        if "norm" in name:
+            values = 1 + 0.1 * torch.randn(value.shape, generator=g)
+        elif value.ndim == 2 and "embed" not in name and "shared" not in name and "relative" not in name:
+            values = torch.randn(value.shape, generator=g) / value.shape[1] ** 0.5
+        else:
+            values = torch.randn(value.shape, generator=g) * (0.05 if name.endswith("bias") else 1.0)
+        out[name] = values.contiguous()
+    return out
+
+
+def _scaled_fp8(sd: dict[str, torch.Tensor], linear: set[str]) -> dict[str, torch.Tensor]:
+    """The legacy scaled fp8 layout: each weight in `linear` fp8 e4m3fn with its per-tensor float32 scale
+    (max |w| / 448, as ComfyUI's quantize with scale="recalculate"), `scale_input` 1.0, the `scaled_fp8` marker;
+    everything else bf16."""
+    out: dict[str, torch.Tensor] = {"scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn)}
+    fp8 = torch.finfo(torch.float8_e4m3fn).max
+    for key, value in sd.items():
+        if key in linear:
+            scale = (value.abs().amax() / fp8).to(torch.float32)
+            layer = key.removesuffix(".weight")
+            out[key] = (value / scale).clamp(-fp8, fp8).to(torch.float8_e4m3fn)
+            out[f"{layer}.scale_weight"] = scale.reshape(())
+            out[f"{layer}.scale_input"] = torch.ones((), dtype=torch.float32)
+        else:
+            out[key] = value.to(torch.bfloat16)
+    return out
+
+
+def _save(comfy: Any, legacy: dict[str, torch.Tensor], form: str, path: Path) -> Path:
+    if form == "comfy_quant":
+        if not hasattr(comfy.utils, "convert_old_quants"):
+            pytest.skip(
+                f"ComfyUI {COMFYUI_VERSION} has no convert_old_quants (the comfy_quant form is newer)"
+            )
+        sd, _ = comfy.utils.convert_old_quants(dict(legacy), model_prefix="", metadata={})
+        assert any(k.endswith(".comfy_quant") for k in sd) and "scaled_fp8" not in sd
+        legacy = sd
+    save_file(legacy, str(path))
+    return path
+
+
+def _linear_weights(module: torch.nn.Module, prefix: str = "") -> set[str]:
+    return {
+        f"{prefix}{name}.weight"
+        for name, m in module.named_modules()
+        if type(m).__name__ == "Linear" and name
+    }
+
+
+@pytest.fixture(scope="module")
+def t5_legacy(comfy: Any) -> dict[str, torch.Tensor]:
+    t5 = comfy.text_encoders.t5.T5(TINY_T5, torch.float32, "cpu", comfy.ops.manual_cast)
+    return _scaled_fp8(_random(t5, 11), _linear_weights(t5))
+
+
+@pytest.fixture(scope="module")
+def clip_l_file(comfy: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    with open(Path(COMFYUI_PATH) / "comfy" / "sd1_clip_config.json") as f:
+        clip_l = comfy.clip_model.CLIPTextModel(
+            {**json.load(f), **TINY_CLIP_L}, torch.float32, "cpu", comfy.ops.manual_cast
+        )
+    path = tmp_path_factory.mktemp("clip_l") / "tiny-clip-l.safetensors"
+    save_file(_random(clip_l, 12), str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def qwen_legacy(comfy: Any) -> dict[str, torch.Tensor]:
+    llama = comfy.text_encoders.llama
+    model = llama.Llama2_(
+        llama.Qwen25_7BVLI_Config(**TINY_QWEN25), device="cpu", dtype=torch.float32, ops=comfy.ops.manual_cast
+    )
+    sd = {f"model.{k}": v for k, v in _random(model, 13).items()}
+    return _scaled_fp8(sd, _linear_weights(model, "model."))
+
+
+def _comfy_own(comfy: Any, paths: list[Path], clip_type: str, options: dict[str, Any]) -> Any:
+    """ComfyUI's own CLIPLoader / DualCLIPLoader path on the files: `comfy.sd.load_clip`."""
+    return comfy.sd.load_clip(
+        [str(p) for p in paths], clip_type=comfy.sd.CLIPType[clip_type.upper()], model_options=options
+    )
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("form", FORMS)
+def test_flux1_scaled_t5_on_the_workers_equals_comfyuis_own(
+    request: pytest.FixtureRequest,
+    comfy: Any,
+    t5_legacy: Any,
+    clip_l_file: Path,
+    tmp_path: Path,
+    form: str,
+    world: int,
+) -> None:
+    """FLUX.1's DualCLIPLoader pair with t5xxl as ComfyUI's scaled fp8 file: the pack's CLIP (T5 sharded, its
+    weights fp8 on the ranks) gives ComfyUI's own conditioning and pooled output within 1e-4."""
+    from rocm_parallel.nodes.comfy_clip import build_clip
+
+    t5 = _save(comfy, t5_legacy, form, tmp_path / "tiny-t5xxl_fp8_e4m3fn_scaled.safetensors")
+    own = _comfy_own(
+        comfy, [t5, clip_l_file], "flux", {"t5xxl_model_config": TINY_T5, "model_config": dict(TINY_CLIP_L)}
+    )
+    group = ResidentGroup(group=request.getfixturevalue(f"group{world}"))
+    ours = build_clip(
+        group, [str(t5), str(clip_l_file)], "flux", comfy_options={"model_config": dict(TINY_CLIP_L)}
+    )
+    prompt = "a tiny red fox reading a newspaper on a park bench, morning light"
+    expected, expected_pooled = own.encode_from_tokens(own.tokenize(prompt), return_pooled=True)
+    got, pooled = ours.encode_from_tokens(ours.tokenize(prompt), return_pooled=True)
+    assert got.shape == expected.shape == (1, 256, TINY_T5["d_model"])
+    diff = (got - expected).abs().max()
+    print(
+        f"\nT5 {form} world {world} ComfyUI {COMFYUI_VERSION}: max |diff| {diff:.3g} of {expected.abs().max():.3g}"
+    )
+    assert diff < TOLERANCE
+    assert (pooled - expected_pooled).abs().max() < TOLERANCE
+    _assert_held_as_planned(ours, group, "text encoder")
+
+
+def _assert_held_as_planned(clip: Any, group: ResidentGroup, slot: str) -> None:
+    """The fp8 weights stayed fp8 on the ranks, and every rank holds the bytes the planner priced for it."""
+    (encoder,) = [
+        m.parallel_encoder for m in clip.cond_stage_model.modules() if hasattr(m, "parallel_encoder")
+    ]
+    held = [m for s in group.status() for m in s.models if m.slot == slot]
+    assert len(held) == len(group.devices)
+    for model in held:
+        assert model.parameter_bytes == encoder.request.weight_bytes
+        # every linear weight is split by tensor parallelism: each rank holds 1/world of the file's fp8 bytes
+        fp8 = sum(t.shape[0] * t.shape[1] for n, t in encoder.info.tensors.items() if n in encoder.info.scales)
+        assert model.parameter_bytes_by_dtype.get("float8_e4m3fn") == fp8 // len(group.devices)
+    group.unload(slot)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("form", FORMS)
+def test_qwen_image_scaled_encoder_on_the_workers_equals_comfyuis_own(
+    request: pytest.FixtureRequest, comfy: Any, qwen_legacy: Any, tmp_path: Path, form: str, world: int
+) -> None:
+    """Qwen-Image's CLIPLoader with qwen_2.5_vl_7b as ComfyUI's scaled fp8 file, under CLIPTextEncode and
+    TextEncodeQwenImageEdit: the pack's conditioning equals ComfyUI's own within 1e-4."""
+    import comfy_extras.nodes_qwen as qwen_nodes
+
+    import nodes
+    from rocm_parallel.nodes.comfy_clip import build_clip
+
+    path = _save(comfy, qwen_legacy, form, tmp_path / "tiny-qwen_2.5_vl_7b_fp8_scaled.safetensors")
+    own = _comfy_own(comfy, [path], "qwen_image", {"qwen25_7b_model_config": TINY_QWEN25})
+    group = ResidentGroup(group=request.getfixturevalue(f"group{world}"))
+    ours = build_clip(group, [str(path)], "qwen_image", slot="qwen scaled")
+    prompt = 'a neon sign that reads "ROCm" above a rainy street, night'
+    for encode in (
+        lambda clip: nodes.CLIPTextEncode().encode(clip, prompt)[0][0],
+        lambda clip: qwen_nodes.TextEncodeQwenImageEdit.execute(clip, prompt).args[0][0],
+    ):
+        (expected, _), (got, _) = encode(own), encode(ours)
+        assert got.shape == expected.shape and got.shape[-1] == TINY_QWEN25["hidden_size"]
+        diff = (got - expected).abs().max()
+        print(
+            f"\nQwen {form} world {world} ComfyUI {COMFYUI_VERSION}: max |diff| {diff:.3g} of {expected.abs().max():.3g}"
+        )
+        assert diff < TOLERANCE
+    _assert_held_as_planned(ours, group, "qwen scaled")
