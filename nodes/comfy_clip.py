@@ -243,20 +243,20 @@ def _companion(path: str) -> dict[str, torch.Tensor]:
 
 
 def _as_comfy_reads(path: str, sd: dict[str, Any]) -> dict[str, Any]:
-    """`sd` as ComfyUI's `load_clip` hands a file's state dict on, its quantization declared its own way
-    (a version shim): newer ComfyUI converts the legacy scaled fp8 form to `weight_scale` + `comfy_quant`
-    (`convert_old_quants`, 0.33 has it), 0.3.75 passes the header's `_quantization_metadata` in the dict."""
+    """`sd` as ComfyUI's `load_clip` hands a file's state dict on: newer ComfyUI (0.33) converts the legacy
+    scaled fp8 form and a header's `_quantization_metadata` to `weight_scale` + `comfy_quant` tensors
+    (`convert_old_quants`, a version shim). 0.3.75 passes that metadata on for the language models only and
+    then fails on it (`te() got an unexpected keyword argument`): it is not passed there; the workers read
+    the scales from the file themselves (backend/encoders/files.py)."""
     import comfy.utils
 
     from ..backend.checkpoint.headers import read_header
-    from ..backend.checkpoint.quant import QUANT_METADATA
 
-    _, metadata = read_header(_existing(path))
     convert = getattr(comfy.utils, "convert_old_quants", None)
-    if convert is not None:
-        sd, _ = convert(sd, model_prefix="", metadata=dict(metadata))
-    elif QUANT_METADATA in metadata:
-        sd[QUANT_METADATA] = metadata[QUANT_METADATA]
+    if convert is None:
+        return sd
+    _, metadata = read_header(_existing(path))
+    sd, _ = convert(sd, model_prefix="", metadata=dict(metadata))
     return sd
 
 

@@ -42,7 +42,7 @@ TINY_QWEN25 = {
     "vocab_size": 152064, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
     "num_attention_heads": 8, "num_key_value_heads": 4,
 }  # fmt: skip
-FORMS = ["scaled_fp8", "comfy_quant"]
+FORMS = ["scaled_fp8", "comfy_quant", "quantization_metadata"]
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,18 @@ def _save(comfy: Any, legacy: dict[str, torch.Tensor], form: str, path: Path) ->
         sd, _ = comfy.utils.convert_old_quants(dict(legacy), model_prefix="", metadata={})
         assert any(k.endswith(".comfy_quant") for k in sd) and "scaled_fp8" not in sd
         legacy = sd
-    save_file(legacy, str(path))
+    metadata = None
+    if form == "quantization_metadata":  # the layers declared in the header (what ComfyUI 0.3.75 reads)
+        layers = [k.removesuffix(".scale_weight") for k in legacy if k.endswith(".scale_weight")]
+        metadata = {"_quantization_metadata": json.dumps(
+            {"format_version": "1.0", "layers": {layer: {"format": "float8_e4m3fn"} for layer in layers}}
+        )}  # fmt: skip
+        legacy = {
+            k.replace(".scale_weight", ".weight_scale"): v
+            for k, v in legacy.items()
+            if k != "scaled_fp8" and not k.endswith(".scale_input")
+        }
+    save_file(legacy, str(path), metadata=metadata)
     return path
 
 
@@ -149,6 +160,35 @@ def qwen_legacy(comfy: Any) -> dict[str, torch.Tensor]:
     return _scaled_fp8(sd, _linear_weights(model, "model."))
 
 
+def _dequantized_reference(comfy: Any, form: str) -> bool:
+    return form == "quantization_metadata" and not hasattr(comfy.utils, "convert_old_quants")
+
+
+def _dtype_for(comfy: Any, form: str) -> dict[str, Any]:
+    """ComfyUI's `model_options` dtype for both CLIPs: float32 against a dequantized reference (`_reference`)."""
+    return {"dtype": torch.float32} if _dequantized_reference(comfy, form) else {}
+
+
+def _reference(comfy: Any, legacy: dict[str, torch.Tensor], form: str, path: Path) -> Path:
+    """The file ComfyUI's own CLIP is loaded from: the tested one, except where this ComfyUI cannot read it.
+    ComfyUI 0.3.75 reads a header's `_quantization_metadata` for the language models only, and then fails
+    (`te() got an unexpected keyword argument 'llama_quantization_metadata'`); for T5 it ignores it and runs
+    the fp8 weights unscaled. There the reference is 0.3.75's own CLIP on the dequantized weights in float32
+    (fp8 x scale, exact in float32; the bf16 tensors as they are): what 0.33 computes from that file. Both
+    CLIPs are then told ComfyUI's dtype float32 (`DTYPE_FOR`), which ComfyUI would otherwise narrow to fp16."""
+    if not _dequantized_reference(comfy, form):
+        return path
+    plain = {}
+    for key, value in legacy.items():
+        if key.endswith(".weight") and f"{key.removesuffix('.weight')}.scale_weight" in legacy:
+            plain[key] = value.to(torch.float32) * legacy[f"{key.removesuffix('.weight')}.scale_weight"]
+        elif key != "scaled_fp8" and not key.endswith((".scale_weight", ".scale_input")):
+            plain[key] = value.to(torch.float32)
+    reference = path.with_name(f"dequantized-{path.name}")
+    save_file(plain, str(reference))
+    return reference
+
+
 def _comfy_own(comfy: Any, paths: list[Path], clip_type: str, options: dict[str, Any]) -> Any:
     """ComfyUI's own CLIPLoader / DualCLIPLoader path on the files: `comfy.sd.load_clip`."""
     return comfy.sd.load_clip(
@@ -173,11 +213,17 @@ def test_flux1_scaled_t5_on_the_workers_equals_comfyuis_own(
 
     t5 = _save(comfy, t5_legacy, form, tmp_path / "tiny-t5xxl_fp8_e4m3fn_scaled.safetensors")
     own = _comfy_own(
-        comfy, [t5, clip_l_file], "flux", {"t5xxl_model_config": TINY_T5, "model_config": dict(TINY_CLIP_L)}
+        comfy,
+        [_reference(comfy, t5_legacy, form, t5), clip_l_file],
+        "flux",
+        {"t5xxl_model_config": TINY_T5, "model_config": dict(TINY_CLIP_L), **_dtype_for(comfy, form)},
     )
     group = ResidentGroup(group=request.getfixturevalue(f"group{world}"))
     ours = build_clip(
-        group, [str(t5), str(clip_l_file)], "flux", comfy_options={"model_config": dict(TINY_CLIP_L)}
+        group,
+        [str(t5), str(clip_l_file)],
+        "flux",
+        comfy_options={"model_config": dict(TINY_CLIP_L), **_dtype_for(comfy, form)},
     )
     prompt = "a tiny red fox reading a newspaper on a park bench, morning light"
     expected, expected_pooled = own.encode_from_tokens(own.tokenize(prompt), return_pooled=True)
@@ -202,7 +248,9 @@ def _assert_held_as_planned(clip: Any, group: ResidentGroup, slot: str) -> None:
     for model in held:
         assert model.parameter_bytes == encoder.request.weight_bytes
         # every linear weight is split by tensor parallelism: each rank holds 1/world of the file's fp8 bytes
-        fp8 = sum(t.shape[0] * t.shape[1] for n, t in encoder.info.tensors.items() if n in encoder.info.scales)
+        fp8 = sum(
+            t.shape[0] * t.shape[1] for n, t in encoder.info.tensors.items() if n in encoder.info.scales
+        )
         assert model.parameter_bytes_by_dtype.get("float8_e4m3fn") == fp8 // len(group.devices)
     group.unload(slot)
 
@@ -220,9 +268,16 @@ def test_qwen_image_scaled_encoder_on_the_workers_equals_comfyuis_own(
     from rocm_parallel.nodes.comfy_clip import build_clip
 
     path = _save(comfy, qwen_legacy, form, tmp_path / "tiny-qwen_2.5_vl_7b_fp8_scaled.safetensors")
-    own = _comfy_own(comfy, [path], "qwen_image", {"qwen25_7b_model_config": TINY_QWEN25})
+    own = _comfy_own(
+        comfy,
+        [_reference(comfy, qwen_legacy, form, path)],
+        "qwen_image",
+        {"qwen25_7b_model_config": TINY_QWEN25, **_dtype_for(comfy, form)},
+    )
     group = ResidentGroup(group=request.getfixturevalue(f"group{world}"))
-    ours = build_clip(group, [str(path)], "qwen_image", slot="qwen scaled")
+    ours = build_clip(
+        group, [str(path)], "qwen_image", slot="qwen scaled", comfy_options=_dtype_for(comfy, form)
+    )
     prompt = 'a neon sign that reads "ROCm" above a rainy street, night'
     for encode in (
         lambda clip: nodes.CLIPTextEncode().encode(clip, prompt)[0][0],
