@@ -114,6 +114,42 @@ def write_encoder(
     return path
 
 
+SCALED_FORMS = ("scaled_fp8", "comfy_quant")  # ComfyUI's legacy scaled fp8 layout, and its newer one
+
+
+def write_scaled_encoder(kind: str, folder: Path, form: str = "scaled_fp8", seed: int = 0) -> Path:
+    """`kind`'s small model as ComfyUI's scaled fp8 text encoder files hold it: every linear weight
+    float8_e4m3fn with one float32 scale (testing/writers.py quantize_fp8), everything else bf16. `form`:
+    "scaled_fp8", the legacy layout (a `scaled_fp8` marker, `scale_weight` and a `scale_input` of 1.0 per
+    layer: t5xxl_fp8_e4m3fn_scaled, qwen_2.5_vl_7b_fp8_scaled), or "comfy_quant", what ComfyUI 0.33's
+    `convert_old_quants` makes of it (`weight_scale` and a `comfy_quant` JSON tag per layer)."""
+    import json
+
+    from .writers import quantize_fp8
+
+    if form not in SCALED_FORMS:
+        raise ValueError(f"form={form!r}; use one of {SCALED_FORMS}")
+    sd = state_dict_for_file(kind, make_model(kind, seed))
+    out: dict[str, torch.Tensor] = {}
+    if form == "scaled_fp8":
+        out["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
+    tag = torch.tensor(list(json.dumps({"format": "float8_e4m3fn"}).encode()), dtype=torch.uint8)
+    for key, value in sd.items():
+        linear = value.ndim == 2 and "relative_attention_bias" not in key and "shared" not in key
+        if linear and not key.endswith("embed_tokens.weight"):
+            layer = key.removesuffix(".weight")
+            out[key], scale = quantize_fp8(value)
+            if form == "scaled_fp8":
+                out[f"{layer}.scale_weight"], out[f"{layer}.scale_input"] = scale, torch.ones(())
+            else:
+                out[f"{layer}.weight_scale"], out[f"{layer}.comfy_quant"] = scale, tag.clone()
+        else:
+            out[key] = value.to(torch.bfloat16)
+    path = folder / f"tiny-{kind}-fp8-{form}-{seed}.safetensors"
+    save_file(out, str(path))
+    return path
+
+
 def reference(
     kind: str, path: Path, ids: torch.Tensor, attention_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -132,4 +168,14 @@ def reference(
         return model(input_ids=ids, attention_mask=attention_mask).last_hidden_state
 
 
-__all__ = ["KINDS", "PACK_KINDS", "VOCAB", "make_model", "reference", "state_dict_for_file", "write_encoder"]
+__all__ = [
+    "KINDS",
+    "PACK_KINDS",
+    "SCALED_FORMS",
+    "VOCAB",
+    "make_model",
+    "reference",
+    "state_dict_for_file",
+    "write_encoder",
+    "write_scaled_encoder",
+]

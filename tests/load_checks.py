@@ -45,3 +45,25 @@ def resident_state(ctx: Any) -> ResidentState:
     """This rank's resident weights (its shard), on the CPU: what the LoRA tests compare bit for bit."""
     model = ctx.resident.require()
     return ResidentState(ctx.rank, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()})
+
+
+@record
+@dataclass(frozen=True)
+class EncoderWeights:
+    """This rank's linear weights of the text encoder in `slot`, as held, with their scales."""
+
+    slot: str
+
+
+@handler("encoder_weights", EncoderWeights)
+def encoder_weights(ctx: Any, request: EncoderWeights) -> ResidentState:
+    """Every linear weight of the resident encoder as this rank holds it (dtype and slice) and, as
+    `<layer>.scale_weight`, the scale it shares with the other ranks."""
+    model = ctx.residents[request.slot].model
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            out[f"{name}.weight"] = module.weight.detach().cpu().clone()
+            if getattr(module, "scale_weight", None) is not None:
+                out[f"{name}.scale_weight"] = module.scale_weight.detach().cpu().clone()
+    return ResidentState(ctx.rank, out)
