@@ -19,68 +19,37 @@ scale.to(bf16)`), before the float32 matmul; 0.3.75 keeps `scaled_fp8_ops`, the 
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from comfy_server import COMFYUI_PATH, COMFYUI_VERSION, TESTS_DIR
+from comfy_server import COMFYUI_PATH, COMFYUI_VERSION
 from safetensors.torch import save_file
+from test_comfy_encoders import TINY_CLIP_L, TINY_QWEN25, TINY_T5, _randomize
 
 from rocm_parallel.backend.client import WorkerGroup
-from rocm_parallel.backend.encoders.t5.kind import T5_XXL
 from rocm_parallel.backend.resident import ResidentGroup
 
 pytestmark = [pytest.mark.comfy, pytest.mark.timeout(1800)]
 
 TOLERANCE = 1e-4
-TINY_T5 = {**T5_XXL, "d_model": 32, "d_kv": 8, "num_heads": 4, "num_layers": 24}  # as test_comfy_encoders
-TINY_CLIP_L = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_hidden_layers": 2}
-TINY_QWEN25 = {
-    "vocab_size": 152064, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
-    "num_attention_heads": 8, "num_key_value_heads": 4,
-}  # fmt: skip
 FORMS = ["scaled_fp8", "comfy_quant", "quantization_metadata"]
 
 
 @pytest.fixture(scope="module")
 def comfy() -> Any:
-    if not COMFYUI_PATH:
-        pytest.skip("set COMFYUI_PATH to a ComfyUI checkout to run the comfy tier")
-    sys.path.insert(0, str(TESTS_DIR / "tools"))
-    from make_comfy_references import import_comfy
+    """ComfyUI imported in this process (test_comfy_encoders.py's fixture)."""
+    import test_comfy_encoders
 
-    import_comfy(COMFYUI_PATH)
-    import comfy.clip_model
-    import comfy.ops
-    import comfy.sd
-    import comfy.text_encoders.llama
-    import comfy.text_encoders.t5
-    import comfy.utils
-
-    return comfy
+    return test_comfy_encoders.comfy.__wrapped__()
 
 
 @pytest.fixture(scope="module")
 def group1() -> Iterator[WorkerGroup]:
     with WorkerGroup(["cpu"], threads=1) as group:
         yield group
-
-
-def _random(module: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, value in module.state_dict().items():
-        if "norm" in name:
-            values = 1 + 0.1 * torch.randn(value.shape, generator=g)
-        elif value.ndim == 2 and "embed" not in name and "shared" not in name and "relative" not in name:
-            values = torch.randn(value.shape, generator=g) / value.shape[1] ** 0.5
-        else:
-            values = torch.randn(value.shape, generator=g) * (0.05 if name.endswith("bias") else 1.0)
-        out[name] = values.contiguous()
-    return out
 
 
 def _scaled_fp8(sd: dict[str, torch.Tensor], linear: set[str]) -> dict[str, torch.Tensor]:
@@ -136,7 +105,7 @@ def _linear_weights(module: torch.nn.Module, prefix: str = "") -> set[str]:
 @pytest.fixture(scope="module")
 def t5_legacy(comfy: Any) -> dict[str, torch.Tensor]:
     t5 = comfy.text_encoders.t5.T5(TINY_T5, torch.float32, "cpu", comfy.ops.manual_cast)
-    return _scaled_fp8(_random(t5, 11), _linear_weights(t5))
+    return _scaled_fp8(_randomize(t5, 11), _linear_weights(t5))
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +115,7 @@ def clip_l_file(comfy: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
             {**json.load(f), **TINY_CLIP_L}, torch.float32, "cpu", comfy.ops.manual_cast
         )
     path = tmp_path_factory.mktemp("clip_l") / "tiny-clip-l.safetensors"
-    save_file(_random(clip_l, 12), str(path))
+    save_file(_randomize(clip_l, 12), str(path))
     return path
 
 
@@ -156,7 +125,7 @@ def qwen_legacy(comfy: Any) -> dict[str, torch.Tensor]:
     model = llama.Llama2_(
         llama.Qwen25_7BVLI_Config(**TINY_QWEN25), device="cpu", dtype=torch.float32, ops=comfy.ops.manual_cast
     )
-    sd = {f"model.{k}": v for k, v in _random(model, 13).items()}
+    sd = {f"model.{k}": v for k, v in _randomize(model, 13).items()}
     return _scaled_fp8(sd, _linear_weights(model, "model."))
 
 
