@@ -40,10 +40,12 @@ def encoder_bytes(
     degree: int,
     embedding: str = "vocab",
     held: Callable[[str], DType] | DType | str = "bfloat16",
+    table: DType | str | None = None,
 ) -> int:
     """Parameter bytes one rank holds of encoder `kind` (a backend.encoders.kind.EncoderKind) with `config`
     at tensor-parallel `degree`: `held` is the dtype of the linear weights and embeddings, one for all (a
-    DType or its name) or per parameter name (a function)."""
+    DType or its name) or per parameter name (a function); `table`, when given, the token table's own (an
+    fp8 encoder file, plain or scaled, keeps its token table in bf16: ComfyUI's and the pack's test files)."""
     import torch  # the meta model; imported here so that the planner's other parts stay torch-free
 
     from ..parallel.tensor import resolve_plan, shard_pieces
@@ -56,6 +58,7 @@ def encoder_bytes(
     else:
         one = _as_dtype(held)
         by_name = lambda _name: one  # noqa: E731 (one dtype for every parameter)
+    token_table = _as_dtype(table) if table is not None else None
     total = 0
     for name, param in model.named_parameters():
         module_name, _, leaf = name.rpartition(".")
@@ -68,7 +71,10 @@ def encoder_bytes(
         kept = (leaf == "weight" and isinstance(module, torch.nn.Linear | torch.nn.Embedding)) or hasattr(
             module, "out_dtype"
         )
-        size = by_name(name).bytes if kept else 4
+        if token_table is not None and isinstance(module, torch.nn.Embedding):
+            size = token_table.bytes
+        else:
+            size = by_name(name).bytes if kept else 4
         n = 1
         for s in shape:
             n *= s

@@ -28,6 +28,9 @@ from .encoder import COMFYUI_GPU0, PLACEMENTS, Placement, place_encoder
 ENCODERS_FILE = Path(__file__).with_name("encoders.json")
 MAX_DEGREE = 8  # the largest tensor-parallel degree the file stores (the pack's machines have 2-8 GPUs)
 ENCODER_DTYPES = {"bf16": "bfloat16", "fp8": "float8_e4m3fn"}  # how the encoder's weights are held
+# the token table's dtype where it differs from the weights': ComfyUI's fp8 encoder files (plain and scaled)
+# keep it in bf16, and the workers hold it as the file does
+ENCODER_TABLES = {"fp8": "bfloat16"}
 
 
 def model_encoders() -> dict[str, str]:
@@ -167,6 +170,7 @@ def format_graph(graph: GraphPlan, full: bool = False) -> str:
 __all__ = [
     "ENCODERS_FILE",
     "ENCODER_DTYPES",
+    "ENCODER_TABLES",
     "MAX_DEGREE",
     "GraphPlan",
     "encoder_dtype",

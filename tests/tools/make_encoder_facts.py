@@ -16,7 +16,7 @@ from typing import Any
 from rocm_parallel.backend.config import ConfigError
 from rocm_parallel.backend.encoders.kind import encoder_kinds
 from rocm_parallel.backend.plan.encoder import encoder_bytes
-from rocm_parallel.backend.plan.graph import ENCODER_DTYPES, ENCODERS_FILE, MAX_DEGREE
+from rocm_parallel.backend.plan.graph import ENCODER_DTYPES, ENCODER_TABLES, ENCODERS_FILE, MAX_DEGREE
 
 
 def encoders_facts() -> dict[str, dict[str, Any]]:
@@ -32,8 +32,8 @@ def encoders_facts() -> dict[str, dict[str, Any]]:
                 except ConfigError:
                     continue
                 per_degree[str(degree)] = {
-                    dtype: encoder_bytes(kind, config, degree, "vocab", dtype)
-                    for dtype in ENCODER_DTYPES.values()
+                    dtype: encoder_bytes(kind, config, degree, "vocab", dtype, ENCODER_TABLES.get(short))
+                    for short, dtype in ENCODER_DTYPES.items()
                 }
             out[preset] = {"kind": kind.name, "title": kind.title, "bytes": per_degree}
     return out
