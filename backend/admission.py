@@ -76,15 +76,18 @@ def admit(
     text_tokens: int,
     reference_tokens: int = 0,
     what: str = "latent",
+    estimate: float | None = None,
 ) -> None:
-    """Refuse a model call on a latent of `shape` whose activations cannot fit; says what would."""
+    """Refuse a model call on a latent of `shape` whose activations cannot fit; says what would.
+    `estimate`: `activation_estimate`'s answer for these arguments when the caller has it already."""
     bound = memory_limit(devices, reports)
     if bound is None:
         return
     limit, why = bound
-    estimate = activation_estimate(
-        info, layout, shape, dtype=dtype, text_tokens=text_tokens, reference_tokens=reference_tokens
-    )
+    if estimate is None:
+        estimate = activation_estimate(
+            info, layout, shape, dtype=dtype, text_tokens=text_tokens, reference_tokens=reference_tokens
+        )
     if estimate <= limit:
         return
     batch = int(shape[0])

@@ -220,7 +220,7 @@ class ParallelModel(ResidentGroup):
         self.make_headroom(need, exclude=resident.slot)
         admit(
             resident.info, resident.layout, self.devices, self._last_status, shape,
-            dtype=dtype, text_tokens=text_tokens, reference_tokens=refs, what=what,
+            dtype=dtype, text_tokens=text_tokens, reference_tokens=refs, what=what, estimate=need,
         )  # fmt: skip
 
 

@@ -374,8 +374,7 @@ class ResidentGroup:
         with self._lock:
             if not self._parking_frees_memory() or not self.started:
                 return
-            policies = self.park_policy
-            for slot in to_park(self.residents.items(), self.parked, policies, exclude=exclude):
+            for slot in to_park(self.residents.items(), self.parked, self.park_policy, exclude=exclude):
                 bound = admission.memory_limit(self.devices, self._last_status)
                 if bound is None or need <= bound[0]:
                     return
