@@ -10,8 +10,8 @@ positional count and keyword names are bound to the recorded signature), a subcl
 the methods it overrides (each must still accept every parameter ComfyUI's own method has), the
 (module, attribute) pairs the parallel MODEL checks at run time (nodes/comfy_model.py `_REQUIRED`), and the
 `comfy.supported_models` classes the model families name (`ComfyModel(config_class=...)`). A use inside
-`try:` / `except ImportError` (or AttributeError) is a version shim: it may be absent from a version, not
-from all of them.
+`try:` / `except ImportError` (or AttributeError), or read by `getattr` with a default, is a version shim:
+it may be absent from a version, not from all of them.
 
 Why not comfy-import-guard alone: it resolves `comfy.*` only, against a git clone of ComfyUI that CI cannot
 reach, and it does not see `nodes`, `folder_paths`, `server`, `comfy_extras` or the names the pack reaches
@@ -129,7 +129,8 @@ class _Scanner(ast.NodeVisitor):
 
     def _add(self, node: ast.AST, name: str, kind: str, **extra: Any) -> None:
         where = f"{self.rel}:{getattr(node, 'lineno', 0)}"
-        self.uses.append(Use(name, where, kind, guarded=self._guarded(node), **extra))
+        extra.setdefault("guarded", self._guarded(node))
+        self.uses.append(Use(name, where, kind, **extra))
 
     def _guarded(self, node: ast.AST) -> bool:
         """In the body of a `try:` that catches a missing module or attribute (a version shim)."""
@@ -190,7 +191,9 @@ class _Scanner(ast.NodeVisitor):
         if name and ast.unparse(node.func) == "getattr":
             parent = self.parents.get(node)
             if not (isinstance(parent, ast.Call) and parent.args and parent.args[0] is node):
-                self._add(node, name, "attr")  # getattr(mod, "x", None) — a use of mod.x
+                # getattr(mod, "x") is a use of mod.x; with a default (`getattr(mod, "x", None)`) the pack
+                # handles its absence, a version shim like `try: ... except AttributeError`
+                self._add(node, name, "attr", guarded=len(node.args) >= 3 or self._guarded(node))
         func, via_instance = node.func, False
         target = self.resolve(func)
         if target is None and isinstance(func, ast.Attribute) and isinstance(func.value, ast.Call):

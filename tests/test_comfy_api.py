@@ -5,6 +5,7 @@ overrides holds in every ComfyUI version the comfy tier runs, as that real Comfy
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -134,3 +135,15 @@ def test_a_guarded_shim_may_be_absent_from_a_version_but_not_from_all(recorded):
     }
     unguarded = next(u for u in scan() if u.name == "comfy.model_management.free_memory")
     assert not unguarded.guarded
+
+
+def test_a_getattr_with_a_default_is_a_shim_and_one_without_is_not(recorded):
+    """nodes/comfy_clip.py reads comfy.utils.convert_old_quants by `getattr(..., None)` and skips the conversion
+    where ComfyUI has none (0.3.75): a handled absence, not a failure; `getattr(mod, "x")` alone is a plain use."""
+    use = next(u for u in scan() if u.name == "comfy.utils.convert_old_quants")
+    assert use.guarded
+    by_version = {f.version: f for f in check([use], recorded)}
+    assert by_version["0.3.75"].absent and not by_version["0.3.75"].problem
+    assert not by_version["0.33.0"].absent
+    plain = dataclasses.replace(use, guarded=False)
+    assert {f.problem for f in check([plain], recorded)} == {"", "missing in this ComfyUI"}
