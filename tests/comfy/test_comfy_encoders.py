@@ -139,7 +139,10 @@ def _comfy_clip(comfy: Any, paths: list[Path], clip_type: str, options: dict[str
 
     sds = [comfy.utils.load_torch_file(str(p), safe_load=True) for p in paths]
     return comfy.sd.load_text_encoder_state_dicts(
-        sds, clip_type=comfy.sd.CLIPType[clip_type.upper()], model_options=options
+        sds,
+        # as ComfyUI's CLIPLoader reads its type (0.3.75 lists 'flux2' without a CLIPType for it)
+        clip_type=getattr(comfy.sd.CLIPType, clip_type.upper(), comfy.sd.CLIPType.STABLE_DIFFUSION),
+        model_options=options,
     )
 
 
@@ -560,7 +563,8 @@ def _flux2_dev_available(comfy: Any) -> None:
 
         pytest.skip(
             f"ComfyUI {COMFYUI_VERSION} reads Mistral's tokenizer through transformers' MistralConverter(vocab=...), "
-            f"which transformers {transformers.__version__} (this ComfyUI's venv) no longer takes"
+            f"which transformers {transformers.__version__} (this ComfyUI's venv) no longer takes: put a "
+            "transformers 4.x first on PYTHONPATH to run these (docs/testing.md)"
         )
 
 
