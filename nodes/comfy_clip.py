@@ -212,10 +212,9 @@ def build_clip(
         _as_comfy_reads(info.path, _state_dict(info.path, _is_real)),
         *(_companion(p) for p in companions),
     ]
-    try:
-        clip_type_enum = comfy.sd.CLIPType[clip_type.upper()]
-    except KeyError:
-        raise ConfigError(f"type '{clip_type}' is not a ComfyUI CLIP type of this ComfyUI") from None
+    # as ComfyUI's CLIPLoader reads its `type` (check_clip_type has refused the types the pack does not run):
+    # 0.3.75 lists 'flux2' with no CLIPType for it and detects FLUX.2 [dev]'s Mistral by the file alone
+    clip_type_enum = getattr(comfy.sd.CLIPType, clip_type.upper(), comfy.sd.CLIPType.STABLE_DIFFUSION)
     clip = comfy.sd.load_text_encoder_state_dicts(
         data, embedding_directory=embedding_directory, clip_type=clip_type_enum, model_options=options
     )

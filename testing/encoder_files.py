@@ -154,7 +154,8 @@ def reference(
     kind: str, path: Path, ids: torch.Tensor, attention_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
     """transformers' model of `kind` on the file's weights (upcast to float32) for `ids`: its last hidden
-    state (after the final norm)."""
+    state (after the final norm; for Mistral, whose files of fewer than 40 layers ComfyUI reads as FLUX.2's
+    pruned variant without a final norm, the bare last hidden state)."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -164,6 +165,8 @@ def reference(
     model = make_model(kind, vocab=vocab)
     sd = {k.removeprefix("model.") if kind != "t5" else k: v.float() for k, v in load_file(str(path)).items()}
     model.load_state_dict(sd, strict=False)
+    if kind == "mistral3" and model.config.num_hidden_layers < 40:
+        model.norm = torch.nn.Identity()
     with torch.no_grad():
         return model(input_ids=ids, attention_mask=attention_mask).last_hidden_state
 

@@ -225,7 +225,8 @@ class RPTestTinyCLIPLoader:
         return (comfy.sd.load_clip(
             ckpt_paths=[folder_paths.get_full_path_or_raise("text_encoders", clip_name)],
             embedding_directory=folder_paths.get_folder_paths("embeddings"),
-            clip_type=comfy.sd.CLIPType[type.upper()], model_options=json.loads(options),
+            clip_type=getattr(comfy.sd.CLIPType, type.upper(), comfy.sd.CLIPType.STABLE_DIFFUSION),  # as CLIPLoader
+            model_options=json.loads(options),
         ),)
 
 

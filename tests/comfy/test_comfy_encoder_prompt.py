@@ -6,7 +6,9 @@ saved as ComfyUI's qwen_2.5_vl_7b file keys it) in the server's models/text_enco
 told the file's small config), and the pack's loader (type qwen_image, CPU workers), each under ComfyUI's
 CLIPTextEncode and under TextEncodeQwenImageEditPlus with two reference images (ComfyUI's LoadImage; the
 file holds ComfyUI's own vision tower too). A test node saves each conditioning; the pack's equals ComfyUI's
-own within 1e-4, on 1, 2 and 4 workers.
+own within 1e-4, on 1, 2 and 4 workers. The same for FLUX.2 [dev]'s text encoder (type flux2: a small file of
+ComfyUI's pruned Mistral Small 3 with its tekken tokenizer, tests/comfy/mistral_fixture.py) under
+CLIPTextEncode (0.33.0; 0.3.75 cannot read Mistral's tokenizer with its venv's transformers: skipped, saying so).
 
     source /work/comfy/env.sh 0.33.0 <pack checkout>
     python -m pytest -q -s -m comfy tests/comfy/test_comfy_encoder_prompt.py
@@ -142,12 +144,75 @@ def test_the_loader_node_through_the_prompt_api_equals_comfyuis_cliploader(
     text, edit = comfys_own["saved"]
     assert edit["cond"].shape[1] > text["cond"].shape[1] + 100  # the two images' tokens are in the prompt
     for expected, got in zip(comfys_own["saved"], _saved(comfy, f"te-pack{workers}"), strict=True):
-        assert sorted(got) == sorted(expected)
-        assert got["cond"].shape == expected["cond"].shape
-        assert got["cond"].shape[-1] == comfys_own["config"]["hidden_size"]
-        diff = (got["cond"] - expected["cond"]).abs().max().item()
-        print(f"\nqwen_image CLIP, {workers} worker(s), /prompt: max |pack - ComfyUI| {diff:.2e}, "
-              f"shape {tuple(got['cond'].shape)}")  # fmt: skip
-        assert diff < TOLERANCE
-        for key in set(expected) - {"cond"}:
-            assert torch.equal(got[key], expected[key]), key
+        _assert_equal_conditioning(
+            got, expected, comfys_own["config"]["hidden_size"], f"qwen_image, {workers}"
+        )
+
+
+def _assert_equal_conditioning(
+    got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], width: int, label: str
+) -> None:
+    """A saved conditioning equals ComfyUI's own: the same keys, `cond` of `width` within 1e-4, the rest
+    (attention masks) exactly."""
+    assert sorted(got) == sorted(expected)
+    assert got["cond"].shape == expected["cond"].shape and got["cond"].shape[-1] == width
+    diff = (got["cond"] - expected["cond"]).abs().max().item()
+    print(f"\n{label} worker(s), /prompt: max |pack - ComfyUI| {diff:.2e}, shape {tuple(got['cond'].shape)}")
+    assert diff < TOLERANCE
+    for key in set(expected) - {"cond"}:
+        assert torch.equal(got[key], expected[key]), key
+
+
+FLUX2_DEV_FILE = "tiny-mistral3-flux2-pruned-prompt.safetensors"
+
+
+def _save_flux2_dev(folder: Path) -> dict[str, Any]:
+    """FLUX.2 [dev]'s small pruned Mistral Small 3 with its tekken tokenizer (tests/comfy/mistral_fixture.py:
+    ComfyUI's own class, imported in this process) in `folder`; the config ComfyUI's own loader is told."""
+    from make_comfy_references import import_comfy
+    from mistral_fixture import MISTRAL3_PRUNED, save_pruned_mistral
+    from test_comfy_encoders import _flux2_dev_available
+
+    import_comfy(COMFYUI_PATH)
+    import comfy.ops
+    import comfy.text_encoders.llama
+
+    _flux2_dev_available(comfy)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_pruned_mistral(comfy, folder / FLUX2_DEV_FILE, [PROMPT], seed=15)
+    return MISTRAL3_PRUNED
+
+
+@pytest.fixture(scope="module")
+def comfys_own_flux2_dev(comfy: Comfy) -> dict[str, torch.Tensor]:
+    """The file in the server's models/text_encoders/ and ComfyUI's own CLIPLoader's (type flux2)
+    CLIPTextEncode of PROMPT."""
+    config = _save_flux2_dev(comfy.base / "models" / "text_encoders")
+    options = json.dumps({"mistral3_24b_model_config": config})
+    own = {"class_type": "RPTestTinyCLIPLoader", "inputs": {"clip_name": FLUX2_DEV_FILE, "type": "flux2", "options": options}}  # fmt: skip
+    run_prompt(comfy, _flux2_dev_graph(own, "dev-own"), "flux2-dev-own")
+    return load_file(str(comfy.base / "output" / "dev-own.safetensors"))
+
+
+def _flux2_dev_graph(loader: dict[str, Any], prefix: str) -> dict[str, Any]:
+    return {
+        "1": loader,
+        "2": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 0], "text": PROMPT}},
+        "3": {"class_type": "RPTestSaveConditioning", "inputs": {"conditioning": ["2", 0], "filename_prefix": prefix}},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4])
+def test_the_flux2_dev_loader_through_the_prompt_api_equals_comfyuis_cliploader(
+    comfy: Comfy, comfys_own_flux2_dev: dict[str, torch.Tensor], workers: int
+) -> None:
+    """FLUX.2 [dev]'s text encoder (type flux2) on `cpu x1/x2/x4` through `/prompt`: ComfyUI's own tokenizer
+    read from the file, its template and three stacked layers, the language model on the workers."""
+    ours = {
+        "class_type": "RocmParallelTextEncoderLoader",
+        "inputs": {"clip_name1": FLUX2_DEV_FILE, "clip_name2": "none", "type": "flux2", "devices": f"cpu x{workers}"},
+    }  # fmt: skip
+    run_prompt(comfy, _flux2_dev_graph(ours, f"dev-pack{workers}"), f"flux2-dev-pack{workers}")
+    assert len(_workers(comfy)) >= workers
+    got = load_file(str(comfy.base / "output" / f"dev-pack{workers}.safetensors"))
+    _assert_equal_conditioning(got, comfys_own_flux2_dev, 3 * 5120, f"flux2 (Mistral), {workers}")

@@ -18,10 +18,15 @@ The files are small random encoders built with **ComfyUI's own** text-encoder cl
   with the language model sharded, against ComfyUI's own (0.33.0: 0.3.75 has no klein encoder);
 * a FLUX.2 [klein] graph end to end with that encoder and a small FLUX.2 (ComfyUI's own classes, its ModelSave)
   on one worker group, against ComfyUI's own CLIP and model (0.33.0);
+* FLUX.2 [dev]'s CLIP (type 'flux2' with Mistral Small 3's pruned FLUX.2 variant, tests/comfy/mistral_fixture.py:
+  ComfyUI's tekken tokenizer read from the file, its template, layers 10, 20 and 30 stacked) with the language
+  model sharded, against ComfyUI's own, and a FLUX.2 [dev] graph end to end (FluxGuidance, BasicGuider) with
+  that encoder and a small FLUX.2 [dev] on one worker group (0.33.0: 0.3.75's Mistral tokenizer needs a
+  transformers older than its venv's);
 * the loader node under ComfyUI's own CLIPTextEncode and CLIPTextEncodeFlux.
 
 At TP 2 and TP 4 (attention heads, key/value groups and MLP split, token embeddings split by vocabulary), and
-for FLUX.1's CLIP, Qwen-Image's CLIP, FLUX.2 [klein]'s CLIP and the language models also on one worker ("single":
+for FLUX.1's CLIP, Qwen-Image's CLIP, FLUX.2's CLIPs and the language models also on one worker ("single":
 the whole encoder on one rank, the pack's code path without a split).
 
     source /work/comfy/env.sh 0.33.0 <pack checkout>
@@ -134,7 +139,10 @@ def _comfy_clip(comfy: Any, paths: list[Path], clip_type: str, options: dict[str
 
     sds = [comfy.utils.load_torch_file(str(p), safe_load=True) for p in paths]
     return comfy.sd.load_text_encoder_state_dicts(
-        sds, clip_type=comfy.sd.CLIPType[clip_type.upper()], model_options=options
+        sds,
+        # as ComfyUI's CLIPLoader reads its type (0.3.75 lists 'flux2' without a CLIPType for it)
+        clip_type=getattr(comfy.sd.CLIPType, clip_type.upper(), comfy.sd.CLIPType.STABLE_DIFFUSION),
+        model_options=options,
     )
 
 
@@ -180,7 +188,10 @@ def test_language_models_on_the_workers_equal_comfyuis_own(
     selection of intermediate layers without the final norm, a left-padded prompt, and for Qwen2.5-VL the
     3-row position ids of an image prompt (temporal, height, width sections of the rotary embedding)."""
     llama = comfy.text_encoders.llama
-    config = getattr(llama, LANGUAGE_MODELS[kind])(**TINY_LM)
+    # ComfyUI builds a Mistral Small 3 file of fewer than 40 layers as FLUX.2's pruned variant: no final norm
+    config = getattr(llama, LANGUAGE_MODELS[kind])(
+        **TINY_LM, **({"final_norm": False} if kind == "mistral3" else {})
+    )
     model = llama.Llama2_(config, device="cpu", dtype=torch.float32, ops=comfy.ops.manual_cast)
     sd = _randomize(model, 3)
     model.load_state_dict(sd)
@@ -532,4 +543,118 @@ def test_a_flux2_klein_graph_with_encoder_and_model_on_the_pack_equals_comfyuis_
     print(
         f"\nFLUX.2 [klein] graph: max |pack - ComfyUI| {diff:.2e} of max |latent| {expected.abs().max():.2f}"
     )
+    assert diff < TOLERANCE
+
+
+def _flux2_dev_available(comfy: Any) -> None:
+    """ComfyUI 0.3.75 builds Mistral's tokenizer with transformers' `MistralConverter(vocab=...,
+    additional_special_tokens=...)`, which transformers 5 replaced by `MistralConverter(vocab_file)`: with its
+    venv's transformers it cannot read any FLUX.2 [dev] text encoder (its own CLIPLoader fails the same way)."""
+    import inspect
+
+    import comfy.text_encoders.flux as flux
+
+    if hasattr(flux, "from_tekken_json"):  # 0.33.0: ComfyUI's own BPE reads the tekken JSON
+        return
+    from transformers.integrations.mistral import MistralConverter
+
+    if "vocab" not in inspect.signature(MistralConverter).parameters:
+        import transformers
+
+        pytest.skip(
+            f"ComfyUI {COMFYUI_VERSION} reads Mistral's tokenizer through transformers' MistralConverter(vocab=...), "
+            f"which transformers {transformers.__version__} (this ComfyUI's venv) no longer takes: put a "
+            "transformers 4.x first on PYTHONPATH to run these (docs/testing.md)"
+        )
+
+
+FLUX2_DEV_PROMPT = 'a red fox reading a newspaper in a snowy forest, the headline reads "FLUX.2"'
+
+
+@pytest.fixture(scope="module")
+def mistral_file(comfy: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """FLUX.2 [dev]'s text encoder as ComfyUI detects its pruned variant, with a tekken tokenizer in the file
+    (tests/comfy/mistral_fixture.py); ComfyUI's own Mistral3Small24B class, ~0.7 GB."""
+    from mistral_fixture import save_pruned_mistral
+
+    _flux2_dev_available(comfy)
+    path = tmp_path_factory.mktemp("mistral") / "tiny-mistral3-flux2-pruned.safetensors"
+    return save_pruned_mistral(comfy, path, [FLUX2_DEV_PROMPT], seed=13)
+
+
+def _own_flux2_dev_clip(comfy: Any, path: Path) -> Any:
+    from mistral_fixture import MISTRAL3_PRUNED
+
+    return _comfy_clip(comfy, [path], "flux2", {"mistral3_24b_model_config": MISTRAL3_PRUNED})
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_flux2_dev_clip_on_the_workers_equals_comfyuis_own(
+    request: pytest.FixtureRequest, comfy: Any, mistral_file: Path, world: int
+) -> None:
+    """ComfyUI's own CLIP for type 'flux2' with FLUX.2 [dev]'s pruned Mistral Small 3 (ComfyUI's tekken tokenizer
+    from the file, FLUX.2's system-prompt template, left padding, layers 10, 20 and 30 stacked, no final norm)
+    with the language model sharded on the workers (or whole on one), under CLIPTextEncode: the conditioning
+    equals ComfyUI's own CLIP's."""
+    import nodes
+    from rocm_parallel.nodes.comfy_clip import build_clip
+
+    own = _own_flux2_dev_clip(comfy, mistral_file)
+    group = ResidentGroup(group=request.getfixturevalue(f"group{world}"))
+    ours = build_clip(group, [str(mistral_file)], "flux2", slot="dev te")
+    assert type(ours.cond_stage_model).__name__ == type(own.cond_stage_model).__name__ == "Flux2TEModel_"
+    tokens = own.tokenize(FLUX2_DEV_PROMPT)["mistral3_24b"][0]
+    # ComfyUI's tokenizer really read the file's vocabulary: <s>, [SYSTEM_PROMPT] ... [INST] prompt [/INST],
+    # the words merged (far fewer tokens than bytes)
+    assert [t[0] for t in tokens[:2]] == [1, 17] and tokens[-1][0] == 4
+    assert len(tokens) < len(FLUX2_DEV_PROMPT) // 2 + 40
+    (expected, _), (got, _) = (
+        nodes.CLIPTextEncode().encode(clip, FLUX2_DEV_PROMPT)[0][0] for clip in (own, ours)
+    )
+    assert got.shape == expected.shape == (1, len(tokens), 3 * 5120)
+    diff = (got - expected).abs().max().item()
+    print(
+        f"\nFLUX.2 [dev] CLIP at {world} rank(s): max |pack - ComfyUI| {diff:.2e} of {expected.abs().max():.1f}"
+    )
+    assert diff < TOLERANCE
+    group.unload("dev te")
+
+
+def test_a_flux2_dev_graph_with_encoder_and_model_on_the_pack_equals_comfyuis_own(
+    comfy: Any, mistral_file: Path, tmp_path: Path
+) -> None:
+    """FLUX.2 [dev]'s graph (its template's nodes) end to end with both the text encoder and the diffusion model
+    on one worker group (TP 2): CLIPTextEncode, FluxGuidance 4.0, BasicGuider, EmptyFlux2LatentImage,
+    Flux2Scheduler, SamplerCustomAdvanced (euler). The model is a small FLUX.2 [dev] (guidance embedding) built
+    with ComfyUI's own classes for Mistral's text width (3 x 5120 = 15360) and written by ComfyUI's own ModelSave.
+    The pack's CLIP and the ROCm Parallel Model against ComfyUI's own CLIP and ComfyUI's own Flux2 on the same
+    files: the sampled latent within 1e-4."""
+    import comfy_models
+    from make_comfy_references import import_comfy
+
+    modules, tool = import_comfy(COMFYUI_PATH), comfy_models.import_comfy(COMFYUI_PATH)
+    spec = {**comfy_models.MODELS["flux2-dev"], "text": 3 * 5120, "seed": 14}
+    checkpoint = tmp_path / "tiny-flux2-dev.safetensors"
+    with torch.no_grad():
+        comfy_models.model_save(tool, comfy_models.build(tool, spec, torch.float32), checkpoint)
+    custom, flux_nodes = modules["custom"], modules["flux_nodes"]
+
+    def sample(clip: Any, model: Any) -> torch.Tensor:
+        positive = modules["nodes"].CLIPTextEncode().encode(clip, FLUX2_DEV_PROMPT)[0]
+        positive = flux_nodes.FluxGuidance.execute(positive, 4.0)[0]
+        guider = custom.BasicGuider().get_guider(model, positive)[0]
+        with torch.no_grad():
+            out = custom.SamplerCustomAdvanced().sample(
+                custom.RandomNoise().get_noise(6)[0], guider, custom.KSamplerSelect().get_sampler("euler")[0],
+                flux_nodes.Flux2Scheduler.execute(3, 64, 48)[0], flux_nodes.EmptyFlux2LatentImage.execute(64, 48, 1)[0],
+            )[0]  # fmt: skip
+        return out["samples"].to(torch.float32)
+
+    own_clip = _own_flux2_dev_clip(comfy, mistral_file)
+    expected = sample(own_clip, comfy_models.load_in_comfy(tool, checkpoint, spec))
+    del own_clip
+    got = _sample_on_the_pack(checkpoint, mistral_file, "flux2", sample)
+    assert got.shape == expected.shape
+    diff = (got - expected).abs().max().item()
+    print(f"\nFLUX.2 [dev] graph: max |pack - ComfyUI| {diff:.2e} of max |latent| {expected.abs().max():.2f}")
     assert diff < TOLERANCE

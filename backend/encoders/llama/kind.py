@@ -84,6 +84,10 @@ def matches_qwen3(keys: Collection[str]) -> bool:
     return _is_lm(keys) and Q_NORM in keys
 
 
+# ComfyUI's full Mistral Small 3 has layer 39; a file without it is FLUX.2's pruned variant (30 layers)
+MISTRAL3_FULL_LAYERS = 40
+
+
 def _from_shapes(base: Mapping[str, Any], shapes: Shapes) -> dict[str, Any]:
     vocab, width = shapes["model.embed_tokens.weight"]
     layers = 1 + max(int(k.split(".")[2]) for k in shapes if k.startswith("model.layers."))
@@ -97,6 +101,15 @@ def _from_shapes(base: Mapping[str, Any], shapes: Shapes) -> dict[str, Any]:
         "num_key_value_heads": shapes["model.layers.0.self_attn.k_proj.weight"][0] // HEAD_DIM,
         "final_norm": "model.norm.weight" in shapes,
     }
+
+
+def _mistral3_from_shapes(shapes: Shapes) -> dict[str, Any]:
+    """ComfyUI reads a Mistral Small 3 file without layer 39 as FLUX.2's pruned variant (comfy/sd.py
+    MISTRAL3_24B_PRUNED_FLUX2; comfy/text_encoders/flux.py `flux2_te(pruned=True)`), built without the final
+    norm (fewer than 40 layers): its last stacked layer (30) is the bare last hidden state even where the file
+    keeps the 40-layer model's `model.norm.weight`, which ComfyUI then leaves unread."""
+    config = _from_shapes(MISTRAL3, shapes)
+    return {**config, "final_norm": config["num_hidden_layers"] >= MISTRAL3_FULL_LAYERS}
 
 
 def dims(config: Mapping[str, Any]) -> EncoderDims:
@@ -122,6 +135,7 @@ def _kind(
     presets: dict[str, Any],
     extra: Any = lambda key: False,
     comfy_names: tuple[str, ...] = (),
+    from_shapes: Any = None,
 ) -> EncoderKind:
     return register(
         EncoderKind(
@@ -131,7 +145,7 @@ def _kind(
             clip_types=clip_types,
             matches=matches,
             prefix="model.",
-            config_from_shapes=lambda shapes: _from_shapes(base, shapes),
+            config_from_shapes=from_shapes or (lambda shapes: _from_shapes(base, shapes)),
             dims=dims,
             build=model.build,
             tp=llama_tp,
@@ -152,8 +166,14 @@ MISTRAL3_24B = _kind(
     matches_mistral3,
     MISTRAL3,
     {"mistral3-24b": MISTRAL3},
-    # the tokenizer (Mistral's tekken JSON) travels in the file; ComfyUI reads it, the workers do not
-    extra=lambda key: key == "tekken_model" or key.startswith("lm_head.") or key.startswith("model.lm_head."),
+    # the tokenizer (Mistral's tekken JSON) travels in the file; ComfyUI reads it, the workers do not. A pruned
+    # file's final norm is one ComfyUI does not build (_mistral3_from_shapes): left unread, as ComfyUI does
+    extra=lambda key: (
+        key in ("tekken_model", "model.norm.weight")
+        or key.startswith("lm_head.")
+        or key.startswith("model.lm_head.")
+    ),
+    from_shapes=_mistral3_from_shapes,
 )
 QWEN25_VL_7B_KIND = _kind(
     "qwen25_7b",
