@@ -361,6 +361,21 @@ def test_one_all_gather_per_forward_also_under_zero_cond_t() -> None:
             assert dict(counter.log.counts) == {"all_reduce": 2 * 2, "all_gather": 1}, method
 
 
+def test_each_rank_s_attention_counts_its_own_heads() -> None:
+    """diffusers' shared Attention (no `head_dim`) keeps heads and inner_dim for the local shard: diffusers
+    0.37's Qwen processor unflattens by `attn.heads` (with the global count its q norm met 8 of 16 channels
+    at TP 2, a real ComfyUI 0.3.75 failure with that diffusers), newer ones by `inner_dim // heads`."""
+    model = build_qwen_image(CONFIG_2511, seed=0)
+    heads = model.transformer_blocks[0].attn.heads
+    head_dim = model.transformer_blocks[0].attn.inner_dim // heads
+    with fake_process_group(2, rank=1):
+        apply_tensor_parallel(model)
+    for block in model.transformer_blocks:
+        attn = block.attn
+        assert (attn.heads, attn.inner_dim) == (heads // 2, heads // 2 * head_dim)
+        assert attn.to_q.out_features == attn.inner_dim == attn.add_q_proj.out_features
+
+
 @pytest.mark.parametrize("degree", [2, 4, 8])
 def test_released_bytes_per_rank_on_meta(degree: int) -> None:
     """Qwen-Image in bf16: everything but the embedders, the per-head q/k norms and the row-parallel biases is

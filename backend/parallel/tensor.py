@@ -370,9 +370,14 @@ def apply_tensor_parallel(
         block.forward = replacement.forward.__get__(block)
 
     for module in model.modules():  # keep the attention modules' bookkeeping honest
-        if hasattr(module, "heads") and hasattr(module, "head_dim"):
+        # diffusers' shared `Attention` (Qwen-Image) has no `head_dim`; diffusers 0.37's Qwen processor
+        # unflattens the local projection by `attn.heads`, newer ones by `inner_dim // heads`: both hold
+        # when heads and inner_dim shrink together
+        if hasattr(module, "heads") and (hasattr(module, "head_dim") or hasattr(module, "inner_dim")):
             module.heads //= degree
             module.inner_dim //= degree
+            if getattr(module, "inner_kv_dim", None):
+                module.inner_kv_dim //= degree
             if hasattr(module, "mlp_hidden_dim"):
                 # FLUX.2's single-block processor splits its local projection in the proportion
                 # 3 x inner_dim : 2 x mlp_hidden_dim; both must shrink alike.
