@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from ..backend.encoders.llama.kind import MISTRAL3_FULL_LAYERS
+
 VOCAB = 1000  # ids the tests draw from; the tables are this tall
 
 
@@ -165,7 +167,7 @@ def reference(
     model = make_model(kind, vocab=vocab)
     sd = {k.removeprefix("model.") if kind != "t5" else k: v.float() for k, v in load_file(str(path)).items()}
     model.load_state_dict(sd, strict=False)
-    if kind == "mistral3" and model.config.num_hidden_layers < 40:
+    if kind == "mistral3" and model.config.num_hidden_layers < MISTRAL3_FULL_LAYERS:
         model.norm = torch.nn.Identity()
     with torch.no_grad():
         return model(input_ids=ids, attention_mask=attention_mask).last_hidden_state

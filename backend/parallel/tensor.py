@@ -373,7 +373,7 @@ def apply_tensor_parallel(
         # diffusers' shared `Attention` (Qwen-Image) has no `head_dim`; diffusers 0.37's Qwen processor
         # unflattens the local projection by `attn.heads`, newer ones by `inner_dim // heads`: both hold
         # when heads and inner_dim shrink together
-        if hasattr(module, "heads") and (hasattr(module, "head_dim") or hasattr(module, "inner_dim")):
+        if hasattr(module, "heads") and hasattr(module, "inner_dim"):
             module.heads //= degree
             module.inner_dim //= degree
             if getattr(module, "inner_kv_dim", None):

@@ -378,6 +378,18 @@ def test_a_qwen_image_edit_prompt_with_two_reference_images_equals_comfyuis_own(
     group.unload("qwen vl")
 
 
+def _sample_flux2(modules: dict[str, Any], guider: Any, seed: int) -> torch.Tensor:
+    """ComfyUI's FLUX.2 template sampling of a 64 x 48 latent: SamplerCustomAdvanced, euler, Flux2Scheduler
+    3 steps, EmptyFlux2LatentImage."""
+    custom, flux_nodes = modules["custom"], modules["flux_nodes"]
+    with torch.no_grad():
+        out = custom.SamplerCustomAdvanced().sample(
+            custom.RandomNoise().get_noise(seed)[0], guider, custom.KSamplerSelect().get_sampler("euler")[0],
+            flux_nodes.Flux2Scheduler.execute(3, 64, 48)[0], flux_nodes.EmptyFlux2LatentImage.execute(64, 48, 1)[0],
+        )[0]  # fmt: skip
+    return out["samples"].to(torch.float32)
+
+
 def _sample_on_the_pack(
     checkpoint: Path, encoder: Path, clip_type: str, sample: Callable[[Any, Any], torch.Tensor]
 ) -> torch.Tensor:
@@ -519,7 +531,7 @@ def test_a_flux2_klein_graph_with_encoder_and_model_on_the_pack_equals_comfyuis_
     checkpoint = tmp_path / "tiny-flux2-klein.safetensors"
     with torch.no_grad():
         comfy_models.model_save(tool, comfy_models.build(tool, spec, torch.float32), checkpoint)
-    custom, flux_nodes = modules["custom"], modules["flux_nodes"]
+    custom = modules["custom"]
 
     def sample(clip: Any, model: Any) -> torch.Tensor:
         positive, negative = (
@@ -527,12 +539,7 @@ def test_a_flux2_klein_graph_with_encoder_and_model_on_the_pack_equals_comfyuis_
             for text in ("a paper boat on a puddle, macro photograph", "")
         )
         guider = custom.CFGGuider().get_guider(model, positive, negative, 2.5)[0]
-        with torch.no_grad():
-            out = custom.SamplerCustomAdvanced().sample(
-                custom.RandomNoise().get_noise(5)[0], guider, custom.KSamplerSelect().get_sampler("euler")[0],
-                flux_nodes.Flux2Scheduler.execute(3, 64, 48)[0], flux_nodes.EmptyFlux2LatentImage.execute(64, 48, 1)[0],
-            )[0]  # fmt: skip
-        return out["samples"].to(torch.float32)
+        return _sample_flux2(modules, guider, seed=5)
 
     own_clip = _comfy_clip(comfy, [klein_file], "flux2", {"qwen3_4b_model_config": KLEIN_QWEN3})
     expected = sample(own_clip, comfy_models.load_in_comfy(tool, checkpoint, spec))
@@ -643,12 +650,7 @@ def test_a_flux2_dev_graph_with_encoder_and_model_on_the_pack_equals_comfyuis_ow
         positive = modules["nodes"].CLIPTextEncode().encode(clip, FLUX2_DEV_PROMPT)[0]
         positive = flux_nodes.FluxGuidance.execute(positive, 4.0)[0]
         guider = custom.BasicGuider().get_guider(model, positive)[0]
-        with torch.no_grad():
-            out = custom.SamplerCustomAdvanced().sample(
-                custom.RandomNoise().get_noise(6)[0], guider, custom.KSamplerSelect().get_sampler("euler")[0],
-                flux_nodes.Flux2Scheduler.execute(3, 64, 48)[0], flux_nodes.EmptyFlux2LatentImage.execute(64, 48, 1)[0],
-            )[0]  # fmt: skip
-        return out["samples"].to(torch.float32)
+        return _sample_flux2(modules, guider, seed=6)
 
     own_clip = _own_flux2_dev_clip(comfy, mistral_file)
     expected = sample(own_clip, comfy_models.load_in_comfy(tool, checkpoint, spec))
