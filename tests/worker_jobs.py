@@ -59,7 +59,9 @@ class OnRank:
     (works `seconds` longer, using a core: it must not be taken for hung), 'sleep' (sleeps `seconds`: no
     work; on every rank at once nobody waits for anybody), 'strand' (enters one more collective than its
     peers: they finish the job, it waits forever), 'order' (issues two collectives in the other order than
-    its peers: each waits for the other), 'mismatch' (issues a broadcast where its peers all-reduce).
+    its peers: each waits for the other), 'mismatch' (issues a broadcast where its peers all-reduce),
+    'await_cancel' (at a load's tensor, waits until the caller's cancel flag is up: a load that is still
+    going when the cancel arrives, however late a loaded caller reads the progress that triggers it).
     `stamp`: a file the rank writes time.monotonic() to as it acts (the same clock in every process on
     Linux: a test measures from the moment a rank hung, not from the job's start)."""
 
@@ -228,6 +230,14 @@ def act(kind: str, seconds: float = 0.0, stamp: str = "") -> None:
         raise torch.OutOfMemoryError("HIP out of memory. Tried to allocate 2.00 GiB")
 
 
+def _await_cancel(ctx, within: float = 120.0) -> None:
+    """Wait until the caller raises this job's cancel flag (bounded: a caller that never cancels fails the
+    test by its own assertion, not by a hang)."""
+    deadline = time.monotonic() + within
+    while not ctx.cancel_requested() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def _fail_once(at: int, kind: str, method: str | None = None, seconds: float = 0.0, stamp: str = "") -> None:
     """Make this worker act once as `kind` says (see `OnRank`): at the `at`-th call of worker method
     `method`, before it runs, or else at the `at`-th `WorkerContext.load_progress`."""
@@ -253,7 +263,10 @@ def _fail_once(at: int, kind: str, method: str | None = None, seconds: float = 0
     def failing_load(self, done: int, total: int) -> None:
         if done == at:
             WorkerContext.load_progress = progress
-            fail()
+            if kind == "await_cancel":
+                _await_cancel(self)
+            else:
+                fail()
         progress(self, done, total)
 
     WorkerContext.load_progress = failing_load
