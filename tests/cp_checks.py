@@ -17,6 +17,13 @@ class ContextState:
     lse_shape: Any
     processors: tuple[str, ...]
     padding_left: bool
+    routed: int  # functional collectives routed through host memory (-1: the route is not installed)
+
+
+@record
+@dataclass(frozen=True)
+class Route:
+    through_host: bool
 
 
 @handler("context_state")
@@ -31,4 +38,15 @@ def context_state(ctx: Any) -> ContextState:
         lse_shape=state.lse_shape,
         processors=tuple(sorted(processors)),
         padding_left=state.padding is not None,
+        routed=getattr(model, "_rp_routed_collectives", -1),
     )
+
+
+@handler("route_collectives_through_host", Route)
+def route_collectives_through_host(ctx: Any, request: Route) -> None:
+    """Models made context-parallel from now on route their functional collectives through host memory as
+    they do on a GPU over gloo (comm.collectives_need_host), so the route runs on CPU; False undoes it."""
+    from rocm_parallel.backend.parallel import comm, context
+
+    original = comm.collectives_need_host
+    context.collectives_need_host = (lambda backend, device: True) if request.through_host else original

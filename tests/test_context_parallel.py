@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cp_checks import Route
 from diffusers.utils import is_torch_version
 from model_methods import BuildRandom, Inputs
 
@@ -11,7 +12,7 @@ from rocm_parallel.backend.client import WorkerError, WorkerGroup
 from rocm_parallel.backend.config import ConfigError, ParallelLayout
 from rocm_parallel.backend.flux.dims import FluxDims
 from rocm_parallel.backend.flux.model import build_flux
-from rocm_parallel.backend.parallel.comm import CountCollectives
+from rocm_parallel.backend.parallel.comm import CountCollectives, collectives_need_host
 from rocm_parallel.backend.parallel.context import (
     cpu_flash_forward_op,
     masked_forward_op,
@@ -74,6 +75,34 @@ def test_cp_matches_single_process(groups: WorkerGroup, ring: int, ulysses: int,
         assert not state.padding_left  # the per-forward padding plan is cleared after the forward
         # diffusers 0.42.1 merges both LSE layouts itself: the guard found nothing to do
         assert state.lse_shape == ANY
+
+
+@pytest.mark.parametrize(("ring", "ulysses", "routed"), [(2, 1, 5 + 1), (1, 2, 4 * 5 + 1)])
+def test_collectives_routed_through_host_keep_the_result(
+    group2: WorkerGroup, ring: int, ulysses: int, routed: int
+) -> None:
+    """On a GPU over gloo (two workers sharing a GPU; no NCCL/RCCL) diffusers' functional all-gather crashed
+    the workers (torch 2.11, H100): there every functional collective goes through host memory. Forced
+    here on CPU: the same output, and every collective of the forward took the route (the counts of
+    test_collectives_per_forward). Mutation tried: without `_collectives_through_host` in
+    apply_context_parallel, routed was -1 on both ranks."""
+    inputs, expected = reference(CONFIG, **SHAPES["uneven_b2"])
+    group2.call_all("route_collectives_through_host", Route(True))
+    try:
+        group2.call_all("build_random", BuildRandom(CONFIG, 7, "float32", ring=ring, ulysses=ulysses))
+        out = group2.call("forward", Inputs(inputs)).output
+        states = group2.call_all("context_state")
+    finally:
+        group2.call_all("route_collectives_through_host", Route(False))
+    assert (out - expected).abs().max().item() <= 1e-5
+    assert [s.routed for s in states] == [routed, routed]
+
+
+def test_collectives_need_host_only_for_gloo_on_a_gpu() -> None:
+    assert collectives_need_host("gloo", torch.device("cuda", 0))
+    assert not collectives_need_host("nccl", torch.device("cuda", 0))
+    assert not collectives_need_host("gloo", torch.device("cpu"))
+    assert not collectives_need_host("gloo", torch.device("meta"))
 
 
 def test_worker_reports_bad_ulysses_degree_before_building(group2: WorkerGroup) -> None:

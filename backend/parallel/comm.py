@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 # collective op (c10d in-place ops and the _c10d_functional ops DTensor uses) -> (kind, payload argument)
 _PAYLOAD = {
@@ -147,3 +147,37 @@ class WaitCollectives(TorchDispatchMode):
         if func._overloadpacket.__name__ != "wait_tensor":
             return _waited(getattr(func, "namespace", ""), out)
         return out
+
+
+def collectives_need_host(backend: str, device: torch.device) -> bool:
+    """Whether functional collectives on `device` must go through host memory over `backend`.
+
+    torch 2.11's functional all-gather over gloo crashes on CUDA tensors (SIGSEGV in `wait_tensor`; seen on
+    an H100 with torch 2.11.0+cu130, two workers sharing the GPU) while c10d's own all-gather and the
+    functional all-to-all work. diffusers' context parallelism gathers with the functional one, so ring and
+    Ulysses over gloo on GPUs (two workers on one GPU; a machine without NCCL/RCCL) crashed their workers.
+    """
+    return backend == "gloo" and device.type not in ("cpu", "meta")
+
+
+class CollectivesThroughHost(TorchDispatchMode):
+    """Run every functional collective on host copies of its tensors and return the result on their device
+    (`collectives_need_host`). gloo moves device tensors through host memory anyway, so the bytes moved are
+    the same; the collective is waited for at once. `routed` counts the collectives it moved."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.routed = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if getattr(func, "namespace", "") == "_c10d_functional" and func._overloadpacket.__name__ in _PAYLOAD:
+            device = next((t.device for t in tree_leaves(args) if isinstance(t, torch.Tensor)), None)
+            if device is not None and device.type != "meta":
+                self.routed += 1
+                out = func(*_to(args, torch.device("cpu")), **(kwargs or {}))
+                return _to(torch.ops._c10d_functional.wait_tensor(out), device)
+        return func(*args, **(kwargs or {}))
+
+
+def _to(tree: Any, device: torch.device) -> Any:
+    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, tree)
