@@ -17,7 +17,7 @@ class ContextState:
     lse_shape: Any
     processors: tuple[str, ...]
     padding_left: bool
-    routed: int  # functional collectives routed through host memory (-1: the route is not installed)
+    routed: int  # all-gathers diffusers routed through host memory so far (-1: the route is not installed)
 
 
 @record
@@ -38,15 +38,32 @@ def context_state(ctx: Any) -> ContextState:
         lse_shape=state.lse_shape,
         processors=tuple(sorted(processors)),
         padding_left=state.padding is not None,
-        routed=getattr(model, "_rp_routed_collectives", -1),
+        routed=_routed(),
     )
+
+
+def _routed() -> int:
+    from diffusers.models import attention_dispatch
+
+    from rocm_parallel.backend.parallel.comm import HostGatherFuncol
+
+    stand_in = attention_dispatch.funcol
+    return stand_in.routed if isinstance(stand_in, HostGatherFuncol) else -1
 
 
 @handler("route_collectives_through_host", Route)
 def route_collectives_through_host(ctx: Any, request: Route) -> None:
-    """Models made context-parallel from now on route their functional collectives through host memory as
-    they do on a GPU over gloo (comm.collectives_need_host), so the route runs on CPU; False undoes it."""
+    """Models made context-parallel from now on gather through host memory as they do on a GPU over gloo
+    (comm.collectives_need_host), so the route runs on CPU; False undoes it, stand-in included."""
+    import importlib
+
+    import torch.distributed._functional_collectives as funcol
+
     from rocm_parallel.backend.parallel import comm, context
 
-    original = comm.collectives_need_host
-    context.collectives_need_host = (lambda backend, device: True) if request.through_host else original
+    context.collectives_need_host = (
+        (lambda backend, device: True) if request.through_host else comm.collectives_need_host
+    )
+    if not request.through_host:
+        for name in comm.DIFFUSERS_GATHERING_MODULES:
+            importlib.import_module(name).funcol = funcol

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cp_checks import Route
 from test_sampling import flux_model
 
 from rocm_parallel.backend.api import ParallelModel
@@ -95,6 +96,27 @@ def test_context_parallel_compiles_around_its_attention(
     graphs = int(flux.compiles[0].split(" graphs")[0].rsplit(" ", 1)[1])
     assert graphs <= 6, flux.compiles
     flux.unload()
+
+
+def test_context_parallel_gathering_through_host_still_compiles(
+    group2: WorkerGroup, checkpoints: dict[str, str]
+) -> None:
+    """Ring over gloo on a GPU gathers through host memory (parallel/comm.py); forced here on CPU. The
+    route must not cost the compile. Mutation tried: the route as a dispatch mode around the forward (torch
+    leaves frames uncompiled under one) gave the same numbers and no compile at all."""
+    group2.call_all("route_collectives_through_host", Route(True))
+    try:
+        model = flux_model("dev").float()
+        flux = ParallelModel(group=group2)
+        flux.load(checkpoints["dev"], layout="ring 2", dtype="float32", compile="aot_eager")
+        inputs = flux_inputs()
+        for sigma in (1.0, 0.5):
+            assert diff(parallel(flux, inputs, sigma), eager(model, inputs, sigma)) <= TOL
+        assert len(flux.compiles) == 1, flux.compiles
+        assert all(s.routed > 0 for s in group2.call_all("context_state"))
+        flux.unload()
+    finally:
+        group2.call_all("route_collectives_through_host", Route(False))
 
 
 def test_flux2_tp_compiled_matches_eager(group2: WorkerGroup, tmp_path: pytest.TempPathFactory) -> None:

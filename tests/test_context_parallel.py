@@ -77,25 +77,28 @@ def test_cp_matches_single_process(groups: WorkerGroup, ring: int, ulysses: int,
         assert state.lse_shape == ANY
 
 
-@pytest.mark.parametrize(("ring", "ulysses", "routed"), [(2, 1, 5 + 1), (1, 2, 4 * 5 + 1)])
-def test_collectives_routed_through_host_keep_the_result(
+@pytest.mark.parametrize(("ring", "ulysses", "routed"), [(2, 1, 5 + 1), (1, 2, 1)])
+def test_gathers_routed_through_host_keep_the_result(
     group2: WorkerGroup, ring: int, ulysses: int, routed: int
 ) -> None:
     """On a GPU over gloo (two workers sharing a GPU; no NCCL/RCCL) diffusers' functional all-gather crashed
-    the workers (torch 2.11, H100): there every functional collective goes through host memory. Forced
-    here on CPU: the same output, and every collective of the forward took the route (the counts of
-    test_collectives_per_forward). Mutation tried: without `_collectives_through_host` in
-    apply_context_parallel, routed was -1 on both ranks."""
+    the workers (torch 2.11, H100): there its gathers go through host memory. Forced here on CPU: the same
+    output, and every gather of the forward took the route (ring: one K/V gather per attention and the
+    output's; Ulysses: the output's, its all-to-alls work on GPUs). Mutation tried: without the
+    `route_diffusers_gathers_through_host` call in apply_context_parallel, routed was -1 on both ranks."""
     inputs, expected = reference(CONFIG, **SHAPES["uneven_b2"])
     group2.call_all("route_collectives_through_host", Route(True))
     try:
         group2.call_all("build_random", BuildRandom(CONFIG, 7, "float32", ring=ring, ulysses=ulysses))
+        before = group2.call_all("context_state")
         out = group2.call("forward", Inputs(inputs)).output
-        states = group2.call_all("context_state")
+        after = group2.call_all("context_state")
     finally:
         group2.call_all("route_collectives_through_host", Route(False))
     assert (out - expected).abs().max().item() <= 1e-5
-    assert [s.routed for s in states] == [routed, routed]
+    assert all(b.routed >= 0 for b in before)
+    assert [a.routed - b.routed for a, b in zip(after, before, strict=True)] == [routed, routed]
+    assert [s.routed for s in group2.call_all("context_state")] == [-1, -1]  # undone for the next tests
 
 
 def test_collectives_need_host_only_for_gloo_on_a_gpu() -> None:

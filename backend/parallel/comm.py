@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves
 
 # collective op (c10d in-place ops and the _c10d_functional ops DTensor uses) -> (kind, payload argument)
 _PAYLOAD = {
@@ -150,34 +150,55 @@ class WaitCollectives(TorchDispatchMode):
 
 
 def collectives_need_host(backend: str, device: torch.device) -> bool:
-    """Whether functional collectives on `device` must go through host memory over `backend`.
+    """Whether diffusers' context-parallel all-gathers on `device` must go through host memory over `backend`.
 
     torch 2.11's functional all-gather over gloo crashes on CUDA tensors (SIGSEGV in `wait_tensor`; seen on
     an H100 with torch 2.11.0+cu130, two workers sharing the GPU) while c10d's own all-gather and the
-    functional all-to-all work. diffusers' context parallelism gathers with the functional one, so ring and
-    Ulysses over gloo on GPUs (two workers on one GPU; a machine without NCCL/RCCL) crashed their workers.
+    functional all-to-all work (each probed alone there). diffusers' ring attention gathers K/V and its
+    output hook gathers the result with the functional one, so ring and Ulysses over gloo on GPUs (two
+    workers on one GPU; a machine without NCCL/RCCL) crashed their workers.
     """
     return backend == "gloo" and device.type not in ("cpu", "meta")
 
 
-class CollectivesThroughHost(TorchDispatchMode):
-    """Run every functional collective on host copies of its tensors and return the result on their device
-    (`collectives_need_host`). gloo moves device tensors through host memory anyway, so the bytes moved are
-    the same; the collective is waited for at once. `routed` counts the collectives it moved."""
+class HostGatherFuncol:
+    """torch's functional collectives module as diffusers' context-parallel code sees it, with
+    `all_gather_tensor` run on a host copy and its result moved back to the tensor's device.
 
-    def __init__(self) -> None:
-        super().__init__()
+    gloo moves device tensors through host memory anyway, so the bytes moved are the same. A module
+    stand-in rather than a dispatch mode around the forward: torch.compile leaves a frame uncompiled while a
+    dispatch mode is active, and these collectives run in the eager parts the compiled blocks leave. `routed`
+    counts the gathers it moved (tests)."""
+
+    def __init__(self, funcol: Any) -> None:
+        self.funcol = funcol
         self.routed = 0
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if getattr(func, "namespace", "") == "_c10d_functional" and func._overloadpacket.__name__ in _PAYLOAD:
-            device = next((t.device for t in tree_leaves(args) if isinstance(t, torch.Tensor)), None)
-            if device is not None and device.type != "meta":
-                self.routed += 1
-                out = func(*_to(args, torch.device("cpu")), **(kwargs or {}))
-                return _to(torch.ops._c10d_functional.wait_tensor(out), device)
-        return func(*args, **(kwargs or {}))
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.funcol, name)
+
+    def all_gather_tensor(
+        self, tensor: torch.Tensor, gather_dim: int, group: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        self.routed += 1
+        gathered = self.funcol.all_gather_tensor(tensor.cpu(), gather_dim, group, *args, **kwargs)
+        return gathered.to(tensor.device)  # waits for the collective (an AsyncCollectiveTensor) first
 
 
-def _to(tree: Any, device: torch.device) -> Any:
-    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, tree)
+# diffusers' modules that gather with `funcol.all_gather_tensor` (0.36 to 0.42 import it under that name)
+DIFFUSERS_GATHERING_MODULES = ("diffusers.hooks.context_parallel", "diffusers.models.attention_dispatch")
+
+
+def route_diffusers_gathers_through_host() -> HostGatherFuncol:
+    """Make diffusers' context-parallel code gather through host memory in this process from now on
+    (`collectives_need_host`: a worker whose group is gloo on a GPU) and return the stand-in. Idempotent."""
+    import importlib
+
+    modules = [importlib.import_module(name) for name in DIFFUSERS_GATHERING_MODULES]
+    for module in modules:
+        if isinstance(module.funcol, HostGatherFuncol):
+            return module.funcol
+    stand_in = HostGatherFuncol(modules[0].funcol)
+    for module in modules:
+        module.funcol = stand_in
+    return stand_in

@@ -36,13 +36,12 @@ Supported diffusers: 0.36 (first `_cp_plan` / `enable_parallelism`) to 0.42; tes
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
 import inspect
 import math
 import types
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import ConfigError, ModelDims, ParallelLayout
-from .comm import CollectivesThroughHost, WaitCollectives, collectives_need_host
+from .comm import WaitCollectives, collectives_need_host, route_diffusers_gathers_through_host
 from .lse import ANY, guard_forward_op, probe_merge_shape, probe_query_shape
 from .lse_check import guard_ring_kernel
 from .weights import compute_dtype
@@ -593,28 +592,6 @@ def cp_group(model: nn.Module) -> Any:
     return None if mesh is None else mesh.get_group()
 
 
-def _collectives_through_host(model: nn.Module, device: torch.device) -> AbstractContextManager[Any]:
-    """Where diffusers' functional collectives cannot run on the device over the context group's backend
-    (comm.collectives_need_host: gloo on a GPU), route them through host memory in every forward from now
-    on, and return the mode for the set-up's own collectives (the ring probe, the LSE guard); else a no-op."""
-    if not collectives_need_host(dist.get_backend(cp_group(model)), device):
-        return nullcontext()
-    forward = model.forward
-    model._rp_routed_collectives = 0  # for inspection (tests)
-
-    @functools.wraps(forward)
-    def forward_through_host(*args: Any, **kwargs: Any) -> Any:
-        mode = CollectivesThroughHost()
-        try:
-            with mode:
-                return forward(*args, **kwargs)
-        finally:
-            model._rp_routed_collectives += mode.routed
-
-    model.forward = forward_through_host
-    return CollectivesThroughHost()
-
-
 def _probe_ring(model: nn.Module, device: torch.device, state: ContextState) -> str:
     """Ask the installed TemplatedRingAttention which LSE rank its merge accepts (collective, tiny)."""
     from diffusers.models.attention_dispatch import TemplatedRingAttention
@@ -683,13 +660,14 @@ def apply_context_parallel(
         model.enable_parallelism(config=ContextParallelConfig(**options))
     model._parallel_config._device = device
     model._parallel_config.context_parallel_config._device = device
-    with _collectives_through_host(model, device):
-        if layout.ring > 1:
-            state.lse_shape = _probe_ring(model, device, state)
-            # the numeric LSE guard (lse_check.py): the kernel against float64, then through this ring's merge
-            state.kernel = guard_ring_kernel(
-                state.kernel, model._parallel_config, device, dtype, state.lse_shape, dims.head_dim
-            )
+    if collectives_need_host(dist.get_backend(cp_group(model)), device):
+        route_diffusers_gathers_through_host()  # before the probe and the guard, which gather too
+    if layout.ring > 1:
+        state.lse_shape = _probe_ring(model, device, state)
+        # the numeric LSE guard (lse_check.py): the kernel against float64, then through this ring's merge
+        state.kernel = guard_ring_kernel(
+            state.kernel, model._parallel_config, device, dtype, state.lse_shape, dims.head_dim
+        )
     spec.padding(model, state, spec)
     model._rp_context_state = state  # for inspection (tests, benchmarks)
     return model
