@@ -79,32 +79,16 @@ def test_tp_compiles_once_per_size_and_matches_eager(
     flux.unload()
 
 
+@pytest.mark.parametrize("through_host", [False, True], ids=["direct", "through_host"])
 def test_context_parallel_compiles_around_its_attention(
-    group2: WorkerGroup, checkpoints: dict[str, str]
+    group2: WorkerGroup, checkpoints: dict[str, str], through_host: bool
 ) -> None:
     """Ring attention's dispatch stays eager (parallel/context.py says why): the blocks compile around it,
-    once, and the numbers match eager."""
-    model = flux_model("dev").float()
-    flux = ParallelModel(group=group2)
-    flux.load(checkpoints["dev"], layout="ring 2", dtype="float32", compile="aot_eager")
-    inputs = flux_inputs()
-    for sigma in (1.0, 0.5):
-        assert diff(parallel(flux, inputs, sigma), eager(model, inputs, sigma)) <= TOL
-    assert len(flux.compiles) == 1, flux.compiles
-    # Two block classes, each in two pieces around its attention call (and the double blocks' second
-    # input layout): a bounded number, not one graph per block and step.
-    graphs = int(flux.compiles[0].split(" graphs")[0].rsplit(" ", 1)[1])
-    assert graphs <= 6, flux.compiles
-    flux.unload()
-
-
-def test_context_parallel_gathering_through_host_still_compiles(
-    group2: WorkerGroup, checkpoints: dict[str, str]
-) -> None:
-    """Ring over gloo on a GPU gathers through host memory (parallel/comm.py); forced here on CPU. The
-    route must not cost the compile. Mutation tried: the route as a dispatch mode around the forward (torch
-    leaves frames uncompiled under one) gave the same numbers and no compile at all."""
-    group2.call_all("route_collectives_through_host", Route(True))
+    once, and the numbers match eager. `through_host`: ring over gloo on a GPU gathers through host memory
+    (parallel/comm.py), forced here on CPU; the route must not cost the compile. Mutation tried: the route
+    as a dispatch mode around the forward (torch leaves frames uncompiled under one) gave the same numbers
+    and no compile at all."""
+    group2.call_all("route_collectives_through_host", Route(through_host))
     try:
         model = flux_model("dev").float()
         flux = ParallelModel(group=group2)
@@ -113,7 +97,12 @@ def test_context_parallel_gathering_through_host_still_compiles(
         for sigma in (1.0, 0.5):
             assert diff(parallel(flux, inputs, sigma), eager(model, inputs, sigma)) <= TOL
         assert len(flux.compiles) == 1, flux.compiles
-        assert all(s.routed > 0 for s in group2.call_all("context_state"))
+        # Two block classes, each in two pieces around its attention call (and the double blocks' second
+        # input layout): a bounded number, not one graph per block and step.
+        graphs = int(flux.compiles[0].split(" graphs")[0].rsplit(" ", 1)[1])
+        assert graphs <= 6, flux.compiles
+        routed = [s.routed for s in group2.call_all("context_state")]
+        assert all(r > 0 for r in routed) if through_host else routed == [-1, -1]
         flux.unload()
     finally:
         group2.call_all("route_collectives_through_host", Route(False))
