@@ -28,6 +28,7 @@ from .compile import note_compiles
 from .family import ModelFamily, family_of
 from .finite import all_finite
 from .messages import ConditioningSlots, ForwardReply, ForwardRequest
+from .models.engine import EngineModel
 from .parallel.mesh import BatchSplit, groups_of
 from .parallel.weights import compute_dtype
 from .worker import Resident, WorkerContext, handler
@@ -96,8 +97,14 @@ def forward(ctx: WorkerContext, request: ForwardRequest) -> ForwardReply:
             mine = {
                 i.name: _take(split, inputs[i.name]) if i.batched else inputs[i.name] for i in spec.inputs
             }
-            model_fn = cancellable(ctx, model, family.model_fn(model), every_group_runs=all(split.sizes))
-            out = family.call(model_fn, split.take(x), split.take(request.timestep.to(ctx.device)), **mine)
+            x_mine, t_mine = split.take(x), split.take(request.timestep.to(ctx.device))
+            if isinstance(model, EngineModel):  # ComfyUI's own diffusion_model(x, timestep, **inputs)
+                out = cancellable(ctx, model, model, every_group_runs=all(split.sizes))(
+                    x_mine, t_mine, **mine
+                )
+            else:
+                model_fn = cancellable(ctx, model, family.model_fn(model), every_group_runs=all(split.sizes))
+                out = family.call(model_fn, x_mine, t_mine, **mine)
         entry = (family.latent_channels(model.config), *x.shape[2:])
         out = split.gather(out, entry, dtype, ctx.device)
         out = out.cpu() if ctx.rank == 0 else None

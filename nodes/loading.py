@@ -149,5 +149,5 @@ def load_options(handle: ParallelHandle, layout: ParallelLayout) -> LoadOptions:
 
     return LoadOptions(
         layout=layout, dtype=handle.dtype, weight_dtype=handle.weight_dtype, loras=handle.loras,
-        compile=handle.compile, slot=handle.slot,
+        compile=handle.compile, slot=handle.slot, engine=handle.engine, detection=handle.detection or None,
     )  # fmt: skip

@@ -1,0 +1,100 @@
+"""LoRAs on a rank's shard, computed by ComfyUI's own LoRA code: `apply_loras`.
+
+What ComfyUI's LoraLoaderModelOnly does (`comfy.sd.load_lora_for_models`: `lora.model_lora_keys_unet` on the
+model, `lora_convert.convert_lora`, `lora.load_lora`, `ModelPatcher.add_patches`) builds the patches here,
+on ComfyUI's model of the file; then, for each patched weight, what `ModelPatcher.patch_weight_to_device`
+does (the whole stored weight in ComfyUI's LoRA compute dtype, `lora.calculate_weight`, rounding back with
+`float.stochastic_rounding` seeded by the key) runs on the whole stored tensor, and the rank keeps its plan
+slice of the result. So every adapter kind ComfyUI applies (LoRA, LoHa, LoKr, `.diff` on norms and
+embeddings, `.diff_b`, `.set_weight`, ...) is applied with ComfyUI's numbers, and the patched slice equals
+the same slice of ComfyUI's patched weight, fp8 included. The cost: each rank reads the whole stored tensor
+of every patched weight once (one at a time, then dropped).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..checkpoint.files import StoredTensor
+from ..checkpoint.load import read_tensor
+from ..parallel.splits import Pieces
+
+PREFIX = "diffusion_model."  # ComfyUI's model keys: the BaseModel's state dict names its diffusion model so
+Patches = dict[str, list[tuple[Any, ...]]]
+
+
+def lora_patches(base: Any, loras: Iterable[tuple[str, float]]) -> Patches:
+    """ComfyUI's patches of `loras` ((path, strength), in order) on ComfyUI's model `base` (a model_base
+    model): model key -> [(strength_patch, adapter, strength_model, offset, function), ...], as
+    `ModelPatcher.add_patches` records them."""
+    import comfy.lora
+    import comfy.lora_convert
+    import comfy.utils
+
+    key_map = comfy.lora.model_lora_keys_unet(base, {})
+    model_keys = set(base.state_dict().keys())
+    patches: Patches = {}
+    for path, strength in loras:
+        loaded = comfy.lora.load_lora(
+            comfy.lora_convert.convert_lora(comfy.utils.load_torch_file(path, safe_load=True)), key_map
+        )
+        for k, adapter in loaded.items():
+            key, offset, function = (
+                (k, None, None) if isinstance(k, str) else (k[0], k[1], k[2] if len(k) > 2 else None)
+            )
+            if key in model_keys:
+                patches.setdefault(key, []).append((strength, adapter, 1.0, offset, function))
+    return patches
+
+
+def patched_weight(
+    key: str, stored: StoredTensor, patches: list[tuple[Any, ...]], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The whole stored weight patched as ComfyUI's `patch_weight_to_device` patches it, in `dtype`."""
+    import comfy.float
+    import comfy.lora
+    import comfy.model_management as mm
+    import comfy.utils
+
+    compute = mm.lora_compute_dtype(device) if hasattr(mm, "lora_compute_dtype") else torch.float32
+    weight = read_tensor(stored, None, compute, device)
+    out = comfy.lora.calculate_weight(patches, weight, key)
+    return comfy.float.stochastic_rounding(out, dtype, seed=comfy.utils.string_to_seed(key))
+
+
+def apply_loras(
+    model: nn.Module,
+    base: Any,
+    sources: Mapping[str, StoredTensor],
+    pieces: Mapping[str, Pieces | None],
+    loras: Iterable[tuple[str, float]],
+    restore: Iterable[str] = (),
+    progress: Callable[[int, int], None] | None = None,
+) -> frozenset[str]:
+    """Set the weights of `model` (ComfyUI's diffusion model, this rank's shard) to the file's plus `loras`;
+    the parameters in `restore` (what the previous set patched) are read back from the file first. Returns
+    the parameters now patched. A rank lacking a patched parameter (a Rows bias, kept by the group's first
+    rank) skips it."""
+    held = dict(model.named_parameters())
+    patches = {k.removeprefix(PREFIX): p for k, p in lora_patches(base, loras).items()} if loras else {}
+    todo = sorted((set(restore) | set(patches)) & set(held))
+    with torch.no_grad():
+        for done, name in enumerate(todo, 1):
+            param = held[name]
+            if name in patches:
+                whole = patched_weight(PREFIX + name, sources[name], patches[name], param.dtype, param.device)
+                part = pieces.get(name)
+                value = whole if part is None else part.take(whole)
+            else:
+                value = read_tensor(sources[name], pieces.get(name), param.dtype, param.device)
+            param.copy_(value)
+            if progress is not None:
+                progress(done, len(todo))
+    return frozenset(patches) & frozenset(held)
+
+
+__all__ = ["apply_loras", "lora_patches", "patched_weight"]

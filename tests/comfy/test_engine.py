@@ -1,0 +1,137 @@
+"""The model engine (backend/models/) against ComfyUI's own model: the same file, every layout, on gloo.
+
+A tiny FLUX.1 [dev] (and FLUX.2) is built and saved by ComfyUI's own classes and ModelSave
+(tests/tools/comfy_models.py); ComfyUI's own loader (`comfy.sd.load_diffusion_model_state_dict`) loads it in
+this process and its `diffusion_model.forward` is the reference. The pack loads the same file with
+`engine='comfy'` through the public API (`ParallelModel.load` / `forward`) on CPU workers: every rank builds
+ComfyUI's class on the meta device, applies the plan and reads its slices. Both sides' detection is told the
+small model's head count and RoPE axes (ComfyUI hard-codes the released ones), nothing else.
+
+    COMFYUI_PATH=<ComfyUI checkout> PYTHONPATH=<stand-ins>:<pack parent> \\
+        python -m pytest -q tests/comfy/test_engine.py
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from comfy_server import COMFYUI_PATH, TESTS_DIR
+
+from rocm_parallel.backend.api import ParallelModel
+from rocm_parallel.backend.config import ConfigError
+
+pytestmark = [pytest.mark.comfy, pytest.mark.timeout(3000)]
+
+TOL = 1e-5  # float32 on gloo: ComfyUI's attention on CPU (sub-quadratic) vs the pack's CPU flash kernel
+LAYOUTS = {  # layout -> workers
+    "tp 2": 2,
+    "ring 2": 2,
+    "ulysses 2": 2,
+    "ring 2 x tp 2": 4,
+    "batch 2 x tp 2": 4,
+}
+
+
+@pytest.fixture(scope="module")
+def comfy() -> dict[str, Any]:
+    if not COMFYUI_PATH:
+        pytest.skip("set COMFYUI_PATH to a ComfyUI checkout to run the comfy tier")
+    sys.path.insert(0, str(TESTS_DIR / "tools"))
+    import comfy_models
+
+    return comfy_models.import_comfy(COMFYUI_PATH)
+
+
+def tiny(name: str) -> dict[str, Any]:
+    import comfy_models
+
+    return dict(comfy_models.MODELS[name])
+
+
+@pytest.fixture(scope="module")
+def files(comfy: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, Any]]:
+    """name -> (a file ComfyUI's ModelSave wrote, ComfyUI's own diffusion model loaded from it)."""
+    import comfy_models
+
+    folder = tmp_path_factory.mktemp("engine")
+    out = {}
+    for name in ("flux1-dev", "flux2-dev"):
+        path = folder / f"{name}.safetensors"
+        spec = tiny(name)
+        comfy_models.model_save(comfy, comfy_models.build(comfy, spec, torch.float32), path)
+        out[name] = (str(path), comfy_models.load_in_comfy(comfy, path, spec).model.diffusion_model)
+    return out
+
+
+@pytest.fixture(scope="module")
+def groups() -> Iterator[dict[int, ParallelModel]]:
+    """One group of CPU workers per size, their own (their ComfyUI import stays in them)."""
+    made = {n: ParallelModel(["cpu"] * n, threads=1) for n in (2, 4)}
+    yield made
+    for model in made.values():
+        model.close()
+
+
+def detection(name: str) -> dict[str, Any]:
+    import comfy_models
+
+    return comfy_models.widths(tiny(name))
+
+
+def flux1_inputs(height: int, width: int, tokens: int, seed: int = 0) -> dict[str, Any]:
+    """A CFG-like call: two latents, each with its own prompt (odd sizes: uneven splits, padded)."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "x": torch.randn(2, 16, height, width, generator=g),
+        "timestep": torch.tensor([0.7, 0.7]),
+        "context": torch.randn(2, tokens, 32, generator=g),
+        "y": torch.randn(2, 24, generator=g),
+        "guidance": torch.full((2,), 3.5),
+    }
+
+
+def comfy_forward(model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**inputs)
+
+
+def engine_forward(
+    group: ParallelModel, path: str, name: str, layout: str, inputs: dict[str, Any]
+) -> torch.Tensor:
+    group.load(
+        path, layout=layout, dtype="float32", engine="comfy", comfyui=COMFYUI_PATH, detection=detection(name)
+    )
+    return group.forward(**inputs)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS), ids=lambda s: s.replace(" ", ""))
+@pytest.mark.parametrize("size", [(10, 14, 7), (8, 8, 8)], ids=["uneven", "even"])
+def test_flux1_on_the_engine_equals_comfyuis_own_model(files, groups, layout, size) -> None:
+    path, reference = files["flux1-dev"]
+    inputs = flux1_inputs(*size)
+    expected = comfy_forward(reference, inputs)
+    out = engine_forward(groups[LAYOUTS[layout]], path, "flux1-dev", layout, inputs)
+    assert out.shape == expected.shape
+    diff = (out - expected).abs().max().item()
+    print(f"FLUX.1 {layout} {size}: max |diff| {diff:.2e}")
+    assert diff <= TOL
+
+
+def test_the_engine_refuses_what_it_does_not_read_before_any_worker_starts(files) -> None:
+    path, _ = files["flux1-dev"]
+    model = ParallelModel(["cpu", "cpu"], threads=1)
+    try:
+        with pytest.raises(ConfigError, match="engine='turbo' is not an engine; use 'diffusers' or 'comfy'"):
+            model.check_load(path, engine="turbo")
+        with pytest.raises(ConfigError, match="is not a ComfyUI checkout"):
+            model.check_load(path, engine="comfy", comfyui=str(Path(path).parent))
+        with pytest.raises(ConfigError, match="comfyui= and detection= go with engine='comfy' only"):
+            model.check_load(path, detection={"num_heads": 4})
+        assert not model.started
+    finally:
+        model.close()
