@@ -83,16 +83,20 @@ def detection(name: str) -> dict[str, Any]:
     return comfy_models.widths(tiny(name))
 
 
-def flux1_inputs(height: int, width: int, tokens: int, seed: int = 0) -> dict[str, Any]:
-    """A CFG-like call: two latents, each with its own prompt (odd sizes: uneven splits, padded)."""
+def call_inputs(name: str, height: int, width: int, tokens: int, seed: int = 0) -> dict[str, Any]:
+    """A CFG-like call of model `name`: two latents, each with its own prompt (odd sizes: uneven splits,
+    padded). FLUX.2 takes 128 channels at one latent pixel per token and no pooled vector."""
+    spec = tiny(name)
     g = torch.Generator().manual_seed(seed)
-    return {
-        "x": torch.randn(2, 16, height, width, generator=g),
+    inputs = {
+        "x": torch.randn(2, spec["in"] // 4 if "pooled" in spec else spec["in"], height, width, generator=g),
         "timestep": torch.tensor([0.7, 0.7]),
-        "context": torch.randn(2, tokens, 32, generator=g),
-        "y": torch.randn(2, 24, generator=g),
+        "context": torch.randn(2, tokens, spec["text"], generator=g),
         "guidance": torch.full((2,), 3.5),
     }
+    if "pooled" in spec:
+        inputs["y"] = torch.randn(2, spec["pooled"], generator=g)
+    return inputs
 
 
 def comfy_forward(model: Any, inputs: dict[str, Any]) -> torch.Tensor:
@@ -111,14 +115,18 @@ def engine_forward(
 
 @pytest.mark.parametrize("layout", list(LAYOUTS), ids=lambda s: s.replace(" ", ""))
 @pytest.mark.parametrize("size", [(10, 14, 7), (8, 8, 8)], ids=["uneven", "even"])
-def test_flux1_on_the_engine_equals_comfyuis_own_model(files, groups, layout, size) -> None:
-    path, reference = files["flux1-dev"]
-    inputs = flux1_inputs(*size)
+@pytest.mark.parametrize("name", ["flux1-dev", "flux2-dev"])
+def test_the_engine_equals_comfyuis_own_model(files, groups, name, layout, size) -> None:
+    """FLUX.1 at 2 x 2 patches (odd sizes padded circularly by ComfyUI), FLUX.2 at one pixel per token; an
+    uneven case (35 image and 7 text tokens over 2 ranks: padded keys dropped) and an even one."""
+    path, reference = files[name]
+    height, width, tokens = size if name == "flux1-dev" else (size[0] // 2, size[1] // 2, size[2])
+    inputs = call_inputs(name, height, width, tokens)
     expected = comfy_forward(reference, inputs)
-    out = engine_forward(groups[LAYOUTS[layout]], path, "flux1-dev", layout, inputs)
+    out = engine_forward(groups[LAYOUTS[layout]], path, name, layout, inputs)
     assert out.shape == expected.shape
     diff = (out - expected).abs().max().item()
-    print(f"FLUX.1 {layout} {size}: max |diff| {diff:.2e}")
+    print(f"{name} {layout} {tuple(inputs['x'].shape)}: max |diff| {diff:.2e}")
     assert diff <= TOL
 
 
