@@ -31,7 +31,7 @@ from .checkpoint import (
     resolve_dtype,
 )
 from .checkpoint.gguf import check_block_splits
-from .checkpoint.lora.values import refuse_foreign_loras
+from .checkpoint.lora.values import lora_pair, refuse_foreign_loras
 from .client import ProgressCallback, WorkerError, WorkerGroup, check_group_options, validate_devices
 from .compile import compile_mode
 from .config import ConfigError, ModelDims, ParallelLayout, weight_dtype_name
@@ -298,7 +298,10 @@ class ResidentGroup:
         refuse_foreign_loras(opts.loras)
         info = checkpoint if isinstance(checkpoint, CheckpointInfo) else inspect_checkpoint(checkpoint)
         engine = _engine_fields(opts, info)  # before 'auto' starts workers to measure the machine
-        checked = check_loras(opts.loras, info)
+        if engine:  # the comfy engine applies what ComfyUI's LoRA loader applies; each rank refuses the rest
+            checked = tuple(lora_pair(i, item) for i, item in enumerate(opts.loras))
+        else:
+            checked = check_loras(opts.loras, info)
         resolve_dtype(opts.dtype, self.devices[0])  # a bad dtype fails here, before anything is unloaded
         weights = check_weight_dtype(opts.weight_dtype, info)
         layout = opts.layout

@@ -13,6 +13,7 @@ of every patched weight once (one at a time, then dropped).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -21,13 +22,15 @@ from torch import nn
 
 from ..checkpoint.files import StoredTensor
 from ..checkpoint.load import read_tensor
+from ..checkpoint.lora.records import LoraError
 from ..parallel.splits import Pieces
+from ..redact import quoted
 
 PREFIX = "diffusion_model."  # ComfyUI's model keys: the BaseModel's state dict names its diffusion model so
 Patches = dict[str, list[tuple[Any, ...]]]
 
 
-def lora_patches(base: Any, loras: Iterable[tuple[str, float]]) -> Patches:
+def lora_patches(base: Any, loras: Iterable[tuple[str, float]], names: Iterable[str]) -> Patches:
     """ComfyUI's patches of `loras` ((path, strength), in order) on ComfyUI's model `base` (a model_base
     model): model key -> [(strength_patch, adapter, strength_model, offset, function), ...], as
     `ModelPatcher.add_patches` records them."""
@@ -36,19 +39,51 @@ def lora_patches(base: Any, loras: Iterable[tuple[str, float]]) -> Patches:
     import comfy.utils
 
     key_map = comfy.lora.model_lora_keys_unet(base, {})
-    model_keys = set(base.state_dict().keys())
+    model_keys = {PREFIX + n for n in names}
     patches: Patches = {}
     for path, strength in loras:
-        loaded = comfy.lora.load_lora(
-            comfy.lora_convert.convert_lora(comfy.utils.load_torch_file(path, safe_load=True)), key_map
-        )
+        with _NotLoaded() as missing:
+            lora = comfy.lora_convert.convert_lora(comfy.utils.load_torch_file(path, safe_load=True))
+            loaded = comfy.lora.load_lora(lora, key_map)
+        unused = list(missing.keys)
         for k, adapter in loaded.items():
             key, offset, function = (
-                (k, None, None) if isinstance(k, str) else (k[0], k[1], k[2] if len(k) > 2 else None)
+                (k, None, None) if isinstance(k, str) else (k[0], k[1], (k[2:] or (None,))[0])
             )
             if key in model_keys:
                 patches.setdefault(key, []).append((strength, adapter, 1.0, offset, function))
+            else:
+                unused.append(key)
+        if unused:
+            raise LoraError(
+                f"LoRA {quoted(path)}: ComfyUI's LoRA loader applies {len(unused)} of its keys to nothing of "
+                f"this {type(base.diffusion_model).__name__} (e.g. {', '.join(map(repr, unused[:3]))}): the LoRA "
+                "was made for another model"
+            )
     return patches
+
+
+class _NotLoaded(logging.Handler):
+    """The keys ComfyUI's `lora.load_lora` reports it did not load (its warning 'lora key not loaded: <key>'):
+    ComfyUI skips them; the pack refuses the file by name instead."""
+
+    PREFIX = "lora key not loaded: "
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.keys: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith(self.PREFIX):
+            self.keys.append(message[len(self.PREFIX) :])
+
+    def __enter__(self) -> _NotLoaded:
+        logging.getLogger().addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger().removeHandler(self)
 
 
 def patched_weight(
@@ -80,7 +115,9 @@ def apply_loras(
     the parameters now patched. A rank lacking a patched parameter (a Rows bias, kept by the group's first
     rank) skips it."""
     held = dict(model.named_parameters())
-    patches = {k.removeprefix(PREFIX): p for k, p in lora_patches(base, loras).items()} if loras else {}
+    patches = (
+        {k.removeprefix(PREFIX): p for k, p in lora_patches(base, loras, sources).items()} if loras else {}
+    )
     todo = sorted((set(restore) | set(patches)) & set(held))
     with torch.no_grad():
         for done, name in enumerate(todo, 1):

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 from comfy_server import COMFYUI_PATH, TESTS_DIR
+from safetensors.torch import save_file
 
 from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.config import ConfigError
@@ -143,3 +144,78 @@ def test_the_engine_refuses_what_it_does_not_read_before_any_worker_starts(files
         assert not model.started
     finally:
         model.close()
+
+
+@pytest.fixture(scope="module")
+def loras(files, tmp_path_factory: pytest.TempPathFactory) -> list[tuple[str, float]]:
+    """Two LoRAs on the FLUX.1 file: every adapter kind ComfyUI reads (LoRA, LoHa, LoKr, full difference,
+    DoRA, bias differences) under BFL keys, and plain LoRA under diffusers' names (ComfyUI maps them onto
+    row ranges of the fused qkv / linear1)."""
+    from rocm_parallel.backend.checkpoint import inspect_checkpoint
+    from rocm_parallel.testing.writers import LORA_KINDS, write_random_lora
+
+    folder = tmp_path_factory.mktemp("loras")
+    config = inspect_checkpoint(files["flux1-dev"][0]).config
+    kinds = write_random_lora(
+        folder / "kinds.safetensors", config, "bfl", kind=list(LORA_KINDS), dora=[None, "output", "input"],
+        bias=True, seed=1, relative=0.3,
+    )  # fmt: skip
+    peft = write_random_lora(folder / "peft.safetensors", config, "peft", seed=2, relative=0.3)
+    # differences on the patch embedding and on a q/k norm (ComfyUI applies `.diff` to any weight)
+    g = torch.Generator().manual_seed(3)
+    diffs = {
+        "diffusion_model.img_in.diff": 0.02 * torch.randn(64, 64, generator=g),
+        "diffusion_model.double_blocks.0.img_attn.norm.query_norm.diff": 0.1 * torch.randn(16, generator=g),
+    }
+    save_file(diffs, str(folder / "diffs.safetensors"))
+    return [(kinds, 0.8), (peft, -0.6), (str(folder / "diffs.safetensors"), 1.0)]
+
+
+def comfy_with_loras(comfy: dict[str, Any], path: str, loras: list[tuple[str, float]]) -> Any:
+    """ComfyUI's own model with `loras` as LoraLoaderModelOnly applies them (comfy.sd.load_lora_for_models),
+    patched in place (ModelPatcher.patch_model); its diffusion model."""
+    import comfy_models
+
+    patcher = comfy_models.load_in_comfy(comfy, Path(path), tiny("flux1-dev"))
+    for lora, strength in loras:
+        lora_sd = comfy["utils"].load_torch_file(lora, safe_load=True)
+        patcher = comfy["sd"].load_lora_for_models(patcher, None, lora_sd, strength, 0)[0]
+    patcher.patch_model()
+    return patcher.model.diffusion_model
+
+
+@pytest.mark.parametrize("layout", ["tp 2", "ring 2 x tp 2"], ids=lambda s: s.replace(" ", ""))
+def test_loras_on_the_engine_equal_comfyuis_loras(comfy, files, groups, loras, layout) -> None:
+    """Each rank's slices patched by ComfyUI's own LoRA code equal ComfyUI's patched model; then the LoRAs
+    off again gives the file's model back (only the patched tensors re-read)."""
+    path, plain = files["flux1-dev"]
+    inputs = call_inputs("flux1-dev", 10, 14, 7)
+    expected = comfy_forward(comfy_with_loras(comfy, path, loras), inputs)
+    group = groups[LAYOUTS[layout]]
+    options = {"layout": layout, "dtype": "float32", "engine": "comfy", "comfyui": COMFYUI_PATH}
+    reports = group.load(path, loras=loras, detection=detection("flux1-dev"), **options)
+    assert reports[0].lora_tensors > 0
+    out = group.forward(**inputs)
+    diff = (out - expected).abs().max().item()
+    away = (expected - comfy_forward(plain, inputs)).abs().max().item()
+    print(f"LoRAs {layout}: max |diff| {diff:.2e} (the LoRAs move the output by {away:.2e})")
+    assert away > 1e-2
+    assert diff <= TOL
+    reports = group.load(path, loras=(), detection=detection("flux1-dev"), **options)
+    assert reports[0].reused and reports[0].lora_tensors > 0  # the patched tensors, read back
+    assert (group.forward(**inputs) - comfy_forward(plain, inputs)).abs().max().item() <= TOL
+
+
+def test_a_lora_comfyui_would_skip_is_refused_by_name(files, groups, tmp_path) -> None:
+    """ComfyUI's loader logs 'lora key not loaded' and skips such keys; the engine refuses the file, naming one."""
+    from rocm_parallel.backend.client import WorkerError
+
+    path, _ = files["flux1-dev"]
+    lora = tmp_path / "sdxl.safetensors"
+    save_file({"diffusion_model.input_blocks.0.0.diff": torch.zeros(4, 4)}, str(lora))
+    with pytest.raises(WorkerError, match=r"applies 1 of its keys to nothing of this Flux \(e\.g\. "
+                       r"'diffusion_model\.input_blocks\.0\.0\.diff'\)"):  # fmt: skip
+        groups[2].load(
+            path, layout="tp 2", dtype="float32", engine="comfy", comfyui=COMFYUI_PATH,
+            detection=detection("flux1-dev"), loras=[(str(lora), 1.0)],
+        )  # fmt: skip
