@@ -38,9 +38,10 @@ _detection_lock = threading.Lock()
 class MetaModel:
     """ComfyUI's model for a file, on the meta device, and where each of its parameters is stored.
 
-    `base` is ComfyUI's `model_base` model (BaseModel) around `model`, its `diffusion_model` (LoRA key maps read
-    it); `unet_config` the detected config (what plans match on); `sources`: parameter name -> the stored
-    tensor it is loaded from."""
+    `base` is ComfyUI's `model_base` model (BaseModel) around `model`, its `diffusion_model`; `unet_config`
+    the detected config (what plans match on); `sources`: parameter name -> the stored tensor it is loaded
+    from; `lora_keys`: ComfyUI's LoRA key map of the whole model (`lora.model_lora_keys_unet`, taken before
+    any split, so every rank reads the same)."""
 
     model: nn.Module
     base: Any
@@ -48,6 +49,7 @@ class MetaModel:
     unet_config: dict[str, Any]
     sources: dict[str, StoredTensor]
     metadata: dict[str, str]
+    lora_keys: dict[str, Any]
 
     @property
     def class_name(self) -> str:
@@ -103,6 +105,7 @@ def build_meta(
     `storage` is the dtype of its linear weights, `compute` the dtype it computes in: ComfyUI's model config
     is set to them as its loader sets `unet_dtype` and `manual_cast_dtype`, so the ops class is the one
     ComfyUI picks (`manual_cast` when they differ: fp8 weights upcast per layer)."""
+    import comfy.lora
     import comfy.model_detection as md
     import comfy.utils
 
@@ -122,7 +125,8 @@ def build_meta(
     model = base.diffusion_model
     named = model_config.process_unet_state_dict(dict(sd))
     sources = _sources(model, named, origin, file)
-    return MetaModel(model, base, model_config, dict(model_config.unet_config), sources, metadata)
+    lora_keys = comfy.lora.model_lora_keys_unet(base, {})
+    return MetaModel(model, base, model_config, dict(model_config.unet_config), sources, metadata, lora_keys)
 
 
 def _sources(

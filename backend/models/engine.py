@@ -85,7 +85,13 @@ class EngineModel(nn.Module):
         previous = self.lora_patched
         self.lora_patched = frozenset()  # until every tensor is set, no set describes the weights
         patched = apply_loras(
-            self.diffusion_model, self.meta.base, self.meta.sources, self.pieces, loras, previous, progress
+            self.diffusion_model,
+            self.meta.lora_keys,
+            self.meta.sources,
+            self.pieces,
+            loras,
+            previous,
+            progress,
         )
         self.lora_patched = patched
         return len(patched | previous)

@@ -30,21 +30,24 @@ PREFIX = "diffusion_model."  # ComfyUI's model keys: the BaseModel's state dict 
 Patches = dict[str, list[tuple[Any, ...]]]
 
 
-def lora_patches(base: Any, loras: Iterable[tuple[str, float]], names: Iterable[str]) -> Patches:
-    """ComfyUI's patches of `loras` ((path, strength), in order) on ComfyUI's model `base` (a model_base
-    model): model key -> [(strength_patch, adapter, strength_model, offset, function), ...], as
-    `ModelPatcher.add_patches` records them."""
+def lora_patches(
+    key_map: Mapping[str, Any], names: Iterable[str], loras: Iterable[tuple[str, float]], model: str
+) -> Patches:
+    """ComfyUI's patches of `loras` ((path, strength), in order) through ComfyUI's LoRA `key_map` of the model
+    (build.py `MetaModel.lora_keys`): model key -> [(strength_patch, adapter, strength_model, offset,
+    function), ...], as `ModelPatcher.add_patches` records them. `names`: the parameters of the whole (unsplit)
+    diffusion model; a key ComfyUI does not load, or loads for no such parameter, refuses the LoRA by name
+    (`model`: the class, for the message)."""
     import comfy.lora
     import comfy.lora_convert
     import comfy.utils
 
-    key_map = comfy.lora.model_lora_keys_unet(base, {})
     model_keys = {PREFIX + n for n in names}
     patches: Patches = {}
     for path, strength in loras:
         with _NotLoaded() as missing:
             lora = comfy.lora_convert.convert_lora(comfy.utils.load_torch_file(path, safe_load=True))
-            loaded = comfy.lora.load_lora(lora, key_map)
+            loaded = comfy.lora.load_lora(lora, dict(key_map))
         unused = list(missing.keys)
         for k, adapter in loaded.items():
             key, offset, function = (
@@ -57,7 +60,7 @@ def lora_patches(base: Any, loras: Iterable[tuple[str, float]], names: Iterable[
         if unused:
             raise LoraError(
                 f"LoRA {quoted(path)}: ComfyUI's LoRA loader applies {len(unused)} of its keys to nothing of "
-                f"this {type(base.diffusion_model).__name__} (e.g. {', '.join(map(repr, unused[:3]))}): the LoRA "
+                f"this {model} (e.g. {', '.join(map(repr, unused[:3]))}): the LoRA "
                 "was made for another model"
             )
     return patches
@@ -103,21 +106,20 @@ def patched_weight(
 
 def apply_loras(
     model: nn.Module,
-    base: Any,
+    key_map: Mapping[str, Any],
     sources: Mapping[str, StoredTensor],
     pieces: Mapping[str, Pieces | None],
     loras: Iterable[tuple[str, float]],
     restore: Iterable[str] = (),
     progress: Callable[[int, int], None] | None = None,
 ) -> frozenset[str]:
-    """Set the weights of `model` (ComfyUI's diffusion model, this rank's shard) to the file's plus `loras`;
-    the parameters in `restore` (what the previous set patched) are read back from the file first. Returns
-    the parameters now patched. A rank lacking a patched parameter (a Rows bias, kept by the group's first
-    rank) skips it."""
+    """Set the weights of `model` (ComfyUI's diffusion model, this rank's shard) to the file's plus `loras`
+    (through ComfyUI's LoRA `key_map` of the whole model); the parameters in `restore` (what the previous set
+    patched) are read back from the file first. Returns the parameters now patched. A rank lacking a patched
+    parameter (a Rows bias, kept by the group's first rank) skips it."""
     held = dict(model.named_parameters())
-    patches = (
-        {k.removeprefix(PREFIX): p for k, p in lora_patches(base, loras, sources).items()} if loras else {}
-    )
+    found = lora_patches(key_map, sources, loras, type(model).__name__) if loras else {}
+    patches = {k.removeprefix(PREFIX): p for k, p in found.items()}
     todo = sorted((set(restore) | set(patches)) & set(held))
     with torch.no_grad():
         for done, name in enumerate(todo, 1):

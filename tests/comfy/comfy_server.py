@@ -257,7 +257,25 @@ class RPTestSaveConditioning:
         return {{}}
 
 
+class RPTestComfyEngine:
+    # The ROCm Parallel loader's handle on the model engine (engine 'comfy': ComfyUI's own model class on the
+    # workers), its detection told `detection` (JSON), as RPTestTinyUNETLoader tells ComfyUI's own loader.
+    CATEGORY = "_for_testing"
+    RETURN_TYPES = ("PARALLEL_FLUX",)
+    FUNCTION = "engine"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {{"required": {{"parallel_flux": ("PARALLEL_FLUX",), "detection": ("STRING", {{"default": "{{}}"}})}}}}
+
+    def engine(self, parallel_flux, detection):
+        import dataclasses
+
+        return (dataclasses.replace(parallel_flux, engine="comfy", detection=detection),)
+
+
 NODE_CLASS_MAPPINGS = {{
+    "RPTestComfyEngine": RPTestComfyEngine,
     "RPTestTinyUnetLoaderGGUF": RPTestTinyUnetLoaderGGUF,
     "RPTestTinyCLIPLoader": RPTestTinyCLIPLoader,
     "RPTestSaveConditioning": RPTestSaveConditioning,

@@ -146,29 +146,38 @@ def test_the_engine_refuses_what_it_does_not_read_before_any_worker_starts(files
         model.close()
 
 
-@pytest.fixture(scope="module")
-def loras(files, tmp_path_factory: pytest.TempPathFactory) -> list[tuple[str, float]]:
-    """Two LoRAs on the FLUX.1 file: every adapter kind ComfyUI reads (LoRA, LoHa, LoKr, full difference,
-    DoRA, bias differences) under BFL keys, and plain LoRA under diffusers' names (ComfyUI maps them onto
-    row ranges of the fused qkv / linear1)."""
+def write_loras(folder: Path, checkpoint: str) -> list[tuple[str, float]]:
+    """Three LoRAs on a FLUX.1 file: every adapter kind ComfyUI reads (LoRA, LoHa, LoKr, full difference,
+    DoRA, bias differences) under BFL keys; plain LoRA under diffusers' names (ComfyUI maps them onto row
+    ranges of the fused qkv / linear1); differences on the patch embedding and on a q/k norm (ComfyUI applies
+    `.diff` to any weight; its key is the norm's name in this ComfyUI's model: `*_norm` for 0.33's
+    `*_norm.weight`, `*_norm.scale` for 0.3.75's)."""
+    from safetensors import safe_open
+
     from rocm_parallel.backend.checkpoint import inspect_checkpoint
     from rocm_parallel.testing.writers import LORA_KINDS, write_random_lora
 
-    folder = tmp_path_factory.mktemp("loras")
-    config = inspect_checkpoint(files["flux1-dev"][0]).config
+    config = inspect_checkpoint(checkpoint).config
     kinds = write_random_lora(
         folder / "kinds.safetensors", config, "bfl", kind=list(LORA_KINDS), dora=[None, "output", "input"],
         bias=True, seed=1, relative=0.3,
     )  # fmt: skip
     peft = write_random_lora(folder / "peft.safetensors", config, "peft", seed=2, relative=0.3)
-    # differences on the patch embedding and on a q/k norm (ComfyUI applies `.diff` to any weight)
+    with safe_open(checkpoint, "pt") as f:
+        scale = any(k.endswith("query_norm.scale") for k in f.keys())
+    norm = "diffusion_model.double_blocks.0.img_attn.norm.query_norm" + (".scale" if scale else "")
     g = torch.Generator().manual_seed(3)
     diffs = {
         "diffusion_model.img_in.diff": 0.02 * torch.randn(64, 64, generator=g),
-        "diffusion_model.double_blocks.0.img_attn.norm.query_norm.diff": 0.1 * torch.randn(16, generator=g),
+        f"{norm}.diff": 0.1 * torch.randn(16, generator=g),
     }
     save_file(diffs, str(folder / "diffs.safetensors"))
     return [(kinds, 0.8), (peft, -0.6), (str(folder / "diffs.safetensors"), 1.0)]
+
+
+@pytest.fixture(scope="module")
+def loras(files, tmp_path_factory: pytest.TempPathFactory) -> list[tuple[str, float]]:
+    return write_loras(tmp_path_factory.mktemp("loras"), files["flux1-dev"][0])
 
 
 def comfy_with_loras(comfy: dict[str, Any], path: str, loras: list[tuple[str, float]]) -> Any:
