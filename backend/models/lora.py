@@ -96,12 +96,16 @@ def patched_weight(
     import comfy.float
     import comfy.lora
     import comfy.model_management as mm
+    import comfy.model_patcher
     import comfy.utils
 
-    compute = mm.lora_compute_dtype(device) if hasattr(mm, "lora_compute_dtype") else torch.float32
+    lora_dtype = getattr(mm, "lora_compute_dtype", None)  # 0.33.0; 0.3.75 patches in float32
+    compute = lora_dtype(device) if lora_dtype is not None else torch.float32
     weight = read_tensor(stored, None, compute, device)
     out = comfy.lora.calculate_weight(patches, weight, key)
-    return comfy.float.stochastic_rounding(out, dtype, seed=comfy.utils.string_to_seed(key))
+    # 0.33.0 has comfy.utils.string_to_seed; 0.3.75 keeps it in comfy.model_patcher
+    seed = getattr(comfy.utils, "string_to_seed", None) or comfy.model_patcher.string_to_seed
+    return comfy.float.stochastic_rounding(out, dtype, seed=seed(key))
 
 
 def apply_loras(
