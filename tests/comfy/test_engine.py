@@ -228,3 +228,63 @@ def test_a_lora_comfyui_would_skip_is_refused_by_name(files, groups, tmp_path) -
             path, layout="tp 2", dtype="float32", engine="comfy", comfyui=COMFYUI_PATH,
             detection=detection("flux1-dev"), loras=[(str(lora), 1.0)],
         )  # fmt: skip
+
+
+RELEASED = {  # header shapes of the released files (tests/tools/comfy_models.py header_like), by preset
+    "flux1-dev": {"family": "flux", "in": 64, "text": 4096, "pooled": 768, "guidance": True, "heads": 24,
+                  "head_dim": 128, "double": 19, "single": 38},
+    "flux2-dev": {"family": "flux2", "in": 128, "text": 15360, "guidance": True, "heads": 48, "head_dim": 128,
+                  "double": 8, "single": 48},
+}  # fmt: skip
+
+
+def engine_bytes(comfy: dict[str, Any], preset: str, tp: int, rank: int, linear: torch.dtype) -> int:
+    """Parameter bytes rank `rank` of `tp` holds of the released model on the engine: ComfyUI's own class as
+    its detection configures it from the released header's shapes, built on the meta device, the plan applied
+    under the fake process group, each parameter in the dtype the loader holds it in (bf16 compute)."""
+    import comfy_models
+    import torch.distributed as dist
+
+    from rocm_parallel.backend.models.apply import apply_tensor_parallel
+    from rocm_parallel.backend.models.load import held_dtype
+    from rocm_parallel.backend.models.plans import plan_for
+    from rocm_parallel.testing.fake import fake_process_group
+
+    detection = comfy["detection"]
+    probe = comfy_models.header_like(RELEASED[preset])
+    config = detection.model_config_from_unet_config(detection.detect_unet_config(probe, ""), probe)
+    config.set_inference_dtype(torch.bfloat16, None)
+    model = config.get_model({}, "", device=torch.device("meta")).diffusion_model
+    kind = type(model)
+    plan = plan_for(f"{kind.__module__}.{kind.__qualname__}", config.unet_config)
+    with fake_process_group(tp, rank):
+        apply_tensor_parallel(model, plan, dist.group.WORLD)
+    total = 0
+    for name, p in model.named_parameters():
+        module = model.get_submodule(name.rpartition(".")[0])
+        dtype = held_dtype(module, name.rpartition(".")[2], p, linear, torch.bfloat16)
+        total += p.numel() * dtype.itemsize
+    return total
+
+
+@pytest.mark.parametrize("preset", list(RELEASED))
+def test_bytes_per_rank_at_the_released_configs_are_not_above_the_diffusers_engines(comfy, preset) -> None:
+    """The issue's bar: bytes per GPU unchanged or lower than today's (the planner's count of the diffusers
+    engine's shards, which BENCHMARKS tables), at TP 1, 2 and 4, bf16 and fp8 weights, first and last rank."""
+    from rocm_parallel.backend.config import ParallelLayout
+    from rocm_parallel.backend.family import get_family
+    from rocm_parallel.backend.plan import weight_bytes
+
+    family = get_family(preset.split("-")[0])
+    dims = family.dims(family.presets[preset])
+    for tp in (1, 2, 4):
+        for linear, size in ((torch.bfloat16, 2), (torch.float8_e4m3fn, 1)):
+            for rank in {0, tp - 1}:
+                ours = engine_bytes(comfy, preset, tp, rank, linear)
+                today = weight_bytes(
+                    dims, ParallelLayout(tp=tp), 2, rank, family=family.name, linear_bytes=size
+                )
+                print(
+                    f"{preset} tp {tp} rank {rank} {linear}: engine {ours / 1e9:.3f} GB, diffusers {today / 1e9:.3f} GB"
+                )
+                assert ours <= today
