@@ -25,60 +25,75 @@ from test_engine import write_loras
 
 pytestmark = [pytest.mark.comfy, pytest.mark.timeout(3000)]
 
-CHECKPOINT = "engine-flux1-dev.safetensors"
 TOL = 1e-4
 LAYOUTS = {"tp": "cpu x2", "ring 2": "cpu x2", "ulysses 2": "cpu x2", "ring 2 x tp 2": "cpu x4"}
+# model -> (its reference case's prompt, negative prompt node, empty latent node, latent size); FLUX.2's
+# negative is another case's prompt (0.3.75's Flux2 reads `pooled_output` from every cond: None there)
+MODELS = {
+    "flux1-dev": ("cfg_negative", {"class_type": "RPTestReferenceConditioning", "inputs": {"case": "cfg_negative:neg"}},
+                  "EmptySD3LatentImage", (48, 40)),
+    "flux2-dev": ("flux2_4steps", {"class_type": "RPTestReferenceConditioning", "inputs": {"case": "flux2_ref_2steps"}},
+                  "EmptyFlux2LatentImage", (80, 48)),
+}  # fmt: skip
+
+
+def checkpoint(name: str) -> str:
+    return f"engine-{name}.safetensors"
 
 
 @pytest.fixture(scope="module")
 def files(comfy: Comfy) -> dict[str, Any]:
-    """A FLUX.1 [dev] built and saved by this ComfyUI's own classes in the server's diffusion_models, and
-    LoRAs for it in its loras folder."""
+    """FLUX.1 [dev] and FLUX.2 [dev] built and saved by this ComfyUI's own classes in the server's
+    diffusion_models, and LoRAs for each in its loras folder."""
     sys.path.insert(0, str(TESTS_DIR / "tools"))
     import comfy_models
 
     own = comfy_models.import_comfy(COMFYUI_PATH)
-    spec = dict(comfy_models.MODELS["flux1-dev"])
-    path = comfy.base / "models" / "diffusion_models" / CHECKPOINT
-    comfy_models.model_save(own, comfy_models.build(own, spec, torch.float32), path)
     loras = comfy.base / "models" / "loras"
     loras.mkdir(parents=True, exist_ok=True)
-    written = write_loras(loras, str(path))
-    return {"widths": comfy_models.widths(spec), "loras": [(Path(p).name, s) for p, s in written]}
+    out = {}
+    for name in MODELS:
+        spec = dict(comfy_models.MODELS[name])
+        path = comfy.base / "models" / "diffusion_models" / checkpoint(name)
+        comfy_models.model_save(own, comfy_models.build(own, spec, torch.float32), path)
+        written = write_loras(loras, str(path))
+        out[name] = {"widths": comfy_models.widths(spec), "loras": [(Path(p).name, s) for p, s in written]}
+    return out
 
 
-def prompt(files: dict[str, Any], layout: str, devices: str, seed: int) -> dict[str, Any]:
+def prompt(name: str, files: dict[str, Any], layout: str, devices: str, seed: int) -> dict[str, Any]:
     """ComfyUI's own model (nodes 10-) and the pack's in `layout` (nodes 20-), the same KSampler on each."""
-    widths = files["widths"]
+    widths, loras = files[name]["widths"], files[name]["loras"]
+    case, negative, empty, (width, height) = MODELS[name]
     sampler = {
         "seed": seed, "steps": 3, "cfg": 2.5, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0,
         "positive": ["2", 0], "negative": ["4", 0], "latent_image": ["5", 0],
     }  # fmt: skip
     nodes: dict[str, Any] = {
-        "1": {"class_type": "RPTestReferenceConditioning", "inputs": {"case": "cfg_negative"}},
+        "1": {"class_type": "RPTestReferenceConditioning", "inputs": {"case": case}},
         "2": {"class_type": "FluxGuidance", "inputs": {"conditioning": ["1", 0], "guidance": 3.5}},
-        "3": {"class_type": "RPTestReferenceConditioning", "inputs": {"case": "cfg_negative:neg"}},
+        "3": negative,
         "4": {"class_type": "FluxGuidance", "inputs": {"conditioning": ["3", 0], "guidance": 3.5}},
-        "5": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 48, "height": 40, "batch_size": 1}},
+        "5": {"class_type": empty, "inputs": {"width": width, "height": height, "batch_size": 1}},
         "10": {"class_type": "RPTestTinyUNETLoader", "inputs": {
-            "unet_name": CHECKPOINT, "num_heads": widths["num_heads"], "axes_dim": json.dumps(widths["axes_dim"])}},
+            "unet_name": checkpoint(name), "num_heads": widths["num_heads"], "axes_dim": json.dumps(widths["axes_dim"])}},
         "20": {"class_type": "RocmParallelLoader", "inputs": {
-            "checkpoint": CHECKPOINT, "devices": devices, "dtype": "float32", "preload": "none",
+            "checkpoint": checkpoint(name), "devices": devices, "dtype": "float32", "preload": "none",
             "weight_dtype": "default"}},
         "21": {"class_type": "RPTestComfyEngine", "inputs": {"parallel_flux": ["20", 0], "detection": json.dumps(widths)}},
     }  # fmt: skip
     own, parallel = ["10", 0], ["21", 0]
-    for i, (name, strength) in enumerate(files["loras"]):
+    for i, (lora, strength) in enumerate(loras):
         nodes[str(11 + i)] = {"class_type": "LoraLoaderModelOnly",
-                              "inputs": {"model": own, "lora_name": name, "strength_model": strength}}  # fmt: skip
+                              "inputs": {"model": own, "lora_name": lora, "strength_model": strength}}  # fmt: skip
         nodes[str(22 + i)] = {"class_type": "RocmParallelLoRA",
-                              "inputs": {"parallel_flux": parallel, "lora_name": name, "strength_model": strength}}  # fmt: skip
+                              "inputs": {"parallel_flux": parallel, "lora_name": lora, "strength_model": strength}}  # fmt: skip
         own, parallel = [str(11 + i), 0], [str(22 + i), 0]
     nodes["30"] = {"class_type": "RocmParallelModel",
                    "inputs": {"parallel_flux": parallel, "layout": layout, "ring_degree": 0, "ulysses_degree": 0}}  # fmt: skip
     nodes["40"] = {"class_type": "KSampler", "inputs": {"model": own, **sampler}}
     nodes["41"] = {"class_type": "KSampler", "inputs": {"model": ["30", 0], **sampler}}
-    tag = layout.replace(" ", "")
+    tag = f"{name}_{layout.replace(' ', '')}"
     nodes["50"] = {
         "class_type": "SaveLatent",
         "inputs": {"samples": ["40", 0], "filename_prefix": f"engine/comfy_{tag}"},
@@ -91,11 +106,15 @@ def prompt(files: dict[str, Any], layout: str, devices: str, seed: int) -> dict[
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS), ids=lambda s: s.replace(" ", ""))
-def test_the_engine_through_prompt_equals_comfyuis_own_model(comfy: Comfy, files, layout: str) -> None:
-    log = run_prompt(comfy, prompt(files, layout, LAYOUTS[layout], seed=51), f"engine-{layout}")
-    tag = layout.replace(" ", "")
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_engine_through_prompt_equals_comfyuis_own_model(
+    comfy: Comfy, files, name: str, layout: str
+) -> None:
+    """The pack's branch is on the engine: the default engine's LoRA node would refuse the norm's `.diff`."""
+    log = run_prompt(comfy, prompt(name, files, layout, LAYOUTS[layout], seed=51), f"engine-{name}-{layout}")
+    tag = f"{name}_{layout.replace(' ', '')}"
     own, pack = saved_latent(comfy, f"engine/comfy_{tag}"), saved_latent(comfy, f"engine/pack_{tag}")
     diff = (own - pack).abs().max().item()
-    print(f"engine {layout}: max |diff| {diff:.2e}, |latent| {own.abs().max().item():.2f}")
+    print(f"engine {name} {layout}: max |diff| {diff:.2e}, |latent| {own.abs().max().item():.2f}")
     assert "lora key not loaded" not in log  # ComfyUI's own branch applied every key too
     assert diff <= TOL

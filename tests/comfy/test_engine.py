@@ -147,32 +147,42 @@ def test_the_engine_refuses_what_it_does_not_read_before_any_worker_starts(files
 
 
 def write_loras(folder: Path, checkpoint: str) -> list[tuple[str, float]]:
-    """Three LoRAs on a FLUX.1 file: every adapter kind ComfyUI reads (LoRA, LoHa, LoKr, full difference,
-    DoRA, bias differences) under BFL keys; plain LoRA under diffusers' names (ComfyUI maps them onto row
-    ranges of the fused qkv / linear1); differences on the patch embedding and on a q/k norm (ComfyUI applies
-    `.diff` to any weight; its key is the norm's name in this ComfyUI's model: `*_norm` for 0.33's
-    `*_norm.weight`, `*_norm.scale` for 0.3.75's)."""
+    """LoRAs on a FLUX.1 or FLUX.2 file: every adapter kind ComfyUI reads (LoRA, LoHa, LoKr, full difference,
+    DoRA, bias differences where the model has biases) under BFL keys; for FLUX.1 plain LoRA under diffusers'
+    names too (ComfyUI maps them onto row ranges of the fused qkv / linear1); differences on the patch
+    embedding and on a q/k norm (ComfyUI applies `.diff` to any weight; its key is the norm's name in this
+    ComfyUI's model: `*_norm` for 0.33's `*_norm.weight`, `*_norm.scale` for 0.3.75's)."""
     from safetensors import safe_open
 
     from rocm_parallel.backend.checkpoint import inspect_checkpoint
     from rocm_parallel.testing.writers import LORA_KINDS, write_random_lora
 
-    config = inspect_checkpoint(checkpoint).config
-    kinds = write_random_lora(
-        folder / "kinds.safetensors", config, "bfl", kind=list(LORA_KINDS), dora=[None, "output", "input"],
-        bias=True, seed=1, relative=0.3,
-    )  # fmt: skip
-    peft = write_random_lora(folder / "peft.safetensors", config, "peft", seed=2, relative=0.3)
+    info = inspect_checkpoint(checkpoint)
+    tag = Path(checkpoint).stem
     with safe_open(checkpoint, "pt") as f:
-        scale = any(k.endswith("query_norm.scale") for k in f.keys())
-    norm = "diffusion_model.double_blocks.0.img_attn.norm.query_norm" + (".scale" if scale else "")
+        keys = list(f.keys())
+        embedding = f.get_slice(next(k for k in keys if k.endswith("img_in.weight"))).get_shape()
+        norm = f.get_slice(next(k for k in keys if "img_attn.norm.query_norm" in k)).get_shape()
+    scale = any(k.endswith("query_norm.scale") for k in keys)
+    bias = any(k.endswith("img_attn.proj.bias") for k in keys)
+    kinds = write_random_lora(
+        folder / f"{tag}-kinds.safetensors", info.config, "bfl", kind=list(LORA_KINDS),
+        dora=[None, "output", "input"], bias=bias, seed=1, relative=0.3, family=info.family,
+    )  # fmt: skip
+    out = [(kinds, 0.8)]
+    if info.family == "flux1":
+        peft = write_random_lora(
+            folder / f"{tag}-peft.safetensors", info.config, "peft", seed=2, relative=0.3
+        )
+        out.append((peft, -0.6))
     g = torch.Generator().manual_seed(3)
+    query = "diffusion_model.double_blocks.0.img_attn.norm.query_norm" + (".scale" if scale else "")
     diffs = {
-        "diffusion_model.img_in.diff": 0.02 * torch.randn(64, 64, generator=g),
-        f"{norm}.diff": 0.1 * torch.randn(16, generator=g),
+        "diffusion_model.img_in.diff": 0.02 * torch.randn(*embedding, generator=g),
+        f"{query}.diff": 0.1 * torch.randn(*norm, generator=g),
     }
-    save_file(diffs, str(folder / "diffs.safetensors"))
-    return [(kinds, 0.8), (peft, -0.6), (str(folder / "diffs.safetensors"), 1.0)]
+    save_file(diffs, str(folder / f"{tag}-diffs.safetensors"))
+    return [*out, (str(folder / f"{tag}-diffs.safetensors"), 1.0)]
 
 
 @pytest.fixture(scope="module")
