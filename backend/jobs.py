@@ -170,9 +170,9 @@ def load(ctx: WorkerContext, request: LoadRequest) -> LoadReport:
     groups = parallel_groups(layout, ctx.device)
     if request.engine == "comfy":  # ComfyUI's own model, sharded by its plan (backend/models/)
         model = load_engine_model(
-            info, comfyui=request.comfyui, detection=detection_of(request.detection), layout=layout,
-            groups=groups, device=ctx.device, compute=resolve_dtype(request.dtype, ctx.device),
-            weight_dtype=request.weight_dtype, attention=request.attention, progress=ctx.load_progress,
+            info, comfyui=request.comfyui, detection=detection_of(request.detection), groups=groups,
+            device=ctx.device, compute=resolve_dtype(request.dtype, ctx.device), weight_dtype=request.weight_dtype,
+            attention=request.attention, progress=ctx.load_progress,
         )  # fmt: skip
         lora = _apply_loras(ctx, model, info, request.loras, groups) if request.loras else {}
     else:

@@ -28,7 +28,6 @@ from torch import nn
 
 from ..checkpoint.files import CheckpointError
 from ..checkpoint.info import CheckpointInfo
-from ..config import ParallelLayout
 from ..parallel.mesh import GROUPS_ATTR, ParallelGroups
 from ..parallel.weights import COMPUTE_DTYPE_ATTR
 from ..redact import quoted
@@ -98,8 +97,9 @@ class EngineModel(nn.Module):
 
 
 def storage_dtype(info: CheckpointInfo, weight_dtype: str, compute: torch.dtype) -> torch.dtype:
-    """The dtype of the linear weights: the pack's rule (checkpoint/load.py `resident_dtype`): an fp8 file's
-    stay fp8 for 'default', 'fp8_*' converts, 'compute' upcasts."""
+    """The dtype ComfyUI's model config is built with for its linear weights (its `unet_dtype`): an fp8 dtype
+    when any linear weight will be held fp8 (the pack's rule, load.py `held_dtype`: a 'default' file's fp8
+    weights, every one for 'fp8_*'), so ComfyUI picks the ops that upcast per layer; else the compute dtype."""
     from ..dtypes import WEIGHT_DTYPES, dtype_named
 
     if weight_dtype == "compute":
@@ -115,7 +115,6 @@ def load_engine_model(
     *,
     comfyui: str,
     detection: Mapping[str, Any],
-    layout: ParallelLayout,
     groups: ParallelGroups,
     device: torch.device,
     compute: torch.dtype,
@@ -123,7 +122,8 @@ def load_engine_model(
     attention: str | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> EngineModel:
-    """This rank's shard of ComfyUI's model for `info`'s file in `layout` (see the module docstring)."""
+    """This rank's shard of ComfyUI's model for `info`'s file in the layout `groups` realises (see the module
+    docstring)."""
     import_comfy(comfyui, device)
     storage = storage_dtype(info, weight_dtype, compute)
     meta = build_meta(info.files[0], storage, compute, detection)
@@ -134,8 +134,10 @@ def load_engine_model(
             "model engine has no plan for; load it with engine='diffusers'"
         )
     pieces = apply_tensor_parallel(meta.model, plan, groups.tp_group)
-    fill_weights(meta.model, meta.sources, pieces, storage, compute, device, progress)
-    sequence = apply_context_parallel(meta.model, plan, layout, groups.cp_mesh, device, compute, attention)
+    fill_weights(meta.model, meta.sources, pieces, weight_dtype, compute, device, progress)
+    sequence = apply_context_parallel(
+        meta.model, plan, groups.layout, groups.cp_mesh, device, compute, attention
+    )
     model = EngineModel(meta, plan, pieces, info.config, compute, storage, sequence)
     setattr(model, GROUPS_ATTR, groups)
     return model.eval()

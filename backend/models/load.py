@@ -3,9 +3,10 @@
 The reading rules are the pack's, shared with the diffusers engine (backend/checkpoint/load.py
 `read_tensor`): safetensors' lazy slices, only this rank's rows / columns of every (fused) stored tensor
 read, every value checked for NaN / inf where it lands, fp8 converted with a range check. Which dtype a
-parameter is held in (`held_dtype`): a linear layer's weight in the storage dtype (an fp8 file's weights
-stay fp8 unless the load asks otherwise: ComfyUI's `manual_cast` ops then upcast them per layer, as in
-ComfyUI), everything else in the compute dtype.
+parameter is held in is the same rule too (`held_dtype`): a linear layer's weight stored fp8 stays fp8 unless
+the load asks otherwise ('fp8_*' converts every linear weight, 'compute' upcasts), and ComfyUI's
+`manual_cast` ops (which build.py gets whenever a weight may differ from the compute dtype) upcast it per
+layer, as in ComfyUI; everything else is held in the compute dtype.
 """
 
 from __future__ import annotations
@@ -16,24 +17,24 @@ import torch
 from torch import nn
 
 from ..checkpoint.files import StoredTensor
-from ..checkpoint.load import read_tensor
+from ..checkpoint.load import read_tensor, resident_dtype
 from ..parallel.splits import Pieces
 
 
 def held_dtype(
-    module: nn.Module, param: str, tensor: torch.Tensor, storage: torch.dtype, compute: torch.dtype
+    module: nn.Module, param: str, stored: StoredTensor, weight_dtype: str, compute: torch.dtype
 ) -> torch.dtype:
-    """The dtype a parameter is held in (see the module docstring); integer tensors keep their own."""
-    if not tensor.dtype.is_floating_point:
-        return tensor.dtype
-    return storage if isinstance(module, nn.Linear) and param == "weight" else compute
+    """The dtype a parameter read from `stored` is held in: the pack's rule (checkpoint/load.py
+    `resident_dtype`), a linear layer's weight per `weight_dtype` ('default': fp8 stays fp8, 'fp8_*':
+    converted, 'compute': upcast), everything else in the compute dtype."""
+    return resident_dtype(stored, isinstance(module, nn.Linear) and param == "weight", weight_dtype, compute)
 
 
 def fill_weights(
     model: nn.Module,
     sources: Mapping[str, StoredTensor],
     pieces: Mapping[str, Pieces | None],
-    storage: torch.dtype,
+    weight_dtype: str,
     compute: torch.dtype,
     device: torch.device,
     progress: Callable[[int, int], None] | None = None,
@@ -45,7 +46,7 @@ def fill_weights(
         for done, (name, meta) in enumerate(parameters, 1):
             module_name, _, param = name.rpartition(".")
             module = model.get_submodule(module_name) if module_name else model
-            dtype = held_dtype(module, param, meta, storage, compute)
+            dtype = held_dtype(module, param, sources[name], weight_dtype, compute)
             tensor = read_tensor(sources[name], pieces.get(name), dtype, device)
             if tuple(tensor.shape) != tuple(meta.shape):  # the plan and the model disagree: a bug
                 raise RuntimeError(

@@ -248,13 +248,14 @@ RELEASED = {  # header shapes of the released files (tests/tools/comfy_models.py
 }  # fmt: skip
 
 
-def engine_bytes(comfy: dict[str, Any], preset: str, tp: int, rank: int, linear: torch.dtype) -> int:
+def engine_bytes(comfy: dict[str, Any], preset: str, tp: int, rank: int, weight_dtype: str) -> int:
     """Parameter bytes rank `rank` of `tp` holds of the released model on the engine: ComfyUI's own class as
     its detection configures it from the released header's shapes, built on the meta device, the plan applied
     under the fake process group, each parameter in the dtype the loader holds it in (bf16 compute)."""
     import comfy_models
     import torch.distributed as dist
 
+    from rocm_parallel.backend.checkpoint.files import StoredTensor
     from rocm_parallel.backend.models.apply import apply_tensor_parallel
     from rocm_parallel.backend.models.load import held_dtype
     from rocm_parallel.backend.models.plans import plan_for
@@ -272,7 +273,8 @@ def engine_bytes(comfy: dict[str, Any], preset: str, tp: int, rank: int, linear:
     total = 0
     for name, p in model.named_parameters():
         module = model.get_submodule(name.rpartition(".")[0])
-        dtype = held_dtype(module, name.rpartition(".")[2], p, linear, torch.bfloat16)
+        stored = StoredTensor("", name, tuple(p.shape), "BF16")  # a bf16 release's header
+        dtype = held_dtype(module, name.rpartition(".")[2], stored, weight_dtype, torch.bfloat16)
         total += p.numel() * dtype.itemsize
     return total
 
@@ -288,13 +290,67 @@ def test_bytes_per_rank_at_the_released_configs_are_not_above_the_diffusers_engi
     family = get_family(preset.split("-")[0])
     dims = family.dims(family.presets[preset])
     for tp in (1, 2, 4):
-        for linear, size in ((torch.bfloat16, 2), (torch.float8_e4m3fn, 1)):
+        for weights, size in (("compute", 2), ("fp8_e4m3fn", 1)):
             for rank in {0, tp - 1}:
-                ours = engine_bytes(comfy, preset, tp, rank, linear)
+                ours = engine_bytes(comfy, preset, tp, rank, weights)
                 today = weight_bytes(
                     dims, ParallelLayout(tp=tp), 2, rank, family=family.name, linear_bytes=size
                 )
                 print(
-                    f"{preset} tp {tp} rank {rank} {linear}: engine {ours / 1e9:.3f} GB, diffusers {today / 1e9:.3f} GB"
+                    f"{preset} tp {tp} rank {rank} {weights}: engine {ours / 1e9:.3f} GB, diffusers {today / 1e9:.3f} GB"
                 )
                 assert ours <= today
+
+
+def test_headless_sample_on_the_engine_equals_comfyuis_references(groups, tmp_path) -> None:
+    """`ParallelModel.sample` (the Euler loop in the caller, a `forward` per step) on the engine, ring 2, equals
+    what this ComfyUI sampled with its own model (tests/data/comfy_references*.safetensors), on the file the
+    references were made from: a BFL single file the pack wrote (BFL's `*_norm.scale` spelling)."""
+    from comfy_server import ALL_CASES, reference
+    from test_sampling import flux_model
+
+    from rocm_parallel.backend.checkpoint import save_checkpoint
+
+    path = tmp_path / "tiny-flux-dev.safetensors"
+    save_checkpoint(flux_model("dev"), path)
+    case, ref = ALL_CASES["dev_4steps"], reference("dev_4steps")
+    group = groups[2]
+    group.load(
+        path, layout="ring 2", dtype="float32", engine="comfy", comfyui=COMFYUI_PATH, detection=detection("flux1-dev")
+    )  # fmt: skip
+    positive = [[ref["cond"], {"pooled_output": ref["pooled"], "guidance": case["guidance"]}]]
+    out = group.sample(positive, {"samples": ref["latent"]}, seed=case["seed"], steps=case["steps"])[
+        "samples"
+    ]
+    diff = (out - ref["output"]).abs().max().item()
+    print(f"headless sample on the engine: max |diff| {diff:.2e}")
+    assert diff <= 1e-4
+
+
+def test_an_fp8_file_stays_fp8_on_the_ranks_and_equals_comfyuis_load(comfy, files, groups, tmp_path) -> None:
+    """The blocks' linear weights stored fp8 (plain, no scales): 'default' keeps them fp8 on every rank, upcast
+    per layer by ComfyUI's own manual_cast ops; equal to ComfyUI's own load of the file (upcast at load)."""
+    import comfy_models
+    from safetensors.torch import load_file
+
+    source, _ = files["flux1-dev"]
+    tensors = load_file(source)
+    fp8 = {
+        k: v.to(torch.float8_e4m3fn) if v.ndim == 2 and "_blocks." in k and k.endswith(".weight") else v
+        for k, v in tensors.items()
+    }
+    path = tmp_path / "fp8.safetensors"
+    save_file(fp8, str(path))
+    reference = comfy_models.load_in_comfy(comfy, path, tiny("flux1-dev")).model.diffusion_model
+    inputs = call_inputs("flux1-dev", 10, 14, 7)
+    group = groups[2]
+    reports = group.load(
+        str(path), layout="tp 2", dtype="float32", engine="comfy", comfyui=COMFYUI_PATH,
+        detection=detection("flux1-dev"),
+    )  # fmt: skip
+    # every rank holds half of each fp8 block weight, as fp8 (every block linear is split over tp 2)
+    stored = sum(v.numel() for v in fp8.values() if v.dtype == torch.float8_e4m3fn)
+    assert [r.parameter_bytes_by_dtype.get("float8_e4m3fn") for r in reports] == [stored // 2] * 2
+    diff = (group.forward(**inputs) - comfy_forward(reference, inputs)).abs().max().item()
+    print(f"fp8 file on the engine, tp 2: max |diff| {diff:.2e}")
+    assert diff <= TOL
