@@ -326,15 +326,16 @@ def test_scaled_fp8_matches_comfyuis_own_scaled_fp8_model(comfy, registries, tmp
 FAMILY_CASES = ["kontext_calls", "kontext_index_calls", "kontext_uxo_calls", "fill_calls"]
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("layout", ["tp2", "ring2", "ring2_ulysses2"])
 @pytest.mark.parametrize("name", FAMILY_CASES)
 def test_kontext_and_fill_through_comfyuis_nodes_match_comfyuis_own_calls(
-    comfy, checkpoints, registries, layout, name, tmp_path
+    comfy, checkpoints, registries, layout, name, tmp_path, engine
 ):
     from make_comfy_references import run_case as reference_run_case
 
     case = CASES[name]
-    model = parallel_model(comfy, checkpoints, registries, case["variant"], layout)
+    model = parallel_model(comfy, checkpoints, registries, case["variant"], layout, engine=engine)
     with torch.no_grad():
         got = reference_run_case(comfy, {case["variant"]: model}, name, case, tmp_path)
     # img_ids: ComfyUI's own ids inside its Flux (the proxy has none; tests/test_family.py checks the pack's)
