@@ -13,9 +13,9 @@ from .inputs import PRELOAD_LAYOUTS, ParallelHandle, tp_layout
 from .registry import Registry
 
 if TYPE_CHECKING:
-    from ..backend.api import ParallelModel
     from ..backend.checkpoint import CheckpointInfo
-    from ..backend.resident import LoadOptions
+    from ..backend.diffusion.api import ParallelModel
+    from ..backend.resident.group import LoadOptions
 
 
 def needs_gpu_memory(devices: Sequence[str]) -> bool:
@@ -145,7 +145,7 @@ def add_lora(handle: ParallelHandle, path: str, strength: float) -> ParallelHand
 
 def load_options(handle: ParallelHandle, layout: ParallelLayout) -> LoadOptions:
     """The backend's LoadOptions for the handle's model in `layout` (ParallelModel.load / check_load)."""
-    from ..backend.resident import LoadOptions
+    from ..backend.resident.group import LoadOptions
 
     return LoadOptions(
         layout=layout, dtype=handle.dtype, weight_dtype=handle.weight_dtype, loras=handle.loras,

@@ -13,12 +13,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..backend.redact import file_name, file_names_only
+from ..backend.runtime.redact import file_name, file_names_only
 from .inputs import describe_layout
 
 if TYPE_CHECKING:
-    from ..backend.api import ParallelModel
-    from ..backend.messages import RankStatus
+    from ..backend.diffusion.api import ParallelModel
+    from ..backend.resident.messages import RankStatus
 
 # Worker threads per process (torch.set_num_threads); unset leaves torch's default. Tests and shared
 # CPU machines set it to 1 so that several CPU workers do not fight over the same cores.
@@ -83,7 +83,7 @@ def threads_from_env() -> int | None:
 
 
 def _default_factory(devices: tuple[str, ...]) -> ParallelModel:
-    from ..backend.api import ParallelModel
+    from ..backend.diffusion.api import ParallelModel
 
     return ParallelModel(list(devices), threads=threads_from_env())
 
@@ -202,7 +202,7 @@ class Registry:
 
     def watch_residency(self, model: ParallelModel) -> None:
         """Keep the panel's `models` current whenever what `model`'s ranks hold, or where, changes (a text
-        encoder parked in host memory while the model samples: backend/parking.py)."""
+        encoder parked in host memory while the model samples: backend/resident/parking.py)."""
         model.on_residency_change = lambda: self.record_resident(model)
 
     def record_ranks(self, reports: Sequence[RankStatus]) -> None:

@@ -57,7 +57,7 @@ def format_state(state: dict[str, Any]) -> str:
         if state.get("loading"):
             lines.append(f"loading: {state['loading']}")
         models = state.get("models") or []
-        if len(models) > 1:  # a text encoder beside the model: where it waits (backend/parking.py)
+        if len(models) > 1:  # a text encoder beside the model: where it waits (backend/resident/parking.py)
             lines.append("resident: " + ", ".join(model_text(m) for m in models))
         lines += [f"  {rank_line(r)}" for r in state.get("ranks", [])]
         if state.get("auto"):

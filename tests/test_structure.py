@@ -14,6 +14,8 @@ from __future__ import annotations
 import ast
 import io
 import re
+import subprocess
+import sys
 import tokenize
 from pathlib import Path
 
@@ -39,8 +41,8 @@ ALLOWED = {
     ),
     ("nodes/inputs.py", 'HANDLE_TYPE = "PARALLEL_FLUX"'),
     # the API class's name before it was generic: users' scripts import it
-    ("backend/api.py", '"ParallelFlux",'),
-    ("backend/api.py", "ParallelFlux = ParallelModel"),
+    ("backend/diffusion/api.py", '"ParallelFlux",'),
+    ("backend/diffusion/api.py", "ParallelFlux = ParallelModel"),
 }
 
 
@@ -232,3 +234,87 @@ def test_the_name_check_catches_a_family_name() -> None:
             test_no_generic_module_names_a_family_or_a_flux_field()
     finally:
         module.unlink()
+
+
+# ------------------------------------------------------------------------------------------------ the rooms
+# The runtime (backend/runtime/: the worker group) imports no model code: only itself and the backend's base
+# modules below, which import no model code either. The models import the runtime, never the other way round.
+RUNTIME = ROOT / "backend" / "runtime"
+BASE_MODULES = ("config", "dtypes", "echo", "platforms", "text", "torch_range")
+COMFYUI_MODULES = ("comfy", "comfy_extras", "comfy_api", "folder_paths", "server", "execution", "nodes")
+
+
+def _all_imports(path: Path) -> set[str]:
+    """Every module `path` imports: relative ones resolved, absolute ones as written, TYPE_CHECKING included."""
+    tree = ast.parse(path.read_text())
+    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            base = base[: len(base) - (node.level - 1)]
+            target = ".".join(base + ([node.module] if node.module else []))
+            found.update(f"{target}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _runtime_side_files() -> list[Path]:
+    return sorted(RUNTIME.rglob("*.py")) + [ROOT / "backend" / f"{name}.py" for name in BASE_MODULES]
+
+
+def test_the_runtime_imports_no_model_code() -> None:
+    allowed = ("rocm_parallel.backend.runtime", *(f"rocm_parallel.backend.{m}" for m in BASE_MODULES))
+    found = []
+    for path in _runtime_side_files():
+        for target in sorted(_all_imports(path)):
+            ours = target.startswith("rocm_parallel.") or target.split(".")[0] in COMFYUI_MODULES
+            if ours and not any(target == a or target.startswith(a + ".") for a in allowed):
+                found.append(f"{path.relative_to(ROOT)} imports {target}")
+    assert not found, "the runtime imports model code (or ComfyUI):\n" + "\n".join(found)
+
+
+def test_a_worker_process_imports_no_model_code_until_it_loads_its_methods() -> None:
+    """What the static check above cannot see (an import by name): every runtime module imported the way a
+    worker imports the package (launch.py's bootstrap: the pack's ComfyUI entry point not run) leaves no
+    model module in sys.modules."""
+    names = [_module_name(p) for p in sorted(RUNTIME.rglob("*.py"))]
+    code = (
+        "import importlib, sys, types\n"
+        f"pkg = types.ModuleType('rocm_parallel'); pkg.__path__ = [{str(ROOT)!r}]\n"
+        "sys.modules['rocm_parallel'] = pkg\n"
+        f"for name in {names!r}:\n"
+        "    importlib.import_module(name)\n"
+        "allowed = ('rocm_parallel.backend.runtime', "
+        + "".join(f"'rocm_parallel.backend.{m}', " for m in BASE_MODULES)
+        + ")\n"
+        "print(sorted(m for m in sys.modules if m.startswith('rocm_parallel.backend.') and not "
+        "any(m == a or m.startswith(a + '.') for a in allowed)))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1] == "[]", done.stdout[-2000:]
+
+
+@pytest.mark.parametrize(
+    "source", ["from ..plan import estimate\n", "def f():\n    from ..checkpoint import info\n"]
+)
+def test_the_runtime_check_catches_a_model_import(source: str) -> None:
+    module = RUNTIME / "_probe_structure.py"
+    module.write_text(source)
+    try:
+        with pytest.raises(
+            AssertionError, match=r"_probe_structure\.py imports rocm_parallel\.backend\.(plan|checkpoint)"
+        ):
+            test_the_runtime_imports_no_model_code()
+    finally:
+        module.unlink()
+
+
+def test_the_backend_keeps_at_most_twelve_modules_flat() -> None:
+    """backend/ is rooms (issue 50): a new module goes into the room whose job it does."""
+    flat = sorted(p.name for p in (ROOT / "backend").glob("*.py"))
+    assert len(flat) <= 12, flat

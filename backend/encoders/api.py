@@ -1,6 +1,6 @@
 """A text encoder resident on a worker group, tensor-parallel: the caller's side.
 
->>> from rocm_parallel.backend.api import ParallelModel
+>>> from rocm_parallel.backend.diffusion.api import ParallelModel
 >>> from rocm_parallel.backend.encoders.api import ParallelEncoder
 >>> with ParallelModel(["cuda:0", "cuda:1"]) as group:
 ...     t5 = ParallelEncoder(group, "models/text_encoders/t5xxl_fp16.safetensors")
@@ -25,9 +25,9 @@ import torch
 
 from ..config import ConfigError, ParallelLayout
 from ..dtypes import dtype_named, stored_dtype
-from ..parking import DEFAULT_POLICY, check_policy
 from ..plan.encoder import encoder_bytes
-from ..resident import ResidentGroup
+from ..resident.group import ResidentGroup
+from ..resident.parking import DEFAULT_POLICY, check_policy
 from .files import EncoderInfo, inspect_encoder
 from .kind import EMBEDDINGS, EncoderKind
 from .messages import ENCODER_SLOT, EncodeRequest, EncoderLoadRequest

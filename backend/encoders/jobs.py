@@ -12,9 +12,9 @@ import time
 
 import torch
 
-from ..jobs import ON_HOST, status
-from ..messages import LoadReport
-from ..worker import WorkerContext, handler
+from ..resident.jobs import ON_HOST, status
+from ..resident.messages import LoadReport
+from ..runtime.worker import WorkerContext, handler
 from .load import load_encoder
 from .messages import EncodeReply, EncodeRequest, EncoderLoadRequest, EncoderPlacement
 

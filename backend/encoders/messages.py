@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..config import ParallelLayout
-from ..transport import record
+from ..runtime.transport import record
 from .files import EncoderInfo
 
 ENCODER_SLOT = (
@@ -48,7 +48,9 @@ class EncoderLoadRequest:
     weight_bytes: int = 0
     slot: str = ENCODER_SLOT
     load_method: str = "encoder_load"
-    park_method: str = "encoder_offload"  # it may wait in host memory between jobs (backend/parking.py)
+    park_method: str = (
+        "encoder_offload"  # it may wait in host memory between jobs (backend/resident/parking.py)
+    )
 
     def describe(self) -> str:
         """The panel's layout column for a resident text encoder."""

@@ -1,6 +1,6 @@
 """A VAE resident on a worker group, decoding and encoding patch-parallel: the caller's side.
 
->>> from rocm_parallel.backend.api import ParallelModel
+>>> from rocm_parallel.backend.diffusion.api import ParallelModel
 >>> from rocm_parallel.backend.vae.api import ParallelVae
 >>> with ParallelModel(["cuda:0", "cuda:1"]) as group:
 ...     vae = ParallelVae(group, "models/vae/ae.safetensors")
@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from ..admission import refuse_unless_fits
 from ..checkpoint import resolve_dtype
-from ..client import ProgressCallback
 from ..config import ConfigError
+from ..diffusion.admission import refuse_unless_fits
 from ..plan.vae import VaeMemory, largest_side, vae_memory
-from ..resident import ResidentGroup
+from ..resident.group import ResidentGroup
+from ..runtime.client import ProgressCallback
 from .bands import Bands
 from .images import crop_pixels, decoder_input, encoder_input
 from .kind import VaeKind, get_vae_kind

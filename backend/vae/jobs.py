@@ -12,9 +12,9 @@ import time
 
 import torch
 
-from ..jobs import status
-from ..messages import LoadReport
-from ..worker import WorkerContext, handler
+from ..resident.jobs import status
+from ..resident.messages import LoadReport
+from ..runtime.worker import WorkerContext, handler
 from .bands import BandParallel, Bands
 from .images import decoded_image
 from .kind import VaeKind, get_vae_kind

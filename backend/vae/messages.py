@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..transport import record
+from ..runtime.transport import record
 
 VAE_SLOT = "vae"  # the group's slot for a VAE (one VAE resident at a time; loading another replaces it)
 

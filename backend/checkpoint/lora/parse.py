@@ -16,7 +16,7 @@ from typing import Any
 from safetensors import SafetensorError, safe_open
 
 from ...family import families
-from ...redact import quoted
+from ...runtime.redact import quoted
 from ..files import listing, special_kind, starts_like_safetensors, truncation_detail
 from ..info import CheckpointInfo
 from .kinds import APPLIED, CONV_ONLY, KINDS, REFUSED, WEIGHT_KINDS

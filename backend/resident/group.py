@@ -20,9 +20,7 @@ from typing import Any
 import psutil
 import torch
 
-from . import admission
-from .auto import choose_layout, make_layout, measure_machine
-from .checkpoint import (
+from ..checkpoint import (
     CheckpointInfo,
     check_loras,
     check_weight_dtype,
@@ -30,19 +28,23 @@ from .checkpoint import (
     planned_weight_dtype,
     resolve_dtype,
 )
-from .checkpoint.gguf import check_block_splits
-from .checkpoint.lora.values import refuse_foreign_loras
-from .client import ProgressCallback, WorkerError, WorkerGroup, check_group_options, validate_devices
-from .compile import compile_mode
-from .config import ConfigError, ModelDims, ParallelLayout, weight_dtype_name
-from .dtypes import WEIGHT_DTYPES, compute_dtype_named
-from .forward_client import ForwardClient
-from .messages import DEFAULT_SLOT, LinkReport, LoadReport, LoadRequest, RankStatus, UnloadRequest
+from ..checkpoint.gguf import check_block_splits
+from ..checkpoint.lora.values import refuse_foreign_loras
+from ..compile import compile_mode
+from ..config import ConfigError, ModelDims, ParallelLayout, weight_dtype_name
+from ..diffusion import admission
+from ..diffusion.auto import choose_layout, make_layout, measure_machine
+from ..diffusion.forward_client import ForwardClient
+from ..diffusion.messages import LoadRequest
+from ..dtypes import WEIGHT_DTYPES, compute_dtype_named
+from ..plan import Choice
+from ..plan.encoder import COMFYUI_GPU0, MARGIN
+from ..platforms import DeviceSpec, parse_devices
+from ..runtime.client import ProgressCallback, WorkerError, WorkerGroup, check_group_options, validate_devices
+from ..runtime.messages import LinkReport
+from ..text import GB
+from .messages import DEFAULT_SLOT, LoadReport, RankStatus, UnloadRequest
 from .parking import check_policy, parkable, to_park
-from .plan import Choice
-from .plan.encoder import COMFYUI_GPU0, MARGIN
-from .platforms import DeviceSpec, parse_devices
-from .text import GB
 
 Checkpoint = str | os.PathLike[str] | CheckpointInfo  # a path, or its header as inspect_checkpoint read it
 
@@ -524,7 +526,7 @@ class ResidentGroup:
 def weight_bytes_per_rank(request: Any, device: str) -> int:
     """Parameter bytes one rank holds for `request` (the planner's exact count for its layout and dtypes; a
     resident module's request says its own)."""
-    from .plan import weight_bytes
+    from ..plan import weight_bytes
 
     if not isinstance(request, LoadRequest):
         return int(request.weight_bytes)

@@ -14,12 +14,12 @@ from collections.abc import Callable, Sequence
 
 import psutil
 
-from .checkpoint import CheckpointInfo
-from .config import ConfigError, ParallelLayout
-from .messages import RankStatus
-from .plan import Setup
-from .plan.cost import activation_bytes
-from .text import GB
+from ..checkpoint import CheckpointInfo
+from ..config import ConfigError, ParallelLayout
+from ..plan import Setup
+from ..plan.cost import activation_bytes
+from ..resident.messages import RankStatus
+from ..text import GB
 
 # Of the memory available, the share activations may take: the rest is the Python processes' own
 # growth, the caller's outputs, kernel workspaces and the planner's error (within ~10 % on FLUX).

@@ -1,6 +1,6 @@
 """The public Python API: a parallel diffusion model that stays resident between jobs. The nodes use it too.
 
->>> from rocm_parallel.backend.api import ParallelModel
+>>> from rocm_parallel.backend.diffusion.api import ParallelModel
 >>> with ParallelModel(["cuda:0", "cuda:1"]) as model:
 ...     model.load("models/diffusion_models/flux1-dev.safetensors", layout="tp")
 ...     out = model.sample(positive, {"samples": latent}, seed=0, steps=20)
@@ -20,16 +20,16 @@ from typing import Any
 
 import torch
 
+from ..checkpoint import CheckpointInfo, inspect_checkpoint, planned_weight_dtype
+from ..checkpoint.gguf import check_block_splits
+from ..config import ParallelLayout
+from ..resident.group import Checkpoint, LoadOptions, ResidentGroup, default_devices
+from ..runtime.client import ProgressCallback
 from .admission import activation_estimate, admit
 from .auto import make_layout
 from .call import bind, check_call, reference_tokens, text_tokens
-from .checkpoint import CheckpointInfo, inspect_checkpoint, planned_weight_dtype
-from .checkpoint.gguf import check_block_splits
 from .checks import check_sample
-from .client import ProgressCallback
-from .config import ParallelLayout
 from .messages import LoadRequest
-from .resident import Checkpoint, LoadOptions, ResidentGroup, default_devices
 from .sampling import Inputs, SamplingPlan, SamplingRequest
 
 __all__ = [
