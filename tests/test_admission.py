@@ -126,7 +126,8 @@ def test_steps_are_bounded_as_comfyui_bounds_them(checkpoints: dict[str, str], s
 def test_the_gpu_limit_is_the_fullest_gpus() -> None:
     """Every rank holds the same shard of activations: the GPU with the least free memory bounds them all.
     Mutation tried: `max(free)` (the emptiest GPU) allowed 9.0 GB where the fullest had 2.0 GB free."""
-    from rocm_parallel.backend.diffusion.admission import GPU_SHARE, memory_limit
+    from rocm_parallel.backend.diffusion.admission import memory_limit
+    from rocm_parallel.backend.resident.admission import GPU_SHARE
     from rocm_parallel.backend.resident.messages import DeviceMemory, RankStatus
 
     reports = [

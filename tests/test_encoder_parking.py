@@ -25,6 +25,7 @@ from rocm_parallel.backend.config import ConfigError
 from rocm_parallel.backend.diffusion import admission
 from rocm_parallel.backend.diffusion.api import ParallelModel
 from rocm_parallel.backend.encoders.api import ParallelEncoder
+from rocm_parallel.backend.resident import admission as limits
 from rocm_parallel.backend.resident.group import ResidentGroup, weight_bytes_per_rank
 from rocm_parallel.backend.runtime.client import WorkerGroup
 from rocm_parallel.testing.encoder_files import VOCAB, write_encoder
@@ -75,7 +76,8 @@ def fake_gpu(group: ResidentGroup, encoder: ParallelEncoder, budget: float) -> I
 
     with (
         mock.patch.object(type(group), "_parking_frees_memory", return_value=True),
-        mock.patch.object(admission, "memory_limit", side_effect=memory_limit),
+        mock.patch.object(admission, "memory_limit", side_effect=memory_limit),  # a model call's admission
+        mock.patch.object(limits, "memory_limit", side_effect=memory_limit),  # the group's parking
     ):
         yield
 

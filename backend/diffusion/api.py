@@ -23,12 +23,13 @@ import torch
 from ..checkpoint import CheckpointInfo, inspect_checkpoint, planned_weight_dtype
 from ..checkpoint.gguf import check_block_splits
 from ..config import ParallelLayout
-from ..resident.group import Checkpoint, LoadOptions, ResidentGroup, default_devices
+from ..resident.group import default_devices
 from ..runtime.client import ProgressCallback
 from .admission import activation_estimate, admit
 from .auto import make_layout
 from .call import bind, check_call, reference_tokens, text_tokens
 from .checks import check_sample
+from .group import Checkpoint, DiffusionGroup, LoadOptions
 from .messages import LoadRequest
 from .sampling import Inputs, SamplingPlan, SamplingRequest
 
@@ -42,9 +43,9 @@ __all__ = [
 ]
 
 
-class ParallelModel(ResidentGroup):
+class ParallelModel(DiffusionGroup):
     """Diffusion transformers spread over several devices, resident in a worker group between jobs
-    (`ResidentGroup`: start, load, unload, status, 'auto'; one model per slot), and the jobs that run on
+    (`DiffusionGroup`: load, 'auto'; `ResidentGroup`: start, unload, status; one model per slot), and the jobs that run on
     them: `forward`, one model call as ComfyUI's samplers make it, and `sample`, ComfyUI's default sampling
     of the model's family over `forward`.
 

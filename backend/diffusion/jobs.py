@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ..checkpoint import CheckpointInfo, apply_loras, inspect_lora, load_model
 from ..compile import compile_repeated_blocks
 from ..parallel.mesh import ParallelGroups, parallel_groups, parallelize
-from ..resident.jobs import free_memory, report
+from ..resident.jobs import Built, free_memory, load_slot, report
 from ..resident.messages import LoadReport
 from ..runtime.worker import WorkerContext, handler
 from .messages import LoadRequest, Lora
@@ -78,17 +78,20 @@ def load(ctx: WorkerContext, request: LoadRequest) -> LoadReport:
             raise
         resident.set(model, wanted, family)
         return report(ctx, reused=True, **lora)
-    resident.clear()
-    free_memory(ctx)
-    started = time.perf_counter()
+    return load_slot(ctx, request.slot, wanted, lambda: _build(ctx, request), family)
+
+
+def _build(ctx: WorkerContext, request: LoadRequest) -> Built:
+    """This rank's shard of the request's model: read, LoRAs applied, context-parallel, compile marked."""
+    info, layout = request.info, request.layout
     groups = parallel_groups(layout, ctx.device)
     model = load_model(
         info, device=ctx.device, dtype=request.dtype, weight_dtype=request.weight_dtype, tp=layout.tp,
         group=groups.tp_group, progress=ctx.load_progress,
     )  # fmt: skip
     lora = _apply_loras(ctx, model, info, request.loras, groups) if request.loras else {}
-    parallelize(model, groups, family, attention=request.attention)  # context parallelism; TP is the loader's
+    parallelize(
+        model, groups, info.model_family, attention=request.attention
+    )  # context parallelism; TP is the loader's
     compile_repeated_blocks(model, request.compile)  # marks the blocks; they compile at the first call
-    ctx.synchronize()
-    resident.set(model, wanted, family)
-    return report(ctx, reused=False, seconds=time.perf_counter() - started, **lora)
+    return model, lora

@@ -72,6 +72,23 @@ class LoadRequest:
     compile: str = "off"
     slot: str = DEFAULT_SLOT  # which of the group's resident models this is (several can be resident)
 
+    def weight_bytes_on(self, device: str) -> int:
+        """Parameter bytes one rank holds for this model on `device`: the planner's exact count for its layout
+        and dtypes (what the group weighs against the devices' memory: resident/group.py)."""
+        from ..checkpoint import planned_weight_dtype, resolve_dtype
+        from ..dtypes import WEIGHT_DTYPES, compute_dtype_named
+        from ..plan import weight_bytes
+
+        compute = str(resolve_dtype(self.dtype, device)).removeprefix("torch.")
+        fp8 = WEIGHT_DTYPES.get(planned_weight_dtype(self.weight_dtype, self.info))
+        return weight_bytes(
+            self.info.dims,
+            self.layout,
+            compute_dtype_named(compute).bytes,
+            family=self.info.family,
+            linear_bytes=fp8.bytes if fp8 is not None else None,
+        )
+
     def loaded(self) -> Loaded:
         return Loaded(
             self.checkpoint,

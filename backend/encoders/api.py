@@ -97,7 +97,7 @@ class ParallelEncoder:
 
     def load(self, progress: Any = None) -> None:
         """Make the encoder resident now (otherwise the first `encode` does)."""
-        self.group.call_resident(self.request, "status", None, progress=progress)
+        self.group.hold(self.request, progress)
 
     def place(self, on_device: bool) -> None:
         """Move the shards to pinned host memory (False) or back to the devices (True, loading the encoder

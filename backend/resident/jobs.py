@@ -1,15 +1,19 @@
-"""The worker methods every resident model shares, whatever its kind (a diffusion model, a text encoder, a
-VAE): report status, unload every slot or one.
+"""The job skeleton every resident model shares, whatever its kind (a diffusion model, a text encoder, a
+VAE): load into a slot, find the slot's model, report status, unload every slot or one.
 
 A rank keeps several models resident, one per slot (runtime/worker.py `Resident`): a graph that uses two
 models, such as Wan 2.2's two experts, or a text encoder and a VAE beside a diffusion model, keeps each in
-its own. Each kind's load method (diffusion/jobs.py, encoders/jobs.py, vae/jobs.py) fills a slot and answers
-with `report`; `status` and the unloads see every slot alike.
+its own. Each kind's load method (diffusion/jobs.py, encoders/jobs.py, vae/jobs.py) builds its model and
+hands it to `load_slot`, which clears the slot, frees the memory, times the load and reports; its other
+methods find their model with `held`. `status` and the unloads see every slot alike.
 """
 
 from __future__ import annotations
 
 import gc
+import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -67,10 +71,44 @@ def status(ctx: WorkerContext) -> RankStatus:
 
 
 def report(ctx: WorkerContext, **what_the_load_did: float | int | bool) -> LoadReport:
+    """This rank's status after a load, and what the load did (`LoadReport`'s fields)."""
     return LoadReport(**vars(status(ctx)), **what_the_load_did)
 
 
+Built = tuple[
+    torch.nn.Module, dict[str, float | int]
+]  # a model and what its load did besides (report fields)
+
+
+def load_slot(
+    ctx: WorkerContext, slot: str, key: Any, build: Callable[[], Built], family: Any = None
+) -> LoadReport:
+    """Make the model `key` describes resident in `slot`: a no-op when the slot holds it already; otherwise the
+    slot is emptied and its memory freed first (never two models in one slot), `build()` makes the model on
+    this rank, and the slot names it only once the device finished (`Resident.set`)."""
+    resident = ctx.model(slot)
+    if resident.key == key:
+        return report(ctx, reused=True)
+    resident.clear()
+    free_memory(ctx)
+    started = time.perf_counter()
+    model, what = build()
+    ctx.synchronize()
+    resident.set(model, key, family)
+    return report(ctx, reused=False, seconds=time.perf_counter() - started, **what)
+
+
+def held(ctx: WorkerContext, slot: str, kind: type, what: str) -> tuple[torch.nn.Module, Any]:
+    """The model resident in `slot` and its key, which must be a `kind` (a `what`: "VAE", "text encoder")."""
+    resident = ctx.model(slot)
+    model = resident.require()
+    if not isinstance(resident.key, kind):
+        raise TypeError(f"slot {slot!r} holds no {what} on rank {ctx.rank}")
+    return model, resident.key
+
+
 def free_memory(ctx: WorkerContext) -> None:
+    """Give what was dropped back to the device (a GPU's cached blocks too)."""
     gc.collect()
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()

@@ -23,8 +23,8 @@ import torch
 
 from ..checkpoint import resolve_dtype
 from ..config import ConfigError
-from ..diffusion.admission import refuse_unless_fits
 from ..plan.vae import VaeMemory, largest_side, vae_memory
+from ..resident.admission import refuse_unless_fits
 from ..resident.group import ResidentGroup
 from ..runtime.client import ProgressCallback
 from .bands import Bands
@@ -156,7 +156,7 @@ class ParallelVae:
 
     def load(self, progress: ProgressCallback | None = None) -> None:
         """Make the VAE resident on every rank now (otherwise the first decode or encode does)."""
-        self.group.call_resident(self.request, "ping", None, progress=progress)
+        self.group.hold(self.request, progress)
 
     def decode(self, samples: torch.Tensor, timeout: float | None = None) -> torch.Tensor:
         """ComfyUI's VAE Decode of `samples`: the IMAGE [B, H, W, 3] (a 3-D VAE's frame folded into the batch,
