@@ -97,7 +97,7 @@ class Registry:
 
     def __init__(self, factory: Callable[[tuple[str, ...]], ParallelModel] = _default_factory) -> None:
         self._factory = factory
-        self._flux: ParallelModel | None = None
+        self._model: ParallelModel | None = None
         self._lock = threading.Lock()
         self.state: dict[str, Any] = self._idle_state()
 
@@ -107,23 +107,23 @@ class Registry:
 
     @property
     def current(self) -> ParallelModel | None:
-        return self._flux
+        return self._model
 
     def group_for(self, devices: Sequence[str]) -> ParallelModel:
         """The resident ParallelModel for exactly these devices (started lazily by the backend)."""
         key = tuple(devices)
-        if self._flux is not None and tuple(self._flux.devices) == key:
-            return self._flux
+        if self._model is not None and tuple(self._model.devices) == key:
+            return self._model
         self.close()
-        self._flux = self._factory(key)
-        self.update(devices=list(self._flux.devices), phase="idle")
-        return self._flux
+        self._model = self._factory(key)
+        self.update(devices=list(self._model.devices), phase="idle")
+        return self._model
 
     def close(self) -> None:
         """Stop the worker group (ComfyUI's models can have the devices back)."""
-        flux, self._flux = self._flux, None
-        if flux is not None:
-            flux.close()
+        model, self._model = self._model, None
+        if model is not None:
+            model.close()
         with self._lock:
             self.state = self._idle_state()
 
@@ -147,10 +147,10 @@ class Registry:
             if state.get(key):
                 state[key] = public_text(str(state[key]))
         state["ranks"] = [{**r, "text": rank_line(r)} for r in state.get("ranks", [])]
-        transport = getattr(self._flux, "transport_note", None)  # a slower transport after a failed start
+        transport = getattr(self._model, "transport_note", None)  # a slower transport after a failed start
         if transport:
             state["transport"] = public_text(transport)
-        activity = self._flux.activity if self._flux is not None else None
+        activity = self._model.activity if self._model is not None else None
         if activity:
             step, total = state.get("step"), state.get("total")
             label = f"step {step + 1} of {total}" if state.get("phase") == "sampling" and total else None

@@ -21,8 +21,11 @@ from pathlib import Path
 
 import pytest
 
+from rocm_parallel.backend.family import BUILTIN
+
 ROOT = Path(__file__).resolve().parent.parent
-FAMILY_FOLDERS = ("flux", "flux2", "qwen_image", "wan")
+# The family folders, as the registry names them (`BUILTIN`: ".flux.family", ...): a new family is checked too.
+FAMILY_FOLDERS = tuple(module.split(".")[1] for module in BUILTIN)
 # A text encoder kind's folder registers the ComfyUI CLIP types (graphs) it serves, as a family's folder does.
 ENCODER_FOLDERS = ("t5", "llama")
 # Family names, titles and the FLUX fields the generic engine used to read (issue 35's review), as they would
@@ -318,3 +321,47 @@ def test_the_backend_keeps_at_most_twelve_modules_flat() -> None:
     """backend/ is rooms (issue 50): a new module goes into the room whose job it does."""
     flat = sorted(p.name for p in (ROOT / "backend").glob("*.py"))
     assert len(flat) <= 12, flat
+
+
+# Identifiers in generic code that still say FLUX (issue 50: names left from when FLUX was the only family).
+# Kept: the node inputs saved workflows and API prompts use, and the API class's old name users import.
+FLUX_NAME = re.compile(r"flux", re.IGNORECASE)
+KEPT_FLUX_NAMES = {"parallel_flux", "ParallelFlux", "HANDLE_TYPE"}
+
+
+def test_no_generic_identifier_says_flux() -> None:
+    found = []
+    for path in generic_modules():
+        source = path.read_text()
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            if (
+                tok.type == tokenize.NAME
+                and FLUX_NAME.search(tok.string)
+                and tok.string not in KEPT_FLUX_NAMES
+            ):
+                found.append(f"{path.relative_to(ROOT)}:{tok.start[0]}: {tok.string}")
+    assert not found, "FLUX-only names in generic code:\n" + "\n".join(found)
+
+
+def test_the_pack_describes_itself_without_a_family() -> None:
+    """The package's docstrings and pyproject's description speak of the pack, not of its first family."""
+    import tomllib
+
+    texts = {
+        "__init__.py": ast.get_docstring(ast.parse((ROOT / "__init__.py").read_text())) or "",
+        "backend/__init__.py": ast.get_docstring(ast.parse((ROOT / "backend" / "__init__.py").read_text()))
+        or "",
+        "pyproject.toml": tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["description"],
+    }
+    said = {where: text for where, text in texts.items() if re.search(r"flux", text, re.IGNORECASE)}
+    assert not said, said
+
+
+def test_the_flux_name_check_catches_one() -> None:
+    module = ROOT / "backend" / "_probe_structure.py"
+    module.write_text("def group(registry):\n    return registry._flux\n")
+    try:
+        with pytest.raises(AssertionError, match=r"_probe_structure\.py:2: _flux"):
+            test_no_generic_identifier_says_flux()
+    finally:
+        module.unlink()
