@@ -2,12 +2,12 @@
 
 | method (encoders/jobs.py) | request             | reply                                       |
 |---------------------------|---------------------|---------------------------------------------|
-| encoder_load              | EncoderLoadRequest  | LoadReport (messages.py)                    |
+| encoder_load              | EncoderLoadRequest  | LoadReport (resident/messages.py)           |
 | encoder_run               | EncodeRequest       | EncodeReply (rank 0: the hidden states)     |
 | encoder_offload           | EncoderPlacement    | LoadReport (the shard moved to/from host)   |
 
-An `EncoderLoadRequest` is a resident module request (resident.py `ResidentGroup.call_resident`): it names
-its slot, its load method and the bytes of weights it puts on each rank, so the group keeps it beside the
+An `EncoderLoadRequest` is a resident module request (resident/group.py `ResidentGroup.call_resident`): it
+names its slot, its load method and the bytes of weights it puts on each rank, so the group keeps it beside the
 diffusion models and evicts it by the same rule.
 """
 

@@ -2,11 +2,11 @@
 diffusion model, a text encoder, a VAE): a load's report, a rank's status, an unload (resident/jobs.py
 serves the generic methods; each kind's load method answers a `LoadReport`).
 
-| method (module)                 | request          | reply                                   |
-|---------------------------------|------------------|-----------------------------------------|
-| status, unload (resident/jobs.py) | -              | RankStatus, Unloaded (every slot)       |
-| unload_slot (resident/jobs.py)  | UnloadRequest    | Unloaded                                |
-| load (diffusion/jobs.py), encoder_load, vae_load | a kind's load request | LoadReport (a RankStatus plus the load) |
+| method (module)                          | request               | reply                                   |
+|------------------------------------------|-----------------------|-----------------------------------------|
+| status, unload (resident/jobs.py)        | -                     | RankStatus, Unloaded (every slot)       |
+| unload_slot (resident/jobs.py)           | UnloadRequest         | Unloaded                                |
+| load (diffusion/), encoder_load, vae_load | a kind's load request | LoadReport (a RankStatus plus the load) |
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 A cancel (ComfyUI's Cancel, Ctrl+C, `timeout=`, `WorkerGroup.cancel()`) touches a flag file the workers
 look for (watch.py `Job.cancel`). Between steps `WorkerContext.step_done` reads it; inside one model call —
 one step of a 16384 px image takes minutes — the ranks read it at agreed points: a forward pre-hook on the
-model's repeated blocks (the classes the caller names: diffusion/serve.py passes the ones `_repeated_blocks`
-names, the same ones compile.py compiles), every `every` blocks. Each rank reads its flag and the ranks all-reduce it (MAX) over the whole group, so all of
-them decide alike and raise `JobCancelled` at the same block: none is left in a collective its peers will
+model's repeated blocks (the classes the caller names: diffusion/serve.py passes the ones
+`_repeated_blocks` names, the same ones compile.py compiles), every `every` blocks. Each rank reads its flag
+and the ranks all-reduce it (MAX) over the whole group, so all of them decide alike and raise `JobCancelled` at the same block: none is left in a collective its peers will
 never enter. Every rank runs the same blocks in the same order (tensor and context parallelism split each
 block's work; under a batch degree each batch group runs the whole model on its entries), so the checks
 line up; the batch groups meet at each check instead of only at the call's final gather.

@@ -1,8 +1,8 @@
 """WorkerGroup: the persistent group of worker processes, one per device, seen from the caller.
 
 Where a request enters: `WorkerGroup.call_all(method, request, timeout=, progress=)` sends the same
-`transport.Request` (carrying one payload record from runtime/messages.py or a model's messages.py, or none) to every rank and
-returns their reply records (rank 0 first); `call` returns rank 0's. How the processes start is
+`transport.Request` (carrying one payload record from runtime/messages.py or a model's messages.py, or
+none) to every rank and returns their reply records (rank 0 first); `call` returns rank 0's. How the processes start is
 launch.py; how a job in flight is waited for (cancel, errors) is watch.py, and how a hung rank is told
 from a slow one is liveness.py (from the reports each rank writes several times a second, heartbeat.py).
 """

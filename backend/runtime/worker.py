@@ -62,8 +62,8 @@ HANDLERS: dict[str, Handler] = {}
 
 def handler(name: str, request: type | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register a worker method callable by name from the client. `request`: the payload record it takes
-    (runtime/messages.py, a model's messages.py, or a test module's own), None when it takes none. It returns a payload record or
-    None."""
+    (runtime/messages.py, a model's messages.py, or a test module's own), None when it takes none. It returns
+    a payload record or None."""
 
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
         HANDLERS[name] = Handler(fn, request)
