@@ -46,6 +46,9 @@ ALLOWED = {
     # the API class's name before it was generic: users' scripts import it
     ("backend/diffusion/api.py", '"ParallelFlux",'),
     ("backend/diffusion/api.py", "ParallelFlux = ParallelModel"),
+    # ... and where users' scripts import it from
+    ("backend/api.py", "ParallelFlux,"),
+    ("backend/api.py", '"ParallelFlux",'),
 }
 
 
@@ -365,3 +368,15 @@ def test_the_flux_name_check_catches_one() -> None:
             test_no_generic_identifier_says_flux()
     finally:
         module.unlink()
+
+
+def test_the_public_import_path_stays() -> None:
+    """Users' scripts import the API from `rocm_parallel.backend.api` (the README): the same classes as the
+    diffusion model's room holds, nothing else there."""
+    from rocm_parallel.backend import api
+    from rocm_parallel.backend.diffusion import api as diffusion_api
+
+    assert api.ParallelModel is diffusion_api.ParallelModel is api.ParallelFlux
+    assert {name: getattr(api, name) for name in api.__all__} == {
+        name: getattr(diffusion_api, name) for name in diffusion_api.__all__
+    }

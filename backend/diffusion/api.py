@@ -1,6 +1,6 @@
 """The public Python API: a parallel diffusion model that stays resident between jobs. The nodes use it too.
 
->>> from rocm_parallel.backend.diffusion.api import ParallelModel
+>>> from rocm_parallel.backend.api import ParallelModel
 >>> with ParallelModel(["cuda:0", "cuda:1"]) as model:
 ...     model.load("models/diffusion_models/flux1-dev.safetensors", layout="tp")
 ...     out = model.sample(positive, {"samples": latent}, seed=0, steps=20)

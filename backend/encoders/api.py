@@ -1,6 +1,6 @@
 """A text encoder resident on a worker group, tensor-parallel: the caller's side.
 
->>> from rocm_parallel.backend.diffusion.api import ParallelModel
+>>> from rocm_parallel.backend.api import ParallelModel
 >>> from rocm_parallel.backend.encoders.api import ParallelEncoder
 >>> with ParallelModel(["cuda:0", "cuda:1"]) as group:
 ...     t5 = ParallelEncoder(group, "models/text_encoders/t5xxl_fp16.safetensors")

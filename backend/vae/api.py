@@ -1,6 +1,6 @@
 """A VAE resident on a worker group, decoding and encoding patch-parallel: the caller's side.
 
->>> from rocm_parallel.backend.diffusion.api import ParallelModel
+>>> from rocm_parallel.backend.api import ParallelModel
 >>> from rocm_parallel.backend.vae.api import ParallelVae
 >>> with ParallelModel(["cuda:0", "cuda:1"]) as group:
 ...     vae = ParallelVae(group, "models/vae/ae.safetensors")
