@@ -380,3 +380,20 @@ def test_the_public_import_path_stays() -> None:
     assert {name: getattr(api, name) for name in api.__all__} == {
         name: getattr(diffusion_api, name) for name in diffusion_api.__all__
     }
+
+
+# What runs on the workers (the runtime's worker side and every model's jobs): the nodes never import it; they
+# reach the workers through the models' APIs (and take the runtime's caller-side helpers: devices, paths).
+WORKER_SIDE = re.compile(
+    r"^rocm_parallel\.backend\.(runtime\.(worker|heartbeat|probe|cancel_points)|\w+\.(jobs|serve))(\.|$)"
+)
+
+
+def test_the_nodes_import_nothing_that_runs_on_the_workers() -> None:
+    found = [
+        f"{path.relative_to(ROOT)} imports {target}"
+        for path in sorted((ROOT / "nodes").rglob("*.py"))
+        for target in sorted(_all_imports(path))
+        if WORKER_SIDE.match(target)
+    ]
+    assert not found, "\n".join(found)
