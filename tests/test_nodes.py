@@ -475,8 +475,7 @@ def test_a_run_reads_the_checkpoint_header_once(
     read 4-5 times). Mutation tried: `ensure_loaded` given None instead of the runner's info read it twice."""
     from rocm_parallel.backend import checkpoint
     from rocm_parallel.backend.checkpoint import info, load
-    from rocm_parallel.backend.diffusion import api
-    from rocm_parallel.backend.resident import group as resident
+    from rocm_parallel.backend.diffusion import api, group
 
     reads: list[str] = []
     inspect = info.inspect_checkpoint
@@ -485,7 +484,7 @@ def test_a_run_reads_the_checkpoint_header_once(
         reads.append(str(path))
         return inspect(path)
 
-    for module in (checkpoint, info, load, api, resident):
+    for module in (checkpoint, info, load, api, group):
         monkeypatch.setattr(module, "inspect_checkpoint", counting)
     handle = ParallelHandle(str(comfy.models / dev_checkpoint), dev_checkpoint, ("cpu", "cpu"), "float32")
     runner = ModelRunner(shared_registry, handle, LayoutRequest(None))  # 'auto': planned from the header
