@@ -26,8 +26,8 @@ from rocm_parallel.backend.models.apply import apply_tensor_parallel
 from rocm_parallel.backend.models.attention import OVERRIDE_KEY, apply_context_parallel, attention_override
 from rocm_parallel.backend.models.plan import Columns, Gathered, ModelPlan, Rows, SequenceSplit, Stream
 from rocm_parallel.backend.parallel.mesh import parallel_groups
-from rocm_parallel.backend.transport import record
-from rocm_parallel.backend.worker import WorkerContext, handler
+from rocm_parallel.backend.runtime.transport import record
+from rocm_parallel.backend.runtime.worker import WorkerContext, handler
 
 DIM, HEADS, MLP, TEXT, IMAGE, OUT = 32, 4, 48, 12, 8, 6
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 from engine_toy import TOY_PLAN, ToyInputs, ToyLayout, build, inputs
 
-from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError, ParallelLayout
 from rocm_parallel.backend.models.options import check_engine, resolve_comfyui
 from rocm_parallel.backend.models.plans import plan_for
+from rocm_parallel.backend.runtime.client import WorkerGroup
 
 TOL = 1e-5
 LAYOUTS = [

@@ -29,7 +29,7 @@ from torch import nn
 
 from ..checkpoint.files import CheckpointError, StoredTensor, read_safetensors_header
 from ..dtypes import stored_dtype
-from ..redact import quoted
+from ..runtime.redact import quoted
 
 _detection_lock = threading.Lock()
 

@@ -30,7 +30,7 @@ from ..checkpoint.files import CheckpointError
 from ..checkpoint.info import CheckpointInfo
 from ..parallel.mesh import GROUPS_ATTR, ParallelGroups
 from ..parallel.weights import COMPUTE_DTYPE_ATTR
-from ..redact import quoted
+from ..runtime.redact import quoted
 from .apply import apply_tensor_parallel
 from .attention import OVERRIDE_KEY, SequenceState, apply_context_parallel, attention_override
 from .build import MetaModel, build_meta

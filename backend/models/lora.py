@@ -24,7 +24,7 @@ from ..checkpoint.files import StoredTensor
 from ..checkpoint.load import read_tensor
 from ..checkpoint.lora.records import LoraError
 from ..parallel.splits import Pieces
-from ..redact import quoted
+from ..runtime.redact import quoted
 
 PREFIX = "diffusion_model."  # ComfyUI's model keys: the BaseModel's state dict names its diffusion model so
 Patches = dict[str, list[tuple[Any, ...]]]

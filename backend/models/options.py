@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..config import ConfigError
-from ..redact import quoted
+from ..runtime.redact import quoted
 
 if TYPE_CHECKING:
     from ..checkpoint.info import CheckpointInfo

@@ -227,7 +227,7 @@ def test_loras_on_the_engine_equal_comfyuis_loras(comfy, files, groups, loras, l
 
 def test_a_lora_comfyui_would_skip_is_refused_by_name(files, groups, tmp_path) -> None:
     """ComfyUI's loader logs 'lora key not loaded' and skips such keys; the engine refuses the file, naming one."""
-    from rocm_parallel.backend.client import WorkerError
+    from rocm_parallel.backend.runtime.client import WorkerError
 
     path, _ = files["flux1-dev"]
     lora = tmp_path / "sdxl.safetensors"

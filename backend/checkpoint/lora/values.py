@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ...redact import quoted
+from ...runtime.redact import quoted
 from ..info import CheckpointInfo
 from .kinds import KINDS
 from .parse import inspect_lora, refuse_foreign_lora
