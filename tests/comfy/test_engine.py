@@ -354,3 +354,19 @@ def test_an_fp8_file_stays_fp8_on_the_ranks_and_equals_comfyuis_load(comfy, file
     diff = (group.forward(**inputs) - comfy_forward(reference, inputs)).abs().max().item()
     print(f"fp8 file on the engine, tp 2: max |diff| {diff:.2e}")
     assert diff <= TOL
+
+
+def test_compiled_blocks_on_the_engine_equal_comfyuis_own_model(files, groups) -> None:
+    """compile='aot_eager' marks the plan's blocks (ComfyUI's DoubleStreamBlock / SingleStreamBlock) and they
+    compile at the first call, all-reduce hooks and the attention override included (graph breaks there)."""
+    path, reference = files["flux1-dev"]
+    inputs = call_inputs("flux1-dev", 10, 14, 7)
+    group = groups[2]
+    group.load(
+        path, layout="tp 2", dtype="float32", engine="comfy", comfyui=COMFYUI_PATH, detection=detection("flux1-dev"),
+        compile="aot_eager",
+    )  # fmt: skip
+    diff = (group.forward(**inputs) - comfy_forward(reference, inputs)).abs().max().item()
+    print(f"compiled: max |diff| {diff:.2e}; {group.compiles[-1:]}")
+    assert group.compiles and "compiled the repeated blocks" in group.compiles[0]
+    assert diff <= TOL
