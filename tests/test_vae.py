@@ -151,6 +151,11 @@ def test_refusals_name_the_input_and_the_fix(
         ConfigError, match=r"a latent of 1 rows cannot be split into 2 bands.* at most 1 rank"
     ):
         flux.decode(torch.zeros(1, 16, 1, 8))
+    for empty in ((1, 16, 0, 0), (0, 16, 8, 8)):  # a 0x0 latent, no latent at all
+        with pytest.raises(
+            ConfigError, match=rf"samples \[{', '.join(map(str, empty))}\] is an empty latent .* at least 1x1"
+        ):
+            flux.decode(torch.zeros(empty))
     wan = ParallelVae(group, vae_files["wan21-vae"], dtype="float32")
     with pytest.raises(
         ConfigError, match=r"the latent has 3 frames .* decode a video with ComfyUI's VAE Decode"
