@@ -23,7 +23,7 @@ import torch
 from .admission import activation_estimate, admit
 from .auto import make_layout
 from .call import bind, check_call, reference_tokens, text_tokens
-from .checkpoint import CheckpointInfo, inspect_checkpoint, planned_weight_dtype
+from .checkpoint import CheckpointInfo, inspect_checkpoint, planned_file_weights, planned_weight_dtype
 from .checkpoint.gguf import check_block_splits
 from .checks import check_sample
 from .client import ProgressCallback
@@ -119,13 +119,13 @@ class ParallelModel(ResidentGroup):
                 planned = planned_weight_dtype(resident.weight_dtype, info)
                 layout = self.auto_layout(
                     info.dims, width, height, shape[0], resident.dtype, weight_dtype=planned, family=info.family,
-                    frames=frames,
+                    frames=frames, file_weights=planned_file_weights(resident.weight_dtype, info),
                 ).layout  # fmt: skip
             if layout is not None:
                 wanted = make_layout(layout, len(self.devices), ring, ulysses)
                 if wanted != resident.layout:
                     wanted.validate(info.dims, devices=len(self.devices))
-                    check_block_splits(info, wanted.tp)
+                    check_block_splits(info, wanted.tp, devices=len(self.devices))
                     resident = dataclasses.replace(resident, layout=wanted)
             if shape is not None:  # before any allocation for the job (check_sample draws the noise)
                 self._admit(resident, shape, _text_tokens(positive, info))

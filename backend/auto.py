@@ -15,6 +15,7 @@ from .config import ConfigError, ModelDims, ParallelLayout
 from .family import families, get_family
 from .messages import LinkReport, LinkRequest
 from .plan import Choice, Link, Setup, choose
+from .plan.setup import FileWeights
 
 
 def make_layout(
@@ -62,6 +63,7 @@ def choose_layout(
     family: str | None,
     reference_tokens: int,
     frames: int = 1,
+    file_weights: FileWeights | None = None,
 ) -> Choice:
     """The planner's layout for this image on these devices, keeping the `fixed` degrees
     (ParallelModel.auto_layout documents the arguments)."""
@@ -77,6 +79,6 @@ def choose_layout(
         dims, width, height, batch, dtype=compute, devices=len(devices), memory_gb=machine.memory_bytes / 1e9,
         link=link, tflops=machine.tflops, device_word="CPU worker" if cpu else "GPU", weight_dtype=weight_dtype,
         family=family, text_tokens=(get_family(family) if family else families()[0]).text.tokens,
-        reference_tokens=reference_tokens, frames=frames,
+        reference_tokens=reference_tokens, frames=frames, file_weights=file_weights,
     )  # fmt: skip
     return choose(setup, fixed)

@@ -197,6 +197,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             text_tokens=text_tokens if args.text_tokens is None else args.text_tokens, dtype=args.dtype,
             weight_dtype=args.weight_dtype, devices=args.devices, memory_gb=args.memory_gb,
             link=Link(args.link_gbps, args.latency_us, name="link"), tflops=args.tflops, family=family.name,
+            file_weights=args.file_weights,
         )  # fmt: skip
         setup = plan_request.with_references(setup, args, family)
         if args.layout is None:
@@ -217,7 +218,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     graph = _graph_plan(args, estimates)
     if args.json:
         print(json.dumps({
-            "setup": {k: v for k, v in vars(args).items() if k not in ("command", "json", "full")},
+            "setup": {k: v for k, v in vars(args).items() if k not in ("command", "json", "full", "file_weights")},
             "layouts": [e.as_dict() for e in estimates],
             "call_batch": setup.batch,
             "tokens": {"image": setup.latent_tokens, "references": setup.reference_tokens, "sequence": setup.tokens},

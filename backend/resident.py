@@ -27,6 +27,7 @@ from .checkpoint import (
     check_loras,
     check_weight_dtype,
     inspect_checkpoint,
+    planned_file_weights,
     planned_weight_dtype,
     resolve_dtype,
 )
@@ -41,6 +42,7 @@ from .messages import DEFAULT_SLOT, LinkReport, LoadReport, LoadRequest, RankSta
 from .parking import check_policy, parkable, to_park
 from .plan import Choice
 from .plan.encoder import COMFYUI_GPU0, MARGIN
+from .plan.setup import FileWeights, held_bytes
 from .platforms import DeviceSpec, parse_devices
 from .text import GB
 
@@ -215,6 +217,7 @@ class ResidentGroup:
         reference_tokens: int = 0,
         fixed: dict[str, int] | None = None,
         frames: int = 1,
+        file_weights: FileWeights | None = None,
     ) -> Choice:
         """The planner's layout for this image (or video: `frames`) on these devices; `.explanation` is one
         line for the node.
@@ -225,12 +228,15 @@ class ResidentGroup:
         `weight_dtype`: the planner's name ('compute', 'fp8_e4m3fn', 'fp8_e5m2'; see
         `load.planned_weight_dtype` for a checkpoint's 'default'). `family` is the checkpoint's model
         family (CheckpointInfo.family; the first registered one when None). `reference_tokens`: the image
-        tokens of reference latents, which every step carries next to the image's.
+        tokens of reference latents, which every step carries next to the image's. `file_weights`: the
+        checkpoint's linear weights tensor by tensor (`checkpoint.planned_file_weights`): priced as held, and
+        no TP degree that would cut a GGUF file's quantization blocks is picked.
         """
         keep = {**(fixed or {}), **({"tp": 1} if context_only else {})}
         self.auto_choice = choose_layout(
             self.machine(), self.devices, dims, width, height, batch, dtype=dtype, fixed=keep,
             weight_dtype=weight_dtype, family=family, reference_tokens=reference_tokens, frames=frames,
+            file_weights=file_weights,
         )  # fmt: skip
         return self.auto_choice
 
@@ -297,11 +303,13 @@ class ResidentGroup:
         if layout == "auto":
             planned = planned_weight_dtype(weights, info)
             layout = self.auto_layout(
-                info.dims, dtype=opts.dtype, weight_dtype=planned, family=info.family
-            ).layout
+                info.dims, dtype=opts.dtype, weight_dtype=planned, family=info.family,
+                file_weights=planned_file_weights(weights, info),
+            ).layout  # fmt: skip
         parallel = make_layout(layout, len(self.devices), opts.ring, opts.ulysses)
         parallel.validate(info.dims, devices=len(self.devices))
-        check_block_splits(info, parallel.tp)  # GGUF: each rank must hold whole quantization blocks
+        # GGUF: each rank must hold whole quantization blocks
+        check_block_splits(info, parallel.tp, devices=len(self.devices))
         path = info.path if isinstance(checkpoint, CheckpointInfo) else str(checkpoint)
         return LoadRequest(
             path, info, parallel, opts.dtype, weights, opts.attention, checked, compiled, slot=opts.slot
@@ -534,12 +542,15 @@ def weight_bytes_per_rank(request: Any, device: str) -> int:
     planned = planned_weight_dtype(request.weight_dtype, info)
     fp8 = WEIGHT_DTYPES.get(planned)
     bytes_ = compute_dtype_named(compute).bytes
+    # each linear weight as the file holds it (a GGUF file mixing Q4_K and Q6_K), the rest as `planned`
+    held = planned_file_weights(request.weight_dtype, info)
     return weight_bytes(
         info.dims,
         request.layout,
         bytes_,
         family=info.family,
         linear_bytes=fp8.bytes if fp8 is not None else None,
+        linear_bytes_of={name: held_bytes(h, bytes_) for name, h in held.held},
     )
 
 
