@@ -98,6 +98,12 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", default="1024", help="image size in pixels: 1024 or WIDTHxHEIGHT")
     parser.add_argument("--batch", type=int, default=1, help="images per step")
     parser.add_argument(
+        "--frames",
+        type=int,
+        default=1,
+        help="a video's frames (Wan: 81 is ComfyUI's template; 1 + a multiple of 4); 1 for an image",
+    )
+    parser.add_argument(
         "--cfg",
         type=float,
         default=1.0,
@@ -177,7 +183,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     from .plan import Link, Setup, call_batch, choose, estimate, format_table, plan
     from .plan import request as plan_request
     from .plan.gguf import gguf_hint
-    from .plan.graph import format_graph
+    from .plan.graph import format_graph, graph_answer
     from .platforms import planned_gpus
 
     try:
@@ -197,7 +203,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             text_tokens=text_tokens if args.text_tokens is None else args.text_tokens, dtype=args.dtype,
             weight_dtype=args.weight_dtype, devices=args.devices, memory_gb=args.memory_gb,
             link=Link(args.link_gbps, args.latency_us, name="link"), tflops=args.tflops, family=family.name,
-            file_weights=args.file_weights,
+            file_weights=args.file_weights, frames=args.frames,
         )  # fmt: skip
         setup = plan_request.with_references(setup, args, family)
         if args.layout is None:
@@ -216,6 +222,14 @@ def _run_plan(args: argparse.Namespace) -> int:
             choice, problem = None, str(exc)
     hint = gguf_hint(setup) if problem is not None else None  # neither bf16 nor fp8 fits: name a GGUF
     graph = _graph_plan(args, estimates)
+    # one answer per screen: the whole graph's when it differs from the model's own (plan/graph.py)
+    answer, refused = graph_answer(graph, args.memory_gb, setup.device_word) if graph else ("", False)
+    if refused:
+        problem = answer.removeprefix("auto: ")
+    answer_layout = graph.layout if graph is not None and graph.fastest and not refused else None
+    if not answer:
+        answer = choice.explanation if choice is not None else f"auto: {problem}"
+        answer_layout = str(choice.layout) if choice is not None else None
     if args.json:
         print(json.dumps({
             "setup": {k: v for k, v in vars(args).items() if k not in ("command", "json", "full", "file_weights")},
@@ -226,6 +240,7 @@ def _run_plan(args: argparse.Namespace) -> int:
                 "layout": str(choice.layout), **choice.layout.degrees, "explanation": choice.explanation
             },
             "error": problem,
+            "answer": {"layout": answer_layout, "text": answer},
             "gguf": hint,
             "encoder": None if graph is None else graph.as_dict(),
         }, indent=2))  # fmt: skip
@@ -233,14 +248,14 @@ def _run_plan(args: argparse.Namespace) -> int:
         if file_note is not None:
             print(file_note)
         print(format_table(setup, estimates, full=args.full))
-        if args.layout is None or problem is not None:
-            print()
-            print(choice.explanation if choice is not None else f"auto: {problem}")
-        if hint is not None:
-            print(hint)
         if graph is not None:
             print()
             print(format_graph(graph, full=args.full))
+        if args.layout is None or problem is not None:
+            print()
+            print(answer)
+        if hint is not None:
+            print(hint)
     return 0 if problem is None else 1
 
 
