@@ -1,4 +1,5 @@
-"""Command line: `python -m rocm_parallel demo | plan | doctor | bench <name>` (bench: from a checkout only)."""
+"""Command line: demo | plan | doctor | bench <name> (bench: from a checkout only). In ComfyUI's folder:
+`python custom_nodes/rocm-parallel doctor`; pip-installed or a checkout: `python -m rocm_parallel doctor`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 from .config import ConfigError
 from .dtypes import COMPUTE_DTYPES, FP8_DTYPES, GGUF_BLOCKS
 from .family import ModelFamily, families
+from .text import cli_command
 
 # The benchmarks are not part of the installed package: they live in the repository's top-level
 # benchmarks/ folder, next to backend/ (the repository root is the package), and run from a checkout.
@@ -20,7 +22,7 @@ BENCHMARKS_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
 NO_BENCHMARKS = (
     "the benchmarks are not installed with the package; run them from a checkout of the repository: "
     "git clone https://github.com/rocm-parallel/rocm-parallel && cd rocm-parallel && "
-    "python -m rocm_parallel bench <name>"
+    "python -m pip install -e . && python -m rocm_parallel bench <name>"
 )
 DEFAULT_GPU_GB = 24.0  # `plan`'s GPU when none is named: a 24 GB card (RX 7900 XTX, RTX 4090)
 _ROOT_PACKAGE = __package__.rpartition(".")[0] if __package__ else "rocm_parallel"
@@ -45,7 +47,7 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     Each command's arguments come from its own modules (the demo's, every benchmark's), which import torch,
     the API and the test models: `plan` must not pay for them (issue 42: it answers in seconds on 2 cores).
     """
-    parser = argparse.ArgumentParser(prog="python -m rocm_parallel", description=__doc__)
+    parser = argparse.ArgumentParser(prog=cli_command(), description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="the main job on a built-in model: split across workers, check, time")
     plan = sub.add_parser("plan", help="per-GPU memory, bytes moved and step time per layout")

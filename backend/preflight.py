@@ -26,6 +26,8 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from .text import cli_command
+
 # The worker's name for the rung it runs on (tests' fake probes read it; `HealthReport.env` shows it).
 TRANSPORT_ENV = "RP_TRANSPORT"
 
@@ -129,7 +131,7 @@ def fallback_warning(devices: Sequence[str], tried: Sequence[tuple[Transport, st
         f"worker group was started again with {now.settings} and now works (collectives go through "
         f"{'host memory: slower' if now is not P2P else 'peer-to-peer'}). To make it permanent, {permanent}; "
         "to get fast P2P back, try the kernel parameter iommu=pt (AMD: amd_iommu=on iommu=pt) and "
-        "HSA_FORCE_FINE_GRAIN_PCIE=1, then run `python -m rocm_parallel doctor`"
+        f"HSA_FORCE_FINE_GRAIN_PCIE=1, then run `{cli_command('doctor')}`"
     )
 
 
@@ -184,6 +186,6 @@ def gloo_cost(devices: int, gbps: float, latency_us: float) -> str:
         f"the planner prices one {preset} 1024x1024 step at tp {devices} (100 TFLOPS per GPU) at "
         f"{gloo:.2f} s over gloo as measured here ({gbps:.2f} GB/s, {latency_us:.0f} µs per collective) "
         f"against {pcie:.2f} s over PCIe 4.0 x16 peer-to-peer: context parallelism (ring/Ulysses) moves far "
-        f"fewer bytes (`python -m rocm_parallel plan --devices {devices} --link-gbps {gbps:.2f} "
+        f"fewer bytes (`{cli_command('plan')} --devices {devices} --link-gbps {gbps:.2f} "
         f"--latency-us {latency_us:.0f}`)"
     )
