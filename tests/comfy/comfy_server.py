@@ -231,54 +231,48 @@ class RPTestTinyCLIPLoader:
         ),)
 
 
-class RPTestSaveConditioning:
-    # A CONDITIONING's first entry as <output>/<filename_prefix>.safetensors: its tensor (`cond`) and the
-    # tensors beside it (pooled_output, attention_mask, ...), for a comparison outside the server.
+def _save_tensors(tensors, filename_prefix):
+    # <output>/<filename_prefix>.safetensors, for a comparison outside the server
+    import os
+
+    import folder_paths
+    from safetensors.torch import save_file
+
+    os.makedirs(folder_paths.get_output_directory(), exist_ok=True)
+    path = os.path.join(folder_paths.get_output_directory(), filename_prefix + ".safetensors")
+    save_file({{k: v.contiguous() for k, v in tensors.items()}}, path)
+
+
+class _RPTestSaver:
     CATEGORY = "_for_testing"
     RETURN_TYPES = ()
     OUTPUT_NODE = True
     FUNCTION = "save"
 
+
+class RPTestSaveConditioning(_RPTestSaver):
+    # A CONDITIONING's first entry: its tensor (`cond`) and the tensors beside it (pooled_output,
+    # attention_mask, ...).
     @classmethod
     def INPUT_TYPES(cls):
         return {{"required": {{"conditioning": ("CONDITIONING",), "filename_prefix": ("STRING", {{"default": "cond"}})}}}}
 
     def save(self, conditioning, filename_prefix):
-        import os
-
-        import folder_paths
         import torch
-        from safetensors.torch import save_file
 
         cond, extra = conditioning[0]
-        tensors = {{"cond": cond, **{{k: v for k, v in extra.items() if isinstance(v, torch.Tensor)}}}}
-        os.makedirs(folder_paths.get_output_directory(), exist_ok=True)
-        path = os.path.join(folder_paths.get_output_directory(), filename_prefix + ".safetensors")
-        save_file({{k: v.contiguous() for k, v in tensors.items()}}, path)
+        _save_tensors({{"cond": cond, **{{k: v for k, v in extra.items() if isinstance(v, torch.Tensor)}}}}, filename_prefix)
         return {{}}
 
 
-class RPTestSaveImageTensor:
-    # An IMAGE as <output>/<filename_prefix>.safetensors (`image`, float32 as the node got it): SaveImage's
-    # 8-bit PNG would hide differences below 1/255.
-    CATEGORY = "_for_testing"
-    RETURN_TYPES = ()
-    OUTPUT_NODE = True
-    FUNCTION = "save"
-
+class RPTestSaveImageTensor(_RPTestSaver):
+    # An IMAGE (`image`, float32 as the node got it): SaveImage's 8-bit PNG would hide differences below 1/255.
     @classmethod
     def INPUT_TYPES(cls):
         return {{"required": {{"images": ("IMAGE",), "filename_prefix": ("STRING", {{"default": "image"}})}}}}
 
     def save(self, images, filename_prefix):
-        import os
-
-        import folder_paths
-        from safetensors.torch import save_file
-
-        os.makedirs(folder_paths.get_output_directory(), exist_ok=True)
-        path = os.path.join(folder_paths.get_output_directory(), filename_prefix + ".safetensors")
-        save_file({{"image": images.float().contiguous()}}, path)
+        _save_tensors({{"image": images.float()}}, filename_prefix)
         return {{}}
 
 
