@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..backend.text import cli_command
 from . import checks, inputs, loading
 from .inputs import CATEGORY, HANDLE_TYPE, LayoutRequest, ParallelHandle
 from .registry import REGISTRY, shows_errors
@@ -516,7 +517,7 @@ class RocmParallelStatus:
     DESCRIPTION = (
         "Reports the worker group (devices, layout, per-device memory); 'unload' frees the model on the "
         "devices but keeps the workers, 'close' stops the workers, 'doctor' checks torch, the GPUs, the "
-        "flags and the group's collectives and says what to fix (python -m rocm_parallel doctor)."
+        f"flags and the group's collectives and says what to fix ({cli_command('doctor')}, run in ComfyUI's folder)."
     )
     CATEGORY = CATEGORY
     RETURN_TYPES = ("STRING",)

@@ -85,12 +85,13 @@ def auto_layout(
     `batch`: the model call's batch (cond + uncond at cfg > 1). `reference_tokens`: the tokens of
     reference latents (ReferenceLatent) each step carries too. `fixed`: degrees auto keeps. `frames`: a
     video's frames."""
-    from ..backend.checkpoint import planned_weight_dtype
+    from ..backend.checkpoint import planned_file_weights, planned_weight_dtype
 
     choice = model.auto_layout(
         info.dims, width, height, batch, handle.dtype, context_only=context_only,
         weight_dtype=planned_weight_dtype(handle.weight_dtype, info), family=info.family,
         reference_tokens=reference_tokens, fixed=fixed, frames=frames,
+        file_weights=planned_file_weights(handle.weight_dtype, info),
     )  # fmt: skip
     registry.update(auto=choice.explanation)
     return choice.layout

@@ -188,11 +188,13 @@ class Registry:
             raise
 
     def record_resident(self, model: ParallelModel) -> None:
-        """Name what the workers really hold (never a file that was asked for and rejected): the model
-        used last as `checkpoint` / `layout`, every resident model in `models` (a graph with two loaders on
-        these devices keeps both), and the latest model unloaded to make room for another (`evicted`)."""
-        residents = list(model.residents.values())
-        latest = residents[-1] if residents else None
+        """Name what the workers really hold (never a file that was asked for and rejected): the diffusion
+        model used last as `checkpoint` / `layout` (what a loader's panel compares with its widgets), every
+        resident module in `models` (a graph with two loaders on these devices keeps both; a text encoder and
+        a VAE beside them), and the latest model unloaded to make room for another (`evicted`)."""
+        # a text encoder or a VAE (a module that describes itself) is no loader's model and may have no layout
+        models = [r for r in model.residents.values() if not callable(getattr(r, "describe", None))]
+        latest = models[-1] if models else None
         self.update(
             checkpoint=os.path.basename(latest.checkpoint) if latest is not None else None,
             layout=describe_layout(latest.layout) if latest is not None else None,

@@ -277,6 +277,34 @@ def test_registry_keeps_one_group_per_device_set() -> None:
     assert other.closed and registry.current is None
 
 
+def test_the_panel_names_the_diffusion_model_whatever_module_was_loaded_last() -> None:
+    """A text encoder, the diffusion model and then a VAE resident on one group (the whole FLUX graph): the
+    VAE's load refreshes the panel through the encoder loader's residency hook, and the panel's model is the
+    diffusion model's (a VAE has no layout; reading one failed the graph's first VAE Decode)."""
+    from rocm_parallel.backend.encoders.messages import EncoderLoadRequest
+    from rocm_parallel.backend.vae.messages import VaeLoadRequest
+
+    registry = Registry(factory=RecordingFlux)
+    flux = registry.group_for(("cpu", "cpu"))
+    encoder = EncoderLoadRequest("/models/t5xxl.safetensors", SimpleNamespace(), ParallelLayout(tp=2))
+    model = SimpleNamespace(checkpoint="/models/flux1-dev.safetensors", layout=ParallelLayout(tp=2))
+    vae = VaeLoadRequest("/models/ae.safetensors", "flux1", {}, "bfloat16")
+    flux.residents = {"text encoder": encoder, "default": model, "vae": vae}
+    flux.evicted, flux.parked = [], set()
+    registry.watch_residency(flux)
+    flux.on_residency_change()
+    state = registry.snapshot()
+    assert (state["checkpoint"], state["layout"]) == ("flux1-dev.safetensors", "tp 2")
+    assert [(m["checkpoint"], m["layout"]) for m in state["models"]] == [
+        ("t5xxl.safetensors", "text encoder, tp 2"),
+        ("flux1-dev.safetensors", "tp 2"),
+        ("ae.safetensors", "VAE, bfloat16, bands"),
+    ]
+    flux.residents = {"text encoder": encoder}  # an encoder alone: no loader's model is resident
+    flux.on_residency_change()
+    assert (registry.snapshot()["checkpoint"], registry.snapshot()["layout"]) == (None, None)
+
+
 def test_handle_is_plain_hashable_data() -> None:
     a = ParallelHandle("/m/a.safetensors", "a.safetensors", ("cpu", "cpu"), None)
     assert a == ParallelHandle("/m/a.safetensors", "a.safetensors", ("cpu", "cpu"), None)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import CheckpointInfo, inspect_checkpoint, planned_weight_dtype
+from ..checkpoint import CheckpointInfo, inspect_checkpoint, planned_file_weights, planned_weight_dtype
 from ..checkpoint.gguf import check_block_splits
 from ..config import ParallelLayout
 from ..resident.group import default_devices
@@ -120,13 +120,13 @@ class ParallelModel(DiffusionGroup):
                 planned = planned_weight_dtype(resident.weight_dtype, info)
                 layout = self.auto_layout(
                     info.dims, width, height, shape[0], resident.dtype, weight_dtype=planned, family=info.family,
-                    frames=frames,
+                    frames=frames, file_weights=planned_file_weights(resident.weight_dtype, info),
                 ).layout  # fmt: skip
             if layout is not None:
                 wanted = make_layout(layout, len(self.devices), ring, ulysses)
                 if wanted != resident.layout:
                     wanted.validate(info.dims, devices=len(self.devices))
-                    check_block_splits(info, wanted.tp)
+                    check_block_splits(info, wanted.tp, devices=len(self.devices))
                     resident = dataclasses.replace(resident, layout=wanted)
             if shape is not None:  # before any allocation for the job (check_sample draws the noise)
                 self._admit(resident, shape, _text_tokens(positive, info))

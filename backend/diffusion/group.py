@@ -21,6 +21,7 @@ from ..checkpoint import (
     check_loras,
     check_weight_dtype,
     inspect_checkpoint,
+    planned_file_weights,
     planned_weight_dtype,
     resolve_dtype,
 )
@@ -29,6 +30,7 @@ from ..checkpoint.lora.values import lora_pair, refuse_foreign_loras
 from ..compile import compile_mode
 from ..config import DEFAULT_SLOT, ConfigError, ModelDims, ParallelLayout, weight_dtype_name
 from ..plan import Choice
+from ..plan.setup import FileWeights
 from ..platforms import DeviceSpec
 from ..resident.group import ResidentGroup
 from ..resident.messages import LoadReport
@@ -130,6 +132,7 @@ class DiffusionGroup(ResidentGroup):
         reference_tokens: int = 0,
         fixed: dict[str, int] | None = None,
         frames: int = 1,
+        file_weights: FileWeights | None = None,
     ) -> Choice:
         """The planner's layout for this image (or video: `frames`) on these devices; `.explanation` is one
         line for the node.
@@ -140,12 +143,15 @@ class DiffusionGroup(ResidentGroup):
         `weight_dtype`: the planner's name ('compute', 'fp8_e4m3fn', 'fp8_e5m2'; see
         `load.planned_weight_dtype` for a checkpoint's 'default'). `family` is the checkpoint's model
         family (CheckpointInfo.family; the first registered one when None). `reference_tokens`: the image
-        tokens of reference latents, which every step carries next to the image's.
+        tokens of reference latents, which every step carries next to the image's. `file_weights`: the
+        checkpoint's linear weights tensor by tensor (`checkpoint.planned_file_weights`): priced as held, and
+        no TP degree that would cut a GGUF file's quantization blocks is picked.
         """
         keep = {**(fixed or {}), **({"tp": 1} if context_only else {})}
         self.auto_choice = choose_layout(
             self.machine(), self.devices, dims, width, height, batch, dtype=dtype, fixed=keep,
             weight_dtype=weight_dtype, family=family, reference_tokens=reference_tokens, frames=frames,
+            file_weights=file_weights,
         )  # fmt: skip
         return self.auto_choice
 
@@ -211,11 +217,13 @@ class DiffusionGroup(ResidentGroup):
         if layout == "auto":
             planned = planned_weight_dtype(weights, info)
             layout = self.auto_layout(
-                info.dims, dtype=opts.dtype, weight_dtype=planned, family=info.family
-            ).layout
+                info.dims, dtype=opts.dtype, weight_dtype=planned, family=info.family,
+                file_weights=planned_file_weights(weights, info),
+            ).layout  # fmt: skip
         parallel = make_layout(layout, len(self.devices), opts.ring, opts.ulysses)
         parallel.validate(info.dims, devices=len(self.devices))
-        check_block_splits(info, parallel.tp)  # GGUF: each rank must hold whole quantization blocks
+        # GGUF: each rank must hold whole quantization blocks
+        check_block_splits(info, parallel.tp, devices=len(self.devices))
         path = info.path if isinstance(checkpoint, CheckpointInfo) else str(checkpoint)
         return LoadRequest(
             path,

@@ -83,18 +83,23 @@ class LoadRequest:
     def weight_bytes_on(self, device: str) -> int:
         """Parameter bytes one rank holds for this model on `device`: the planner's exact count for its layout
         and dtypes (what the group weighs against the devices' memory: resident/group.py)."""
-        from ..checkpoint import planned_weight_dtype, resolve_dtype
+        from ..checkpoint import planned_file_weights, planned_weight_dtype, resolve_dtype
         from ..dtypes import WEIGHT_DTYPES, compute_dtype_named
         from ..plan import weight_bytes
+        from ..plan.setup import held_bytes
 
         compute = str(resolve_dtype(self.dtype, device)).removeprefix("torch.")
         fp8 = WEIGHT_DTYPES.get(planned_weight_dtype(self.weight_dtype, self.info))
+        bytes_ = compute_dtype_named(compute).bytes
+        # each linear weight as the file holds it (a GGUF file mixing Q4_K and Q6_K), the rest as planned
+        held = planned_file_weights(self.weight_dtype, self.info)
         return weight_bytes(
             self.info.dims,
             self.layout,
-            compute_dtype_named(compute).bytes,
+            bytes_,
             family=self.info.family,
             linear_bytes=fp8.bytes if fp8 is not None else None,
+            linear_bytes_of={name: held_bytes(h, bytes_) for name, h in held.held},
         )
 
     def loaded(self) -> Loaded:

@@ -26,6 +26,8 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from ..text import cli_command
+
 # The worker's name for the rung it runs on (tests' fake probes read it; `HealthReport.env` shows it).
 TRANSPORT_ENV = "RP_TRANSPORT"
 
@@ -129,7 +131,7 @@ def fallback_warning(devices: Sequence[str], tried: Sequence[tuple[Transport, st
         f"worker group was started again with {now.settings} and now works (collectives go through "
         f"{'host memory: slower' if now is not P2P else 'peer-to-peer'}). To make it permanent, {permanent}; "
         "to get fast P2P back, try the kernel parameter iommu=pt (AMD: amd_iommu=on iommu=pt) and "
-        "HSA_FORCE_FINE_GRAIN_PCIE=1, then run `python -m rocm_parallel doctor`"
+        f"HSA_FORCE_FINE_GRAIN_PCIE=1, then run `{cli_command('doctor')}`"
     )
 
 

@@ -79,6 +79,12 @@ class ParallelVae:
             raise ConfigError(
                 f"samples must be a LATENT's tensor [B, C, H, W] (or [B, C, T, H, W]); got {_describe(samples)}"
             )
+        if samples.numel() == 0:  # a 0x0 latent would reach the band split as "at most 0 rank(s)"
+            raise ConfigError(
+                f"samples {list(samples.shape)} is an empty latent (a size of 0): nothing to decode; give it "
+                "the LATENT of a sampler or of an Empty Latent Image of at least 1x1 latent pixels "
+                f"({kind.downscale}x{kind.downscale} px)"
+            )
         x = decoder_input(kind, samples)
         channels = kind.latent_channels(config)
         if x.shape[1] != channels:
