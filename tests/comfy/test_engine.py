@@ -70,8 +70,9 @@ def files(comfy: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> di
 
 
 @pytest.fixture(scope="module")
-def groups() -> Iterator[dict[int, ParallelModel]]:
-    """One group of CPU workers per size, their own (their ComfyUI import stays in them)."""
+def groups(comfy: dict[str, Any]) -> Iterator[dict[int, ParallelModel]]:
+    """One group of CPU workers per size, their own (their ComfyUI import stays in them); none without a
+    ComfyUI (`comfy` skips)."""
     made = {n: ParallelModel(["cpu"] * n, threads=1) for n in (2, 4)}
     yield made
     for model in made.values():
