@@ -234,6 +234,7 @@ class RocmParallelLoader:
             weight_dtype=inputs.weight_dtype(weight_dtype),
             compile=inputs.compile_choice(compile),
             slot=inputs.loader_slot(unique_id),
+            engine=inputs.engine_choice(),
         )
         if preload != "none":
             from . import comfy_model  # imports torch: only once a node runs

@@ -79,6 +79,17 @@ def compile_choice(choice: str) -> str:
     return choice
 
 
+ENGINE_ENV = "ROCM_PARALLEL_ENGINE"
+
+
+def engine_choice() -> str:
+    """The engine loaders run their models on: ROCM_PARALLEL_ENGINE when set ('comfy': ComfyUI's own model
+    classes sharded by a plan, backend/models/; the default 'diffusers': each family's diffusers model)."""
+    from ..backend.models.options import check_engine
+
+    return check_engine(os.environ.get(ENGINE_ENV) or "diffusers")
+
+
 def tp_layout(devices: int, batch: int = 1, ring: int = 1, ulysses: int = 1) -> ParallelLayout:
     """The TP Sampler's layout: tensor parallelism over the devices its other degrees leave (all of them
     by default); `batch`, `ring`, `ulysses` compose with it ('batch 2 x tp 2')."""
@@ -175,6 +186,8 @@ class ParallelHandle:
     compile: str = "off"  # the loader's compile widget: the repeated blocks compiled on every worker
     # which resident model of the group this loader's is (its node: two loaders keep two models resident)
     slot: str = DEFAULT_SLOT
+    engine: str = "diffusers"  # 'comfy': ComfyUI's own model class on the workers (backend/models/)
+    detection: str = ""  # JSON: values over ComfyUI's model detection (the comfy engine; tests' small files)
 
     def __repr__(self) -> str:
         with_loras = "".join(f" + {os.path.basename(p)} x{s:g}" for p, s in self.loras)

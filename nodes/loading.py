@@ -135,12 +135,18 @@ def ensure_loaded(
 
 def add_lora(handle: ParallelHandle, path: str, strength: float) -> ParallelHandle:
     """The ROCm Parallel LoRA node: `handle` plus this LoRA, after the backend checked from the file's
-    header against the handle's checkpoint (no worker starts) that every key fits this model."""
+    header against the handle's checkpoint (no worker starts) that every key fits this model (the comfy
+    engine: its strength only; ComfyUI's LoRA code on the workers decides what applies)."""
     from ..backend.checkpoint import check_loras
     from ..backend.checkpoint.lora.parse import refuse_foreign_lora
 
     refuse_foreign_lora(path)  # an SDXL LoRA or a checkpoint: refused before the checkpoint is read
-    check_loras([(path, strength)], read_checkpoint(handle))
+    if handle.engine == "comfy":  # what ComfyUI's LoRA loader applies; the workers refuse the rest by name
+        from ..backend.checkpoint.lora.values import lora_pair
+
+        lora_pair(0, (path, strength))
+    else:
+        check_loras([(path, strength)], read_checkpoint(handle))
     return handle.with_lora(path, strength)
 
 
@@ -150,5 +156,5 @@ def load_options(handle: ParallelHandle, layout: ParallelLayout) -> LoadOptions:
 
     return LoadOptions(
         layout=layout, dtype=handle.dtype, weight_dtype=handle.weight_dtype, loras=handle.loras,
-        compile=handle.compile, slot=handle.slot,
+        compile=handle.compile, slot=handle.slot, engine=handle.engine, detection=handle.detection or None,
     )  # fmt: skip

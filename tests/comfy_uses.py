@@ -40,8 +40,9 @@ COMFY_ROOTS = (
     "comfy", "comfy_extras", "comfy_api", "comfy_execution", "folder_paths", "server", "node_helpers", "nodes",
     "comfyui_version", "latent_preview", "execution", "comfy_aimdo",
 )  # fmt: skip
-# What is scanned: the ComfyUI side of the pack, and the families' ComfyUI config class names.
-SCANNED = ("__init__.py", "nodes/*.py", "backend/**/family.py")
+# What is scanned: the ComfyUI side of the pack (the nodes, the model engine), and the families' ComfyUI
+# config class names.
+SCANNED = ("__init__.py", "nodes/*.py", "backend/**/family.py", "backend/models/**/*.py")
 _LOADERS = ("sys.modules.get", "importlib.import_module")  # calls that return a module by its name
 _GUARDS = {"ImportError", "ModuleNotFoundError", "AttributeError"}
 

@@ -28,6 +28,7 @@ TEST_METHODS = (
     "mesh_methods",
     "norm_methods",
     "lse_kernels",
+    "engine_toy",
 )
 # Their request and reply records travel by name: this process must know them too (a session group's
 # status can name a test's resident record whichever test file asks).

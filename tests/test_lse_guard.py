@@ -48,7 +48,7 @@ def old_merge(group2: WorkerGroup):
 
 
 def test_the_guard_makes_an_old_ring_merge_exact(old_merge: WorkerGroup) -> None:
-    """Mutation tried: without `_probe_ring` in `apply_context_parallel` (lse_shape stays 'any') every rank
+    """Mutation tried: without `probe_ring` in `apply_context_parallel` (lse_shape stays 'any') every rank
     raised 'The size of tensor a (8) must match the size of tensor b (16) at non-singleton dimension 3'
     in the forward and this test failed."""
     inputs, expected = reference(CONFIG, batch=1, height=64, width=64, text_tokens=16)

@@ -28,6 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 FAMILY_FOLDERS = tuple(module.split(".")[1] for module in BUILTIN)
 # A text encoder kind's folder registers the ComfyUI CLIP types (graphs) it serves, as a family's folder does.
 ENCODER_FOLDERS = ("t5", "llama")
+# The model engine's plans (one module per ComfyUI model family) name their models, as family folders do.
+PLAN_FOLDER = ("models", "plans")
 # Family names, titles and the FLUX fields the generic engine used to read (issue 35's review), as they would
 # appear in code: identifiers and string literals.
 FORBIDDEN = re.compile(
@@ -60,6 +62,8 @@ def generic_modules() -> list[Path]:
         if len(parts) > 1 and parts[0] in FAMILY_FOLDERS:
             continue
         if len(parts) > 2 and parts[0] == "encoders" and parts[1] in ENCODER_FOLDERS:
+            continue
+        if len(parts) > 2 and parts[:2] == PLAN_FOLDER and parts[2] != "__init__.py":
             continue
         files.append(path)
     return files

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -26,7 +26,7 @@ from ..checkpoint import (
     resolve_dtype,
 )
 from ..checkpoint.gguf import check_block_splits
-from ..checkpoint.lora.values import refuse_foreign_loras
+from ..checkpoint.lora.values import lora_pair, refuse_foreign_loras
 from ..compile import compile_mode
 from ..config import DEFAULT_SLOT, ConfigError, ModelDims, ParallelLayout, weight_dtype_name
 from ..plan import Choice
@@ -57,7 +57,11 @@ class LoadOptions:
     load; 'compute': upcast at load). `attention` overrides the attention kernel. `loras`: (path, strength)
     pairs applied in order on top (each rank patches its own shard). `compile`: 'inductor' / 'aot_eager'
     compile the repeated blocks (compile.py), 'off' runs eager. `slot`: which of the group's resident
-    models this is (several stay resident, one per slot).
+    models this is (several stay resident, one per slot). `engine`: 'diffusers' (the family's diffusers
+    model) or 'comfy' (ComfyUI's own model class, sharded by its plan: backend/models/), which imports the
+    ComfyUI at `comfyui` (default: COMFYUI_PATH, else the ComfyUI this process runs in) on the workers;
+    `detection`: values over ComfyUI's model detection for a file it cannot describe (a small test model's
+    head count and RoPE axes, e.g. {"num_heads": 4, "axes_dim": [4, 6, 6]}).
     """
 
     layout: str | ParallelLayout = "tp"
@@ -69,6 +73,9 @@ class LoadOptions:
     loras: tuple[tuple[str, float], ...] = ()
     compile: str | None = "off"
     slot: str = DEFAULT_SLOT
+    engine: str = "diffusers"
+    comfyui: str | os.PathLike[str] | None = None
+    detection: Mapping[str, Any] | str | None = None
 
     @classmethod
     def make(cls, options: LoadOptions | None = None, **given: Any) -> LoadOptions:
@@ -199,7 +206,11 @@ class DiffusionGroup(ResidentGroup):
         # an SDXL LoRA or a model checkpoint given as a LoRA: named before the checkpoint's header is read
         refuse_foreign_loras(opts.loras)
         info = checkpoint if isinstance(checkpoint, CheckpointInfo) else inspect_checkpoint(checkpoint)
-        checked = check_loras(opts.loras, info)
+        engine = _engine_fields(opts, info)  # before 'auto' starts workers to measure the machine
+        if engine:  # the comfy engine applies what ComfyUI's LoRA loader applies; each rank refuses the rest
+            checked = tuple(lora_pair(i, item) for i, item in enumerate(opts.loras))
+        else:
+            checked = check_loras(opts.loras, info)
         resolve_dtype(opts.dtype, self.devices[0])  # a bad dtype fails here, before anything is unloaded
         weights = check_weight_dtype(opts.weight_dtype, info)
         layout = opts.layout
@@ -215,7 +226,16 @@ class DiffusionGroup(ResidentGroup):
         check_block_splits(info, parallel.tp, devices=len(self.devices))
         path = info.path if isinstance(checkpoint, CheckpointInfo) else str(checkpoint)
         return LoadRequest(
-            path, info, parallel, opts.dtype, weights, opts.attention, checked, compiled, slot=opts.slot
+            path,
+            info,
+            parallel,
+            opts.dtype,
+            weights,
+            opts.attention,
+            checked,
+            compiled,
+            slot=opts.slot,
+            **engine,
         )
 
     def _held(self, request: Any) -> None:
@@ -247,3 +267,20 @@ class DiffusionGroup(ResidentGroup):
     def compute_dtype(self) -> torch.dtype:
         """The dtype the workers compute in (the default slot's load's, else the devices' default)."""
         return self.compute_dtype_of(None)
+
+
+def _engine_fields(opts: LoadOptions, info: CheckpointInfo) -> dict[str, str]:
+    """The request's engine fields, checked (models/options.py): the comfy engine's ComfyUI resolved and
+    the file one it reads."""
+    from ..models.options import check_engine, check_engine_file, detection_text, resolve_comfyui
+
+    if check_engine(opts.engine) == "diffusers":
+        if opts.comfyui is not None or opts.detection:
+            raise ConfigError("comfyui= and detection= go with engine='comfy' only")
+        return {}
+    check_engine_file(info)
+    return {
+        "engine": "comfy",
+        "comfyui": resolve_comfyui(opts.comfyui),
+        "detection": detection_text(opts.detection),
+    }

@@ -16,8 +16,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import CheckpointInfo, apply_loras, inspect_lora, load_model
+from ..checkpoint import CheckpointInfo, apply_loras, inspect_lora, load_model, resolve_dtype
 from ..compile import compile_repeated_blocks
+from ..models.engine import EngineModel, detection_of, load_engine_model
 from ..parallel.mesh import ParallelGroups, parallel_groups, parallelize
 from ..resident.jobs import Built, free_memory, load_slot, report
 from ..resident.messages import LoadReport
@@ -41,6 +42,10 @@ def _apply_loras(
     those parameters, even if a LoRA file changed on disk meanwhile.
     """
     started = time.perf_counter()
+    if isinstance(model, EngineModel):  # ComfyUI's own LoRA code on this rank's slices (models/lora.py)
+        count = model.set_loras(loras, ctx.load_progress)
+        ctx.synchronize()
+        return {"lora_tensors": count, "lora_seconds": time.perf_counter() - started}
     previous = getattr(model, LORA_PATCHED, frozenset())
     parsed = [(inspect_lora(path, info), strength) for path, strength in loras]
     tp = groups.layout.tp
@@ -85,13 +90,19 @@ def _build(ctx: WorkerContext, request: LoadRequest) -> Built:
     """This rank's shard of the request's model: read, LoRAs applied, context-parallel, compile marked."""
     info, layout = request.info, request.layout
     groups = parallel_groups(layout, ctx.device)
-    model = load_model(
-        info, device=ctx.device, dtype=request.dtype, weight_dtype=request.weight_dtype, tp=layout.tp,
-        group=groups.tp_group, progress=ctx.load_progress,
-    )  # fmt: skip
-    lora = _apply_loras(ctx, model, info, request.loras, groups) if request.loras else {}
-    parallelize(
-        model, groups, info.model_family, attention=request.attention
-    )  # context parallelism; TP is the loader's
+    if request.engine == "comfy":  # ComfyUI's own model, sharded by its plan (backend/models/)
+        model = load_engine_model(
+            info, comfyui=request.comfyui, detection=detection_of(request.detection), groups=groups,
+            device=ctx.device, compute=resolve_dtype(request.dtype, ctx.device), weight_dtype=request.weight_dtype,
+            attention=request.attention, progress=ctx.load_progress,
+        )  # fmt: skip
+        lora = _apply_loras(ctx, model, info, request.loras, groups) if request.loras else {}
+    else:
+        model = load_model(
+            info, device=ctx.device, dtype=request.dtype, weight_dtype=request.weight_dtype, tp=layout.tp,
+            group=groups.tp_group, progress=ctx.load_progress,
+        )  # fmt: skip
+        lora = _apply_loras(ctx, model, info, request.loras, groups) if request.loras else {}
+        parallelize(model, groups, info.model_family, attention=request.attention)  # CP; TP is the loader's
     compile_repeated_blocks(model, request.compile)  # marks the blocks; they compile at the first call
     return model, lora

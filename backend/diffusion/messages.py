@@ -44,6 +44,9 @@ class Loaded:
     attention: str | None = None
     loras: tuple[Lora, ...] = ()
     compile: str = "off"  # compile.COMPILE_MODES: the repeated blocks compiled on every rank
+    engine: str = "diffusers"  # models/options.py ENGINES: the family's diffusers model or ComfyUI's own
+    comfyui: str = ""  # the ComfyUI checkout the comfy engine imports on the workers
+    detection: str = ""  # JSON: values over ComfyUI's detection output (models/build.py)
 
     def same_weights(self, other: Any) -> bool:
         """The same model in the same layout, whatever the LoRAs: a LoRA change re-reads only what they touch."""
@@ -60,6 +63,8 @@ class LoadRequest:
     (config.WEIGHT_DTYPE_BYTES: 'default', 'fp8_e4m3fn', 'fp8_e5m2', 'compute'); `compile` whether the
     repeated transformer blocks run compiled (compile.py; 'off', 'inductor', 'aot_eager'); `slot` which of
     the group's resident models it is (a graph that uses two models keeps both, each in its own slot).
+    `engine` which model runs it (models/options.py: 'diffusers', or 'comfy': ComfyUI's own class from the
+    checkout `comfyui`, its detection told `detection`'s values).
     """
 
     checkpoint: str
@@ -71,6 +76,9 @@ class LoadRequest:
     loras: tuple[Lora, ...] = ()
     compile: str = "off"
     slot: str = DEFAULT_SLOT  # which of the group's resident models this is (several can be resident)
+    engine: str = "diffusers"
+    comfyui: str = ""
+    detection: str = ""
 
     def weight_bytes_on(self, device: str) -> int:
         """Parameter bytes one rank holds for this model on `device`: the planner's exact count for its layout
@@ -103,6 +111,9 @@ class LoadRequest:
             self.attention,
             self.loras,
             self.compile,
+            self.engine,
+            self.comfyui,
+            self.detection,
         )
 
 

@@ -25,6 +25,7 @@ import torch
 
 from ..compile import note_compiles, repeated_blocks
 from ..family import ModelFamily, family_of
+from ..models.engine import EngineModel
 from ..parallel.mesh import BatchSplit, groups_of
 from ..parallel.weights import compute_dtype
 from ..runtime.cancel_points import cancellable
@@ -96,10 +97,13 @@ def forward(ctx: WorkerContext, request: ForwardRequest) -> ForwardReply:
             mine = {
                 i.name: _take(split, inputs[i.name]) if i.batched else inputs[i.name] for i in spec.inputs
             }
-            model_fn = cancellable(
-                ctx, model, family.model_fn(model), repeated_blocks(model), every_group_runs=all(split.sizes)
-            )
-            out = family.call(model_fn, split.take(x), split.take(request.timestep.to(ctx.device)), **mine)
+            x_mine, t_mine = split.take(x), split.take(request.timestep.to(ctx.device))
+            blocks, runs = repeated_blocks(model), all(split.sizes)
+            if isinstance(model, EngineModel):  # ComfyUI's own diffusion_model(x, timestep, **inputs)
+                out = cancellable(ctx, model, model, blocks, every_group_runs=runs)(x_mine, t_mine, **mine)
+            else:
+                model_fn = cancellable(ctx, model, family.model_fn(model), blocks, every_group_runs=runs)
+                out = family.call(model_fn, x_mine, t_mine, **mine)
         entry = (family.latent_channels(model.config), *x.shape[2:])
         out = split.gather(out, entry, dtype, ctx.device)
         out = out.cpu() if ctx.rank == 0 else None

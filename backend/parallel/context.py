@@ -592,11 +592,11 @@ def cp_group(model: nn.Module) -> Any:
     return None if mesh is None else mesh.get_group()
 
 
-def _probe_ring(model: nn.Module, device: torch.device, state: ContextState) -> str:
-    """Ask the installed TemplatedRingAttention which LSE rank its merge accepts (collective, tiny)."""
+def probe_ring(config: Any, device: torch.device, chunks: int) -> str:
+    """Ask the installed TemplatedRingAttention which LSE rank its merge accepts, on diffusers' parallel
+    `config` of `chunks` ring ranks (collective, tiny)."""
     from diffusers.models.attention_dispatch import TemplatedRingAttention
 
-    config = model._parallel_config
     probe_device = torch.device("cpu") if device.type == "meta" else device
     q = torch.zeros(probe_query_shape(), device=probe_device)
 
@@ -604,7 +604,7 @@ def _probe_ring(model: nn.Module, device: torch.device, state: ContextState) -> 
         return TemplatedRingAttention.apply(q, q, q, None, 0.0, False, None, False, False, op, None, config)
 
     with WaitCollectives():  # the probe's kernel ignores the gathered K/V: nothing else would wait
-        return probe_merge_shape(run_ring, chunks=state.layout.ring)
+        return probe_merge_shape(run_ring, chunks=chunks)
 
 
 def apply_context_parallel(
@@ -663,7 +663,7 @@ def apply_context_parallel(
     if collectives_need_host(dist.get_backend(cp_group(model)), device):
         route_diffusers_gathers_through_host()  # before the probe and the guard, which gather too
     if layout.ring > 1:
-        state.lse_shape = _probe_ring(model, device, state)
+        state.lse_shape = probe_ring(model._parallel_config, device, layout.ring)
         # the numeric LSE guard (lse_check.py): the kernel against float64, then through this ring's merge
         state.kernel = guard_ring_kernel(
             state.kernel, model._parallel_config, device, dtype, state.lse_shape, dims.head_dim

@@ -9,6 +9,7 @@ loader reads exactly these pieces from disk.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -149,6 +150,12 @@ def _packed_ranges(
     sizes = [getattr(dims, part) for part in parts]
     if sum(sizes) != total:
         raise ValueError(f"packed {side} of {total} features is not {parts} = {sizes}")
+    return section_ranges(sizes, rank, degree)
+
+
+def section_ranges(sizes: Sequence[int], rank: int, degree: int) -> tuple[tuple[int, int], ...]:
+    """This rank's range in each of the consecutive sections of widths `sizes` (a fused q | k | v | mlp
+    dimension), each section split evenly, in section order."""
     ranges, offset = [], 0
     for size in sizes:
         ranges.append(_even(size, rank, degree, offset))
@@ -166,6 +173,7 @@ __all__ = [
     "Row",
     "Split",
     "Vocab",
+    "section_ranges",
     "shard_pieces",
     "vocab_range",
 ]

@@ -140,16 +140,21 @@ def gather_modulation(
     layers: list[GatheredLinear], x: torch.Tensor, group: Any, degree: int
 ) -> list[torch.Tensor]:
     """Evaluate the shards of `layers` on x and rebuild each full output with one all-gather."""
-    local = torch.cat(
-        [F.linear(x.to(layer_dtype(m)), linear_weight(m, layer_dtype(m)), m.bias) for m in layers], dim=-1
-    )
+    local = [F.linear(x.to(layer_dtype(m)), linear_weight(m, layer_dtype(m)), m.bias) for m in layers]
+    return gather_last_dim(local, group, degree)
+
+
+def gather_last_dim(outputs: list[torch.Tensor], group: Any, degree: int) -> list[torch.Tensor]:
+    """Several outputs split along their last dimension across the group (each rank holds its contiguous
+    slice of each, all of one shape but the last dimension) -> the whole outputs, with one all-gather."""
+    local = torch.cat(outputs, dim=-1)
     flat = local.new_empty((degree * local.shape[0], *local.shape[1:]))  # backends want rank-major rows
     all_gather_single(flat, local.contiguous(), group=group)
     gathered = flat.view(degree, *local.shape)
     outs, offset = [], 0
-    for m in layers:
-        width = m.out_features
-        piece = gathered[..., offset : offset + width]  # [degree, B, width]
+    for out in outputs:
+        width = out.shape[-1]
+        piece = gathered[..., offset : offset + width]  # [degree, ..., width]
         outs.append(piece.movedim(0, -2).reshape(*local.shape[:-1], degree * width))
         offset += width
     return outs
@@ -416,6 +421,7 @@ __all__ = [
     "TensorParallelSpec",
     "Vocab",
     "apply_tensor_parallel",
+    "gather_last_dim",
     "parameter_bytes",
     "parameter_pieces",
     "reduce_streams",

@@ -276,7 +276,25 @@ class RPTestSaveImageTensor(_RPTestSaver):
         return {{}}
 
 
+class RPTestComfyEngine:
+    # The ROCm Parallel loader's handle on the model engine (engine 'comfy': ComfyUI's own model class on the
+    # workers), its detection told `detection` (JSON), as RPTestTinyUNETLoader tells ComfyUI's own loader.
+    CATEGORY = "_for_testing"
+    RETURN_TYPES = ("PARALLEL_FLUX",)
+    FUNCTION = "engine"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {{"required": {{"parallel_flux": ("PARALLEL_FLUX",), "detection": ("STRING", {{"default": "{{}}"}})}}}}
+
+    def engine(self, parallel_flux, detection):
+        import dataclasses
+
+        return (dataclasses.replace(parallel_flux, engine="comfy", detection=detection),)
+
+
 NODE_CLASS_MAPPINGS = {{
+    "RPTestComfyEngine": RPTestComfyEngine,
     "RPTestSaveImageTensor": RPTestSaveImageTensor,
     "RPTestTinyUnetLoaderGGUF": RPTestTinyUnetLoaderGGUF,
     "RPTestTinyCLIPLoader": RPTestTinyCLIPLoader,

@@ -52,6 +52,8 @@ SAMPLING_CASES = [
     "custom_sigmas",
 ]
 LORA_CASES = ["lora_bfl", "lora_kohya"]
+# the default engine (each family's diffusers model) and the model engine (ComfyUI's own class on the workers)
+ENGINES = ["diffusers", "comfy"]
 
 
 @pytest.fixture(scope="module")
@@ -83,13 +85,25 @@ def registries() -> Iterator[dict[int, Registry]]:
         registry.close()
 
 
-def parallel_model(comfy, checkpoints, registries, variant: str, layout: str, loras=()) -> Any:
+def parallel_model(
+    comfy, checkpoints, registries, variant: str, layout: str, loras=(), engine="diffusers"
+) -> Any:
+    """The pack's MODEL for the variant's file in `layout`; `engine='comfy'`: on the model engine (ComfyUI's own
+    model class on the workers), its detection told the small model's heads and RoPE axes."""
     from rocm_parallel.nodes import comfy_model
+    from rocm_parallel.testing.models import tiny_flux_config
 
     devices, parallel = LAYOUTS[layout]
+    detection = ""
+    if engine == "comfy":  # the FLUX.1 variants' small widths (what ComfyUI's detection hard-codes)
+        config = tiny_flux_config(**MODELS[variant]["config"])
+        detection = json.dumps(
+            {"num_heads": config["num_attention_heads"], "axes_dim": list(config["axes_dims_rope"])}
+        )
     handle = ParallelHandle(
-        checkpoints[variant], Path(checkpoints[variant]).name, ("cpu",) * devices, "float32", tuple(loras)
-    )
+        checkpoints[variant], Path(checkpoints[variant]).name, ("cpu",) * devices, "float32", tuple(loras),
+        engine=engine, detection=detection,
+    )  # fmt: skip
     return comfy_model.parallel_model(handle, LayoutRequest(parallel), registries[devices])
 
 
@@ -126,10 +140,13 @@ def run_case(comfy: dict[str, Any], model: Any, name: str) -> torch.Tensor:
         return reference_run_case(comfy, {case["variant"]: model}, name, case, Path(folder))[f"{name}.output"]
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("name", SAMPLING_CASES)
-def test_comfyuis_samplers_on_the_parallel_model_match_comfyui(comfy, checkpoints, registries, layout, name):
-    model = parallel_model(comfy, checkpoints, registries, CASES[name]["variant"], layout)
+def test_comfyuis_samplers_on_the_parallel_model_match_comfyui(
+    comfy, checkpoints, registries, layout, name, engine
+):
+    model = parallel_model(comfy, checkpoints, registries, CASES[name]["variant"], layout, engine=engine)
     runner = model.model.diffusion_model.runner
     out = run_case(comfy, model, name)
     diff = (out - reference(name)["output"]).abs().max().item()
@@ -149,15 +166,17 @@ def _lora_file(folder: Path, name: str) -> str:
     return write_random_lora(path, config, spec["format"], rank=spec["rank"], seed=spec["seed"])
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("name", LORA_CASES)
 def test_the_parallel_lora_matches_comfyuis_lora_loader(
-    comfy, checkpoints, registries, layout, name, tmp_path
+    comfy, checkpoints, registries, layout, name, tmp_path, engine
 ):
     path = _lora_file(tmp_path, name)
     model = parallel_model(
-        comfy, checkpoints, registries, "dev", layout, loras=[(path, CASES[name]["lora"]["strength"])]
-    )
+        comfy, checkpoints, registries, "dev", layout, loras=[(path, CASES[name]["lora"]["strength"])],
+        engine=engine,
+    )  # fmt: skip
     diff = (run_case(comfy, model, name) - reference(name)["output"]).abs().max().item()
     print(f"{name} {layout}: max |diff| {diff:.2e}")
     assert diff <= 1e-4
@@ -307,15 +326,16 @@ def test_scaled_fp8_matches_comfyuis_own_scaled_fp8_model(comfy, registries, tmp
 FAMILY_CASES = ["kontext_calls", "kontext_index_calls", "kontext_uxo_calls", "fill_calls"]
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("layout", ["tp2", "ring2", "ring2_ulysses2"])
 @pytest.mark.parametrize("name", FAMILY_CASES)
 def test_kontext_and_fill_through_comfyuis_nodes_match_comfyuis_own_calls(
-    comfy, checkpoints, registries, layout, name, tmp_path
+    comfy, checkpoints, registries, layout, name, tmp_path, engine
 ):
     from make_comfy_references import run_case as reference_run_case
 
     case = CASES[name]
-    model = parallel_model(comfy, checkpoints, registries, case["variant"], layout)
+    model = parallel_model(comfy, checkpoints, registries, case["variant"], layout, engine=engine)
     with torch.no_grad():
         got = reference_run_case(comfy, {case["variant"]: model}, name, case, tmp_path)
     # img_ids: ComfyUI's own ids inside its Flux (the proxy has none; tests/test_family.py checks the pack's)

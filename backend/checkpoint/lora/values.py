@@ -15,6 +15,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -98,26 +99,32 @@ def check_loras(
     """
     out = []
     for i, item in enumerate(loras):
-        try:
-            path, strength = item
-        except (TypeError, ValueError):
-            raise LoraError(f"loras[{i}] is {item!r}; pass (path, strength) pairs") from None
-        if isinstance(strength, bool) or not isinstance(strength, int | float) or not math.isfinite(strength):
-            raise LoraError(
-                f"LoRA {quoted(path)}: strength {strength!r} is not a finite number; use e.g. 1.0 "
-                "(0 disables it, negative values invert it)"
-            )
-        if abs(strength) > MAX_STRENGTH:
-            raise LoraError(
-                f"LoRA {quoted(path)}: strength {strength!r} is beyond +-{MAX_STRENGTH:g} (ComfyUI's LoraLoader "
-                "range; far beyond it the patched weights overflow to inf); use e.g. 1.0"
-            )
+        path, strength = lora_pair(i, item)
         lora = inspect_lora(path, info)
         if strength != 0:  # a LoRA at strength 0 is not applied (ComfyUI's loader skips it too)
             check_overflow(lora, float(strength), scan_values(lora))
-        # absolute: the workers run in a folder of their own, where a relative path would miss
-        out.append((str(Path(path).expanduser().absolute()), float(strength)))
+        out.append((path, strength))
     return tuple(out)
+
+
+def lora_pair(i: int, item: Any) -> tuple[str, float]:
+    """loras[i] as an (absolute path, strength) pair, its strength checked (finite, in ComfyUI's range)."""
+    try:
+        path, strength = item
+    except (TypeError, ValueError):
+        raise LoraError(f"loras[{i}] is {item!r}; pass (path, strength) pairs") from None
+    if isinstance(strength, bool) or not isinstance(strength, int | float) or not math.isfinite(strength):
+        raise LoraError(
+            f"LoRA {quoted(path)}: strength {strength!r} is not a finite number; use e.g. 1.0 "
+            "(0 disables it, negative values invert it)"
+        )
+    if abs(strength) > MAX_STRENGTH:
+        raise LoraError(
+            f"LoRA {quoted(path)}: strength {strength!r} is beyond +-{MAX_STRENGTH:g} (ComfyUI's LoraLoader "
+            "range; far beyond it the patched weights overflow to inf); use e.g. 1.0"
+        )
+    # absolute: the workers run in a folder of their own, where a relative path would miss
+    return str(Path(path).expanduser().absolute()), float(strength)
 
 
 def refuse_foreign_loras(loras: Iterable[tuple[str | os.PathLike[str], float]]) -> None:
@@ -129,4 +136,12 @@ def refuse_foreign_loras(loras: Iterable[tuple[str | os.PathLike[str], float]]) 
             refuse_foreign_lora(item[0])
 
 
-__all__ = ["LIMIT", "MAX_STRENGTH", "check_loras", "check_overflow", "refuse_foreign_loras", "scan_values"]
+__all__ = [
+    "LIMIT",
+    "MAX_STRENGTH",
+    "check_loras",
+    "check_overflow",
+    "lora_pair",
+    "refuse_foreign_loras",
+    "scan_values",
+]

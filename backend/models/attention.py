@@ -1,0 +1,234 @@
+"""Context parallelism (ring attention, Ulysses, both) on ComfyUI's own model, by a plan's `SequenceSplit`.
+
+Every rank holds the whole model (or its tensor-parallel shard) and 1/N of the tokens:
+
+* **The split.** The plan names the method that carries the token streams (FLUX: `forward_orig(img, img_ids,
+  txt, txt_ids, ...)`). It is wrapped on the model instance: each stream's arguments — the tokens and their
+  position ids, alike, so the rotary embedding ComfyUI computes inside from the ids is this rank's — are
+  split along the stream's dimension over the ring x Ulysses group, and the method's output is all-gathered
+  back whole. Everything between runs ComfyUI's code on the local tokens.
+* **The attention.** ComfyUI calls every attention through `wrap_attn`, which hands it to
+  `transformer_options["optimized_attention_override"](func, q, k, v, heads, ...)` when present (ComfyUI
+  0.3.75 and 0.33.0 both). The override runs the attention of the plan's `attention` modules (forward
+  hooks tell it when it is inside one) over the whole sequence: diffusers' templated ring / Ulysses /
+  unified attention (`_templated_context_parallel_attention`), with this pack's per-device kernel, its
+  numeric LSE guard (parallel/lse.py, lse_check.py) and key-validity channel, all from parallel/context.py
+  (`ContextAttention`). Any other attention (outside those modules) is ComfyUI's own function, unchanged.
+* **Uneven lengths.** A stream the degree does not divide is padded to ceil(L / N) tokens per rank (at most
+  one pad each) and the padded keys are dropped from every softmax through the validity channel, in the
+  stream order the plan gives (the order the model concatenates them): never unmasked padding. The padded
+  outputs are cut away after the gather.
+
+diffusers' parallel config is built here on the layout's ("ring", "ulysses") sub-mesh (parallel/mesh.py),
+as `enable_parallelism` would build it, without a diffusers model.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import ConfigError, ParallelLayout
+from ..parallel.comm import collectives_need_host, route_diffusers_gathers_through_host
+from ..parallel.context import (
+    ContextAttention,
+    ContextState,
+    LocalPadding,
+    _check_mesh,
+    choose_attention_kernel,
+    pad_for_ranks,
+    probe_ring,
+    split_sizes,
+    unpad_from_ranks,
+)
+from ..parallel.lse_check import guard_ring_kernel
+from ..parallel.tensor import resolve_plan
+from .plan import ModelPlan, SequenceSplit
+
+OVERRIDE_KEY = (
+    "optimized_attention_override"  # ComfyUI's transformer_options key (comfy/ldm/modules/attention.py)
+)
+
+
+def parallel_config(mesh: Any, layout: ParallelLayout, device: torch.device) -> Any:
+    """diffusers' ParallelConfig for ring x Ulysses on `mesh` (the layout's ("ring", "ulysses") sub-mesh), set
+    up as `ModelMixin.enable_parallelism` sets it up. Collective the first time (it flattens the mesh)."""
+    from diffusers import ContextParallelConfig
+    from diffusers.models._modeling_parallel import ParallelConfig
+
+    _check_mesh(mesh, layout.ring, layout.ulysses)
+    config = ParallelConfig(
+        context_parallel_config=ContextParallelConfig(
+            ring_degree=layout.ring, ulysses_degree=layout.ulysses, mesh=mesh
+        )
+    )
+    config.setup(dist.get_rank(), dist.get_world_size(), device, mesh=mesh)
+    return config
+
+
+@dataclass
+class SequenceState:
+    """One model's context parallelism: the attention dispatch, the group the tokens split over, and
+    whether the current call is inside a module whose attention spans the split sequence."""
+
+    attention: ContextAttention
+    config: Any  # diffusers' ParallelConfig
+    group: Any
+    degree: int
+    rank: int
+    depth: int = 0
+
+    @property
+    def context(self) -> ContextState:
+        return self.attention.state
+
+
+def _enter(state: SequenceState, *_: Any) -> None:
+    state.depth += 1
+
+
+def _leave(state: SequenceState, *_: Any) -> None:
+    state.depth -= 1
+
+
+def attention_override(state: SequenceState) -> Callable[..., Any]:
+    """The function for `transformer_options["optimized_attention_override"]`: ComfyUI's `func` outside the
+    plan's attention modules, the sequence-parallel attention inside them."""
+
+    def override(
+        func: Callable[..., Any],
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        heads: int,
+        mask: torch.Tensor | None = None,
+        attn_precision: Any = None,
+        skip_reshape: bool = False,
+        skip_output_reshape: bool = False,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if state.depth <= 0:
+            return func(
+                q, k, v, heads, mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape,
+                skip_output_reshape=skip_output_reshape, **kwargs,
+            )  # fmt: skip
+        if mask is not None or kwargs.get("enable_gqa"):
+            raise ConfigError(
+                "ring / Ulysses attention got an attention mask (or grouped keys); this model's plan splits no "
+                "masked attention: use layout 'tp'"
+            )
+        if skip_reshape:  # [B, H, S, D] -> diffusers' [B, S, H, D]
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        else:  # [B, S, H * D]
+            q, k, v = (t.unflatten(-1, (heads, -1)) for t in (q, k, v))
+        out = state.attention(
+            q, k, v, None, 0.0, False, kwargs.get("scale"), False, parallel_config=state.config
+        ).to(q.dtype)
+        return out.transpose(1, 2) if skip_output_reshape else out.flatten(-2)
+
+    return override
+
+
+def _split_method(model: nn.Module, split: SequenceSplit, state: SequenceState) -> None:
+    """Wrap `model.<split.method>`: its stream arguments split over the group, its output gathered."""
+    method = getattr(model, split.method)
+    signature = inspect.signature(method)
+
+    @functools.wraps(method)
+    def split_call(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = bound.arguments
+        for name, why in split.refused.items():
+            if arguments.get(name) is not None:
+                raise ConfigError(f"{name} is set, which ring / Ulysses cannot split: {why}")
+        lengths = {s.name: int(arguments[s.inputs[0]].shape[s.dim]) for s in split.streams}
+        padded = any(n % state.degree for n in lengths.values())
+        valid = []
+        for stream in split.streams:
+            length = lengths[stream.name]
+            for name in stream.inputs:
+                value = arguments[name]
+                if value.shape[stream.dim] != length:
+                    raise RuntimeError(
+                        f"{split.method}: '{name}' has {value.shape[stream.dim]} entries along dim {stream.dim}, "
+                        f"'{stream.inputs[0]}' {length}: the plan splits them alike"
+                    )
+                if padded:
+                    value = pad_for_ranks(value, stream.dim, state.degree)
+                arguments[name] = value.chunk(state.degree, stream.dim)[state.rank]
+            sizes = split_sizes(length, state.degree)
+            width = -(-length // state.degree)
+            valid.append(torch.arange(width) < sizes[state.rank])
+        device = arguments[split.streams[0].inputs[0]].device
+        key_valid = torch.cat(valid).to(device, torch.float32)
+        state.context.padding = LocalPadding(key_valid, ()) if padded else None
+        state.depth = 0  # a previous call that failed inside a block left it raised
+        try:
+            out = method(*bound.args, **bound.kwargs)
+        finally:
+            state.context.padding = None
+        dim = split.stream(split.output).dim
+        pieces = [torch.empty_like(out) for _ in range(state.degree)]
+        dist.all_gather(pieces, out.contiguous(), group=state.group)
+        gathered = torch.cat(pieces, dim)
+        if padded:
+            gathered = unpad_from_ranks(gathered, dim, split_sizes(lengths[split.output], state.degree))
+        return gathered
+
+    setattr(model, split.method, split_call)
+
+
+def apply_context_parallel(
+    model: nn.Module,
+    plan: ModelPlan,
+    layout: ParallelLayout,
+    mesh: Any,
+    device: torch.device,
+    dtype: torch.dtype,
+    attention: str | None = None,
+) -> SequenceState | None:
+    """Split `model`'s token sequence over `mesh` (the layout's ("ring", "ulysses") sub-mesh) by `plan`;
+    returns the state whose `attention_override(state)` goes into each call's transformer_options (None
+    when the layout has no ring or Ulysses degree). Collective: every rank calls it alike. `attention`
+    overrides the kernel chosen for the device (parallel/context.py ATTENTION_KERNELS)."""
+    if layout.cp == 1:
+        return None
+    if plan.sequence is None:
+        raise ConfigError(
+            f"{plan.name}'s plan has no sequence split; ring and Ulysses do not apply: use layout 'tp'"
+        )
+    heads = int(getattr(model, plan.heads)) // layout.tp
+    if heads % layout.ulysses:
+        raise ConfigError(
+            f"ulysses_degree={layout.ulysses} does not divide the {heads} attention heads each rank holds"
+        )
+    config = parallel_config(mesh, layout, device)
+    cp = config.context_parallel_config
+    group = cp._flattened_mesh.get_group()
+    context = ContextState(layout=layout, kernel=choose_attention_kernel(device, dtype, attention))
+    if collectives_need_host(dist.get_backend(group), device):
+        route_diffusers_gathers_through_host()  # before the probe and the guard, which gather too
+    if layout.ring > 1:
+        context.lse_shape = probe_ring(config, device, layout.ring)
+        head_dim = int(getattr(model, plan.width)) // int(getattr(model, plan.heads))
+        context.kernel = guard_ring_kernel(context.kernel, config, device, dtype, context.lse_shape, head_dim)
+    state = SequenceState(
+        ContextAttention(context), config, group, dist.get_world_size(group), dist.get_rank(group)
+    )
+    for name in resolve_plan(model, dict.fromkeys(plan.attention), plan.optional):
+        module = model.get_submodule(name)
+        module.register_forward_pre_hook(functools.partial(_enter, state))
+        module.register_forward_hook(functools.partial(_leave, state))
+    _split_method(model, plan.sequence, state)
+    return state
+
+
+__all__ = ["OVERRIDE_KEY", "SequenceState", "apply_context_parallel", "attention_override", "parallel_config"]

@@ -1,0 +1,33 @@
+"""Every model plan the engine knows, one module per ComfyUI model family; `plan_for` picks a model's.
+
+Adding a model is a plan module here (see plans/flux.py, the worked example, and docs/internals.md "The
+model engine") and one line in `MODULES`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from typing import Any
+
+from ..plan import ModelPlan
+
+# Modules (relative to this package) whose `PLANS` tuple holds their plans.
+MODULES: tuple[str, ...] = (".flux",)
+
+
+def plans() -> tuple[ModelPlan, ...]:
+    """Every plan of every module in `MODULES`, in order."""
+    return tuple(p for m in MODULES for p in importlib.import_module(m, __package__).PLANS)
+
+
+def plan_for(class_name: str, unet_config: Mapping[str, Any]) -> ModelPlan | None:
+    """The plan for ComfyUI's diffusion model class `class_name` (qualified: 'comfy.ldm.flux.model.Flux')
+    detected with `unet_config`; None when the engine has none."""
+    found = [p for p in plans() if p.matches(class_name, unet_config)]
+    if len(found) > 1:
+        raise RuntimeError(f"{class_name} matches several plans: {', '.join(p.name for p in found)}")
+    return found[0] if found else None
+
+
+__all__ = ["MODULES", "plan_for", "plans"]

@@ -1,0 +1,65 @@
+"""The model engine's plan machinery on gloo, without ComfyUI: a toy in ComfyUI's conventions (engine_toy.py)
+sharded by its plan in every layout, against the same toy in one process.
+
+What ComfyUI's real classes add (detection, ops, its FLUX forward, its LoRA code) is checked in the comfy
+tier (tests/comfy/test_engine.py); this keeps the machinery itself under CI, where no ComfyUI is installed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_toy import TOY_PLAN, ToyInputs, ToyLayout, build, inputs
+
+from rocm_parallel.backend.config import ConfigError, ParallelLayout
+from rocm_parallel.backend.models.options import check_engine, resolve_comfyui
+from rocm_parallel.backend.models.plans import plan_for
+from rocm_parallel.backend.runtime.client import WorkerGroup
+
+TOL = 1e-5
+LAYOUTS = [
+    (2, ParallelLayout(tp=2)),
+    (2, ParallelLayout(ring=2)),
+    (2, ParallelLayout(ulysses=2)),
+    (4, ParallelLayout(ring=2, tp=2)),
+    (4, ParallelLayout(ulysses=2, tp=2)),
+]
+
+
+@pytest.mark.parametrize(("groups", "layout"), LAYOUTS, indirect=["groups"], ids=str)
+@pytest.mark.parametrize(("images", "texts"), [(9, 5), (8, 6)], ids=["uneven", "even"])
+def test_a_plan_shards_its_model_like_one_process(groups: WorkerGroup, layout, images, texts) -> None:
+    """Columns by sections, Rows over cat(attention, mlp), a Gathered bank, per-rank heads, the token streams
+    and their ids split alike (padded when uneven), attention through the override: the one-process output."""
+    given = inputs(images, texts)
+    with torch.no_grad():
+        expected = build()(**given)
+    reports = groups.call_all("toy_engine", ToyLayout(layout))
+    whole = sum(p.numel() * p.element_size() for p in build().parameters())
+    if layout.tp > 1:
+        assert all(r.bytes < whole * 0.75 for r in reports)  # the blocks' linears are split
+    out = groups.call("toy_forward", ToyInputs(given)).out
+    assert out.shape == expected.shape
+    assert (out - expected).abs().max().item() <= TOL
+
+
+def test_the_plan_registry_picks_by_class_and_detected_config() -> None:
+    flux = "comfy.ldm.flux.model.Flux"
+    assert plan_for(flux, {"image_model": "flux"}).name == "FLUX.1"
+    assert plan_for(flux, {"image_model": "flux2"}).name == "FLUX.2"
+    assert plan_for(flux, {"image_model": "chroma"}) is None
+    assert plan_for(TOY_PLAN.model_class, {}) is None  # a test's plan is not registered
+
+
+def test_engine_options_are_refused_by_name(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    with pytest.raises(ConfigError, match="engine='comfyui' is not an engine; use 'diffusers' or 'comfy'"):
+        check_engine("comfyui")
+    monkeypatch.delenv("COMFYUI_PATH", raising=False)
+    with pytest.raises(
+        ConfigError, match="pass comfyui=<the ComfyUI folder>, set COMFYUI_PATH, or run inside ComfyUI"
+    ):
+        resolve_comfyui(None)
+    with pytest.raises(
+        ConfigError, match=r"is not a ComfyUI checkout \(no comfy/model_detection\.py in it\)"
+    ):
+        resolve_comfyui(tmp_path)
