@@ -140,3 +140,36 @@ def test_the_checks_stop_at_an_agreed_block(lag: int, every: int, stops_before: 
         for block in range(1, 20):
             ctx.pending = block >= 4
             checks.before_block()
+
+
+def test_the_lagged_checks_read_only_this_calls_flags_when_slots_are_reused() -> None:
+    """A model keeps its host slots from call to call (`_Points.slots`: pinned allocations are slow), so a
+    cancelled call leaves them holding its raised flags. The next call must not act on them: with a GPU's lag
+    of 2 a call without a cancel runs every block, and a call cancelled from block 4 on stops before block 6,
+    exactly as with fresh slots (the test above).
+
+    Mutation tried: with the `self.checks <= self.lag` guard removed from `_Checks._lagged` (check k reading
+    slot k - lag before this call wrote it) every case above still passed with fresh slots, and here the
+    second call stopped before block 1 on the first call's flag: this test failed."""
+    from rocm_parallel.backend.cancel_points import _Checks
+    from rocm_parallel.backend.worker import JobCancelled
+
+    ctx = _Context()
+    slots: list = []  # one model's slots, shared by its calls as `cancellable` shares `_Points.slots`
+
+    def call(cancel_from: int | None, blocks: int = 20) -> int | None:
+        checks = _Checks(ctx, None, 1, 2, slots)
+        try:
+            for block in range(1, blocks + 1):
+                ctx.pending = cancel_from is not None and block >= cancel_from
+                checks.before_block()
+        except JobCancelled as stop:
+            return int(str(stop).rsplit(" ", 1)[1])
+        return None
+
+    for _ in range(2):
+        assert call(cancel_from=1) == 3  # cancelled at once: every slot now holds a raised flag
+        assert len(slots) == 3
+        assert call(cancel_from=None) is None  # runs every block
+        assert call(cancel_from=1, blocks=2) is None  # two checks: the lag has not passed yet
+        assert call(cancel_from=4) == 6

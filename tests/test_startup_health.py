@@ -272,6 +272,34 @@ def test_a_users_own_settings_are_where_the_ladder_starts() -> None:
     assert plan.ladder == (preflight.P2P,)
 
 
+def test_a_users_own_nccl_proto_is_kept_on_every_rung(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL_PROTO=LL128 set by the user: the Simple rung (which would replace it) is never tried, and the
+    workers of every rung that is tried run with the user's protocol. P2P fails its probe here, so the group
+    is started a second time (peer-to-peer off) and the user's NCCL_PROTO must survive that restart too.
+
+    Mutation tried: with the `env.get("NCCL_PROTO")` filter removed from `plan_transports`, the plan kept the
+    Simple rung and, with the shared-memory rung failing as well, the workers ran with NCCL_PROTO=Simple:
+    this test failed."""
+    plan = preflight.plan_transports(
+        ["cuda:0", "cuda:1"], None, {"NCCL_PROTO": "LL128"}, retry=True, nccl_available=True
+    )
+    assert plan.ladder == (preflight.P2P, preflight.SHM, preflight.GLOO)
+    assert [preflight.worker_env(t, {"NCCL_PROTO": "LL128"})["NCCL_PROTO"] for t in plan.ladder] == [
+        "LL128"
+    ] * 3
+    monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+    group = _faulty_group("nccl=error,nccl-shm=error", NCCL_PROTO="LL128")
+    try:
+        assert group.transport is preflight.GLOO
+        assert [h.env["NCCL_PROTO"] for h in group.health] == ["LL128", "LL128"]
+        assert group.transport_why == "the defaults, NCCL_P2P_DISABLE=1" + preflight.FAILED
+        (fallback, _cost) = group.warnings
+        assert "NCCL_PROTO=Simple" not in fallback, fallback
+    finally:
+        group.close()
+    assert not _alive(group.pids)
+
+
 def test_gpus_without_nccl_start_on_gloo_and_the_planner_prices_it() -> None:
     """Strix Halo (no RCCL for gfx1151) or a torch without NCCL: gloo from the start, said and priced."""
     plan = preflight.plan_transports(["cuda:0", "cuda:1"], None, {}, retry=True, nccl_available=False)
