@@ -19,6 +19,8 @@ from rocm_parallel.backend.flux.model import build_flux
 from rocm_parallel.backend.watch import interrupt_check
 from rocm_parallel.testing.models import tiny_flux_config
 
+pytestmark = pytest.mark.torch_api
+
 BLOCKS = 16  # 2 double + 14 single: a large call's blocks take a fraction of a second each
 
 

@@ -25,6 +25,8 @@ from rocm_parallel.backend.flux2.model import build_flux2
 from rocm_parallel.testing.models import tiny_flux2_config, tiny_flux_config
 from rocm_parallel.testing.writers import save_mixed_checkpoint
 
+pytestmark = pytest.mark.torch_api
+
 TOL = 1e-5
 
 

@@ -18,6 +18,8 @@ from rocm_parallel.nodes.inputs import STATUS_ACTIONS
 from rocm_parallel.nodes.registry import Registry
 from rocm_parallel.nodes.status import status_text
 
+pytestmark = pytest.mark.torch_api
+
 
 def _doctor(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(

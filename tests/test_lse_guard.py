@@ -37,6 +37,8 @@ from rocm_parallel.backend.parallel.lse_check import (
 )
 from rocm_parallel.testing.models import random_inputs
 
+pytestmark = pytest.mark.torch_api
+
 
 @pytest.fixture
 def old_merge(group2: WorkerGroup):

@@ -31,6 +31,8 @@ from rocm_parallel.backend.plan import Setup, collectives, estimate
 from rocm_parallel.testing.meta import measure_on_meta
 from rocm_parallel.testing.models import tiny_flux_config
 
+pytestmark = pytest.mark.torch_api
+
 TOL = 1e-5
 DONE_WHEN = ("tp2xring2", "tp2xulysses2", "batch2xtp2", "batch2xring2")
 

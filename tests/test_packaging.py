@@ -29,6 +29,7 @@ def _ci_variable(name: str) -> str:
     return value
 
 
+@pytest.mark.torch_api
 def test_torch_has_a_lower_bound_only_the_lowest_ci_runs() -> None:
     """pyproject's bound, the import-time check (backend/torch_range.py) and .ci/run's lowest torch are one
     version: the oldest the whole suite passes on. The import check's tested list is what CI runs."""
@@ -103,6 +104,7 @@ def _run(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.Com
     return done
 
 
+@pytest.mark.torch_api
 @pytest.mark.parametrize("present", ["2.99.0", "2.9.1+rocm7.1"])
 def test_wheel_install_keeps_the_present_torch(tmp_path: Path, built_wheel: Path, present: str) -> None:
     """A ComfyUI whose torch is newer than anything the pack was tested with (2.99.0), or the ROCm build
@@ -164,6 +166,7 @@ def _code_blocks(section: str, language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", section, flags=re.S)
 
 
+@pytest.mark.torch_api
 def test_ci_runs_the_readme_commands_verbatim() -> None:
     """Every line the README gives a newcomer (torch only when absent, the demo, the tests) is a line of
     .ci/run, which runs them in fresh venvs; the torch it installs is pyproject's lower bound."""
@@ -283,6 +286,7 @@ def test_requires_comfyui_and_the_readme_name_exactly_the_versions_the_tier_runs
     assert sorted(re.findall(r"^\| (\d+\.\d+\.\d+) \|", table, re.M), key=_version_key) == tier
 
 
+@pytest.mark.torch_api
 def test_a_torch_below_the_range_is_refused_at_import(tmp_path: Path) -> None:
     """torch 2.8.0+rocm6.4 installed (its metadata first on the path, as pip would leave it): `import
     rocm_parallel` stops with the supported range and the install commands, before any node or worker.

@@ -10,6 +10,8 @@ from rocm_parallel.backend import api, platforms
 from rocm_parallel.backend.client import WorkerGroup, validate_devices
 from rocm_parallel.backend.config import ConfigError
 
+pytestmark = pytest.mark.torch_api
+
 
 def test_api_default_devices_without_gpus_names_the_build(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(platforms, "visible_gpus", lambda: 0)

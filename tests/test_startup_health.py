@@ -26,6 +26,7 @@ def _alive(pids: list[int]) -> list[int]:
     return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 
+@pytest.mark.torch_api
 def test_start_checks_collectives_and_shares_cpu_cores_out() -> None:
     """No `threads` given: each CPU worker runs cores // workers torch threads (at least one)."""
     cores = len(os.sched_getaffinity(0))
@@ -42,6 +43,7 @@ def test_default_cpu_threads(workers: int, cores: int, threads: int) -> None:
     assert default_cpu_threads(workers, cores) == threads
 
 
+@pytest.mark.torch_api
 def test_a_hung_first_collective_is_retried_without_p2p_and_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     """The first health check hangs (tests/hang_checks.py: rank 0 stays out of the all-reduce while P2P
     is on); after `health_timeout` the group is torn down, started again with NCCL_P2P_DISABLE=1, works,
@@ -212,6 +214,7 @@ def test_the_ladder_falls_to_gloo_and_says_what_it_costs(monkeypatch: pytest.Mon
     assert not _alive(group.pids)
 
 
+@pytest.mark.torch_api
 def test_a_hung_pair_probe_is_ended_by_its_limit_and_the_next_transport_used(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -375,6 +378,7 @@ def test_the_pair_rounds_meet_every_pair_once(n: int) -> None:
     assert all(len({rank for pair in r for rank in pair}) == 2 * len(r) for r in rounds)  # one partner each
 
 
+@pytest.mark.torch_api
 def test_three_ranks_probe_every_pair_while_one_sits_out_each_round() -> None:
     """An odd group: in each round of the pair probe one rank has no partner and still joins the round's
     all-to-all (with nothing to send), or the other two would wait for it. Mutation tried: with the rank

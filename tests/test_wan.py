@@ -295,6 +295,7 @@ def test_the_inputs_the_layouts_check_change_the_output(wan_files) -> None:
 # TP facts on the meta device
 
 
+@pytest.mark.torch_api
 def test_three_all_reduces_per_block_and_one_all_gather(wan_files) -> None:
     """Self-attention, cross-attention and FFN outputs: three all-reduces per block; the norms across heads add
     a [B, S, 1] statistic each (Q and K of both attentions, the image keys in I2V); the shared time
@@ -308,6 +309,7 @@ def test_three_all_reduces_per_block_and_one_all_gather(wan_files) -> None:
                 assert dict(counter.log.counts) == {"all_reduce": 2 * (3 + norms), "all_gather": 1}, name
 
 
+@pytest.mark.torch_api
 @pytest.mark.parametrize("degree", [2, 4, 8])
 def test_released_bytes_per_rank_on_meta(degree: int) -> None:
     """Wan 2.1 T2V 14B (each Wan 2.2 A14B expert) in bf16: everything but the embedders, the output projection,
