@@ -184,9 +184,34 @@ def test_ci_runs_the_readme_commands_verbatim() -> None:
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     for line in lines:
         assert f"    {line}" in ci, f"{line!r} is not run by .ci/run"
-    assert 'python3 -m venv "$work/first"' in ci and 'python3 -m venv "$work/newest"' in ci
-    assert '    python3 -m venv "$work/torch-$torch_version"' in ci  # the lowest and the GPU machines' torch
-    assert not any(ln.startswith("python3 -m pip") for ln in ci)  # never the system Python
+    assert 'python3 -m venv "$work/first"' in ci
+    assert '        python3 -m venv "$work/torch-$torch_version"' in ci  # the torch range's own venvs
+    assert not any(ln.lstrip().startswith(("python3 -m pip", "pip ")) for ln in ci)  # never the system Python
+
+
+def test_ci_runs_the_torch_api_tests_on_the_range_and_the_full_matrix_is_one_variable_away() -> None:
+    """Issue 49: the whole suite once (the README's venv, above), then the tests marked torch_api (a marker,
+    not a file list) on the newest, the lowest and the GPU machines' torch, each installed before the pack
+    (the README's lines keep it); CI_FULL_MATRIX=1 runs the whole suite there instead. The quick part of the
+    real-ComfyUI tier runs through the script contributors run (scripts/comfy_tier.sh). Every marker CI
+    selects is declared (pytest runs with --strict-markers)."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    range_loop = 'for torch_version in "$NEWEST_TORCH" "$LOWEST_TORCH" "$GPU_MACHINE_TORCH"; do'
+    assert ci.count(range_loop) == 2, "the venvs prepared and the tests run: the same three torches"
+    assert '"$work/torch-$torch_version/bin/python" -m pip install -q "torch==$torch_version"' in ci
+    assert 'python -m pip install -e ".[test]" && python -m pytest -q -m torch_api' in ci
+    assert 'FULL_MATRIX="${CI_FULL_MATRIX:-0}"' in ci
+    assert (
+        'python -m pip install -e ".[test]" && python -m pytest -q\n' in ci
+    )  # the full matrix's whole suite
+    assert not re.search(r"pytest[^\n#]* tests/", ci)  # no pytest run is given a file list
+    assert 'scripts/comfy_tier.sh "$([ "$FULL_MATRIX" = 1 ] && echo --full || echo --quick)"' in ci
+    tier = (ROOT / "scripts" / "comfy_tier.sh").read_text()
+    assert "marker=comfy_quick" in tier and "marker=comfy\n" in tier
+    pytest_options = _pyproject()["tool"]["pytest"]["ini_options"]
+    declared = {m.split(":", 1)[0] for m in pytest_options["markers"]}
+    assert {"torch_api", "comfy_quick", "comfy", "slow", "gpu"} <= declared
+    assert "--strict-markers" in pytest_options["addopts"]
 
 
 def test_readme_python_example_runs(tmp_path: Path) -> None:
