@@ -130,6 +130,7 @@ def test_flux2_tp_compiled_matches_eager(group2: WorkerGroup, tmp_path: pytest.T
     flux.unload()
 
 
+@pytest.mark.slow
 def test_inductor_block_matches_eager_in_process() -> None:
     """Inductor itself (C++ code generated and built) on a one double + one single block FLUX, in this
     process: the smallest model with both block classes, so CI builds two kernels' worth of C++."""

@@ -333,6 +333,7 @@ def _call() -> dict[str, torch.Tensor]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("groups", "layouts"), [(2, ("tp 2", "ring 2")), (4, ("tp 4", "tp 2 x ring 2"))],
                          indirect=["groups"], ids=["2", "4"])  # fmt: skip
 def test_workers_equal_the_dequantized_model(

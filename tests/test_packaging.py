@@ -214,6 +214,7 @@ def test_ci_runs_the_torch_api_tests_on_the_range_and_the_full_matrix_is_one_var
     assert "--strict-markers" in pytest_options["addopts"]
 
 
+@pytest.mark.slow
 def test_readme_python_example_runs(tmp_path: Path) -> None:
     """The README's Python example, as printed, on two CPU workers: the same latent in both layouts."""
     (example,) = _code_blocks(_readme_section("Use it from Python"), "python")

@@ -126,7 +126,7 @@ def _planned(setup: Setup, layout: ParallelLayout) -> tuple[dict[str, int], dict
     return counts, payload
 
 
-@pytest.mark.torch_api
+@pytest.mark.slow
 def test_tp_collectives_of_flux_dev() -> None:
     setup = Setup(DEV, 512, 512, text_tokens=512, devices=2)
     layout = ParallelLayout(tp=2)

@@ -160,6 +160,7 @@ def _faulty_group(faults: str, **env: str) -> WorkerGroup:
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_the_ladder_falls_to_gloo_and_says_what_it_costs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every NCCL rung fails its pair probe (an NCCL error with P2P, a wrong value without, an NCCL error
     with the Simple protocol; a hang is the next test's): the group ends on gloo, works, and says each
@@ -214,7 +215,7 @@ def test_the_ladder_falls_to_gloo_and_says_what_it_costs(monkeypatch: pytest.Mon
     assert not _alive(group.pids)
 
 
-@pytest.mark.torch_api
+@pytest.mark.slow
 def test_a_hung_pair_probe_is_ended_by_its_limit_and_the_next_transport_used(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -355,6 +356,7 @@ def test_a_rank_blocked_while_importing_is_named_within_seconds(tmp_path: Path) 
     assert not _alive([c.pid for c in psutil.Process().children() if c not in before])
 
 
+@pytest.mark.slow
 def test_a_slow_import_that_works_completes() -> None:
     """Rank 1 works 40 s while importing its methods (rank 0 ready, waiting): the group starts."""
     started = time.monotonic()

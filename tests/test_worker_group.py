@@ -235,6 +235,7 @@ def test_workers_exit_when_the_parent_dies(tmp_path) -> None:
     assert _gone(pids), "workers outlived their parent"
 
 
+@pytest.mark.slow
 @pytest.mark.torch_api
 def test_clean_exit_after_a_parallel_forward() -> None:
     from model_methods import BuildRandom, Inputs
