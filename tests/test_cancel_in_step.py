@@ -19,8 +19,6 @@ from rocm_parallel.backend.flux.model import build_flux
 from rocm_parallel.backend.watch import interrupt_check
 from rocm_parallel.testing.models import tiny_flux_config
 
-pytestmark = pytest.mark.torch_api
-
 BLOCKS = 16  # 2 double + 14 single: a large call's blocks take a fraction of a second each
 
 
@@ -68,6 +66,7 @@ def _cancelled(flux: ParallelModel, inputs: dict, took: float) -> tuple[float, l
     raise AssertionError(f"no cancel stopped a rank inside the call: {replies}")
 
 
+@pytest.mark.torch_api
 @pytest.mark.parametrize("compile", ["off", "aot_eager"])
 def test_a_cancel_stops_inside_a_model_call_at_the_same_block_on_every_rank(
     deep_checkpoint: str, group2: WorkerGroup, compile: str
@@ -127,6 +126,7 @@ class _Context:
         return self.pending
 
 
+@pytest.mark.torch_api
 @pytest.mark.parametrize(("lag", "every", "stops_before"), [(0, 1, 4), (2, 1, 6), (0, 3, 4), (2, 3, 10)])
 def test_the_checks_stop_at_an_agreed_block(lag: int, every: int, stops_before: int) -> None:
     """A cancel pending from block 4 on: with no lag (a CPU: the all-reduce is synchronous) the first check
@@ -144,6 +144,7 @@ def test_the_checks_stop_at_an_agreed_block(lag: int, every: int, stops_before: 
             checks.before_block()
 
 
+@pytest.mark.torch_api
 def test_the_lagged_checks_read_only_this_calls_flags_when_slots_are_reused() -> None:
     """A model keeps its host slots from call to call (`_Points.slots`: pinned allocations are slow), so a
     cancelled call leaves them holding its raised flags. The next call must not act on them: with a GPU's lag

@@ -214,7 +214,6 @@ def _dequantized(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.torch_api
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("degree", [2, 4])
 def test_each_rank_holds_its_blocks_of_the_dequantized_model(

@@ -39,7 +39,6 @@ def plan_json(*argv: str) -> dict:
     return json.loads(out.getvalue())
 
 
-@pytest.mark.torch_api
 def test_encoders_file_equals_the_meta_models_bytes() -> None:
     # data derived from code: a change to an encoder's model, TP plan or presets must rewrite it
     # (python tests/tools/make_encoder_facts.py), or plan would price the old encoder

@@ -23,7 +23,6 @@ from make_plan_facts import presets_facts, render
 
 
 @pytest.mark.slow
-@pytest.mark.torch_api
 def test_facts_file_equals_the_meta_models_facts() -> None:
     # The file is data derived from code: a change to a family's model, TP plan or presets must rewrite it
     # (python tests/tools/make_plan_facts.py), or plan would price the old model.

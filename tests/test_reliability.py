@@ -320,7 +320,6 @@ def test_a_thirty_second_tensor_read_completes(checkpoint: str, group2: WorkerGr
     assert torch.equal(_sample(flux), expected)
 
 
-@pytest.mark.torch_api
 def test_the_rank_a_timed_out_collective_waited_for_is_named(tmp_path: Path) -> None:
     """Rank 1 works for 30 s (it is never hung) while rank 0 waits for it in an all-reduce; the process
     groups' collective timeout (5 s here, 600 s by default) ends rank 0's wait from inside. The error
