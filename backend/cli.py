@@ -1,4 +1,5 @@
-"""Command line: `python -m rocm_parallel demo | plan | doctor | bench <name>` (bench: from a checkout only)."""
+"""Command line: demo | plan | doctor | bench <name> (bench: from a checkout only). In ComfyUI's folder:
+`python custom_nodes/rocm-parallel doctor`; pip-installed or a checkout: `python -m rocm_parallel doctor`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 from .config import ConfigError
 from .dtypes import COMPUTE_DTYPES, FP8_DTYPES, GGUF_BLOCKS
 from .family import ModelFamily, families
+from .text import cli_command
 
 # The benchmarks are not part of the installed package: they live in the repository's top-level
 # benchmarks/ folder, next to backend/ (the repository root is the package), and run from a checkout.
@@ -20,7 +22,7 @@ BENCHMARKS_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
 NO_BENCHMARKS = (
     "the benchmarks are not installed with the package; run them from a checkout of the repository: "
     "git clone https://github.com/rocm-parallel/rocm-parallel && cd rocm-parallel && "
-    "python -m rocm_parallel bench <name>"
+    "python -m pip install -e . && python -m rocm_parallel bench <name>"
 )
 DEFAULT_GPU_GB = 24.0  # `plan`'s GPU when none is named: a 24 GB card (RX 7900 XTX, RTX 4090)
 _ROOT_PACKAGE = __package__.rpartition(".")[0] if __package__ else "rocm_parallel"
@@ -45,7 +47,7 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     Each command's arguments come from its own modules (the demo's, every benchmark's), which import torch,
     the API and the test models: `plan` must not pay for them (issue 42: it answers in seconds on 2 cores).
     """
-    parser = argparse.ArgumentParser(prog="python -m rocm_parallel", description=__doc__)
+    parser = argparse.ArgumentParser(prog=cli_command(), description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="the main job on a built-in model: split across workers, check, time")
     plan = sub.add_parser("plan", help="per-GPU memory, bytes moved and step time per layout")
@@ -97,6 +99,12 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--size", default="1024", help="image size in pixels: 1024 or WIDTHxHEIGHT")
     parser.add_argument("--batch", type=int, default=1, help="images per step")
+    parser.add_argument(
+        "--frames",
+        type=int,
+        default=1,
+        help="a video's frames (Wan: 81 is ComfyUI's template; 1 + a multiple of 4); 1 for an image",
+    )
     parser.add_argument(
         "--cfg",
         type=float,
@@ -177,7 +185,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     from .plan import Link, Setup, call_batch, choose, estimate, format_table, plan
     from .plan import request as plan_request
     from .plan.gguf import gguf_hint
-    from .plan.graph import format_graph
+    from .plan.graph import format_graph, graph_answer
     from .platforms import planned_gpus
 
     try:
@@ -197,6 +205,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             text_tokens=text_tokens if args.text_tokens is None else args.text_tokens, dtype=args.dtype,
             weight_dtype=args.weight_dtype, devices=args.devices, memory_gb=args.memory_gb,
             link=Link(args.link_gbps, args.latency_us, name="link"), tflops=args.tflops, family=family.name,
+            file_weights=args.file_weights, frames=args.frames,
         )  # fmt: skip
         setup = plan_request.with_references(setup, args, family)
         if args.layout is None:
@@ -215,9 +224,17 @@ def _run_plan(args: argparse.Namespace) -> int:
             choice, problem = None, str(exc)
     hint = gguf_hint(setup) if problem is not None else None  # neither bf16 nor fp8 fits: name a GGUF
     graph = _graph_plan(args, estimates)
+    # one answer per screen: the whole graph's when it differs from the model's own (plan/graph.py)
+    answer, refused = graph_answer(graph, args.memory_gb, setup.device_word) if graph else ("", False)
+    if refused:
+        problem = answer.removeprefix("auto: ")
+    answer_layout = graph.layout if graph is not None and graph.fastest and not refused else None
+    if not answer:
+        answer = choice.explanation if choice is not None else f"auto: {problem}"
+        answer_layout = str(choice.layout) if choice is not None else None
     if args.json:
         print(json.dumps({
-            "setup": {k: v for k, v in vars(args).items() if k not in ("command", "json", "full")},
+            "setup": {k: v for k, v in vars(args).items() if k not in ("command", "json", "full", "file_weights")},
             "layouts": [e.as_dict() for e in estimates],
             "call_batch": setup.batch,
             "tokens": {"image": setup.latent_tokens, "references": setup.reference_tokens, "sequence": setup.tokens},
@@ -225,6 +242,7 @@ def _run_plan(args: argparse.Namespace) -> int:
                 "layout": str(choice.layout), **choice.layout.degrees, "explanation": choice.explanation
             },
             "error": problem,
+            "answer": {"layout": answer_layout, "text": answer},
             "gguf": hint,
             "encoder": None if graph is None else graph.as_dict(),
         }, indent=2))  # fmt: skip
@@ -232,14 +250,14 @@ def _run_plan(args: argparse.Namespace) -> int:
         if file_note is not None:
             print(file_note)
         print(format_table(setup, estimates, full=args.full))
-        if args.layout is None or problem is not None:
-            print()
-            print(choice.explanation if choice is not None else f"auto: {problem}")
-        if hint is not None:
-            print(hint)
         if graph is not None:
             print()
             print(format_graph(graph, full=args.full))
+        if args.layout is None or problem is not None:
+            print()
+            print(answer)
+        if hint is not None:
+            print(hint)
     return 0 if problem is None else 1
 
 

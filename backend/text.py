@@ -7,10 +7,24 @@ sizes); host memory measured from /proc is binary and is written "MiB" (2**20 by
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 GB = 1e9
 MB = 1e6
 MiB = 1 << 20
+
+
+def cli_command(arguments: str = "") -> str:
+    """How a user runs the pack's command line in the install it is in: from ComfyUI's folder, `python
+    custom_nodes/<folder> ...` (the pack's folder, its requirements installed but the pack itself not:
+    __main__.py), else `python -m rocm_parallel ...` (pip-installed, a checkout)."""
+    root = Path(__file__).resolve().parents[1]
+    runner = (
+        f"python custom_nodes/{root.name}"
+        if root.parent.name == "custom_nodes"
+        else "python -m rocm_parallel"
+    )
+    return f"{runner} {arguments}".rstrip()
 
 
 def markdown_row(cells: Iterable[object]) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..backend.text import cli_command
 from . import checks, inputs, loading
 from .inputs import CATEGORY, HANDLE_TYPE, LayoutRequest, ParallelHandle
 from .registry import REGISTRY, shows_errors
@@ -201,8 +202,8 @@ class RocmParallelLoader:
     @classmethod
     def VALIDATE_INPUTS(cls, devices: str) -> bool | str:
         # Runs when the prompt is queued: a bad device list is reported before anything executes.
-        from ..backend.client import validate_devices
         from ..backend.config import ConfigError
+        from ..backend.runtime.client import validate_devices
 
         try:
             validate_devices(inputs.parse_devices(devices))
@@ -223,7 +224,7 @@ class RocmParallelLoader:
     ) -> tuple[ParallelHandle]:
         import folder_paths
 
-        from ..backend.client import validate_devices
+        from ..backend.runtime.client import validate_devices
 
         handle = ParallelHandle(
             checkpoint=folder_paths.get_full_path_or_raise("diffusion_models", checkpoint),
@@ -515,7 +516,7 @@ class RocmParallelStatus:
     DESCRIPTION = (
         "Reports the worker group (devices, layout, per-device memory); 'unload' frees the model on the "
         "devices but keeps the workers, 'close' stops the workers, 'doctor' checks torch, the GPUs, the "
-        "flags and the group's collectives and says what to fix (python -m rocm_parallel doctor)."
+        f"flags and the group's collectives and says what to fix ({cli_command('doctor')}, run in ComfyUI's folder)."
     )
     CATEGORY = CATEGORY
     RETURN_TYPES = ("STRING",)

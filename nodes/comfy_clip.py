@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from ..backend.encoders.api import ParallelEncoder
     from ..backend.encoders.files import EncoderInfo
     from ..backend.encoders.kind import EncoderKind
-    from ..backend.resident import ResidentGroup
+    from ..backend.resident.group import ResidentGroup
 
 # Every channel of a looked-up token's row but the first (which holds the id): float32's most negative
 # finite value, which no embedding holds and which ComfyUI's nan_to_num (T5 with fp8 weights) leaves alone.
@@ -193,16 +193,14 @@ def build_clip(
 ) -> Any:
     """ComfyUI's own CLIP for `paths` and `clip_type` with its sharded encoder on `group` (module docstring).
     `comfy_options`: more of ComfyUI's `model_options` (e.g. a companion's `model_config` for a small
-    test file). `placement`: where the shard waits between prompts (backend/parking.py). Every file is checked first (backend/encoders/files.py); nothing runs on a rank here."""
+    test file). `placement`: where the shard waits between prompts (backend/resident/parking.py). Every file is checked first (backend/encoders/files.py); nothing runs on a rank here."""
     import comfy.sd
 
     from ..backend.encoders.api import ParallelEncoder
-    from ..backend.encoders.files import check_clip_type
     from ..backend.encoders.messages import ENCODER_SLOT
 
     _require()
-    info, companions = _split_files(paths, clip_type)
-    check_clip_type(info, clip_type)
+    info, companions = _split_files(paths, clip_type)  # the files, checked against `clip_type` too
     kind = info.encoder
     options: dict[str, Any] = {**(comfy_options or {}), "initial_device": torch.device("meta")}
     for name in kind.names_in_comfy():  # the file's own config (a small test file's too)
@@ -282,7 +280,7 @@ def _split_files(paths: Sequence[str], clip_type: str) -> tuple[EncoderInfo, lis
     """The one file the pack shards and the files that stay in ComfyUI (a kind's companions)."""
     from ..backend.checkpoint.files import CheckpointError
     from ..backend.checkpoint.headers import read_header
-    from ..backend.encoders.files import inspect_encoder
+    from ..backend.encoders.files import check_clip_type, inspect_encoder
     from ..backend.encoders.kind import detect_encoder, kinds_for_clip_type
 
     encoders, others = [], []
@@ -299,6 +297,9 @@ def _split_files(paths: Sequence[str], clip_type: str) -> tuple[EncoderInfo, lis
             "takes one (and, where the encoder has one, its companion that stays in ComfyUI as the other file)"
         )
     info = inspect_encoder(encoders[0])
+    # the encoder's kind against the loader's type first: a file of another kind is that problem, not a
+    # second-file one (T5-XXL under type 'qwen_image' would otherwise be asked for its CLIP-L)
+    check_clip_type(info, clip_type)
     kind = info.encoder
     for path in others:
         header, _ = read_header(_existing(path))

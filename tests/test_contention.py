@@ -25,7 +25,7 @@ from bounds import HANG_NAMED_WITHIN
 from contention_jobs import Miniature
 from worker_jobs import OnRank
 
-from rocm_parallel.backend.client import WorkerError, WorkerGroup
+from rocm_parallel.backend.runtime.client import WorkerError, WorkerGroup
 from rocm_parallel.testing.traces import load, replay
 
 TESTS_DIR = str(Path(__file__).resolve().parent)

@@ -1,5 +1,6 @@
-"""Every `python -m rocm_parallel ...` command the README, BENCHMARKS.md and docs/ show is one the CLI
-takes: each is parsed by the CLI's own parser (a benchmark's layouts are checked while parsing), and the
+"""Every `python -m rocm_parallel ...` and `python custom_nodes/rocm-parallel ...` command (a checkout's and a
+ComfyUI install's form of the one CLI; tests/test_readme_install.py runs the README's in that install) the
+README, BENCHMARKS.md and docs/ show is one the CLI takes: each is parsed by the CLI's own parser (a benchmark's layouts are checked while parsing), and the
 `plan` commands, which answer in seconds, are run. The benchmarks themselves take minutes each and run in
 BENCHMARKS.md's sessions, not here."""
 
@@ -17,8 +18,8 @@ from rocm_parallel.backend import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]
-PREFIX = "python -m rocm_parallel "
-INLINE = re.compile(r"`((?:[A-Z_]+=\S+ )*python -m rocm_parallel [^`]+)`")
+PREFIXES = ("python -m rocm_parallel ", "python custom_nodes/rocm-parallel ")
+INLINE = re.compile(r"`((?:[A-Z_]+=\S+ )*python (?:-m rocm_parallel|custom_nodes/rocm-parallel) [^`]+)`")
 PLACEHOLDER = re.compile(r"<\w+>|\.\.\.|\s[A-Z]\b")  # `bench <name>`, `bench ...`, `--model M`
 
 
@@ -30,9 +31,14 @@ def documented_commands() -> list[tuple[str, str]]:
         text = path.read_text()
         shown = [m.group(1) for m in INLINE.finditer(re.sub(r"\s*\n\s*", " ", text))]
         for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", text, re.S):
-            shown += [line.split("  #")[0].strip() for line in block.splitlines() if PREFIX in line]
+            shown += [
+                line.split("  #")[0].strip()
+                for line in block.splitlines()
+                if any(p in line for p in PREFIXES)
+            ]
         for command in shown:
-            argv = command[command.index(PREFIX) + len(PREFIX) :].strip()
+            prefix = next(p for p in PREFIXES if p in command)
+            argv = command[command.index(prefix) + len(prefix) :].strip()
             if not PLACEHOLDER.search(" " + argv):
                 found.append((path.name, argv))
     return sorted(set(found))
@@ -50,7 +56,7 @@ def test_each_documented_command_parses(doc: str, argv: str) -> None:
         try:
             args = cli._parser().parse_args(shlex.split(argv))
         except SystemExit:
-            pytest.fail(f"{doc}: `python -m rocm_parallel {argv}` is refused: {err.getvalue().strip()}")
+            pytest.fail(f"{doc}: `{argv}` is refused: {err.getvalue().strip()}")
     if args.command == "plan":  # answers in seconds (stored model facts): run it
         out = io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

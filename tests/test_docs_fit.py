@@ -50,9 +50,9 @@ def _auto(model: str, devices: int, memory_gb: int, weight_dtype: str) -> str:
     with contextlib.redirect_stdout(out):
         cli.main(args)
     answer = json.loads(out.getvalue())
-    if answer["auto"] is None:
+    layout = answer["answer"]["layout"]  # the screen's one answer: the whole graph's, with its text encoder
+    if layout is None:
         return "no"
-    layout = answer["auto"]["layout"]
     per_gpu = next(e["per_gpu_gb"] for e in answer["layouts"] if e["layout"] == layout)
     return f"{layout}, {per_gpu:.1f} GB"
 
@@ -79,3 +79,26 @@ def test_the_readme_summary_is_what_plan_answers() -> None:
             bf16, fp8 = (_auto(MODELS[name], devices, memory, w) for w in ("compute", "fp8_e4m3fn"))
             lightest = "bf16" if bf16 != "no" else "fp8" if fp8 != "no" else "no"
             assert cell == lightest, f"README: {name} on {devices} x {memory} GB"
+
+
+WAN_ROW = re.compile(
+    r"`wan2_1_t2v_14b_parallel_model_batch2_ulysses2` .* on `(?P<layout>[^`]+)`, the planner's pick for "
+    r"(?P<memory>\d+) GB GPUs \(`plan (?P<args>[^`]+)`\): .*?, (?P<weights>[\d.]+) GB of weights per GPU"
+)
+
+
+def test_the_wan_workflows_layout_is_what_plan_answers_for_its_video() -> None:
+    """docs/nodes.md's Wan 2.1 workflow (1280x720 x 81 frames) names its layout as the planner's pick with the
+    command that prices it: `plan --frames` prices every frame (75,600 image tokens; without it, one frame's
+    3,600) and answers that layout with those weights."""
+    found = WAN_ROW.search((ROOT / "docs" / "nodes.md").read_text())
+    assert found, "docs/nodes.md: the Wan 2.1 workflow's row names no planner pick"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(["plan", *found["args"].split(), "--json"]) == 0
+    answer = json.loads(out.getvalue())
+    assert answer["tokens"]["image"] == 21 * (720 // 16) * (1280 // 16) == 75_600
+    assert answer["setup"]["memory_gb"] == float(found["memory"])
+    assert answer["answer"]["layout"] == found["layout"]
+    chosen = next(e for e in answer["layouts"] if e["layout"] == found["layout"])
+    assert f"{chosen['weights_gb']:.1f}" == found["weights"]

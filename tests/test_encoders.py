@@ -11,6 +11,7 @@ equal the pack's one-process encoder within 1e-5 and transformers within 1e-4. T
 from __future__ import annotations
 
 import itertools
+import re
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ from rocm_parallel.backend.encoders.load import load_encoder
 from rocm_parallel.backend.encoders.messages import EncoderLoadRequest
 from rocm_parallel.backend.parallel.splits import vocab_range
 from rocm_parallel.backend.plan.encoder import encoder_bytes, place_encoder
-from rocm_parallel.backend.resident import ResidentGroup
+from rocm_parallel.backend.resident.group import ResidentGroup
 from rocm_parallel.testing.encoder_files import KINDS, PACK_KINDS, VOCAB, reference, write_encoder
 
 TOLERANCE = 1e-4
@@ -203,6 +204,31 @@ def test_an_encoder_for_another_family_is_refused(files: dict[str, Path]) -> Non
     check_clip_type(info, "qwen_image")
 
 
+@pytest.mark.parametrize(
+    ("kinds", "clip_type", "message"),
+    [
+        # T5-XXL takes CLIP-L beside it, but the problem is the type, not a missing second file
+        (("t5",), "qwen_image", r"'tiny-t5-float32\.safetensors' is T5-XXL, the text encoder of FLUX\.1 .*; type 'qwen_image' takes Qwen2\.5-VL 7B"),
+        # Qwen2.5-VL takes no second file, but the problem is the type, not the CLIP-L beside it
+        (("qwen25", "clip_l"), "flux", r"is Qwen2\.5-VL 7B, the text encoder of Qwen-Image .*; type 'flux' takes T5-XXL"),
+    ],
+)  # fmt: skip
+def test_a_file_of_another_kind_for_the_type_is_named_as_that_not_as_a_second_file_problem(
+    files: dict[str, Path], tmp_path: Path, kinds: tuple[str, ...], clip_type: str, message: str
+) -> None:
+    """docs/nodes.md's promise for the Text Encoder Loader, through the node's own file check
+    (nodes/comfy_clip.py `_split_files`, which runs before anything of ComfyUI is built)."""
+    from safetensors.torch import save_file
+
+    from rocm_parallel.nodes.comfy_clip import _split_files
+
+    clip_l = tmp_path / "clip_l.safetensors"  # CLIP-L as ComfyUI's DualCLIPLoader reads it (its keys)
+    save_file({"text_model.encoder.layers.0.mlp.fc1.weight": torch.zeros(4, 2)}, str(clip_l))
+    paths = [str(clip_l if kind == "clip_l" else files[kind]) for kind in kinds]
+    with pytest.raises(ConfigError, match=message):
+        _split_files(paths, clip_type)
+
+
 def test_a_tokenizer_and_file_that_do_not_belong_together_are_refused(
     request: pytest.FixtureRequest, files: dict[str, Path]
 ) -> None:
@@ -221,6 +247,38 @@ def test_a_prompt_too_long_for_the_encoder_is_refused(
         ConfigError, match=r"the prompt is 8193 tokens long; Mistral Small 3 24B takes at most 8192"
     ):
         encoder.check(torch.zeros(1, 8193, dtype=torch.long))
+
+
+@pytest.mark.parametrize("kind", ["t5", "qwen25"])
+def test_a_prompt_no_device_can_hold_is_refused_before_any_rank_runs(
+    request: pytest.FixtureRequest, files: dict[str, Path], kind: str
+) -> None:
+    """A 100,000-token prompt once reached the ranks and one failed allocating 40 GB (a language model's
+    causal mask alone is 100,000^2 x 4 bytes): refused in the caller, naming the longest prompt that fits
+    these workers, with no rank asked; a prompt of that length is encoded."""
+    group = ResidentGroup(group=request.getfixturevalue("group2"))
+    encoder = ParallelEncoder(group, files[kind], slot="te long")
+    encoder.encode(_ids(1, 5))  # resident: the ranks have reported their memory
+    calls: list[str] = []
+    real = group.call_resident
+    group.call_resident = lambda *a, **k: calls.append(a[1]) or real(*a, **k)  # type: ignore[method-assign]
+    try:
+        with pytest.raises(ConfigError) as refused:
+            encoder.encode(torch.zeros(1, 100_000, dtype=torch.long))
+        assert calls == []
+        message = str(refused.value)
+        assert re.match(
+            rf"encoding a prompt of 100000 tokens \(batch 1\) with {re.escape(encoder.kind.title)} needs about "
+            r"\d+\.\d GB per CPU worker, but .* GB of host memory are available .*: the limit is \d+\.\d GB per "
+            r"CPU worker\. What fits: prompts of at most \d+ tokens \(batch 1\); shorten the prompt; or more devices$",
+            message,
+        ), message
+        fits = int(re.search(r"at most (\d+) tokens", message).group(1))
+        assert 1000 < fits < 100_000
+        assert encoder.activation_bytes(1, 100_000) >= 4 * 100_000**2  # the 40 GB mask at least
+    finally:
+        del group.call_resident
+    group.unload("te long")
 
 
 def test_a_split_that_does_not_divide_the_heads_is_refused(files: dict[str, Path]) -> None:

@@ -128,10 +128,39 @@ def test_the_graph_takes_the_fastest_layout_that_keeps_the_encoder_resident(
         assert faster.choice == "comfyui", e["layout"]
     assert cli.main(["plan", *argv]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == (
-        f"model layout for the graph: tp 4, {got['step_s']:.2f} s/step (auto for the model alone: "
-        f"{answer['auto']['layout']}, {fitting[0]['step_s']:.2f} s/step, beside which the encoder would be "
-        "comfyui; set layout 'tp 4' on the ROCm Parallel Loader)"
+        f"auto for the whole graph: tp 4 — {got['step_s']:.2f} s/step with the text encoder resident beside it; "
+        f"set layout 'tp 4' on the ROCm Parallel Model (its 'auto' plans the model alone and takes "
+        f"{answer['auto']['layout']}, {fitting[0]['step_s']:.2f} s/step, beside which the text encoder would be "
+        "left to ComfyUI's own CLIPLoader)"
     )
+    assert answer["answer"]["layout"] == "tp 4"
+
+
+def _screen(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, list[str]]:
+    rc = cli.main(["plan", *argv])
+    return rc, capsys.readouterr().out.splitlines()
+
+
+def test_one_screen_gives_one_answer(capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's own command (FLUX.1-dev, cfg 2.5, 4 x 16 GB) printed "auto: batch 2 x tp 2" and "set layout
+    'tp 4'"; Qwen-Image at 1328 px on 2 x 24 GB printed "tp 2 fits", then "GPU 0 ... may run out", and picked
+    it. Each screen now ends in its one answer, and no other line recommends a layout."""
+    rc, lines = _screen(capsys, "--devices", "4", "--memory-gb", "16", "--size", "1024", "--cfg", "2.5")
+    answers = [line for line in lines if line.startswith("auto")]
+    assert rc == 0 and answers == [lines[-1]]
+    assert lines[-1].startswith("auto for the whole graph: tp 4 — ")
+    assert [line for line in lines if "set layout" in line] == [lines[-1]]
+    assert "takes batch 2 x tp 2" in lines[-1]  # what the node's own auto does, said as that
+    rc, lines = _screen(capsys, "--model", "qwen-image", "--size", "1328", "--devices", "2", "--memory-gb", "24", "--cfg", "2.5")  # fmt: skip
+    answers = [line for line in lines if line.startswith("auto")]
+    assert rc == 1 and answers == [lines[-1]]
+    assert lines[-1].startswith(
+        "auto: no layout fits the whole graph on these GPUs: tp 2 fits the model alone (21.36 GB per GPU), but "
+        "GPU 0 also holds ComfyUI's own process (1.50 GB): 22.86 GB at peak of 21.60 GB usable (24 GB); use fp8 "
+        "weights"
+    ), lines[-1]
+    answer = plan_json("--model", "qwen-image", "--size", "1328", "--devices", "2", "--memory-gb", "24", "--cfg", "2.5")  # fmt: skip
+    assert answer["answer"]["layout"] is None and answer["error"] == lines[-1].removeprefix("auto: ")
 
 
 def test_an_encoder_that_does_not_split_over_the_gpus_is_left_to_comfyui() -> None:

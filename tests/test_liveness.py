@@ -1,4 +1,4 @@
-"""The liveness rules alone (backend/liveness.py): reports and OS views fed at made-up times, the way
+"""The liveness rules alone (backend/runtime/liveness.py): reports and OS views fed at made-up times, the way
 `Workers.watch` feeds them. Each rule was broken on purpose once; the mutation is named in its test.
 
 A rank "does no work" here when its CPU time stands still and no thread is runnable (`Process(working=
@@ -12,8 +12,8 @@ import re
 
 import pytest
 
-from rocm_parallel.backend.liveness import Hang, Liveness, Process, Watchdog, same_collective
-from rocm_parallel.backend.messages import GroupState, RankState
+from rocm_parallel.backend.runtime.liveness import Hang, Liveness, Process, Watchdog, same_collective
+from rocm_parallel.backend.runtime.messages import GroupState, RankState
 
 
 def _group(

@@ -21,14 +21,14 @@ from fake_comfy import SAMPLERS, SCHEDULERS, FakeComfy, InterruptProcessingExcep
 from test_sampling import flux_model, positive, reference
 
 import rocm_parallel
-from rocm_parallel.backend import preflight
-from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.checkpoint import save_checkpoint
-from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError, ParallelLayout
+from rocm_parallel.backend.diffusion.api import ParallelModel
 from rocm_parallel.backend.family import get_family
 from rocm_parallel.backend.flux.dims import FluxDims
-from rocm_parallel.backend.messages import RankStatus
+from rocm_parallel.backend.resident.messages import RankStatus
+from rocm_parallel.backend.runtime import preflight
+from rocm_parallel.backend.runtime.client import WorkerGroup
 from rocm_parallel.nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS, checks, inputs, loading
 from rocm_parallel.nodes import registry as registry_module
 from rocm_parallel.nodes.inputs import LayoutRequest, ParallelHandle
@@ -277,6 +277,34 @@ def test_registry_keeps_one_group_per_device_set() -> None:
     assert other.closed and registry.current is None
 
 
+def test_the_panel_names_the_diffusion_model_whatever_module_was_loaded_last() -> None:
+    """A text encoder, the diffusion model and then a VAE resident on one group (the whole FLUX graph): the
+    VAE's load refreshes the panel through the encoder loader's residency hook, and the panel's model is the
+    diffusion model's (a VAE has no layout; reading one failed the graph's first VAE Decode)."""
+    from rocm_parallel.backend.encoders.messages import EncoderLoadRequest
+    from rocm_parallel.backend.vae.messages import VaeLoadRequest
+
+    registry = Registry(factory=RecordingFlux)
+    flux = registry.group_for(("cpu", "cpu"))
+    encoder = EncoderLoadRequest("/models/t5xxl.safetensors", SimpleNamespace(), ParallelLayout(tp=2))
+    model = SimpleNamespace(checkpoint="/models/flux1-dev.safetensors", layout=ParallelLayout(tp=2))
+    vae = VaeLoadRequest("/models/ae.safetensors", "flux1", {}, "bfloat16")
+    flux.residents = {"text encoder": encoder, "default": model, "vae": vae}
+    flux.evicted, flux.parked = [], set()
+    registry.watch_residency(flux)
+    flux.on_residency_change()
+    state = registry.snapshot()
+    assert (state["checkpoint"], state["layout"]) == ("flux1-dev.safetensors", "tp 2")
+    assert [(m["checkpoint"], m["layout"]) for m in state["models"]] == [
+        ("t5xxl.safetensors", "text encoder, tp 2"),
+        ("flux1-dev.safetensors", "tp 2"),
+        ("ae.safetensors", "VAE, bfloat16, bands"),
+    ]
+    flux.residents = {"text encoder": encoder}  # an encoder alone: no loader's model is resident
+    flux.on_residency_change()
+    assert (registry.snapshot()["checkpoint"], registry.snapshot()["layout"]) == (None, None)
+
+
 def test_handle_is_plain_hashable_data() -> None:
     a = ParallelHandle("/m/a.safetensors", "a.safetensors", ("cpu", "cpu"), None)
     assert a == ParallelHandle("/m/a.safetensors", "a.safetensors", ("cpu", "cpu"), None)
@@ -473,8 +501,9 @@ def test_a_run_reads_the_checkpoint_header_once(
     """The header a node's run read (the Model node, a sampler) is carried through the planner's 'auto',
     check_load and load to the workers' LoadRequest: nothing in this process reads it again (it used to be
     read 4-5 times). Mutation tried: `ensure_loaded` given None instead of the runner's info read it twice."""
-    from rocm_parallel.backend import api, checkpoint, resident
+    from rocm_parallel.backend import checkpoint
     from rocm_parallel.backend.checkpoint import info, load
+    from rocm_parallel.backend.diffusion import api, group
 
     reads: list[str] = []
     inspect = info.inspect_checkpoint
@@ -483,7 +512,7 @@ def test_a_run_reads_the_checkpoint_header_once(
         reads.append(str(path))
         return inspect(path)
 
-    for module in (checkpoint, info, load, api, resident):
+    for module in (checkpoint, info, load, api, group):
         monkeypatch.setattr(module, "inspect_checkpoint", counting)
     handle = ParallelHandle(str(comfy.models / dev_checkpoint), dev_checkpoint, ("cpu", "cpu"), "float32")
     runner = ModelRunner(shared_registry, handle, LayoutRequest(None))  # 'auto': planned from the header
@@ -1040,9 +1069,9 @@ from importlib import import_module
 files = import_module(name + ".backend.checkpoint.files")
 lora = import_module(name + ".backend.checkpoint.lora.records")
 registry = import_module(name + ".nodes.registry")
-launch = import_module(name + ".backend.launch")
-watch = import_module(name + ".backend.watch")
-transport = import_module(name + ".backend.transport")
+launch = import_module(name + ".backend.runtime.launch")
+watch = import_module(name + ".backend.runtime.watch")
+transport = import_module(name + ".backend.runtime.transport")
 for cls in (config.ConfigError, files.CheckpointError, lora.LoraError, launch.WorkerError, watch.JobTimeout,
             transport.UnknownRecord):
     print(cls.__module__ + "." + cls.__qualname__)  # ComfyUI's execution.full_type_name
@@ -1068,9 +1097,9 @@ def test_errors_reach_comfyui_named_by_the_package_not_the_install_path(tmp_path
         "rocm_parallel.backend.config.ConfigError",
         "rocm_parallel.backend.checkpoint.files.CheckpointError",
         "rocm_parallel.backend.checkpoint.lora.records.LoraError",
-        "rocm_parallel.backend.launch.WorkerError",
-        "rocm_parallel.backend.watch.JobTimeout",
-        "rocm_parallel.backend.transport.UnknownRecord",
+        "rocm_parallel.backend.runtime.launch.WorkerError",
+        "rocm_parallel.backend.runtime.watch.JobTimeout",
+        "rocm_parallel.backend.runtime.transport.UnknownRecord",
         "caught True",
     ]
 

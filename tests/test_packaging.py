@@ -342,3 +342,14 @@ def test_a_torch_below_the_range_is_refused_at_import(tmp_path: Path) -> None:
         env={**env, "PYTHONPATH": str(tmp_path / "pack")},
     )  # fmt: skip
     assert ok.returncode == 0, ok.stderr  # the same pack with the real torch imports
+
+
+def test_the_description_and_docstring_say_what_the_pack_runs() -> None:
+    """pyproject's description (the registry's and pip's one line) and the package docstring name what the
+    pack computes: an image or a video of any of its families (they said "one FLUX image" after Qwen-Image and
+    Wan came); test_structure.py keeps every family's name out of them, so a new family needs no edit here."""
+    import rocm_parallel
+
+    for text in (_pyproject()["project"]["description"], rocm_parallel.__doc__.split("\n\n")[0]):
+        flat = " ".join(text.split())
+        assert "one image or video" in flat, flat

@@ -3,17 +3,22 @@ its header without torch), and `plan --references` prices reference images as th
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
-from rocm_parallel.backend import call, cli
+from rocm_parallel.backend import cli
 from rocm_parallel.backend.checkpoint import inspect_checkpoint, planned_weight_dtype, save_checkpoint
+from rocm_parallel.backend.config import ConfigError
+from rocm_parallel.backend.diffusion import call
 from rocm_parallel.backend.family import get_family
 from rocm_parallel.backend.plan.checkpoint import inspect_for_plan
 from rocm_parallel.testing.gguf_files import save_gguf
@@ -88,7 +93,11 @@ def test_plan_prices_the_dtype_the_file_has(
     rc_model, by_name = _plan_json(capsys, "--model", "flux2-dev", "--weight-dtype", "fp8_e4m3fn", *gpus)
     assert (rc, rc_model) == (0, 0)
     assert by_file["setup"]["model"] == "flux2-dev" and by_file["setup"]["weight_dtype"] == "fp8_e4m3fn"
-    assert by_file["layouts"] == by_name["layouts"]
+    # the same layouts and collectives; the file's weights priced tensor by tensor: its fp8 blocks as fp8, its
+    # bf16 embedders, modulation and final layer as bf16 (an all-fp8 price leaves those at 1 byte a value)
+    for own, uniform in zip(by_file["layouts"], by_name["layouts"], strict=True):
+        assert own["layout"] == uniform["layout"] and own["collectives"] == uniform["collectives"]
+        assert uniform["weights_gb"] < own["weights_gb"] < 1.1 * uniform["weights_gb"], own["layout"]
     assert by_file["auto"]["layout"] == "tp 4"
     # the bf16 release does not fit these cards: the refusal still names fp8 and the GGUF that would fit
     assert cli.main(["plan", "--checkpoint", released["bf16"], *gpus]) == 1
@@ -161,7 +170,7 @@ def test_plan_checkpoint_refusals(
 def _engine_tokens(
     family: str, latent: tuple[int, ...], references: list[tuple[int, ...]]
 ) -> tuple[int, int]:
-    """(image tokens, reference tokens) as the engine counts them for a call (backend/call.py)."""
+    """(image tokens, reference tokens) as the engine counts them for a call (backend/diffusion/call.py)."""
     info = SimpleNamespace(model_family=get_family(family))
     inputs = {"ref_latents": [torch.empty(shape, device="meta") for shape in references]}
     x = torch.empty(latent, device="meta")
@@ -214,3 +223,127 @@ def test_a_gguf_that_does_not_fit_is_told_the_lighter_one_that_does(
     )
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("gguf: "))
     assert line.startswith("gguf: a Q6_K GGUF file of this model fits (tp 2: ") and "; Q8_0 does not." in line
+
+
+# --------------------------------------------------------------------------------------------------
+# GGUF files that mix quantization types (a Q4_K_M keeps its row-parallel layers in Q6_K)
+
+# the released models' row-parallel layers (BFL names), which such files keep in Q6_K
+ROW_PARALLEL = {
+    "flux1": ("img_attn.proj", "txt_attn.proj", "img_mlp.2", "txt_mlp.2", "linear2"),
+    "flux2": ("img_attn.proj", "txt_attn.proj", "img_mlp.2", "txt_mlp.2", "linear2"),
+    "qwen_image": ("attn.to_out.0", "attn.to_add_out", "img_mlp.net.2", "txt_mlp.net.2"),
+}
+MIXED = {"flux1": "flux1-dev", "flux2": "flux2-dev", "qwen_image": "qwen-image"}
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Q4_K with Q6_K row-parallel layers, F16 narrow weights, F32 vectors: real GGUF headers, sparse data."""
+    from rocm_parallel.testing.header_files import gguf_mixed, write_released_gguf_header
+
+    folder = tmp_path_factory.mktemp("mixed-gguf")
+    return {
+        family: write_released_gguf_header(
+            folder / f"{preset}-Q4_K_M.gguf", family, preset, gguf_mixed(ROW_PARALLEL[family], "Q6_K", "Q4_K")
+        )
+        for family, preset in MIXED.items()
+    }
+
+
+def _header_count(path: str, compute_bytes: int = 2) -> int:
+    """The file's tensors counted one by one from its header (the gguf package's reader): a quantized
+    tensor's stored bytes (held quantized), every other one's values at the compute dtype's bytes."""
+    import gguf
+
+    total = 0
+    for t in gguf.GGUFReader(path).tensors:
+        plain = t.tensor_type.name in ("F16", "F32", "BF16")
+        total += int(t.n_elements) * compute_bytes if plain else int(t.n_bytes)
+    return total
+
+
+@pytest.mark.parametrize("family", list(MIXED))
+def test_a_mixed_gguf_file_is_priced_tensor_by_tensor(
+    mixed_gguf: dict[str, str], family: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`plan --checkpoint` of a file mixing Q4_K and Q6_K equals a tensor-by-tensor count of its header on one
+    GPU (it priced every linear weight as the majority's Q4_K: -14 % to +17 % off), and the note says so."""
+    path = mixed_gguf[family]
+    rc, answer = _plan_json(
+        capsys, "--checkpoint", path, "--devices", "1", "--memory-gb", "80", "--encoder", "none"
+    )
+    assert rc == 0 and answer["setup"]["weight_dtype"] == "Q4_K"
+    weights = answer["layouts"][0]["weights_gb"] * 1e9
+    counted = _header_count(path)
+    _, uniform = _plan_json(
+        capsys, "--model", MIXED[family], "--weight-dtype", "Q4_K", "--devices", "1", "--memory-gb", "80"
+    )
+    off = uniform["layouts"][0]["weights_gb"] * 1e9 / counted - 1
+    with capsys.disabled():
+        print(
+            f"\n{family}: header {counted / 1e9:.3f} GB, planned {weights / 1e9:.3f} GB, all-Q4_K {off:+.1%}"
+        )
+    assert abs(weights - counted) < 1
+    assert abs(off) > 0.05  # the single-type price was far off: the test would see it
+    capsys.readouterr()
+    cli.main(["plan", "--checkpoint", path, "--devices", "1", "--memory-gb", "80", "--encoder", "none"])
+    note = capsys.readouterr().out.splitlines()[0]
+    assert re.fullmatch(
+        rf"checkpoint {re.escape(path)}: .* linear weights stored as Q4_K \(\d+ %\), Q6_K \(\d+ %\) and F16 "
+        r"\((<1|\d+) %\), priced tensor by tensor",
+        note,
+    ), note
+
+
+def test_plan_and_auto_offer_only_tp_degrees_that_keep_gguf_blocks_whole(
+    mixed_gguf: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Qwen-Image with Q6_K row-parallel layers on 8 GPUs: TP 8 would cut the 256-value blocks of the attention
+    output's rows (3072 / 8 = 384 values a rank). `plan` lists no layout with it and auto never picks it (on 8
+    x 3 GB it picked 'tp 8', which the loader then refused after the workers had started); asked for, it is
+    refused naming the degrees these 8 devices can use; the loader's own check (the file's tensors, torch)
+    agrees; the runtime auto (choose_layout, as ParallelModel.auto_layout calls it) keeps blocks whole too."""
+    from rocm_parallel.backend.checkpoint import CheckpointError, planned_file_weights
+    from rocm_parallel.backend.checkpoint.gguf import check_block_splits
+    from rocm_parallel.backend.diffusion.auto import choose_layout
+    from rocm_parallel.backend.runtime.messages import LinkReport
+
+    path = mixed_gguf["qwen_image"]
+    gpus = ["--devices", "8", "--encoder", "none"]
+    for memory in ("3", "4", "24"):
+        _, answer = _plan_json(capsys, "--checkpoint", path, "--memory-gb", memory, *gpus)
+        tps = {e["tp"] for e in answer["layouts"]}
+        assert tps <= {1, 2, 4}, (memory, tps)
+        assert answer["auto"] is None or answer["auto"]["tp"] in (1, 2, 4)
+    assert answer["auto"] is not None  # 24 GB: fits
+    assert cli.main(["plan", "--checkpoint", path, "--layout", "tp 8", *gpus]) == 2
+    assert capsys.readouterr().err == (
+        "error: layout tp 8: tp 8 would split the rows of 'transformer_blocks.0.attn.to_out.0.weight' (stored in "
+        "quantization blocks of 256 values) at value 384, inside a block; each rank must hold whole blocks: use "
+        "tp 2 or 4 on these 8 devices (with batch, ring or Ulysses for the rest: e.g. 'tp 4 x ring 2'), or a "
+        "file with smaller blocks (Q8_0, Q4_0: 32 values)\n"
+    )
+    info = inspect_checkpoint(path)
+    with pytest.raises(
+        CheckpointError, match=r"tp_degree=8 would split .* Use tp 2 or 4 on these 8 devices \(with batch"
+    ):
+        check_block_splits(info, 8, devices=8)
+
+    def auto(memory_gb: float) -> Any:
+        machine = LinkReport(
+            rank=0, device="cpu", world_size=8, tflops=100.0, memory_bytes=int(memory_gb * 1e9)
+        )
+        return choose_layout(
+            dataclasses.replace(machine, gbps=24.0, latency_us=30.0), ("cpu",) * 8, info.dims, 1024, 1024, 1,
+            dtype="bfloat16", fixed={}, weight_dtype="Q4_K", family=info.family, reference_tokens=0,
+            file_weights=planned_file_weights(None, info),
+        )  # fmt: skip
+
+    with pytest.raises(
+        ConfigError, match=r"^no layout of 8 device\(s\) fits 1024x1024 x1 in 3 GB per device"
+    ):
+        auto(3)  # only tp 8 would fit
+    choice = auto(4)
+    assert choice.layout.tp in (2, 4)
+    check_block_splits(info, choice.layout.tp, devices=8)  # what the loader then accepts

@@ -1,5 +1,5 @@
-"""What the OS says a process does (backend/procstat.py) and what a rank's report carries besides its
-activity (backend/heartbeat.py): real processes sleeping, spinning, stopped, a busy grandchild; the
+"""What the OS says a process does (backend/runtime/procstat.py) and what a rank's report carries besides its
+activity (backend/runtime/heartbeat.py): real processes sleeping, spinning, stopped, a busy grandchild; the
 reporting thread left out; a GPU queue through a fake stream (the CUDA path itself needs a GPU)."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from rocm_parallel.backend.heartbeat import Heartbeat, _signature, read_state, state_path
-from rocm_parallel.backend.procstat import sample
+from rocm_parallel.backend.runtime.heartbeat import Heartbeat, _signature, read_state, state_path
+from rocm_parallel.backend.runtime.procstat import sample
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread /proc is Linux's")
 

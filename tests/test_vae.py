@@ -8,21 +8,22 @@ comfy tier (tests/comfy/test_comfy_vae.py) compares with ComfyUI's own VAE Decod
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from rocm_parallel.backend.api import ParallelModel
-from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError
+from rocm_parallel.backend.diffusion.api import ParallelModel
 from rocm_parallel.backend.plan.vae import vae_memory
+from rocm_parallel.backend.runtime.client import WorkerGroup
 from rocm_parallel.backend.vae.api import ParallelVae
 from rocm_parallel.backend.vae.bands import BandParallel, Bands
 from rocm_parallel.backend.vae.kind import diffusers_decode, diffusers_encode, get_vae_kind
 from rocm_parallel.backend.vae.load import inspect_vae, load_vae
 from rocm_parallel.testing.fake import fake_process_group
-from rocm_parallel.testing.vae_files import SMALL, write_vae
+from rocm_parallel.testing.vae_files import SMALL, ldm_kl_shapes, write_vae
 from rocm_parallel.testing.vae_meta import measure_vae_on_meta
 
 TOL = 1e-4  # pixel values in 0..1 (decode); latent values (encode)
@@ -109,9 +110,11 @@ def test_encode_in_bands_equals_one_process(
     assert diff <= TOL
 
 
-def test_a_batch_decodes_as_its_images(group2: WorkerGroup, vae_files: dict[str, str]) -> None:
-    path = vae_files["flux1-vae"]
-    samples = latent_for("flux1-vae", path, batch=2)
+@pytest.mark.parametrize("name", ["flux1-vae", "wan21-vae"])
+def test_a_batch_decodes_as_its_images(group2: WorkerGroup, vae_files: dict[str, str], name: str) -> None:
+    """A batch of images (the Wan VAE's: one frame each, [2, 16, 1, H, W]) decodes as its images."""
+    path = vae_files[name]
+    samples = latent_for(name, path, batch=2)
     image = ParallelVae(ParallelModel(group=group2), path, dtype="float32").decode(samples)
     assert (image - one_process(path, samples=samples)).abs().max().item() <= TOL
     assert image.shape[0] == 2 and not torch.equal(image[0], image[1])
@@ -151,6 +154,11 @@ def test_refusals_name_the_input_and_the_fix(
         ConfigError, match=r"a latent of 1 rows cannot be split into 2 bands.* at most 1 rank"
     ):
         flux.decode(torch.zeros(1, 16, 1, 8))
+    for empty in ((1, 16, 0, 0), (0, 16, 8, 8)):  # a 0x0 latent, no latent at all
+        with pytest.raises(
+            ConfigError, match=rf"samples \[{', '.join(map(str, empty))}\] is an empty latent .* at least 1x1"
+        ):
+            flux.decode(torch.zeros(empty))
     wan = ParallelVae(group, vae_files["wan21-vae"], dtype="float32")
     with pytest.raises(
         ConfigError, match=r"the latent has 3 frames .* decode a video with ComfyUI's VAE Decode"
@@ -164,6 +172,57 @@ def test_refusals_name_the_input_and_the_fix(
     save_file({"weight": torch.ones(2, 2)}, str(not_a_vae))
     with pytest.raises(ConfigError, match=r"is no VAE the pack decodes in parallel \(known: FLUX\.1's VAE"):
         ParallelVae(group, not_a_vae)
+
+
+def _documented_refusals() -> list[re.Pattern[str]]:
+    """docs/nodes.md's VAE refusals, each quoted message as a pattern: '…' stands for anything, a number for
+    any number (the docs' examples name other sizes)."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "nodes.md").read_text()
+    paragraph = text.split("**The parallel VAE nodes refuse, before any worker runs**", 1)[1].split(
+        "\n\n", 1
+    )[0]
+    quoted = re.findall(r"`([^`]+)`", re.sub(r"\s*\n\s*", " ", paragraph))
+    return [
+        re.compile(".*".join(re.sub(r"\d+", r"\\d+", re.escape(part)) for part in q.split("…")))
+        for q in quoted
+    ]
+
+
+def test_every_vae_refusal_reads_as_the_docs_quote_it(
+    group2: WorkerGroup, vae_files: dict[str, str], tmp_path: Path
+) -> None:
+    """Each refusal of the VAE nodes, triggered, is one docs/nodes.md quotes (they once said the Wan VAE refuses
+    a batch of images, which it decodes, and left out the narrower decoder's refusal)."""
+    group = ParallelModel(group=group2)
+    flux = ParallelVae(group, vae_files["flux1-vae"], dtype="float32")
+    wan = ParallelVae(group, vae_files["wan21-vae"], dtype="float32")
+    not_a_vae = tmp_path / "model.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"weight": torch.ones(2, 2)}, str(not_a_vae))
+    narrow = {
+        k: v for k, v in ldm_kl_shapes(ch=32, mult=(1, 2, 2, 2), z=16).items() if not k.startswith("decoder.")
+    }
+    narrow |= {
+        k: v for k, v in ldm_kl_shapes(ch=16, mult=(1, 2, 2, 2), z=16).items() if k.startswith("decoder.")
+    }
+    narrow_path = write_vae(tmp_path / "narrow-decoder.safetensors", narrow)
+    refusals = [
+        lambda: flux.decode(torch.zeros(1, 128, 8, 8)),
+        lambda: flux.decode(torch.zeros(1, 16, 1, 8)),
+        lambda: flux.decode(torch.zeros(1, 16, 0, 0)),
+        lambda: wan.decode(torch.zeros(1, 16, 3, 8, 8)),
+        lambda: wan.encode(torch.zeros(2, 64, 64, 3)),
+        lambda: ParallelVae(group, not_a_vae),
+        lambda: ParallelVae(group, narrow_path),
+    ]
+    documented = _documented_refusals()
+    for refuse in refusals:
+        with pytest.raises(ConfigError) as refused:
+            refuse()
+        message = str(refused.value)
+        assert any(p.fullmatch(message) for p in documented), f"docs/nodes.md does not quote: {message}"
+    assert "'narrow-decoder.safetensors'" not in message and str(narrow_path) in message  # the file, named
 
 
 def test_admission_refuses_an_image_the_workers_cannot_hold(

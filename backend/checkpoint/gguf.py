@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..config import ConfigError, validate_tp_degree
+from ..config import ConfigError, _one_of, validate_tp_degree
 from ..parallel.ggml import QUANTIZED, block_scales, dequantize, is_quantized, row_bytes
-from ..redact import quoted
+from ..runtime.redact import quoted
 from .files import CheckpointError, StoredTensor, full_shape, numel
 from .gguf_header import read_gguf_header, supported_types  # torch-free: `plan` reads GGUF headers
 
@@ -166,11 +166,13 @@ def _misplaced(info: CheckpointInfo, tp: int, resolved: dict[str, Any]) -> tuple
     return None
 
 
-def check_block_splits(info: CheckpointInfo, tp: int, resolved: dict[str, Any] | None = None) -> None:
+def check_block_splits(
+    info: CheckpointInfo, tp: int, resolved: dict[str, Any] | None = None, devices: int | None = None
+) -> None:
     """CheckpointError unless tensor parallelism of degree `tp` leaves every quantized row split at block
-    boundaries (each rank holds whole blocks), naming the tensor and the degrees that would. `resolved`:
-    the family's plan resolved on its model (`resolve_plan`), when the caller has it (the loader does);
-    else built here on the meta device."""
+    boundaries (each rank holds whole blocks), naming the tensor and the degrees that would: of those, the
+    ones `devices` devices can use (they divide it), when given. `resolved`: the family's plan resolved on its
+    model (`resolve_plan`), when the caller has it (the loader does); else built here on the meta device."""
     if tp == 1 or not quantized_sources(info):
         return
     if resolved is None:
@@ -182,17 +184,21 @@ def check_block_splits(info: CheckpointInfo, tp: int, resolved: dict[str, Any] |
     stored, edge = found
     block = QUANTIZED[stored.dtype][0]
     works = []
-    for degree in range(2, info.dims.heads + 1):
+    for degree in range(2, (devices or info.dims.heads) + 1):
+        if devices is not None and devices % degree:
+            continue  # no layout of these devices has it
         try:
             validate_tp_degree(degree, info.dims)
         except ConfigError:
             continue
         if _misplaced(info, degree, resolved) is None:
-            works.append(str(degree))
+            works.append(degree)
+    on = f" on these {devices} devices" if devices is not None else ""
+    rest = " (with batch, ring or Ulysses for the rest)" if devices is not None and works else ""
     use = (
-        f"use tp {', '.join(works)}"
+        f"use tp {_one_of(works)}{on}{rest}"
         if works
-        else "no tensor-parallel degree keeps its blocks whole: use context parallelism (ring / ulysses)"
+        else f"no tensor-parallel degree{on} keeps its blocks whole: use context parallelism (ring / ulysses)"
     )
     raise CheckpointError(
         f"{quoted(info.path)}: tp_degree={tp} would split the rows of tensor '{stored.key}' ({stored.dtype}, blocks "

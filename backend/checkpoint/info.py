@@ -28,7 +28,7 @@ from ..config import ModelDims, weight_dtype_name
 from ..dtypes import COMPUTE_DTYPES, LOADABLE_DTYPES, WEIGHT_DTYPES, compute_dtype_named, stored_dtype
 from ..family import ModelFamily, detect_bfl, detect_diffusers, families, family_for_class, get_family
 from ..parallel.ggml import is_quantized
-from ..redact import quoted
+from ..runtime.redact import quoted
 from .files import (
     CHECKPOINT_FIX,
     CheckpointError,
@@ -452,6 +452,17 @@ def planned_weight_dtype(weight_dtype: str | None, info: CheckpointInfo) -> str:
     return most.short if most is not None and most.fp8 else "compute"
 
 
+def planned_file_weights(weight_dtype: str | None, info: CheckpointInfo) -> Any:
+    """`info`'s linear weights tensor by tensor as the loader holds them with `weight_dtype` (a
+    plan.setup.FileWeights): what the planner prices and splits (a GGUF file mixing Q4_K and Q6_K; the
+    block of each quantized weight, which a TP degree must not cut)."""
+    from ..plan.setup import FileWeights  # the planner's record; imported here: plan/ reads this package
+
+    name = check_weight_dtype(weight_dtype, info)
+    stored = {param: s.dtype for param, (s, _) in info.sources.items() if len(s.shape) == 2}
+    return FileWeights.from_stored(stored, name)
+
+
 def _scaled(info: CheckpointInfo) -> list[StoredTensor]:
     stored = {s.key: s for s, _ in info.sources.values()}
     return [stored[k] for k in info.scales if k in stored]
@@ -465,6 +476,7 @@ __all__ = [
     "default_dtype",
     "describe_keys",
     "inspect_checkpoint",
+    "planned_file_weights",
     "planned_weight_dtype",
     "resolve_dtype",
 ]

@@ -25,9 +25,10 @@ import torch
 
 from ..config import ConfigError, ParallelLayout
 from ..dtypes import dtype_named, stored_dtype
-from ..parking import DEFAULT_POLICY, check_policy
 from ..plan.encoder import encoder_bytes
-from ..resident import ResidentGroup
+from ..resident.admission import refuse_unless_fits
+from ..resident.group import ResidentGroup
+from ..resident.parking import DEFAULT_POLICY, check_policy
 from .files import EncoderInfo, inspect_encoder
 from .kind import EMBEDDINGS, EncoderKind
 from .messages import ENCODER_SLOT, EncodeRequest, EncoderLoadRequest
@@ -97,7 +98,7 @@ class ParallelEncoder:
 
     def load(self, progress: Any = None) -> None:
         """Make the encoder resident now (otherwise the first `encode` does)."""
-        self.group.call_resident(self.request, "status", None, progress=progress)
+        self.group.hold(self.request, progress)
 
     def place(self, on_device: bool) -> None:
         """Move the shards to pinned host memory (False) or back to the devices (True, loading the encoder
@@ -137,9 +138,41 @@ class ParallelEncoder:
             final_layer_norm_intermediate,
         )
 
+    def activation_bytes(self, batch: int, tokens: int) -> float:
+        """About the bytes one rank allocates to encode `batch` prompts of `tokens` tokens (a rough model, for
+        refusing a prompt no device can hold): the stack's [tokens x tokens] maps (the kind's `square_maps`;
+        on CPU workers also the attention's scores and softmax, which torch's CPU kernel materialises for a
+        masked attention, per local head) and the per-token activations of one layer (the residual stream,
+        q/k/v/o and the MLP's share), float32."""
+        dims, degree = self.dims, len(self.group.devices)
+        heads = dims.heads // degree
+        maps = self.kind.square_maps(batch, heads)
+        if self.group.devices[0] == "cpu":
+            maps += 2 * batch * heads
+        per_token = 6 * dims.width + 4 * heads * dims.head_dim + 3 * dims.mlp // degree
+        return 4.0 * (maps * tokens * tokens + batch * tokens * per_token)
+
+    def admit(self, batch: int, tokens: int) -> None:
+        """Refuse an encode whose activations cannot fit the devices, naming the longest prompt that would
+        (a 100,000-token prompt once reached the ranks and one failed allocating 40 GB)."""
+
+        def fits(limit: float) -> str:
+            low, high = 0, 1
+            while self.activation_bytes(batch, high) <= limit and high < 1 << 24:
+                low, high = high, high * 2
+            while high - low > 1:
+                middle = (low + high) // 2
+                low, high = (middle, high) if self.activation_bytes(batch, middle) <= limit else (low, middle)
+            return f"prompts of at most {low} tokens (batch {batch}); shorten the prompt"
+
+        need = self.activation_bytes(batch, tokens)
+        what = f"encoding a prompt of {tokens} tokens (batch {batch}) with {self.kind.title}"
+        refuse_unless_fits(need, self.group.devices, self.group.reports, what=what, fits=fits)
+
     def encode(self, ids: torch.Tensor, **options: Any) -> Encoded:
         """ComfyUI's transformer stack on token ids [B, S] (`check`'s keywords for the rest)."""
         request = self.check(ids, **options)
+        self.admit(*request.ids.shape)
         replies = self.group.call_resident(self.request, "encoder_run", request)
         first = next(r for r in replies if r.rank == 0)
         self.last_seconds = max(r.seconds for r in replies)

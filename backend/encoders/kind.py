@@ -112,6 +112,12 @@ class EncoderKind:
     # ComfyUI's names of the encoder inside its CLIP when they differ from `name` (Qwen3: "qwen3_4b",
     # "qwen3_8b"): ComfyUI reads a config override from `model_options["<name>_model_config"]`
     comfy_names: tuple[str, ...] = ()
+    # [tokens x tokens] float32 maps the stack holds at once for one encode, besides the attention kernel's
+    # own, given the batch and this rank's attention heads (model.py: T5's relative position bias per head and
+    # the padding mask summed with it; a language model's causal mask [S, S], the padding mask [B, 1, S, S] and
+    # their sum).
+    # They grow with the square of the prompt: what bounds the longest prompt a device can encode.
+    square_maps: Callable[[int, int], int] = lambda batch, heads: 1 + 2 * batch
 
     def names_in_comfy(self) -> tuple[str, ...]:
         return self.comfy_names or (self.name,)

@@ -39,9 +39,9 @@ from ..checkpoint.foreign import refuse_foreign_quantization
 from ..checkpoint.keys import transformer_prefix
 from ..checkpoint.quant import QUANT_SUFFIXES, SCALE_INPUT, SCALE_WEIGHT, SCALED_FP8_MARKER
 from ..config import ModelDims
-from ..dtypes import GGUF_BLOCKS, stored_dtype
 from ..family import ModelFamily, detect_bfl, detect_diffusers, families, family_for_class
-from ..redact import quoted
+from ..runtime.redact import quoted
+from .setup import FileWeights, planned_dtype
 
 # diffusers' folder files (checkpoint/info.py's names; that module imports torch)
 _CONFIG, _WEIGHTS, _INDEX = (
@@ -62,6 +62,26 @@ class PlannedCheckpoint:
     preset: str | None  # the released model (`plan --model` name) whose dims the file has; None: none
     weight_dtype: str  # the planner's name: "compute" (bf16 / fp16 / fp32), "fp8_e4m3fn", "Q4_K", ...
     stored: str  # the stored dtype of most linear-weight elements, as the header spells it ("BF16", "Q4_K")
+    # each linear weight's stored dtype, by diffusers parameter name (empty for a file of no released model):
+    # what `plan` prices tensor by tensor (a GGUF file mixes Q4_K and Q6_K)
+    linear_dtypes: tuple[tuple[str, str], ...] = ()
+
+    def file_weights(self, weight_dtype: str = "default") -> FileWeights:
+        """Its linear weights as the loader holds them with `weight_dtype` ('default': as stored)."""
+        return FileWeights.from_stored(dict(self.linear_dtypes), weight_dtype)
+
+    # the share of the linear-weight values stored in each dtype, largest first: (("Q4_K", 0.8), ("Q6_K", 0.2))
+    shares: tuple[tuple[str, float], ...] = ()
+
+    def stored_text(self) -> str:
+        """'Q4_K', or a mixed file's 'Q4_K (80 %) and Q6_K (20 %)'."""
+        if len(self.shares) < 2:
+            return self.stored
+        parts = [
+            f"{dtype} ({f'{share:.0%}' if share >= 0.005 else '<1%'})".replace("%", " %")
+            for dtype, share in self.shares
+        ]
+        return ", ".join(parts[:-1]) + " and " + parts[-1]
 
     @property
     def dims(self) -> ModelDims:
@@ -119,6 +139,24 @@ def _families_text() -> str:
     return ", ".join(titles[:-1]) + " or " + titles[-1] if len(titles) > 1 else titles[0]
 
 
+def _linear_dtypes(
+    path: Path, family: ModelFamily, config: dict[str, Any], tensors: Mapping[str, StoredTensor], bfl: bool
+) -> tuple[tuple[str, str], ...]:
+    """Each 2-D parameter of the released model's facts (facts.json) with the stored dtype of the tensor that
+    holds it (a fused BFL `qkv` holds three), by diffusers name; empty when no released model has these dims."""
+    from .facts import stored_facts
+
+    facts = stored_facts(family, family.dims(config))
+    if facts is None:
+        return ()
+    names = [name for name, shape, _, _ in facts.parameters if len(shape) == 2]
+    if not bfl:
+        return tuple((n, tensors[n].dtype) for n in names if n in tensors)
+    named = family.keys.bfl_names(tensors, quoted(path))
+    sources = family.keys.sources(family.dims(config), names, known_only=True)
+    return tuple((n, named[s.key].dtype) for n, s in sources.items() if s.key in named)
+
+
 def _detect_file(path: Path, tensors: dict[str, StoredTensor]) -> tuple[ModelFamily, dict[str, Any]]:
     family = detect_bfl(set(tensors))
     if family is not None:
@@ -169,23 +207,21 @@ def _read_folder(path: Path) -> tuple[ModelFamily, dict[str, Any], dict[str, Sto
     return family, config, tensors
 
 
-def stored_linear_dtype(tensors: Mapping[str, StoredTensor]) -> str:
-    """The stored dtype of most linear-weight (2-D) elements, as the header spells it."""
+def linear_shares(tensors: Mapping[str, StoredTensor]) -> tuple[tuple[str, float], ...]:
+    """The share of the linear-weight (2-D) elements stored in each dtype (the header's spelling), largest
+    first."""
     counts: dict[str, int] = {}
     for t in tensors.values():
         if len(t.shape) == 2:
             counts[t.dtype] = counts.get(t.dtype, 0) + numel(t.shape)
-    return max(counts, key=counts.__getitem__) if counts else "BF16"
+    total = sum(counts.values())
+    return tuple((d, n / total) for d, n in sorted(counts.items(), key=lambda item: -item[1]))
 
 
-def planned_dtype(stored: str) -> str:
-    """The planner's weight dtype for linear weights stored as `stored` (checkpoint/info.py
-    `planned_weight_dtype`'s rule for weight_dtype 'default'): a GGUF type stays quantized, fp8 stays fp8,
-    anything else is held in the compute dtype."""
-    if stored in GGUF_BLOCKS:
-        return stored
-    found = stored_dtype(stored)
-    return found.short if found is not None and found.fp8 and found.short else "compute"
+def stored_linear_dtype(tensors: Mapping[str, StoredTensor]) -> str:
+    """The stored dtype of most linear-weight (2-D) elements, as the header spells it."""
+    shares = linear_shares(tensors)
+    return shares[0][0] if shares else "BF16"
 
 
 def preset_of(family: ModelFamily, dims: ModelDims) -> str | None:
@@ -206,12 +242,17 @@ def inspect_for_plan(path: str) -> PlannedCheckpoint:
     refuse_special(where, "checkpoint", CHECKPOINT_FIX)
     if where.is_dir():
         family, config, tensors = _read_folder(where)
+        bfl = False
     else:
         tensors = _model_tensors(where, _file_header(where))
         family, config = _detect_file(where, tensors)
+        bfl = detect_bfl(set(tensors)) is family
     stored = stored_linear_dtype(tensors)
     preset = preset_of(family, family.dims(config))
-    return PlannedCheckpoint(str(where), family, config, preset, planned_dtype(stored), stored)
+    linear = _linear_dtypes(where, family, config, tensors, bfl)
+    return PlannedCheckpoint(
+        str(where), family, config, preset, planned_dtype(stored), stored, linear, linear_shares(tensors)
+    )
 
 
 def unreleased_dims(planned: PlannedCheckpoint) -> str:

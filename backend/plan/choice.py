@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from ..config import ConfigError, ParallelLayout
 from ..dtypes import FP8_DTYPES
 from ..text import GB
-from .cost import Estimate, plan
+from .cost import Estimate, check_blocks, plan
 from .report import capacity, gb
 from .setup import Setup
 
@@ -33,6 +33,8 @@ def choose(setup: Setup, fixed: Mapping[str, int] | None = None) -> Choice:
     estimates = [
         e for e in plan(setup, idle=idle) if all(getattr(e.layout, k) == v for k, v in fixed.items())
     ]
+    if not estimates and "tp" in fixed:
+        check_blocks(setup, ParallelLayout(tp=fixed["tp"]))  # a GGUF file's blocks refuse that degree
     if not estimates:
         kept = " x ".join(f"{k} {v}" for k, v in fixed.items())
         raise ConfigError(
@@ -59,7 +61,7 @@ def _nothing_fits(setup: Setup, estimates: list[Estimate]) -> str:
     # bf16 weights priced: fp8 weights (the file ComfyUI's FLUX.2 template loads) may fit these devices
     fp8 = FP8_DTYPES[0].short
     lighter = (
-        [e for e in plan(replace(setup, weight_dtype=fp8)) if e.fits]
+        [e for e in plan(replace(setup, weight_dtype=fp8, file_weights=None)) if e.fits]
         if setup.weight_dtype == "compute"
         else []
     )

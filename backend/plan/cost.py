@@ -10,11 +10,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import ConfigError, ModelDims, ParallelLayout
+from ..config import ConfigError, ModelDims, ParallelLayout, _one_of
 from ..family import families, get_family
 from ..text import GB
 from .setup import Setup
-from .shapes import model_facts, weight_bytes
+from .shapes import model_facts, split_inside_block, weight_bytes
 
 # --------------------------------------------------------------------------------------------------
 # Collectives per forward
@@ -390,6 +390,54 @@ def candidate_layouts(dims: ModelDims, devices: int, batch: int | None = None) -
     return found
 
 
+# --------------------------------------------------------------------------------------------------
+# Quantization blocks: a GGUF weight's rows are split only at whole blocks (checkpoint/gguf.py)
+
+
+def block_split(setup: Setup, tp: int) -> tuple[str, int, int] | None:
+    """Where TP of degree `tp` would cut a quantization block of the setup's weights (shapes.py
+    `split_inside_block`), or None: every rank holds whole blocks."""
+    if tp == 1:
+        return None
+    facts = model_facts(setup.family, setup.dims)
+    blocks = setup.quantized_blocks({name: shape for name, shape, _, _ in facts.parameters})
+    return split_inside_block(setup.dims, tp, setup.family, blocks)
+
+
+def check_blocks(setup: Setup, layout: ParallelLayout) -> None:
+    """ConfigError when `layout`'s TP degree would split a quantization block, naming the weight, where, and
+    the TP degrees these devices can use instead (those of some layout of them that keep blocks whole)."""
+    found = block_split(setup, layout.tp)
+    if found is None:
+        return
+    name, edge, block = found
+    usable = sorted(
+        {
+            c.tp
+            for c in candidate_layouts(setup.dims, setup.devices)
+            if c.tp > 1 and block_split(setup, c.tp) is None
+        }
+    )
+    use = (
+        f"use tp {_one_of(usable)} on these {setup.devices} devices (with batch, ring or Ulysses for the rest: "
+        f"e.g. '{_example(setup, usable[-1])}')"
+        if usable
+        else f"no tensor-parallel degree of these {setup.devices} devices keeps its blocks whole: use context "
+        "parallelism (ring / Ulysses)"
+    )
+    raise ConfigError(
+        f"layout {layout}: tp {layout.tp} would split the rows of '{name}' (stored in quantization blocks of "
+        f"{block} values) at value {edge}, inside a block; each rank must hold whole blocks: {use}, or a file "
+        "with smaller blocks (Q8_0, Q4_0: 32 values)"
+    )
+
+
+def _example(setup: Setup, tp: int) -> str:
+    """A layout of the setup's devices with TP degree `tp` (the largest batch degree the call uses first)."""
+    found = [c for c in candidate_layouts(setup.dims, setup.devices, setup.batch) if c.tp == tp]
+    return str(found[0] if found else ParallelLayout(tp=tp))
+
+
 def estimate(setup: Setup, layout: ParallelLayout) -> Estimate:
     """Memory, bytes and step time of one layout on `setup`'s machine, for the setup's call batch.
 
@@ -397,6 +445,7 @@ def estimate(setup: Setup, layout: ParallelLayout) -> Estimate:
     tp x ring x ulysses devices; every collective pays the link's latency and its bytes at its bandwidth.
     """
     layout.validate(setup.dims, devices=setup.devices)
+    check_blocks(setup, layout)
     comms = collectives(setup, layout)
     link = setup.link
     comm_s = sum(c.count * link.latency_us * 1e-6 for c in comms) + sum(c.sent_per_gpu for c in comms) / (
@@ -406,7 +455,12 @@ def estimate(setup: Setup, layout: ParallelLayout) -> Estimate:
     return Estimate(
         layout=layout,
         weights=weight_bytes(
-            setup.dims, layout, setup.bytes, family=setup.family, linear_bytes=setup.linear_bytes
+            setup.dims,
+            layout,
+            setup.bytes,
+            family=setup.family,
+            linear_bytes=setup.linear_bytes,
+            linear_bytes_of=setup.linear_bytes_of(),
         ),
         activations=activation_bytes(setup, layout),
         buffers=buffer_bytes(setup, layout),
@@ -422,5 +476,6 @@ def plan(setup: Setup, idle: bool = False) -> list[Estimate]:
     """Every composition the engine accepts for the setup, fastest predicted first (those that fit before
     those that don't); no batch degree above the call's batch unless `idle` (a caller that fixed one)."""
     candidates = candidate_layouts(setup.dims, setup.devices, None if idle else setup.batch)
-    found = [estimate(setup, layout) for layout in candidates]
+    # a GGUF file's TP degrees that would cut its quantization blocks are no plan (the loader refuses them)
+    found = [estimate(setup, layout) for layout in candidates if block_split(setup, layout.tp) is None]
     return sorted(found, key=lambda e: (not e.fits, e.step_s))

@@ -118,6 +118,12 @@ class Placement:
             return self.comfyui + self.model + max(self.encoder, self.activations)
         return self.comfyui + self.model + self.activations
 
+    @property
+    def overflows(self) -> bool:
+        """Whether GPU 0 cannot hold even the model's shard, its activations and ComfyUI's own process: the
+        model fits the GPUs by itself (the planner's table), not the whole graph."""
+        return self.comfyui + self.model + self.activations > self.usable
+
     def explanation(self) -> str:
         return (
             f"text encoder {self.choice}: {self.reason} (per GPU: encoder {self.encoder / GB:.2f} GB, model "

@@ -26,7 +26,10 @@ def lightest_fitting_gguf(setup: Setup) -> tuple[str, Estimate] | None:
         known = setup.weight_dtype in LADDER
         ladder = LADDER[LADDER.index(setup.weight_dtype) + 1 :] if known else ()
     for name in ladder:
-        fitting = [e for e in plan(dataclasses.replace(setup, weight_dtype=name)) if e.fits]
+        # a file of that type, every linear weight in it (the checkpoint's own mix, if any, is not that file)
+        fitting = [
+            e for e in plan(dataclasses.replace(setup, weight_dtype=name, file_weights=None)) if e.fits
+        ]
         if fitting:
             return name, fitting[0]
     return None

@@ -108,7 +108,11 @@ def place_beside_layouts(
         )
         for e in layouts
     ]
-    best = min(range(len(plans)), key=lambda i: (PLACEMENTS.index(plans[i].placement.choice), i))
+    # a layout GPU 0 cannot hold beside ComfyUI's own process is the last resort, whatever its placement
+    best = min(
+        range(len(plans)),
+        key=lambda i: (plans[i].placement.overflows, PLACEMENTS.index(plans[i].placement.choice), i),
+    )
     if best == 0:
         return plans[0]
     first = plans[0]
@@ -159,12 +163,40 @@ def format_graph(graph: GraphPlan, full: bool = False) -> str:
     text = f"Whole graph on the GPUs (text encoder + model + activations + ComfyUI on GPU 0):\n\n{table}\n{p.explanation()}"
     if graph.layout:
         text += f"\nmodel layout for the graph: {graph.layout}, {graph.step_s:.2f} s/step"
-    if graph.fastest:
-        text += (
-            f" (auto for the model alone: {graph.fastest}, {graph.fastest_step_s:.2f} s/step, beside which the "
-            f"encoder would be {graph.fastest_choice}; set layout '{graph.layout}' on the ROCm Parallel Loader)"
-        )
     return text
+
+
+# how the answer names a placement (encoder.PLACEMENTS)
+PLACEMENT_WORDS = {
+    "resident": "resident",
+    "host": "waiting in host memory",
+    "comfyui": "left to ComfyUI's own CLIPLoader",
+}
+
+
+def graph_answer(graph: GraphPlan, memory_gb: float, device_word: str = "GPU") -> tuple[str, bool]:
+    """`plan`'s one answer when it planned the whole graph: (the line, whether it is a refusal). The model's
+    fastest fitting layout (`auto`, what the loader picks for the model alone) when the encoder's placement
+    beside it is the best one; another layout, and how to set it, when that keeps the encoder on the GPUs;
+    a refusal when GPU 0 cannot hold any fitting layout beside ComfyUI's own process."""
+    p = graph.placement
+    if p.overflows:
+        return (
+            f"auto: no layout fits the whole graph on these {device_word}s: {graph.layout} fits the model alone "
+            f"({(p.model + p.activations) / GB:.2f} GB per {device_word}), but GPU 0 also holds ComfyUI's own process "
+            f"({p.comfyui / GB:.2f} GB): {p.gpu0_peak / GB:.2f} GB at peak of {p.usable / GB:.2f} GB usable "
+            f"({memory_gb:g} GB); use fp8 weights, more {device_word}s or a smaller image",
+            True,
+        )
+    if not graph.fastest:
+        return "", False  # the planner's own `auto` line is the answer
+    return (
+        f"auto for the whole graph: {graph.layout} — {graph.step_s:.2f} s/step with the text encoder {p.choice} "
+        f"beside it; set layout '{graph.layout}' on the ROCm Parallel Model (its 'auto' plans the model alone "
+        f"and takes {graph.fastest}, {graph.fastest_step_s:.2f} s/step, beside which the text encoder would be "
+        f"{PLACEMENT_WORDS[graph.fastest_choice]})",
+        False,
+    )
 
 
 __all__ = [
@@ -175,6 +207,7 @@ __all__ = [
     "GraphPlan",
     "encoder_dtype",
     "format_graph",
+    "graph_answer",
     "model_encoders",
     "place_beside_layouts",
     "plan_graph",

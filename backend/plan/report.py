@@ -43,6 +43,13 @@ def _tokens(setup: Setup) -> str:
 
 
 def _weights(setup: Setup) -> str:
+    held = (
+        sorted({setup.dtype if h == "compute" else h for _, h in setup.file_weights.held})
+        if setup.file_weights is not None
+        else []
+    )
+    if len(held) > 1:  # a checkpoint mixing types: each weight priced as the file holds it
+        return f" ({' / '.join(held)} weights, tensor by tensor)"
     return "" if setup.weight_dtype == "compute" else f" ({setup.weight_dtype} weights)"
 
 

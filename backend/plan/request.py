@@ -51,9 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def resolve_model(
     args: argparse.Namespace, models: Models
 ) -> tuple[ModelFamily, Mapping[str, Any], str | None]:
-    """(family, config, a line naming the file or None) of what `args` price; sets `args.model` and
-    `args.weight_dtype` (the file's when not given)."""
+    """(family, config, a line naming the file or None) of what `args` price; sets `args.model`,
+    `args.weight_dtype` (the file's when not given) and `args.file_weights` (the file's linear weights tensor by
+    tensor: plan.setup.FileWeights; None without a file)."""
     note = None
+    args.file_weights = None
     if args.checkpoint is None:
         args.model = args.model or next(iter(models))
         family, config = models[args.model]
@@ -66,13 +68,18 @@ def resolve_model(
         from .checkpoint import CheckpointError, inspect_for_plan, unreleased_dims
 
         found = inspect_for_plan(args.checkpoint)
+        asked = args.weight_dtype
         args.weight_dtype = _file_weight_dtype(args, found.weight_dtype)
         if found.preset is None:
             raise CheckpointError(unreleased_dims(found))
         family, config, args.model = found.family, found.config, found.preset
+        # every linear weight as the file stores it (or as the loader converts them all), tensor by tensor
+        args.file_weights = found.file_weights("default" if asked is None else args.weight_dtype)
+        mixed = asked is None and len({held for _, held in args.file_weights.held}) > 1
+        priced = "tensor by tensor" if mixed else f"as {_dtype_text(args.weight_dtype)}"
         note = (
-            f"checkpoint {found.path}: {found.name} ({args.model}), linear weights stored as {found.stored}, "
-            f"priced as {_dtype_text(args.weight_dtype)}"
+            f"checkpoint {found.path}: {found.name} ({args.model}), linear weights stored as "
+            f"{found.stored_text()}, priced {priced}"
         )
     if args.weight_dtype is None:
         args.weight_dtype = "compute"

@@ -5,10 +5,19 @@ All sizes are bytes; "GB" in text is 1e9 bytes (see backend/text.py for the unit
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..config import ConfigError, ModelDims
-from ..dtypes import COMPUTE_DTYPES, GGUF_BLOCKS, WEIGHT_DTYPES, compute_dtype_named, gguf_bytes_per_value
+from ..dtypes import (
+    COMPUTE_DTYPES,
+    GGUF_BLOCKS,
+    WEIGHT_DTYPES,
+    compute_dtype_named,
+    gguf_bytes_per_value,
+    stored_dtype,
+)
 from ..family import families, get_family
 from ..text import GB
 
@@ -16,6 +25,55 @@ from ..text import GB
 # GGUF files: their quantization type (the planner prices its bytes per value; checkpoint.planned_weight_dtype)
 PLANNED_WEIGHT_DTYPES = (*(name for name in WEIGHT_DTYPES if name != "default"), *GGUF_BLOCKS)
 MARGIN = 0.10  # of device memory kept free: allocator fragmentation, RCCL/NCCL buffers, runtime context
+
+
+def held_bytes(weight_dtype: str, compute_bytes: int) -> float:
+    """Bytes per value of a linear weight held as `weight_dtype` (a planned name): a GGUF type's bytes per
+    value (held quantized: Q4_K 0.5625), 1 for fp8, else the compute dtype's."""
+    if weight_dtype in GGUF_BLOCKS:
+        return gguf_bytes_per_value(weight_dtype)
+    fp8 = WEIGHT_DTYPES[weight_dtype]
+    return compute_bytes if fp8 is None else fp8.bytes
+
+
+def planned_dtype(stored: str) -> str:
+    """The planner's weight dtype for a linear weight stored as `stored` (a header's spelling: 'Q6_K', 'BF16',
+    'F8_E4M3') and loaded with weight_dtype 'default' (checkpoint/info.py `planned_weight_dtype`'s rule): a
+    GGUF type stays quantized, fp8 stays fp8, anything else is held in the compute dtype."""
+    if stored in GGUF_BLOCKS:
+        return stored
+    found = stored_dtype(stored)
+    return found.short if found is not None and found.fp8 and found.short else "compute"
+
+
+@dataclass(frozen=True)
+class FileWeights:
+    """A checkpoint's linear weights tensor by tensor, read from its header (diffusers parameter names):
+    `held`, how the loader holds each (a planned name: 'Q6_K' beside 'Q4_K' in a mixed GGUF file, 'fp8_e4m3fn'
+    beside 'compute' in an fp8 mixed one), and `blocks`, the quantization block of each tensor stored in a
+    GGUF block type (its rows are split only at whole blocks, however it is held). `from_stored` builds it."""
+
+    held: tuple[tuple[str, str], ...]
+    blocks: tuple[tuple[str, int], ...] = ()
+
+    @classmethod
+    def from_stored(cls, stored: Mapping[str, str], weight_dtype: str = "default") -> FileWeights:
+        """From each linear weight's stored dtype (the header's spelling) and the loader's `weight_dtype`:
+        'default' holds each as stored (`planned_dtype`), 'compute' or an fp8 name converts every one."""
+        held = {
+            name: planned_dtype(dtype) if weight_dtype == "default" else weight_dtype
+            for name, dtype in stored.items()
+        }
+        blocks = {name: GGUF_BLOCKS[dtype][0] for name, dtype in stored.items() if dtype in GGUF_BLOCKS}
+        return cls(tuple(sorted(held.items())), tuple(sorted(blocks.items())))
+
+    @functools.cached_property
+    def by_name(self) -> dict[str, str]:
+        return dict(self.held)
+
+    @functools.cached_property
+    def block_of(self) -> dict[str, int]:
+        return dict(self.blocks)
 
 
 @dataclass(frozen=True)
@@ -79,6 +137,9 @@ class Setup:
     # so they are split, attended and held like image tokens
     reference_tokens: int = 0
     frames: int = 1  # a video's frames (1: an image), for a family whose model takes several
+    # a checkpoint's own linear weights, tensor by tensor (`plan --checkpoint`, the loader's auto): priced and
+    # split as the file holds each one; None prices every linear weight as `weight_dtype`
+    file_weights: FileWeights | None = None
 
     def __post_init__(self) -> None:
         known = [f.name for f in families()]
@@ -92,11 +153,13 @@ class Setup:
             raise ConfigError(
                 f"dtype={self.dtype!r} is not supported; use {', '.join(d.name for d in COMPUTE_DTYPES)}"
             )
-        if self.weight_dtype not in PLANNED_WEIGHT_DTYPES:
-            raise ConfigError(
-                f"weight_dtype={self.weight_dtype!r} is not supported by the planner; use "
-                f"{', '.join(PLANNED_WEIGHT_DTYPES)} (resolve 'default' from the checkpoint first)"
-            )
+        held = set(self.file_weights.by_name.values()) if self.file_weights is not None else set()
+        for name in sorted({self.weight_dtype, *held}):
+            if name not in PLANNED_WEIGHT_DTYPES:
+                raise ConfigError(
+                    f"weight_dtype={name!r} is not supported by the planner; use "
+                    f"{', '.join(PLANNED_WEIGHT_DTYPES)} (resolve 'default' from the checkpoint first)"
+                )
         rows, cols = self.token_pixels
         if self.width % cols or self.height % rows or self.width < cols or self.height < rows:
             side = f"{rows}" if rows == cols else f"{cols}x{rows}"
@@ -131,10 +194,24 @@ class Setup:
     def linear_bytes(self) -> float:
         """Bytes per resident linear-weight element: 1 for fp8, a GGUF type's bytes per value (held quantized:
         Q4_K 0.5625), else the compute dtype's."""
-        if self.weight_dtype in GGUF_BLOCKS:
-            return gguf_bytes_per_value(self.weight_dtype)
-        fp8 = WEIGHT_DTYPES[self.weight_dtype]
-        return self.bytes if fp8 is None else fp8.bytes
+        return held_bytes(self.weight_dtype, self.bytes)
+
+    def linear_bytes_of(self) -> dict[str, float]:
+        """Bytes per value of each linear weight the checkpoint names (`file_weights`); empty without one."""
+        if self.file_weights is None:
+            return {}
+        return {name: held_bytes(held, self.bytes) for name, held in self.file_weights.held}
+
+    def quantized_blocks(self, parameters: Mapping[str, tuple[int, ...]]) -> dict[str, int]:
+        """The quantization block of each linear weight stored in GGUF blocks, by parameter name: the file's
+        (`file_weights`), or, for a GGUF type priced for every weight, each 2-D one whose rows are whole
+        blocks (a GGUF writer keeps the others in F16: the narrow embedders). `parameters`: name -> shape."""
+        if self.file_weights is not None:
+            return self.file_weights.block_of
+        if self.weight_dtype not in GGUF_BLOCKS:
+            return {}
+        block = GGUF_BLOCKS[self.weight_dtype][0]
+        return {n: block for n, shape in parameters.items() if len(shape) == 2 and shape[-1] % block == 0}
 
     @property
     def token_pixels(self) -> tuple[int, int]:

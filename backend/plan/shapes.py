@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from ..config import ModelDims, ParallelLayout
@@ -114,6 +115,7 @@ def weight_bytes(
     rank: int = 0,
     family: str | None = None,
     linear_bytes: float | None = None,
+    linear_bytes_of: Mapping[str, float] | None = None,
 ) -> int:
     """Parameter bytes one rank holds in `layout`: a TP shard, or the full model under context parallelism.
 
@@ -122,18 +124,43 @@ def weight_bytes(
     rest (fp8 weights: 1; GGUF blocks: their bytes per value); biases and norm scales always take `dtype_bytes`,
     and the modules the model class keeps in float32 (diffusers' `_keep_in_fp32_modules`, e.g. Wan's time
     embedder) 4 bytes, as in the loader
-    (checkpoint/load.py resident_dtype).
+    (checkpoint/load.py resident_dtype). `linear_bytes_of`: a checkpoint's own bytes per value for the linear
+    weights it names, tensor by tensor (plan.setup.FileWeights: a GGUF file mixing Q4_K and Q6_K).
     """
     linear = dtype_bytes if linear_bytes is None else linear_bytes
+    own = linear_bytes_of or {}
     total = 0.0
     for name, shape, split, fp32 in model_facts(family or families()[0].name, dims).parameters:
         pieces = None
         if layout.tp > 1 and split is not None:
             pieces = shard_pieces(split, name.rpartition(".")[2], shape, rank, layout.tp, dims)
         held = shape if pieces is None else pieces.shape(shape)
-        size = max(dtype_bytes, 4) if fp32 else linear if len(shape) == 2 else dtype_bytes
+        size = max(dtype_bytes, 4) if fp32 else own.get(name, linear) if len(shape) == 2 else dtype_bytes
         total += size * math.prod(held)
     return round(total)  # a GGUF type's bytes per value are fractional
 
 
-__all__ = ["ModelFacts", "meta_model_facts", "model_facts", "weight_bytes"]
+def split_inside_block(
+    dims: ModelDims, tp: int, family: str | None, blocks: Mapping[str, int]
+) -> tuple[str, int, int] | None:
+    """The first quantized linear weight whose rows tensor parallelism of degree `tp` would split inside a
+    quantization block, as (parameter, the value where, its block); None when every rank holds whole blocks.
+    `blocks`: parameter name -> block (plan.setup.Setup.quantized_blocks). The loader's own check, on the
+    file's tensors, is checkpoint/gguf.py `check_block_splits`; this one needs no torch."""
+    if tp == 1 or not blocks:
+        return None
+    for name, shape, split, _ in model_facts(family or families()[0].name, dims).parameters:
+        block = blocks.get(name)
+        if not block or split is None:
+            continue
+        for rank in range(tp):
+            pieces = shard_pieces(split, name.rpartition(".")[2], shape, rank, tp, dims)
+            if pieces is None or pieces.dim == 0:  # whole rows: a block never crosses a row
+                continue
+            for edge in (e for r in pieces.ranges for e in r):
+                if edge % block:
+                    return name, edge, block
+    return None
+
+
+__all__ = ["ModelFacts", "meta_model_facts", "model_facts", "split_inside_block", "weight_bytes"]

@@ -45,8 +45,8 @@ def band_rows(latent_rows: int, ranks: int) -> int:
     """Latent rows of the tallest band when `latent_rows` are split over `ranks` (`Bands.even`)."""
     if latent_rows < ranks:
         raise ConfigError(
-            f"a latent of {latent_rows} rows cannot be split into {ranks} bands; decode it on at most "
-            f"{latent_rows} rank(s)"
+            f"a latent of {latent_rows} rows cannot be split into {ranks} bands (one per rank, at least one row "
+            f"each); decode it on at most {latent_rows} rank(s), or decode a taller image"
         )
     return -(-latent_rows // ranks)
 

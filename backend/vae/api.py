@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from ..admission import refuse_unless_fits
 from ..checkpoint import resolve_dtype
-from ..client import ProgressCallback
 from ..config import ConfigError
 from ..plan.vae import VaeMemory, largest_side, vae_memory
-from ..resident import ResidentGroup
+from ..resident.admission import refuse_unless_fits
+from ..resident.group import ResidentGroup
+from ..runtime.client import ProgressCallback
 from .bands import Bands
 from .images import crop_pixels, decoder_input, encoder_input
 from .kind import VaeKind, get_vae_kind
@@ -78,6 +78,12 @@ class ParallelVae:
         if not torch.is_tensor(samples) or samples.ndim not in (4, 5):
             raise ConfigError(
                 f"samples must be a LATENT's tensor [B, C, H, W] (or [B, C, T, H, W]); got {_describe(samples)}"
+            )
+        if samples.numel() == 0:  # a 0x0 latent would reach the band split as "at most 0 rank(s)"
+            raise ConfigError(
+                f"samples {list(samples.shape)} is an empty latent (a size of 0): nothing to decode; give it "
+                "the LATENT of a sampler or of an Empty Latent Image of at least 1x1 latent pixels "
+                f"({kind.downscale}x{kind.downscale} px)"
             )
         x = decoder_input(kind, samples)
         channels = kind.latent_channels(config)
@@ -156,7 +162,7 @@ class ParallelVae:
 
     def load(self, progress: ProgressCallback | None = None) -> None:
         """Make the VAE resident on every rank now (otherwise the first decode or encode does)."""
-        self.group.call_resident(self.request, "ping", None, progress=progress)
+        self.group.hold(self.request, progress)
 
     def decode(self, samples: torch.Tensor, timeout: float | None = None) -> torch.Tensor:
         """ComfyUI's VAE Decode of `samples`: the IMAGE [B, H, W, 3] (a 3-D VAE's frame folded into the batch,

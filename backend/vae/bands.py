@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..config import ConfigError
+from ..plan.vae import band_rows
 
 
 @dataclass(frozen=True)
@@ -47,11 +48,7 @@ class Bands:
     def even(cls, rows: int, ranks: int) -> Bands:
         """`rows` latent rows over `ranks` as evenly as possible (the first ranks one row fewer when they do
         not divide: 13 rows over 4 ranks are 3, 3, 3, 4). ConfigError when a rank would get none."""
-        if rows < ranks:
-            raise ConfigError(
-                f"a latent of {rows} rows cannot be split into {ranks} bands (one per rank, at least one row "
-                f"each); decode it on at most {rows} rank(s), or decode a taller image"
-            )
+        band_rows(rows, ranks)  # the planner's refusal of a split with an empty band, one message for both
         return cls(tuple(rows * r // ranks for r in range(ranks + 1)))
 
     @property

@@ -35,7 +35,10 @@ def inspect_vae(path: str | os.PathLike[str], dtype: str, slot: str = VAE_SLOT) 
         raise ConfigError(
             f"'{path}' is no VAE the pack decodes in parallel (known: {known}); use ComfyUI's VAE Decode for it"
         )
-    config = kind.config_from_shapes(shapes)
+    try:
+        config = kind.config_from_shapes(shapes)
+    except ConfigError as err:  # a layout the pack's decoder cannot build (a narrower decoder, say)
+        raise ConfigError(f"'{path}': {err}; use ComfyUI's VAE Decode for this file") from None
     bytes_ = compute_dtype_named(dtype).bytes
     elements = sum(math.prod(v.shape) for k, v in header.items() if not k.endswith("num_batches_tracked"))
     return VaeLoadRequest(str(path), kind.name, config, dtype, weight_bytes=elements * bytes_, slot=slot)

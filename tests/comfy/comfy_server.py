@@ -207,6 +207,7 @@ class RPTestTinyCLIPLoader:
     # ComfyUI's own CLIPLoader (comfy.sd.load_clip with its type) for the tests' small text encoders: ComfyUI
     # builds a released encoder's config, so it is told the file's (`options`, JSON: its model_options, e.g.
     # {{"qwen25_7b_model_config": {{...}}}}); tokenizer, templates and weights are ComfyUI's own reading.
+    # `clip_name` may name two files, comma-separated: ComfyUI's DualCLIPLoader (T5-XXL and CLIP-L).
     CATEGORY = "_for_testing"
     RETURN_TYPES = ("CLIP",)
     FUNCTION = "load"
@@ -223,41 +224,60 @@ class RPTestTinyCLIPLoader:
         import folder_paths
 
         return (comfy.sd.load_clip(
-            ckpt_paths=[folder_paths.get_full_path_or_raise("text_encoders", clip_name)],
+            ckpt_paths=[folder_paths.get_full_path_or_raise("text_encoders", n) for n in clip_name.split(",")],
             embedding_directory=folder_paths.get_folder_paths("embeddings"),
             clip_type=getattr(comfy.sd.CLIPType, type.upper(), comfy.sd.CLIPType.STABLE_DIFFUSION),  # as CLIPLoader
             model_options=json.loads(options),
         ),)
 
 
-class RPTestSaveConditioning:
-    # A CONDITIONING's first entry as <output>/<filename_prefix>.safetensors: its tensor (`cond`) and the
-    # tensors beside it (pooled_output, attention_mask, ...), for a comparison outside the server.
+def _save_tensors(tensors, filename_prefix):
+    # <output>/<filename_prefix>.safetensors, for a comparison outside the server
+    import os
+
+    import folder_paths
+    from safetensors.torch import save_file
+
+    os.makedirs(folder_paths.get_output_directory(), exist_ok=True)
+    path = os.path.join(folder_paths.get_output_directory(), filename_prefix + ".safetensors")
+    save_file({{k: v.contiguous() for k, v in tensors.items()}}, path)
+
+
+class _RPTestSaver:
     CATEGORY = "_for_testing"
     RETURN_TYPES = ()
     OUTPUT_NODE = True
     FUNCTION = "save"
 
+
+class RPTestSaveConditioning(_RPTestSaver):
+    # A CONDITIONING's first entry: its tensor (`cond`) and the tensors beside it (pooled_output,
+    # attention_mask, ...).
     @classmethod
     def INPUT_TYPES(cls):
         return {{"required": {{"conditioning": ("CONDITIONING",), "filename_prefix": ("STRING", {{"default": "cond"}})}}}}
 
     def save(self, conditioning, filename_prefix):
-        import os
-
-        import folder_paths
         import torch
-        from safetensors.torch import save_file
 
         cond, extra = conditioning[0]
-        tensors = {{"cond": cond, **{{k: v for k, v in extra.items() if isinstance(v, torch.Tensor)}}}}
-        os.makedirs(folder_paths.get_output_directory(), exist_ok=True)
-        path = os.path.join(folder_paths.get_output_directory(), filename_prefix + ".safetensors")
-        save_file({{k: v.contiguous() for k, v in tensors.items()}}, path)
+        _save_tensors({{"cond": cond, **{{k: v for k, v in extra.items() if isinstance(v, torch.Tensor)}}}}, filename_prefix)
+        return {{}}
+
+
+class RPTestSaveImageTensor(_RPTestSaver):
+    # An IMAGE (`image`, float32 as the node got it): SaveImage's 8-bit PNG would hide differences below 1/255.
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {{"required": {{"images": ("IMAGE",), "filename_prefix": ("STRING", {{"default": "image"}})}}}}
+
+    def save(self, images, filename_prefix):
+        _save_tensors({{"image": images.float()}}, filename_prefix)
         return {{}}
 
 
 NODE_CLASS_MAPPINGS = {{
+    "RPTestSaveImageTensor": RPTestSaveImageTensor,
     "RPTestTinyUnetLoaderGGUF": RPTestTinyUnetLoaderGGUF,
     "RPTestTinyCLIPLoader": RPTestTinyCLIPLoader,
     "RPTestSaveConditioning": RPTestSaveConditioning,
@@ -401,10 +421,18 @@ def run_prompt(comfy: Comfy, prompt: dict[str, Any], client_id: str, timeout: fl
     entry = comfy.wait_done(
         comfy.post("/prompt", {"prompt": prompt, "client_id": client_id})["prompt_id"], timeout
     )
-    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-3000:]
+    assert entry["status"]["status_str"] == "success", _failure(entry["status"])
     with open(comfy.log, "rb") as f:
         f.seek(start)
         return f.read().decode(errors="replace")
+
+
+def _failure(status: dict[str, Any]) -> str:
+    """A failed prompt's error first (the node, its exception and message), then the status's tail: the
+    status also echoes the node's inputs, tensors included, which would push the error out of view."""
+    errors = [data for kind, data in status.get("messages", []) if kind == "execution_error"]
+    head = [f"{e.get('node_type')}: {e.get('exception_type')}: {e.get('exception_message')}" for e in errors]
+    return "\n".join([*head, json.dumps(status)[-2000:]])
 
 
 def saved_latent(comfy: Comfy, prefix: str) -> torch.Tensor:

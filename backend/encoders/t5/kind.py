@@ -86,6 +86,8 @@ T5XXL = register(
         embedding="shared",
         presets={"t5-xxl": T5_XXL},
         companions={"CLIP-L": is_clip_l},
+        # the bias [1, heads, S, S], the padding mask [B, 1, S, S] and their sum [B, heads, S, S]
+        square_maps=lambda batch, heads: heads + batch + batch * heads,
         # "encoder.embed_tokens.weight": transformers' tied copy of `shared`, which ComfyUI ignores too
         extra_keys=lambda key: key in ("encoder.embed_tokens.weight", "spiece_model"),
     )

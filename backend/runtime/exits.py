@@ -14,6 +14,8 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..text import cli_command
+
 GB = 1e9
 VMSTAT = Path("/proc/vmstat")
 
@@ -68,7 +70,7 @@ def exit_reason(
     if oom_kills_before is not None and oom_kills_now is not None and oom_kills_now > oom_kills_before:
         return name, (
             f": out of host memory. The kernel's out-of-memory killer ended it{held}. Use a smaller image or "
-            "batch, fewer workers on this machine, or GPU workers; `python -m rocm_parallel doctor` shows "
+            f"batch, fewer workers on this machine, or GPU workers; `{cli_command('doctor')}` shows "
             "this machine's memory and how many workers fit"
         )
     if oom_kills_now is None:
