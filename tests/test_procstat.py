@@ -149,6 +149,7 @@ def test_a_report_says_whether_gpu_work_is_queued_and_which_thread_reports(tmp_p
     assert os.path.exists(f"/proc/{os.getpid()}/task/{state.reporter}")
 
 
+@pytest.mark.torch_api
 def test_a_collective_is_named_by_op_and_shapes_from_the_recorder() -> None:
     entries = [
         {"process_group": ["1", "tp"], "collective_seq_id": 4, "profiling_name": "gloo:all_reduce",

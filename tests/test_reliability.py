@@ -224,6 +224,7 @@ def test_a_rank_hung_while_loading_is_named_within_seconds(
         assert flux.resident is not None
 
 
+@pytest.mark.torch_api
 def test_a_rank_left_alone_in_a_collective_is_named_with_where_it_waits() -> None:
     """Rank 1 enters one all-reduce more than rank 0, which finishes the job: rank 1 is alive and reports,
     but waits in a collective no peer will enter. On a loaded machine rank 1's last report may still show
@@ -344,6 +345,7 @@ def test_the_rank_a_timed_out_collective_waited_for_is_named(tmp_path: Path) -> 
     assert not group.alive and _gone(group.pids)
 
 
+@pytest.mark.torch_api
 def test_ranks_that_issue_different_collectives_at_the_same_number_are_named(tmp_path: Path) -> None:
     """Rank 1 broadcasts where rank 0 all-reduces: the recorders disagree on collective #n, asked by the
     caller once a rank has waited a second. Mutation tried: without the comparison of the answers
@@ -888,6 +890,7 @@ def test_a_time_limit_must_be_positive(group2: WorkerGroup) -> None:
     assert flux.devices == ("cpu", "cpu")
 
 
+@pytest.mark.torch_api
 def test_a_workers_own_memory_is_within_the_bound(checkpoint: str) -> None:
     """WORKER_HOST_BYTES, the per-worker host memory the CPU worker count is bounded by, is what a real
     worker holds besides its model's weights once it has loaded and sampled one. A fresh group: the

@@ -530,12 +530,15 @@ def model_prompt(case: str, seed_offset: int = 0) -> dict[str, Any]:
     return prompt
 
 
-def flux2_prompt(case: str, layout: str = "tp", seed_offset: int = 0) -> dict[str, Any]:
-    """ComfyUI's FLUX.2 template graph for reference `case` on the ROCm Parallel Model (`layout` on 2 CPU
-    workers), the text features from the reference file, saved with SaveLatent under 'flux2/<case>'."""
+def flux2_prompt(
+    case: str, layout: str = "tp", seed_offset: int = 0, devices: str = "cpu x2"
+) -> dict[str, Any]:
+    """ComfyUI's FLUX.2 template graph for reference `case` on the ROCm Parallel Model (`layout` on `devices`),
+    the text features from the reference file, saved with SaveLatent under 'flux2/<case>_<layout>' (the
+    layout without spaces)."""
     c = FLUX2_CASES[case]
     size = {"width": c["width"], "height": c["height"]}
-    loader = loader_node(FLUX2_CHECKPOINT)
+    loader = loader_node(FLUX2_CHECKPOINT, devices)
     loader["inputs"]["preload"] = "none"
     prompt: dict[str, Any] = {
         "1": {"class_type": "RPTestReferenceConditioning", "inputs": {"case": case}},
@@ -552,7 +555,7 @@ def flux2_prompt(case: str, layout: str = "tp", seed_offset: int = 0) -> dict[st
                "inputs": {"noise": ["6", 0], "guider": ["5", 0], "sampler": ["7", 0], "sigmas": ["8", 0],
                           "latent_image": ["9", 0]}},
         "11": {"class_type": "SaveLatent",
-               "inputs": {"samples": ["10", 0], "filename_prefix": f"flux2/{case}_{layout}"}},
+               "inputs": {"samples": ["10", 0], "filename_prefix": f"flux2/{case}_{layout.replace(' ', '')}"}},
     }  # fmt: skip
     return prompt
 
