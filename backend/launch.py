@@ -345,7 +345,7 @@ class Workers:
 
     def _wait_for_an_exit(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and all(p.poll() is None for p in self.procs):
+        while time.monotonic() < deadline and all(reap(p) is None for p in self.procs):
             time.sleep(0.02)
 
     # ---------------------------------------------------------------- how they are
@@ -366,7 +366,7 @@ class Workers:
     def exit_report(self, doing: str) -> WorkerError | None:
         """A WorkerError for the first rank that exited (rank, device, pid, exit code, its last output)."""
         for rank, proc in enumerate(self.procs):
-            code = proc.poll()
+            code = reap(proc)
             if code is not None:
                 tail = self.log_tail(rank)
                 name, why = self.exit_reason(rank, code)
@@ -397,12 +397,11 @@ class Workers:
 
     def wait_for_exit(self, rank: int, seconds: float) -> None:
         """Give the OS a moment to report the exit of a rank whose connection closed."""
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.procs[rank].wait(timeout=seconds)
+        _wait_for_exits([self.procs[rank]], seconds)
 
     @property
     def running(self) -> bool:
-        return all(p.poll() is None for p in self.procs)
+        return all(reap(p) is None for p in self.procs)
 
     # ---------------------------------------------------------------- the end
 
@@ -421,7 +420,7 @@ class Workers:
         seconds: a worker SIGKILL cannot end (state D) is left to the OS and said (`left`, and on stderr).
         Idempotent."""
         if self.closed:
-            self.exit_codes = [p.poll() for p in self.procs]  # a worker left to the OS may have gone since
+            self.exit_codes = [reap(p) for p in self.procs]  # a worker left to the OS may have gone since
             return
         self.closed = True
         left = terminate(self.procs, (), grace=grace)
@@ -515,7 +514,7 @@ def _wait_for_exits(
     """Wait up to `seconds` until every process has exited (and is reaped); with `stop_early`, no longer
     once one that has not exited cannot run (`_can_run` false for `STUCK_SECONDS`)."""
     deadline, stuck = time.monotonic() + seconds, {}
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+    while any(reap(p) is None for p in procs) and time.monotonic() < deadline:
         if stop_early:
             now = time.monotonic()
             for proc in procs:
@@ -539,13 +538,30 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     """SIGKILL the worker and every process it started (its own session and process group: launch.py
     starts it with `start_new_session`), while it is not reaped (its pid, the group's id, is not reused
     before that)."""
-    if proc.poll() is not None:
+    if proc.returncode is not None:
         return
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except OSError:
         with contextlib.suppress(OSError):
             proc.kill()
+
+
+def reap(proc: subprocess.Popen[bytes]) -> int | None:
+    """`proc.poll()`, but once the worker has exited, what is left of its process group (a child it
+    started: a compiler, a driver helper, a vfork child that never exec'd) is SIGKILLed first, while the
+    unreaped worker still holds the group's id (no other process can have it yet)."""
+    if proc.returncode is not None or not hasattr(os, "waitid"):
+        return proc.poll()
+    try:
+        exited = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped elsewhere
+        return proc.poll()
+    if exited is None:
+        return None
+    with contextlib.suppress(OSError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    return proc.poll()
 
 
 def why_left(pid: int) -> str:

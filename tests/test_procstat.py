@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import freezers
 import pytest
 
 from rocm_parallel.backend.heartbeat import Heartbeat, _signature, read_state, state_path
@@ -220,53 +221,21 @@ def test_a_main_thread_waiting_in_the_kernel_is_in_d_with_no_progress(tmp_path: 
     assert proc.returncode == -signal.SIGKILL
 
 
-FREEZERS = {
-    1: ("/sys/fs/cgroup/freezer", "freezer.state", "FROZEN", "THAWED"),
-    2: ("/sys/fs/cgroup/unified", "cgroup.freeze", "1", "0"),
-}
-
-
-@contextmanager
-def frozen(pid: int, version: int) -> Iterator[str]:
-    """Freeze `pid` in a cgroup of its own (skip, saying why, where this machine has no such freezer or
-    does not let this user make a cgroup); thawed and removed afterwards."""
-    root, control, freeze, thaw = FREEZERS[version]
-    folder = os.path.join(root, f"rocm-parallel-test-{pid}")
-    try:
-        os.mkdir(folder)
-    except OSError as exc:
-        pytest.skip(f"no cgroup v{version} freezer this user can use at {root}: {exc}")
-    try:
-        Path(folder, "cgroup.procs").write_text(str(pid))
-        Path(folder, control).write_text(freeze)
-        yield folder
-    finally:
-        Path(folder, control).write_text(thaw)
-        with contextlib.suppress(OSError):  # back to the root cgroup (gone already when it was killed)
-            Path(root, "cgroup.procs").write_text(str(pid))
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                os.rmdir(folder)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, f"{folder} stayed busy"
-                time.sleep(0.05)
-
-
 @pytest.mark.parametrize("version", [1, 2])
 def test_a_frozen_cgroup_is_seen(version: int) -> None:
     """A process frozen by its cgroup's freezer: v1 shows its threads in D, v2 asleep (S); both say the
     cgroup. Mutation tried: `frozen_cgroup` returning '' left a v1-frozen process looking like D (no more)."""
+    if why := freezers.unusable(version):
+        pytest.skip(why)
     with _python("import time; print('ready', flush=True); time.sleep(60)") as proc:
         assert proc.stdout.readline().strip() == "ready"
-        with frozen(proc.pid, version) as folder:
-            deadline = time.monotonic() + 10
-            while not (seen := sample(proc.pid)).frozen:
+        with freezers.frozen(proc.pid, version) as folder:
+            state = "D" if version == 1 else "S"
+            deadline = time.monotonic() + 10  # its threads stop on their way back to user space
+            while not ((seen := sample(proc.pid)).frozen and seen.main_state == state):
                 assert time.monotonic() < deadline, seen
                 time.sleep(0.05)
             assert seen.frozen == folder
-            assert seen.main_state == ("D" if version == 1 else "S")
         assert not sample(proc.pid).frozen
 
 
@@ -277,12 +246,14 @@ def test_terminate_leaves_a_process_sigkill_cannot_end_and_returns(tmp_path: Pat
     (pytest-timeout)."""
     from rocm_parallel.backend import launch
 
+    if why := freezers.unusable(1):
+        pytest.skip(why)
     proc = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; print('ready', flush=True); sys.stdin.read(); time.sleep(60)"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
     )  # fmt: skip
     assert proc.stdout.readline().strip() == b"ready"
-    with frozen(proc.pid, 1):
+    with freezers.frozen(proc.pid, 1):
         while not sample(proc.pid).frozen:
             time.sleep(0.05)
         started = time.monotonic()
@@ -293,3 +264,32 @@ def test_terminate_leaves_a_process_sigkill_cannot_end_and_returns(tmp_path: Pat
         assert "its cgroup is frozen" in launch.why_left(proc.pid)
     proc.wait(timeout=10)  # thawed: the SIGKILL it holds ends it
     assert proc.returncode == -signal.SIGKILL
+
+
+def test_a_worker_that_exits_takes_what_it_started_with_it() -> None:
+    """A worker that exits by itself (its death pipe, a crash) leaves what it started (a compiler, a vfork
+    child that never exec'd): `launch.reap` kills its process group before reaping it, while the group's id
+    is still its own. Mutation tried: `reap` as a plain `poll()` left the child running."""
+    from rocm_parallel.backend import launch
+
+    code = (
+        "import subprocess, sys\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print(child.pid, flush=True)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    child = int(proc.stdout.readline())
+    try:
+        deadline = time.monotonic() + 20
+        while launch.reap(proc) is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{child}") and sample(child) is not None and not sample(child).zombie:
+            assert time.monotonic() < deadline, "the child outlived its worker"
+            time.sleep(0.02)
+    finally:
+        with contextlib.suppress(OSError):
+            os.kill(child, signal.SIGKILL)

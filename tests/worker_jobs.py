@@ -229,23 +229,12 @@ def wait_in_kernel() -> None:
     libc.posix_spawn(ctypes.byref(pid), b"/bin/true", actions, None, argv, None)
 
 
-def freezer(version: int, pid: int) -> str:
-    """The test cgroup `freeze_self` puts process `pid` in (the suite thaws and removes it)."""
-    root = "/sys/fs/cgroup/freezer" if version == 1 else "/sys/fs/cgroup/unified"
-    return os.path.join(root, f"rocm-parallel-test-{pid}")
-
-
 def freeze_self(version: int) -> None:
-    """Move this process into a cgroup of its own and freeze it: cgroup v1's freezer (every thread in D,
-    SIGKILL waits for the thaw: a frozen container, and what a stuck driver call looks like to the OS) or
-    v2's cgroup.freeze (every thread asleep, S; SIGKILL works). The write that freezes returns; the
-    threads stop on their way back to user space."""
-    folder = freezer(version, os.getpid())
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "cgroup.procs"), "w") as f:
-        f.write(str(os.getpid()))
-    with open(os.path.join(folder, "freezer.state" if version == 1 else "cgroup.freeze"), "w") as f:
-        f.write("FROZEN" if version == 1 else "1")
+    """Freeze this process with cgroup `version`'s freezer (tests/freezers.py; the test thaws it). The write
+    that freezes returns; the threads stop on their way back to user space."""
+    import freezers
+
+    freezers.freeze(version, os.getpid())
     time.sleep(3600)
 
 
