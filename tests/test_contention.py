@@ -26,6 +26,7 @@ from contention_jobs import Miniature
 from worker_jobs import OnRank
 
 from rocm_parallel.backend.client import WorkerError, WorkerGroup
+from rocm_parallel.backend.liveness import DEFAULT_WATCHDOG
 from rocm_parallel.testing.traces import load, replay
 
 TESTS_DIR = str(Path(__file__).resolve().parent)
@@ -125,15 +126,24 @@ def test_recorded_contention_traces_replay_without_a_verdict(name: str) -> None:
     assert header["left_looks"] > 0
 
 
-def test_a_recorded_blocked_rank_is_named_from_its_trace() -> None:
-    """A recorded run beside the burners in which rank 1 blocks in Python at step 3: replayed, the first
-    verdict names rank 1 alone, after the recorded block began and within seconds of it (tests/bounds.py)."""
-    header, events = load(TRACES / "blocked-2.jsonl.gz")
+@pytest.mark.parametrize(
+    ("name", "named", "window"),
+    [
+        ("blocked-2", "does no work while running 'hang_at'", DEFAULT_WATCHDOG.idle),
+        ("asleep-2", "does no work while running 'hang_at'", DEFAULT_WATCHDOG.idle),
+        ("kernel-2", "has been in uninterruptible sleep (D) for", DEFAULT_WATCHDOG.uninterruptible),
+    ],
+)
+def test_a_recorded_hung_rank_is_named_from_its_trace(name: str, named: str, window: float) -> None:
+    """Recorded runs beside the burners in which rank 1 hangs at step 3 (tests/tools/record_liveness_traces.py
+    `HANGS`: blocked in Python; asleep while a thread of it uses a fifth of a core; its main thread in D with
+    its reports going on): replayed, the first verdict names rank 1 alone, after its window and within
+    seconds of it. Mutations tried: counting every thread's CPU again (`job = whole`) left 'asleep-2' with no
+    verdict; without the D rule 'kernel-2' had none."""
+    header, events = load(TRACES / f"{name}.jsonl.gz")
     verdicts = [(now, hang) for now, hang in replay(header, events) if hang is not None]
     assert verdicts, "no verdict"
     now, hang = verdicts[0]
     assert hang.ranks == hang.kill == (1,)
-    assert (
-        hang.why.startswith("worker rank 1 (cpu, pid ") and "does no work while running 'hang_at'" in hang.why
-    )
-    assert header["blocked_at"] <= now < header["blocked_at"] + 15
+    assert hang.why.startswith("worker rank 1 (cpu, pid ") and named in hang.why, hang.why
+    assert header["blocked_at"] + window <= now < header["blocked_at"] + window + 10

@@ -272,7 +272,9 @@ def test_a_rank_inside_a_collective_whose_threads_move_its_data_is_not_idle() ->
     """Rank 1 still shows collective #2 pending while rank 0 has left it and issued more (the starved-rank
     picture): its main thread waits, gloo's threads are runnable, finishing the transfer. Its whole process
     counts there, not its job's thread: no verdict. A rank whose late report comes from a starved reporting
-    thread is judged by its whole process too (it may have entered a collective since)."""
+    thread is judged by its whole process too (it may have entered a collective since). Mutation tried:
+    judging the collective rules by the job's thread (`quiet_since` from the job's view) named rank 1 at
+    4.5 s."""
     left = {0: (_group("a", (0, 1), 4, 3, since=0.5),), 1: (_group("a", (0, 1), 2, 1, since=0.5),), 2: ()}
     assert Ranks().until(300.0, left, threads=(1,), busy=(0, 2)) is None
     waits = {0: (_group("a", (0, 1), 5, 4, since=0.5),), 1: (_group("a", (0, 1), 4, 4),), 2: ()}
