@@ -1,26 +1,34 @@
 """Telling a hung rank from a slow one, in the caller: by what the ranks do, never by a clock.
 
 Every rank reports several times a second what it is doing and where it is in its collectives
-(heartbeat.py); the OS says whether its threads run, wait for a core or a disk, and how much CPU they
-used (procstat.py); its report says whether work is queued on its GPU. A rank **does no work** when none
-of its threads (its reporting thread aside) is runnable or in disk wait, it used no CPU since the last
-look, and no GPU work is queued. A rank **is waited for** when a peer waits in a collective it has not
+(heartbeat.py); the OS says, thread by thread, whether it runs, waits for a core or sleeps in the kernel,
+and how much CPU it used (procstat.py); its report says whether work is queued on its GPU. A rank's job
+**does no work** when the thread that runs it (the main thread) is not runnable and used no CPU, nothing
+the rank started works and no GPU work is queued. Its other threads are left out there: gloo's wake a few
+times a second and use a tick or three of CPU whatever the rank does (issue 56: a rank asleep in Python
+was never named for them). They count where they do the job's work: a rank inside a collective, whose
+data gloo's threads move (the collective rules and whether a late report still says where a rank is, by
+the rank's whole process, `quiet_since`), and a rank whose reports lag behind a starved reporting thread
+(where it is is not known). A rank **is waited for** when a peer waits in a collective it has not
 reached, or when every other rank has finished the job (at start-up: when a rank further along waits
 for it). `Liveness` finds a hang only in one of these, each held for a few seconds (`Watchdog`):
 
-- a rank is stopped by the OS (SIGSTOP, a debugger): `stopped` seconds;
+- a rank is stopped by the OS (SIGSTOP, a debugger) or its cgroup frozen: `stopped` seconds;
 - a rank that is waited for does no work: `idle` seconds. It is blocked (a lock, a sleep, a native call
   that never returns), whatever its reporting thread says; named, and killed;
+- a rank that is waited for sleeps in the kernel uninterruptibly (`D`) with no progress (no CPU, no page
+  or byte read): `uninterruptible` seconds, longer than `idle` (a slow network share waits in `D` between
+  pages). A driver or disk call that does not return (a frozen cgroup v1 shows the same); named, killed;
 - a rank waits in a collective that cannot complete, `grace` seconds: a peer that finished the job never
   issued it; the ranks' recorders disagree on what collective #n was (op, or shapes where they must
   match); or the rank does no work while a peer has left #n and issued later collectives on that group;
   or ranks that do no work wait for each other in a cycle.
 
 What is never a hang: a rank that works, however long (a first step that compiles kernels, a bigger image,
-a checkpoint on a network share: `D`); a rank that is runnable but gets no CPU on a busy machine
-(starvation: its reports may lag by seconds, its collectives complete late, but it is `R`); ranks that
-all sleep in the same call (nobody waits for anybody); a peer having left collective #n while the rank
-still works in it (a starved rank finishes #n seconds after its peer: its data was sent long ago).
+a checkpoint on a network share: `D` with pages read); a rank that is runnable but gets no CPU on a busy
+machine (starvation: its reports may lag by seconds, its collectives complete late, but it is `R`); ranks
+that all sleep in the same call (nobody waits for anybody); a peer having left collective #n while the
+rank still works in it (a starved rank finishes #n seconds after its peer: its data was sent long ago).
 
 The boundary (issue 44): a native call that holds the GIL stops the reports. Silence alone is no sign:
 such a rank is judged by the OS like any other, and with its reports stopped its GPU queue cannot be
@@ -48,8 +56,8 @@ class Watchdog:
     """How long each sign of a hang must hold before the job fails (seconds).
 
     `scaled(factor)` multiplies the four windows of the rules (not the collective timeout, which the workers'
-    process groups enforce themselves): the suite and `bench hangs` exercise the same rules in a fifth of
-    the time, a slow but healthy rank still outlasting each window by the same ratio."""
+    process groups enforce themselves): the suite exercises the same rules in less time (tests/bounds.py),
+    a slow but healthy rank outlasting each window by the same ratio."""
 
     stopped: float = 2.0  # the OS reports the process stopped, or its cgroup frozen
     idle: float = 5.0  # a rank that is waited for does no work (its job's thread used no CPU, no GPU work)
@@ -100,7 +108,6 @@ class Hang:
 class _Seen:
     state: RankState | None = None
     reported: float = 0.0  # caller time the report last changed
-    looked: float = 0.0
     sampled: bool = False  # the readings below hold a look (a first look has nothing to compare with)
     job_cpu: float = 0.0  # the job's thread's (and its descendants') CPU seconds at the last look
     main_io: int = 0  # the job's thread's disk progress at the last look
@@ -197,7 +204,7 @@ class Liveness:
         self.method = method
         self.what = f"running {method!r}" if method else "starting"  # completes messages
         self.started = now
-        self.seen = {rank: _Seen(reported=now, looked=now) for rank in range(len(devices))}
+        self.seen = {rank: _Seen(reported=now) for rank in range(len(devices))}
         self._since: dict[str, dict[tuple, float]] = {}  # kind of sign -> each sign -> since when it holds
         self._waited_spans: dict[str, dict[int, tuple[float, float]]] = {}  # `_held_while_waited`
         self.questions: dict[str, int] = {}  # group -> the collective its ranks are asked about
@@ -258,7 +265,7 @@ class Liveness:
         stuck = in_d and not job
         seen.stuck_since = (seen.stuck_since if seen.stuck_since is not None else now) if stuck else None
         seen.wait = process.main_wait if stuck else ""
-        seen.job_cpu, seen.main_io, seen.looked, seen.sampled = process.job_cpu, process.main_io, now, True
+        seen.job_cpu, seen.main_io, seen.sampled = process.job_cpu, process.main_io, True
 
     @staticmethod
     def _busy(seen: _Seen, cpu: float, now: float) -> bool:

@@ -33,6 +33,7 @@ import torch
 from ..backend import launch
 from ..backend.api import ParallelModel
 from ..backend.client import WorkerError, WorkerGroup
+from ..backend.config import ConfigError
 from ..backend.liveness import DEFAULT_WATCHDOG
 from ..testing.helpers import TINY_CONFIG as CONFIG
 from ..testing.helpers import sampling_job, write_random_checkpoint
@@ -43,6 +44,7 @@ NAMED_WITHIN = 15.0  # issue 56's bound for a Python-level hang, quiet or beside
 FROZEN_NAMED_WITHIN = 60.0  # ... for a rank frozen in the kernel
 CLOSED_WITHIN = 10.0  # ... for closing the group, whatever state its ranks are in
 ASLEEP = {"kind": "sleep", "seconds": 3600.0}
+RETRIES, RETRY_AFTER = 30, 10.0  # a group refused for want of host memory is asked again this often
 
 # (kind in words, OnRank options, where: 'first call' | 'mid-sample' | 'load' | 'LoRA', workers)
 PYTHON_HANGS: list[tuple[str, dict[str, Any], str, int]] = [
@@ -204,7 +206,15 @@ def run(args: argparse.Namespace) -> str:
     rows: list[Row] = []
 
     def measure(load: str, kind: str, where: str, world: int, fn: Callable[..., Row], *fn_args: Any) -> None:
-        row = {"load": load, "kind": kind, "where": where, "workers": world, **fn(*fn_args)}
+        for attempt in range(RETRIES + 1):
+            try:
+                outcome = fn(*fn_args)
+                break
+            except ConfigError as exc:  # a shared machine short of memory for the workers just now
+                outcome = {"error_s": float("nan"), "named": None, "message": f"not run: {exc}"}
+                if attempt < RETRIES:
+                    time.sleep(RETRY_AFTER)
+        row = {"load": load, "kind": kind, "where": where, "workers": world, **outcome}
         rows.append(row)
         print(
             f"  {load}, {kind}, {where}, {world} workers: {row['error_s']:.1f} s, rank {row['named']}",

@@ -28,8 +28,8 @@ from rocm_parallel.backend.client import WorkerError, WorkerGroup
 
 TESTS_DIR = str(Path(__file__).resolve().parent)
 # The D window shortened further: the test shows a rank in D is named after its own window, longer than
-# `idle`, not how long 12 s is.
-WATCHDOG = replace(SCALED, uninterruptible=3 * SCALED.idle)
+# `idle` (the Python hangs' window), not how long 12 s is.
+WATCHDOG = replace(SCALED, uninterruptible=2 * SCALED.idle)
 
 # kind -> (OnRank options, how the error goes on after "worker rank 1 (cpu, pid N) ", the window it waits)
 KINDS = {
