@@ -524,7 +524,7 @@ def _wait_for_exits(
                     stuck.pop(proc.pid, None)
             if any(now - since >= STUCK_SECONDS for since in stuck.values()):
                 return
-        time.sleep(0.02)
+        time.sleep(0.05)
 
 
 def _can_run(pid: int) -> bool:
