@@ -1,4 +1,4 @@
-"""ROCm Parallel: several local GPUs compute one FLUX image together, from ComfyUI.
+"""ROCm Parallel: several local GPUs compute one image together, from ComfyUI.
 
 ComfyUI's entry point. Imports nothing heavy (no torch, no diffusers) so that loading the pack, or
 importing it outside ComfyUI, is cheap; the engine lives in `backend/` and runs in worker processes.

@@ -92,9 +92,14 @@ def _counting_backend(mode: str) -> Callable[..., Any]:
     return backend
 
 
+def repeated_blocks(model: nn.Module) -> tuple[str, ...]:
+    """The class names diffusers marks as the model's repeated blocks (none: empty)."""
+    return tuple(getattr(model, "_repeated_blocks", None) or ())
+
+
 def repeated_block_classes(model: nn.Module) -> tuple[str, ...]:
     """The class names diffusers marks as the model's repeated blocks; ConfigError when there are none."""
-    names = tuple(getattr(model, "_repeated_blocks", None) or ())
+    names = repeated_blocks(model)
     if not names:
         raise ConfigError(
             f"compile: {type(model).__name__} names no repeated blocks (_repeated_blocks); load it with "

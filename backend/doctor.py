@@ -19,9 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .client import WorkerError, WorkerGroup, validate_devices
 from .config import ConfigError
-from .messages import HealthRequest, LinkRequest
 from .platforms import (
     AOTRITON_FLAG,
     build_kind,
@@ -31,6 +29,8 @@ from .platforms import (
     torch_build,
     visible_gpus,
 )
+from .runtime.client import WorkerError, WorkerGroup, validate_devices
+from .runtime.messages import HealthRequest, LinkRequest
 
 # The environment variables that change how the workers' collectives and kernels behave.
 ENV_FLAGS = (

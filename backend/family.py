@@ -57,8 +57,8 @@ from .config import ConfigError, ModelDims
 if TYPE_CHECKING:  # the records' types; importing them here would make this module import torch
     from torch import nn
 
-    from .call import CallSpec
     from .checkpoint.keys import KeyLayout, Source
+    from .diffusion.call import CallSpec
     from .parallel.context import ContextParallelSpec
     from .parallel.tensor import TensorParallelSpec
     from .vae.kind import VaeKind
@@ -156,7 +156,7 @@ class ReferenceLatents:
     FluxKontextMultiReferenceLatentMethod node, "Edit Model Reference Method" since ComfyUI 0.17).
 
     `methods` are the placements ComfyUI's own model of the family runs in the versions the pack is checked
-    against (comfy/ldm/flux/model.py `Flux._forward`, comfy/ldm/qwen_image/model.py); `backend/checks.py` refuses any other before a rank
+    against (comfy/ldm/flux/model.py `Flux._forward`, comfy/ldm/qwen_image/model.py); `backend/diffusion/checks.py` refuses any other before a rank
     runs, naming why ComfyUI cannot run it either. `what` and `workflow` are for messages: the feature's
     name and the shipped workflow (workflows/) whose graph samples this family with the ROCm Parallel Model.
     """
@@ -264,7 +264,7 @@ class ModelFamily:
     - `tp` (parts): the tensor-parallel spec (plan, block forwards, modulation source, attention processors);
       `cp` (parts): what context parallelism may rebuild and returns; `planner`: the measured activation units.
     The model call (ComfyUI's)
-    - `call_spec` (parts): the call as data (backend/call.py `CallSpec`): its inputs by ComfyUI's names, which are a
+    - `call_spec` (parts): the call as data (backend/diffusion/call.py `CallSpec`): its inputs by ComfyUI's names, which are a
       prompt's and which change every step, which carry the batch or add tokens, and the family's checks.
     - `call(model_fn, x, timestep, **inputs)` (parts): one model call with ComfyUI's semantics (pad, patchify, ids,
       crop) on the inputs `call_spec` declares; `model_fn(model)` adapts the diffusers model to it.

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from ..backend.api import ParallelModel
 from ..backend.checkpoint import diffusers_to_bfl, save_checkpoint
 from ..backend.config import ParallelLayout
+from ..backend.diffusion.api import ParallelModel
 from ..backend.flux.model import build_flux
 from ..testing.helpers import TEST_CONFIG, markdown_table
 

@@ -32,12 +32,13 @@ from typing import Any
 
 import torch
 
-from ..backend import client, forward_client
-from ..backend.api import ParallelModel
 from ..backend.config import ParallelLayout
+from ..backend.diffusion import forward_client
+from ..backend.diffusion.api import ParallelModel
 from ..backend.flux.forward import flux_call
 from ..backend.flux.model import build_flux
 from ..backend.flux.sampling import diffusers_model_fn
+from ..backend.runtime import client
 from ..testing.helpers import markdown_table, write_random_checkpoint
 from ..testing.models import tiny_flux_config
 from .step import CONFIG, TEXT_TOKENS, step_inputs

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from ..backend.api import ParallelModel
 from ..backend.config import ParallelLayout
+from ..backend.diffusion.api import ParallelModel
 from ..testing.helpers import markdown_table, write_random_checkpoint
 from ..testing.models import tiny_flux_config
 

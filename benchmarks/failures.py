@@ -32,10 +32,10 @@ from typing import Any
 import psutil
 import torch
 
-from ..backend.api import ParallelModel
 from ..backend.checkpoint import load as load_module
 from ..backend.checkpoint import load_model
-from ..backend.client import WorkerGroup
+from ..backend.diffusion.api import ParallelModel
+from ..backend.runtime.client import WorkerGroup
 from ..testing.helpers import TINY_CONFIG as CONFIG
 from ..testing.helpers import sampling_job, write_random_checkpoint
 from ..testing.writers import write_random_lora
@@ -215,7 +215,7 @@ def _stop_at_start() -> Row:
 
 def _exit_without_close() -> Row:
     script = (
-        "import time; from rocm_parallel.backend.client import WorkerGroup\n"
+        "import time; from rocm_parallel.backend.runtime.client import WorkerGroup\n"
         "g = WorkerGroup(['cpu', 'cpu'], threads=1)\n"
         "print(*g.pids, flush=True); print(time.perf_counter(), flush=True)\n"
     )

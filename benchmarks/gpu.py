@@ -465,7 +465,7 @@ TEXT_AND_VAE_BYTES = 9.52e9 + 0.25e9 + 0.17e9
 def comfy_rows(run: Run, results: dict[str, Any]) -> list[dict[str, Any]]:
     """A real worker group of one worker on this device holds rank 0's TP-2 share of FLUX.1-dev (the
     planner's figure; the dry run: the tiny model's), and ComfyUI's memory manager is asked what it sees."""
-    from ..backend.client import WorkerGroup
+    from ..backend.runtime.client import WorkerGroup
     from .gpu_methods import HoldShare
 
     mm, where = comfy_memory_manager()

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from ..backend.transport import record
-from ..backend.worker import handler
+from ..backend.runtime.transport import record
+from ..backend.runtime.worker import handler
 
 
 @record

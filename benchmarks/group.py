@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..backend.api import ParallelModel
+from ..backend.diffusion.api import ParallelModel
 from ..backend.flux.model import build_flux
 from ..backend.flux.sampling import diffusers_model_fn, sample_flux
 from ..testing.helpers import TINY_CONFIG as CONFIG

@@ -30,11 +30,11 @@ from typing import Any
 
 import torch
 
-from ..backend import launch, watch
 from ..backend.api import ParallelModel
-from ..backend.client import WorkerError, WorkerGroup
 from ..backend.config import ConfigError
-from ..backend.liveness import DEFAULT_WATCHDOG
+from ..backend.runtime import launch, watch
+from ..backend.runtime.client import WorkerError, WorkerGroup
+from ..backend.runtime.liveness import DEFAULT_WATCHDOG
 from ..testing.helpers import TINY_CONFIG as CONFIG
 from ..testing.helpers import sampling_job, write_random_checkpoint
 from ..testing.writers import write_random_lora

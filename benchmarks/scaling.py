@@ -99,7 +99,7 @@ def _inputs(size: int, text_tokens: int, dims: FluxDims) -> tuple[list[Any], dic
 
 
 def measure(flux: Any, checkpoint: str, layout: ParallelLayout, args: argparse.Namespace, bar: Bar) -> dict:
-    from ..backend.api import ParallelModel
+    from ..backend.diffusion.api import ParallelModel
 
     assert isinstance(flux, ParallelModel)
     dims = FluxDims.from_diffusers_config(CONFIG)
@@ -190,7 +190,7 @@ def _devices(spec: str | None, most: int) -> tuple[str, ...]:
 
 
 def run(args: argparse.Namespace) -> str:
-    from ..backend.api import ParallelModel
+    from ..backend.diffusion.api import ParallelModel
 
     counts = [int(n) for n in args.workers.split(",")]
     pool = _devices(args.devices, max(counts))

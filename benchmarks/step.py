@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from ..backend.api import ParallelModel
 from ..backend.config import ParallelLayout
+from ..backend.diffusion.api import ParallelModel
 from ..backend.flux.forward import flux_call
 from ..backend.flux.model import build_flux
 from ..backend.flux.sampling import diffusers_model_fn

@@ -138,8 +138,8 @@ def measure_on_cpu_workers(kind: Any, args: argparse.Namespace) -> list[dict[str
     import os
     import tempfile
 
-    from ..backend.api import ParallelModel
-    from ..backend.client import WorkerGroup
+    from ..backend.diffusion.api import ParallelModel
+    from ..backend.runtime.client import WorkerGroup
     from ..backend.vae.api import ParallelVae
 
     if args.encode:

@@ -201,8 +201,8 @@ class RocmParallelLoader:
     @classmethod
     def VALIDATE_INPUTS(cls, devices: str) -> bool | str:
         # Runs when the prompt is queued: a bad device list is reported before anything executes.
-        from ..backend.client import validate_devices
         from ..backend.config import ConfigError
+        from ..backend.runtime.client import validate_devices
 
         try:
             validate_devices(inputs.parse_devices(devices))
@@ -223,7 +223,7 @@ class RocmParallelLoader:
     ) -> tuple[ParallelHandle]:
         import folder_paths
 
-        from ..backend.client import validate_devices
+        from ..backend.runtime.client import validate_devices
 
         handle = ParallelHandle(
             checkpoint=folder_paths.get_full_path_or_raise("diffusion_models", checkpoint),

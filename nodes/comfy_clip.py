@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from ..backend.encoders.api import ParallelEncoder
     from ..backend.encoders.files import EncoderInfo
     from ..backend.encoders.kind import EncoderKind
-    from ..backend.resident import ResidentGroup
+    from ..backend.resident.group import ResidentGroup
 
 # Every channel of a looked-up token's row but the first (which holds the id): float32's most negative
 # finite value, which no embedding holds and which ComfyUI's nan_to_num (T5 with fp8 weights) leaves alone.
@@ -193,7 +193,7 @@ def build_clip(
 ) -> Any:
     """ComfyUI's own CLIP for `paths` and `clip_type` with its sharded encoder on `group` (module docstring).
     `comfy_options`: more of ComfyUI's `model_options` (e.g. a companion's `model_config` for a small
-    test file). `placement`: where the shard waits between prompts (backend/parking.py). Every file is checked first (backend/encoders/files.py); nothing runs on a rank here."""
+    test file). `placement`: where the shard waits between prompts (backend/resident/parking.py). Every file is checked first (backend/encoders/files.py); nothing runs on a rank here."""
     import comfy.sd
 
     from ..backend.encoders.api import ParallelEncoder

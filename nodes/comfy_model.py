@@ -129,7 +129,7 @@ class ParallelDiffusionModel(torch.nn.Module):
         # self.params.default_ref_method)`; FLUX.2's unet_config says "index", FLUX.1's default "offset".
         # (ComfyUI 0.33's FluxKVCache object-patches this attribute when the model has no `params`; its
         # attention patches are refused with checks.KV_CACHE_MESSAGE.) Every method is checked against the
-        # family's `references` before a rank runs (backend/checks.py).
+        # family's `references` before a rank runs (backend/diffusion/checks.py).
         self.default_ref_method = default_ref_method
 
     def __getattr__(self, name: str) -> Any:

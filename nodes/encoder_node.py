@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..backend.parking import DEFAULT_POLICY, PARK_POLICIES, check_policy
+from ..backend.resident.parking import DEFAULT_POLICY, PARK_POLICIES, check_policy
 from . import inputs
 from .inputs import CATEGORY
 from .registry import REGISTRY, shows_errors
@@ -93,7 +93,7 @@ class RocmParallelTextEncoderLoader:
     ) -> tuple[Any]:
         import folder_paths
 
-        from ..backend.client import validate_devices
+        from ..backend.runtime.client import validate_devices
         from .comfy_clip import build_clip
 
         names = [clip_name1] + ([clip_name2] if clip_name2 != NONE else [])

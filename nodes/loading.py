@@ -13,9 +13,9 @@ from .inputs import PRELOAD_LAYOUTS, ParallelHandle, tp_layout
 from .registry import Registry
 
 if TYPE_CHECKING:
-    from ..backend.api import ParallelModel
     from ..backend.checkpoint import CheckpointInfo
-    from ..backend.resident import LoadOptions
+    from ..backend.diffusion.api import ParallelModel
+    from ..backend.diffusion.group import LoadOptions
 
 
 def needs_gpu_memory(devices: Sequence[str]) -> bool:
@@ -42,14 +42,14 @@ def load(
     """Start (or reuse) the group for the handle's devices and, unless preload is 'none', load the model."""
     if preload not in PRELOAD_LAYOUTS:
         raise ConfigError(f"preload={preload!r} is not offered; use one of {', '.join(PRELOAD_LAYOUTS)}")
-    flux = registry.group_for(handle.devices)
+    model = registry.group_for(handle.devices)
     if preload == "none":
-        start_workers(registry, flux)  # now, so the first sampler run only loads weights
-        return flux
+        start_workers(registry, model)  # now, so the first sampler run only loads weights
+        return model
     info = None  # a fixed layout reads the header in the 'loading' phase, so a bad file shows there
     if preload == "auto":
         info = read_checkpoint(handle)
-        layout = auto_layout(registry, flux, handle, info, 1024, 1024, 1, context_only=False)
+        layout = auto_layout(registry, model, handle, info, 1024, 1024, 1, context_only=False)
     else:
         registry.update(auto=None)
         layout = (
@@ -57,20 +57,20 @@ def load(
             if preload == "tp"
             else ParallelLayout.make("context", len(handle.devices), ring, ulysses)
         )
-    ensure_loaded(registry, flux, handle, info, layout, interrupted)
-    return flux
+    ensure_loaded(registry, model, handle, info, layout, interrupted)
+    return model
 
 
-def start_workers(registry: Registry, flux: ParallelModel) -> None:
+def start_workers(registry: Registry, model: ParallelModel) -> None:
     """Start the worker processes if they are not running, showing 'starting' meanwhile."""
-    if not flux.started:
+    if not model.started:
         with registry.phase("starting workers"):
-            flux.start()
+            model.start()
 
 
 def auto_layout(
     registry: Registry,
-    flux: ParallelModel,
+    model: ParallelModel,
     handle: ParallelHandle,
     info: CheckpointInfo,
     width: int,
@@ -87,7 +87,7 @@ def auto_layout(
     video's frames."""
     from ..backend.checkpoint import planned_weight_dtype
 
-    choice = flux.auto_layout(
+    choice = model.auto_layout(
         info.dims, width, height, batch, handle.dtype, context_only=context_only,
         weight_dtype=planned_weight_dtype(handle.weight_dtype, info), family=info.family,
         reference_tokens=reference_tokens, fixed=fixed, frames=frames,
@@ -98,7 +98,7 @@ def auto_layout(
 
 def ensure_loaded(
     registry: Registry,
-    flux: ParallelModel,
+    model: ParallelModel,
     handle: ParallelHandle,
     info: CheckpointInfo | None,
     layout: ParallelLayout,
@@ -120,15 +120,15 @@ def ensure_loaded(
         try:
             info = info if info is not None else read_checkpoint(handle)
             options = load_options(handle, layout)
-            flux.check_load(info, options)
-            if not flux.started:  # started only once the load is known to be valid
+            model.check_load(info, options)
+            if not model.started:  # started only once the load is known to be valid
                 registry.update(phase="starting workers")
-                flux.start()
+                model.start()
                 registry.update(phase="loading")
-            reports = flux.load(info, options, progress=check)
+            reports = model.load(info, options, progress=check)
         finally:
             registry.update(loading=None)
-            registry.record_resident(flux)
+            registry.record_resident(model)
     registry.record_ranks(reports)
 
 
@@ -145,7 +145,7 @@ def add_lora(handle: ParallelHandle, path: str, strength: float) -> ParallelHand
 
 def load_options(handle: ParallelHandle, layout: ParallelLayout) -> LoadOptions:
     """The backend's LoadOptions for the handle's model in `layout` (ParallelModel.load / check_load)."""
-    from ..backend.resident import LoadOptions
+    from ..backend.diffusion.group import LoadOptions
 
     return LoadOptions(
         layout=layout, dtype=handle.dtype, weight_dtype=handle.weight_dtype, loras=handle.loras,

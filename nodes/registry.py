@@ -13,12 +13,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..backend.redact import file_name, file_names_only
+from ..backend.runtime.redact import file_name, file_names_only
 from .inputs import describe_layout
 
 if TYPE_CHECKING:
-    from ..backend.api import ParallelModel
-    from ..backend.messages import RankStatus
+    from ..backend.diffusion.api import ParallelModel
+    from ..backend.resident.messages import RankStatus
 
 # Worker threads per process (torch.set_num_threads); unset leaves torch's default. Tests and shared
 # CPU machines set it to 1 so that several CPU workers do not fight over the same cores.
@@ -83,7 +83,7 @@ def threads_from_env() -> int | None:
 
 
 def _default_factory(devices: tuple[str, ...]) -> ParallelModel:
-    from ..backend.api import ParallelModel
+    from ..backend.diffusion.api import ParallelModel
 
     return ParallelModel(list(devices), threads=threads_from_env())
 
@@ -97,7 +97,7 @@ class Registry:
 
     def __init__(self, factory: Callable[[tuple[str, ...]], ParallelModel] = _default_factory) -> None:
         self._factory = factory
-        self._flux: ParallelModel | None = None
+        self._model: ParallelModel | None = None
         self._lock = threading.Lock()
         self.state: dict[str, Any] = self._idle_state()
 
@@ -107,23 +107,23 @@ class Registry:
 
     @property
     def current(self) -> ParallelModel | None:
-        return self._flux
+        return self._model
 
     def group_for(self, devices: Sequence[str]) -> ParallelModel:
         """The resident ParallelModel for exactly these devices (started lazily by the backend)."""
         key = tuple(devices)
-        if self._flux is not None and tuple(self._flux.devices) == key:
-            return self._flux
+        if self._model is not None and tuple(self._model.devices) == key:
+            return self._model
         self.close()
-        self._flux = self._factory(key)
-        self.update(devices=list(self._flux.devices), phase="idle")
-        return self._flux
+        self._model = self._factory(key)
+        self.update(devices=list(self._model.devices), phase="idle")
+        return self._model
 
     def close(self) -> None:
         """Stop the worker group (ComfyUI's models can have the devices back)."""
-        flux, self._flux = self._flux, None
-        if flux is not None:
-            flux.close()
+        model, self._model = self._model, None
+        if model is not None:
+            model.close()
         with self._lock:
             self.state = self._idle_state()
 
@@ -147,10 +147,10 @@ class Registry:
             if state.get(key):
                 state[key] = public_text(str(state[key]))
         state["ranks"] = [{**r, "text": rank_line(r)} for r in state.get("ranks", [])]
-        transport = getattr(self._flux, "transport_note", None)  # a slower transport after a failed start
+        transport = getattr(self._model, "transport_note", None)  # a slower transport after a failed start
         if transport:
             state["transport"] = public_text(transport)
-        activity = self._flux.activity if self._flux is not None else None
+        activity = self._model.activity if self._model is not None else None
         if activity:
             step, total = state.get("step"), state.get("total")
             label = f"step {step + 1} of {total}" if state.get("phase") == "sampling" and total else None
@@ -202,7 +202,7 @@ class Registry:
 
     def watch_residency(self, model: ParallelModel) -> None:
         """Keep the panel's `models` current whenever what `model`'s ranks hold, or where, changes (a text
-        encoder parked in host memory while the model samples: backend/parking.py)."""
+        encoder parked in host memory while the model samples: backend/resident/parking.py)."""
         model.on_residency_change = lambda: self.record_resident(model)
 
     def record_ranks(self, reports: Sequence[RankStatus]) -> None:

@@ -9,16 +9,16 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from ..backend.call import LATENT_TOKENS, tensors_of
 from ..backend.config import ParallelLayout
-from ..backend.watch import interrupt_check
+from ..backend.diffusion.call import LATENT_TOKENS, tensors_of
+from ..backend.runtime.watch import interrupt_check
 from .inputs import LayoutRequest, ParallelHandle
 from .loading import auto_layout, ensure_loaded, read_checkpoint
 from .registry import Registry
 
 if TYPE_CHECKING:
-    from ..backend.api import ParallelModel
     from ..backend.checkpoint import CheckpointInfo
+    from ..backend.diffusion.api import ParallelModel
 
 
 class ModelRunner:
@@ -116,7 +116,7 @@ class ModelRunner:
         self.calls += 1
         if self.interrupted is not None:
             self.interrupted()  # a Cancel pressed since the last call: stop before this one
-        # ... and one pressed during it: the ranks stop a few blocks in (backend/cancel_points.py)
+        # ... and one pressed during it: the ranks stop a few blocks in (backend/runtime/cancel_points.py)
         with interrupt_check(self.interrupted):
             return model.forward(x, timestep, slot=self.handle.slot, **inputs)
 

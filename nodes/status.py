@@ -17,19 +17,19 @@ def status_text(registry: Registry, action: str, devices: Sequence[str] | None =
         raise ConfigError(f"action={action!r} is not offered; use one of {', '.join(STATUS_ACTIONS)}")
     if action == "doctor":
         return doctor_text(registry, devices)
-    flux = registry.current
-    if action == "unload" and flux is not None:
-        flux.unload()
-        registry.record_resident(flux)
-        if flux.started:
-            registry.record_ranks(flux.status())
+    model = registry.current
+    if action == "unload" and model is not None:
+        model.unload()
+        registry.record_resident(model)
+        if model.started:
+            registry.record_ranks(model.status())
     elif action == "close":
         registry.close()
-    elif flux is not None and flux.started:
-        registry.record_ranks(flux.status())
-    flux = registry.current
+    elif model is not None and model.started:
+        registry.record_ranks(model.status())
+    model = registry.current
     return format_state(registry.snapshot()) + "".join(
-        f"\nwarning: {w}" for w in (flux.warnings if flux is not None else ())
+        f"\nwarning: {w}" for w in (model.warnings if model is not None else ())
     )
 
 
@@ -38,8 +38,8 @@ def doctor_text(registry: Registry, devices: Sequence[str] | None = None) -> str
     busy with it), otherwise starts a short-lived one on `devices` (default: every GPU, else 'cpu x2')."""
     from ..backend import doctor
 
-    flux = registry.current
-    group = flux.group if flux is not None and flux.started else None
+    model = registry.current
+    group = model.group if model is not None and model.started else None
     return doctor.format_report(doctor.collect(devices, group=group))
 
 
@@ -57,7 +57,7 @@ def format_state(state: dict[str, Any]) -> str:
         if state.get("loading"):
             lines.append(f"loading: {state['loading']}")
         models = state.get("models") or []
-        if len(models) > 1:  # a text encoder beside the model: where it waits (backend/parking.py)
+        if len(models) > 1:  # a text encoder beside the model: where it waits (backend/resident/parking.py)
             lines.append("resident: " + ", ".join(model_text(m) for m in models))
         lines += [f"  {rank_line(r)}" for r in state.get("ranks", [])]
         if state.get("auto"):

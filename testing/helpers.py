@@ -21,7 +21,7 @@ from ..backend.checkpoint import save_checkpoint
 from ..backend.flux.demo import DEMO_CONFIG
 from ..backend.flux.dims import FluxDims
 from ..backend.flux.model import build_flux
-from ..backend.parallel.comm import synchronize
+from ..backend.runtime.worker import synchronize
 from ..backend.text import markdown_row, markdown_table
 from .models import tiny_flux_config
 

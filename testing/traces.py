@@ -14,8 +14,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ..backend.liveness import Hang, Liveness, Process, Watchdog
-from ..backend.messages import RankState
+from ..backend.runtime.liveness import Hang, Liveness, Process, Watchdog
+from ..backend.runtime.messages import RankState
 
 
 class Recorder:

@@ -1,7 +1,7 @@
 """Time bounds and watchdog windows the liveness tests share, and why they are what they are.
 
 A rank that blocks is named once it has done no work for the watchdog's `idle` (5 s) while a peer waits for
-it (backend/liveness.py). The seconds between the block and the error the caller sees add the caller's own
+it (backend/runtime/liveness.py). The seconds between the block and the error the caller sees add the caller's own
 looks, the kill and the group's clean-up, all of which wait for a core: on 2 cores at load 13-16 (several
 suites at once) a hang while loading was named after 22 s, at load ~2 after 6-9 s. The failures these tests
 guard against take far longer: the process groups' 600 s collective timeout (naming the wrong rank), or no
@@ -18,7 +18,7 @@ for the window. The reports (5 a second) and the caller's looks (5 a second) are
 `idle` window (2 s) longer than a report may lag (`liveness.FRESH`, 1.5 s).
 """
 
-from rocm_parallel.backend.liveness import Watchdog
+from rocm_parallel.backend.runtime.liveness import Watchdog
 
 HANG_NAMED_WITHIN = 30.0  # seconds from the block to the caller's error
 SCALED = Watchdog().scaled(0.4)  # stopped 0.8 s, idle 2 s, grace 1.2 s, uninterruptible 12 s

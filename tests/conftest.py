@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rocm_parallel.backend.checkpoint import save_checkpoint
-from rocm_parallel.backend.client import WorkerGroup
+from rocm_parallel.backend.runtime.client import WorkerGroup
 
 TESTS_DIR = str(Path(__file__).resolve().parent)
 # Test-only worker methods, imported by the workers from tests/ (see WorkerGroup(methods=...)).

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rocm_parallel.backend.transport import record
-from rocm_parallel.backend.worker import handler
+from rocm_parallel.backend.runtime.transport import record
+from rocm_parallel.backend.runtime.worker import handler
 
 
 @record

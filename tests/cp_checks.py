@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rocm_parallel.backend.transport import record
-from rocm_parallel.backend.worker import handler
+from rocm_parallel.backend.runtime.transport import record
+from rocm_parallel.backend.runtime.worker import handler
 
 
 @record

@@ -16,8 +16,8 @@ from rocm_parallel.backend.config import ParallelLayout
 from rocm_parallel.backend.flux.dims import FluxDims
 from rocm_parallel.backend.flux2.model import build_flux2
 from rocm_parallel.backend.parallel.tensor import parameter_bytes
-from rocm_parallel.backend.transport import record
-from rocm_parallel.backend.worker import WorkerContext, handler
+from rocm_parallel.backend.runtime.transport import record
+from rocm_parallel.backend.runtime.worker import WorkerContext, handler
 from rocm_parallel.testing.models import ModelInputs
 from rocm_parallel.testing.parallel import apply_context_parallel, apply_tensor_parallel
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 import time
 
-from rocm_parallel.backend.messages import HealthReport, HealthRequest
-from rocm_parallel.backend.probe import health_check
-from rocm_parallel.backend.worker import WorkerContext, handler
+from rocm_parallel.backend.runtime.messages import HealthReport, HealthRequest
+from rocm_parallel.backend.runtime.probe import health_check
+from rocm_parallel.backend.runtime.worker import WorkerContext, handler
 
 
 @handler("health_check", HealthRequest)

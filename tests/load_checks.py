@@ -10,8 +10,8 @@ from model_methods import Built
 
 from rocm_parallel.backend.checkpoint import load_model
 from rocm_parallel.backend.parallel.tensor import parameter_bytes
-from rocm_parallel.backend.transport import record
-from rocm_parallel.backend.worker import handler
+from rocm_parallel.backend.runtime.transport import record
+from rocm_parallel.backend.runtime.worker import handler
 
 
 @record

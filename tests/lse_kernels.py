@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from rocm_parallel.backend.parallel import context, lse_check
-from rocm_parallel.backend.transport import record
-from rocm_parallel.backend.worker import handler
+from rocm_parallel.backend.runtime.transport import record
+from rocm_parallel.backend.runtime.worker import handler
 
 REAL_CPU_FLASH = context.cpu_flash_forward_op
 PAD_TO = 32  # varlen's max_s: a multiple the probe's and the tests' sequences are all below or between

@@ -13,13 +13,13 @@ from typing import Any
 
 import torch
 
-from rocm_parallel.backend import serve
-from rocm_parallel.backend.messages import ForwardRequest
+from rocm_parallel.backend.diffusion import serve
+from rocm_parallel.backend.diffusion.messages import ForwardRequest
 from rocm_parallel.backend.parallel.comm import CountCollectives
 from rocm_parallel.backend.parallel.context import cp_group
 from rocm_parallel.backend.parallel.mesh import groups_of
-from rocm_parallel.backend.transport import record
-from rocm_parallel.backend.worker import WorkerContext, handler
+from rocm_parallel.backend.runtime.transport import record
+from rocm_parallel.backend.runtime.worker import WorkerContext, handler
 
 
 @record

@@ -18,8 +18,8 @@ from rocm_parallel.backend.parallel.tensor import (
     TensorParallelSpec,
     apply_tensor_parallel,
 )
-from rocm_parallel.backend.transport import record
-from rocm_parallel.backend.worker import WorkerContext, handler
+from rocm_parallel.backend.runtime.transport import record
+from rocm_parallel.backend.runtime.worker import WorkerContext, handler
 
 
 class HeadsNormed(nn.Module):

@@ -1,4 +1,4 @@
-"""Admission control (backend/admission.py): an image too large for the machine is refused in the caller,
+"""Admission control (backend/diffusion/admission.py): an image too large for the machine is refused in the caller,
 before the caller allocates anything for it and before any rank runs, with the size, the estimate, the
 limit and what would fit. Steps are bounded as ComfyUI bounds them.
 
@@ -14,11 +14,11 @@ import psutil
 import pytest
 import torch
 
-from rocm_parallel.backend.admission import activation_estimate
-from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.checkpoint import inspect_checkpoint
-from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError, ParallelLayout
+from rocm_parallel.backend.diffusion.admission import activation_estimate
+from rocm_parallel.backend.diffusion.api import ParallelModel
+from rocm_parallel.backend.runtime.client import WorkerGroup
 
 MB = 1 << 20
 
@@ -126,8 +126,9 @@ def test_steps_are_bounded_as_comfyui_bounds_them(checkpoints: dict[str, str], s
 def test_the_gpu_limit_is_the_fullest_gpus() -> None:
     """Every rank holds the same shard of activations: the GPU with the least free memory bounds them all.
     Mutation tried: `max(free)` (the emptiest GPU) allowed 9.0 GB where the fullest had 2.0 GB free."""
-    from rocm_parallel.backend.admission import GPU_SHARE, memory_limit
-    from rocm_parallel.backend.messages import DeviceMemory, RankStatus
+    from rocm_parallel.backend.diffusion.admission import memory_limit
+    from rocm_parallel.backend.resident.admission import GPU_SHARE
+    from rocm_parallel.backend.resident.messages import DeviceMemory, RankStatus
 
     reports = [
         RankStatus(rank, f"cuda:{rank}", memory=DeviceMemory(10.0, 10.0, free, 24.0))
@@ -142,8 +143,8 @@ def test_a_5d_latent_is_priced_by_its_height_and_width(tmp_path, monkeypatch: py
     """Qwen-Image's latents are [B, C, 1, H, W]: priced as [B, C, H, W], and named so when refused.
     Mutation tried: reading them as 4-D (H = 1) priced this tiny model 67 times low (the issue saw Qwen-Image
     at 1280 px priced 0.02 GB instead of 0.42)."""
-    from rocm_parallel.backend import admission
     from rocm_parallel.backend.checkpoint import save_checkpoint
+    from rocm_parallel.backend.diffusion import admission
     from rocm_parallel.backend.qwen_image.model import build_qwen_image
     from rocm_parallel.testing.models import tiny_qwen_image_config
 
@@ -173,7 +174,7 @@ def test_a_model_call_is_priced_with_its_reference_latents(
     """Kontext's reference latents ride along as image tokens: a call that fits without them and not with
     them is refused before the ranks. Mutation tried: `forward` admitting without the reference tokens ran
     the call."""
-    from rocm_parallel.backend import admission
+    from rocm_parallel.backend.diffusion import admission
 
     flux = ParallelModel(group=group2)
     flux.load(checkpoints["dev"], layout="tp", dtype="float32")

@@ -1,4 +1,4 @@
-"""Cancel inside one model call (backend/cancel_points.py): every rank leaves at the same block, the group
+"""Cancel inside one model call (backend/runtime/cancel_points.py): every rank leaves at the same block, the group
 stays, and the next result is exact; the caller's interrupt check is polled while the ranks compute
 (watch.interrupt_check, what the ROCm Parallel Model passes ComfyUI's Cancel through)."""
 
@@ -12,11 +12,11 @@ import pytest
 import torch
 from test_service import call_inputs
 
-from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.checkpoint import save_checkpoint
-from rocm_parallel.backend.client import WorkerGroup
+from rocm_parallel.backend.diffusion.api import ParallelModel
 from rocm_parallel.backend.flux.model import build_flux
-from rocm_parallel.backend.watch import interrupt_check
+from rocm_parallel.backend.runtime.client import WorkerGroup
+from rocm_parallel.backend.runtime.watch import interrupt_check
 from rocm_parallel.testing.models import tiny_flux_config
 
 BLOCKS = 16  # 2 double + 14 single: a large call's blocks take a fraction of a second each
@@ -131,8 +131,8 @@ def test_the_checks_stop_at_an_agreed_block(lag: int, every: int, stops_before: 
     that sees it stops; a GPU's lag of 2 acts two checks later, on the flag of that check (never on a
     value a peer may not have yet); checks every 3 blocks fall on blocks 1, 4, 7, 10. The GPU path (pinned
     copies, events) runs here with CPU tensors."""
-    from rocm_parallel.backend.cancel_points import _Checks
-    from rocm_parallel.backend.worker import JobCancelled
+    from rocm_parallel.backend.runtime.cancel_points import _Checks
+    from rocm_parallel.backend.runtime.worker import JobCancelled
 
     ctx = _Context()
     checks = _Checks(ctx, None, every, lag, [])

@@ -114,7 +114,7 @@ def test_plan_imports_no_other_commands_modules() -> None:
         "import sys\n"
         "from rocm_parallel.backend.cli import main\n"
         "rc = main(['plan', '--model', 'flux2-dev', '--devices', '4', '--memory-gb', '16', '--json'])\n"
-        "others = ('rocm_parallel.benchmarks', 'rocm_parallel.testing', 'rocm_parallel.backend.api',\n"
+        "others = ('rocm_parallel.benchmarks', 'rocm_parallel.testing', 'rocm_parallel.backend.diffusion.api',\n"
         "          'rocm_parallel.backend.doctor', 'rocm_parallel.backend.flux.demo')\n"
         "print('rc', rc, sorted(m for m in sys.modules if m.startswith(others)))\n"
     )

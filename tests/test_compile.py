@@ -13,15 +13,15 @@ import torch
 from cp_checks import Route
 from test_sampling import flux_model
 
-from rocm_parallel.backend.api import ParallelModel
-from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.compile import LOG, compile_mode, compile_repeated_blocks
 from rocm_parallel.backend.config import ConfigError
+from rocm_parallel.backend.diffusion.api import ParallelModel
 from rocm_parallel.backend.flux.forward import flux_call
 from rocm_parallel.backend.flux.model import build_flux
 from rocm_parallel.backend.flux.sampling import diffusers_model_fn
 from rocm_parallel.backend.flux2.forward import flux2_call, flux2_model_fn
 from rocm_parallel.backend.flux2.model import build_flux2
+from rocm_parallel.backend.runtime.client import WorkerGroup
 from rocm_parallel.testing.models import tiny_flux2_config, tiny_flux_config
 from rocm_parallel.testing.writers import save_mixed_checkpoint
 

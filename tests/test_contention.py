@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 from contention_jobs import Miniature
 
-from rocm_parallel.backend.client import WorkerGroup
-from rocm_parallel.backend.liveness import DEFAULT_WATCHDOG
+from rocm_parallel.backend.runtime.client import WorkerGroup
+from rocm_parallel.backend.runtime.liveness import DEFAULT_WATCHDOG
 from rocm_parallel.testing.traces import load, replay
 
 TESTS_DIR = str(Path(__file__).resolve().parent)

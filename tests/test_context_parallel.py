@@ -8,7 +8,6 @@ from cp_checks import Route
 from diffusers.utils import is_torch_version
 from model_methods import BuildRandom, Inputs
 
-from rocm_parallel.backend.client import WorkerError, WorkerGroup
 from rocm_parallel.backend.config import ConfigError, ParallelLayout
 from rocm_parallel.backend.flux.dims import FluxDims
 from rocm_parallel.backend.flux.model import build_flux
@@ -29,6 +28,7 @@ from rocm_parallel.backend.parallel.lse import (
     probe_merge_shape,
     probe_query_shape,
 )
+from rocm_parallel.backend.runtime.client import WorkerError, WorkerGroup
 from rocm_parallel.testing.fake import fake_process_group
 from rocm_parallel.testing.helpers import TEST_CONFIG
 from rocm_parallel.testing.models import random_inputs, tiny_flux_config

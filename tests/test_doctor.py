@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from rocm_parallel.backend import doctor
-from rocm_parallel.backend.api import ParallelModel
-from rocm_parallel.backend.client import WorkerGroup
+from rocm_parallel.backend.diffusion.api import ParallelModel
+from rocm_parallel.backend.runtime.client import WorkerGroup
 from rocm_parallel.nodes.inputs import STATUS_ACTIONS
 from rocm_parallel.nodes.registry import Registry
 from rocm_parallel.nodes.status import status_text

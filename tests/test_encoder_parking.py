@@ -1,5 +1,5 @@
 """A text encoder beside a diffusion model on one worker group: where its shard waits between jobs
-(backend/parking.py). "auto" keeps it on the devices and parks it in host memory only when a job would not
+(backend/resident/parking.py). "auto" keeps it on the devices and parks it in host memory only when a job would not
 fit beside it; "resident" never parks it; "host" parks it after every encode; the next encode brings it back.
 
 CPU workers share the host's memory, so parking frees nothing there and the group never parks on its own. These
@@ -21,12 +21,13 @@ import torch
 from test_service import call_inputs as flux_inputs
 from test_service import one_process as flux_one_process
 
-from rocm_parallel.backend import admission
-from rocm_parallel.backend.api import ParallelModel
-from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError
+from rocm_parallel.backend.diffusion import admission
+from rocm_parallel.backend.diffusion.api import ParallelModel
 from rocm_parallel.backend.encoders.api import ParallelEncoder
-from rocm_parallel.backend.resident import ResidentGroup, weight_bytes_per_rank
+from rocm_parallel.backend.resident import admission as limits
+from rocm_parallel.backend.resident.group import ResidentGroup, weight_bytes_per_rank
+from rocm_parallel.backend.runtime.client import WorkerGroup
 from rocm_parallel.testing.encoder_files import VOCAB, write_encoder
 
 SLOT = "te parked"
@@ -75,7 +76,8 @@ def fake_gpu(group: ResidentGroup, encoder: ParallelEncoder, budget: float) -> I
 
     with (
         mock.patch.object(type(group), "_parking_frees_memory", return_value=True),
-        mock.patch.object(admission, "memory_limit", side_effect=memory_limit),
+        mock.patch.object(admission, "memory_limit", side_effect=memory_limit),  # a model call's admission
+        mock.patch.object(limits, "memory_limit", side_effect=memory_limit),  # the group's parking
     ):
         yield
 

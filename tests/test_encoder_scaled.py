@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from rocm_parallel.backend.checkpoint.files import CheckpointError
 from rocm_parallel.backend.encoders.api import ParallelEncoder
 from rocm_parallel.backend.encoders.files import inspect_encoder
-from rocm_parallel.backend.resident import ResidentGroup
+from rocm_parallel.backend.resident.group import ResidentGroup
 from rocm_parallel.testing.encoder_files import SCALED_FORMS, VOCAB, reference, write_scaled_encoder
 
 TOLERANCE = 1e-4

@@ -22,7 +22,7 @@ from rocm_parallel.backend.encoders.kind import get_encoder_kind
 from rocm_parallel.backend.encoders.load import load_encoder
 from rocm_parallel.backend.encoders.messages import EncoderLoadRequest
 from rocm_parallel.backend.plan.encoder import encoder_bytes, place_encoder
-from rocm_parallel.backend.resident import ResidentGroup
+from rocm_parallel.backend.resident.group import ResidentGroup
 from rocm_parallel.testing.encoder_files import KINDS, PACK_KINDS, VOCAB, reference, write_encoder
 
 TOLERANCE = 1e-4

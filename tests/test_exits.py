@@ -18,8 +18,8 @@ import psutil
 import pytest
 from worker_jobs import OnRank
 
-from rocm_parallel.backend.client import WorkerError, WorkerGroup
-from rocm_parallel.backend.exits import MemoryReading, exit_reason, oom_kill_count
+from rocm_parallel.backend.runtime.client import WorkerError, WorkerGroup
+from rocm_parallel.backend.runtime.exits import MemoryReading, exit_reason, oom_kill_count
 
 TESTS_DIR = str(Path(__file__).resolve().parent)
 LIMIT = 256 * 2**20

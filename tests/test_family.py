@@ -17,15 +17,15 @@ from test_parallel_sampling import LAYOUTS
 from test_sampling import flux_model, reference
 
 from rocm_parallel.backend import family as registry
-from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.checkpoint import diffusers_to_bfl, inspect_checkpoint, save_checkpoint
-from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError, ParallelLayout
+from rocm_parallel.backend.diffusion.api import ParallelModel
 from rocm_parallel.backend.flux.family import FLUX1
 from rocm_parallel.backend.flux.forward import flux_call, patch_ids, reference_placements
 from rocm_parallel.backend.flux.model import build_flux
 from rocm_parallel.backend.flux.sampling import diffusers_model_fn
 from rocm_parallel.backend.flux.tp import FLUX_TP_PLAN
+from rocm_parallel.backend.runtime.client import WorkerGroup
 from rocm_parallel.testing.models import tiny_flux_config
 
 TOL = 1e-5  # parity with the same call in one process, and with ComfyUI's own Flux.forward; float32

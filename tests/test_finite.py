@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rocm_parallel.backend import finite
-from rocm_parallel.backend.finite import all_finite, non_finite_kind
+from rocm_parallel.backend.diffusion import finite
+from rocm_parallel.backend.diffusion.finite import all_finite, non_finite_kind
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2]
 

@@ -7,7 +7,6 @@ import torch
 from flux2_methods import BuildRandomFlux2
 from model_methods import Inputs
 
-from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.flux.dims import FluxDims
 from rocm_parallel.backend.flux2.model import FLUX2_DEV, build_flux2
 from rocm_parallel.backend.flux2.tp import FLUX2_TP_PLAN
@@ -17,6 +16,7 @@ from rocm_parallel.backend.parallel.tensor import (
     parameter_bytes,
     shard_pieces,
 )
+from rocm_parallel.backend.runtime.client import WorkerGroup
 from rocm_parallel.testing.fake import fake_process_group
 from rocm_parallel.testing.models import random_inputs, tiny_flux2_config
 from rocm_parallel.testing.parallel import apply_tensor_parallel

@@ -105,8 +105,8 @@ def test_comfy_model_is_comfyuis_flux2_detection() -> None:
 
 def test_auto_prices_a_flux2_checkpoint_as_flux2(tmp_path: Path, group2) -> None:
     """check_load(layout='auto') on a FLUX.2 file: the planner's weights are FLUX.2's, per layout."""
-    from rocm_parallel.backend.api import ParallelModel
     from rocm_parallel.backend.config import ParallelLayout
+    from rocm_parallel.backend.diffusion.api import ParallelModel
     from rocm_parallel.backend.flux.dims import FluxDims
     from rocm_parallel.backend.plan import weight_bytes
 

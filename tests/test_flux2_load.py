@@ -27,11 +27,11 @@ from rocm_parallel.backend.checkpoint import (
     save_checkpoint,
 )
 from rocm_parallel.backend.checkpoint.quant import dequantize
-from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.flux.dims import FluxDims
 from rocm_parallel.backend.flux2.keys import config_from_bfl
 from rocm_parallel.backend.flux2.model import FLUX2_DEV, FLUX2_KLEIN_4B, build_flux2
 from rocm_parallel.backend.parallel.weights import linear_weight
+from rocm_parallel.backend.runtime.client import WorkerGroup
 from rocm_parallel.testing.fake import fake_process_group
 from rocm_parallel.testing.models import random_inputs, tiny_flux2_config
 from rocm_parallel.testing.parallel import apply_tensor_parallel
@@ -188,7 +188,7 @@ def test_workers_fp8_mixed_tp_and_ring_equal_dequantized(
     """Through the API on a gloo group: TP=2 and ring=2 of an fp8 mixed file, fp8-resident and upcast at
     load, give the same output exactly, within float32 rounding of the single-process forward of the
     dequantized file."""
-    from rocm_parallel.backend.api import ParallelModel
+    from rocm_parallel.backend.diffusion.api import ParallelModel
 
     path = save_mixed_checkpoint(model, tmp_path / "flux2_fp8mixed.safetensors", fp8_mixed="metadata")
     expected = _forward(_dequantized(path))
@@ -248,7 +248,7 @@ UNKNOWN = (
 def test_unknown_quant_formats_are_refused_naming_the_layer(tmp_path: Path, model: torch.nn.Module) -> None:
     """nvfp4 (block scales + a second scale) declared either way is refused, and so before any worker
     starts (check_load of a group that was never started)."""
-    from rocm_parallel.backend.api import ParallelModel
+    from rocm_parallel.backend.diffusion.api import ParallelModel
 
     path, tensors, _ = _mixed(tmp_path, model)
     tensors["single_blocks.2.linear2.comfy_quant"] = _marker("nvfp4")

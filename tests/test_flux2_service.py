@@ -13,15 +13,15 @@ import torch
 from safetensors.torch import load_file
 from test_parallel_sampling import LAYOUTS
 
-from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.checkpoint import bfl_to_diffusers, inspect_checkpoint
 from rocm_parallel.backend.checkpoint.lora import inspect_lora
-from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError, ParallelLayout
+from rocm_parallel.backend.diffusion.api import ParallelModel
 from rocm_parallel.backend.flux.dims import FluxDims
 from rocm_parallel.backend.flux2.forward import flux2_call, flux2_model_fn
 from rocm_parallel.backend.flux2.model import FLUX2_DEV, build_flux2
 from rocm_parallel.backend.plan import Setup, plan
+from rocm_parallel.backend.runtime.client import WorkerGroup
 from rocm_parallel.nodes.inputs import LayoutRequest, ParallelHandle
 from rocm_parallel.nodes.registry import Registry
 from rocm_parallel.nodes.runner import ModelRunner

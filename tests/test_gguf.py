@@ -29,7 +29,6 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rocm_parallel.backend.api import ParallelFlux
 from rocm_parallel.backend.checkpoint import (
     CheckpointError,
     apply_loras,
@@ -38,7 +37,7 @@ from rocm_parallel.backend.checkpoint import (
     inspect_lora,
     load_model,
 )
-from rocm_parallel.backend.client import WorkerGroup
+from rocm_parallel.backend.diffusion.api import ParallelFlux
 from rocm_parallel.backend.flux.dims import FluxDims
 from rocm_parallel.backend.flux.forward import flux_call
 from rocm_parallel.backend.flux.model import build_flux
@@ -46,6 +45,7 @@ from rocm_parallel.backend.flux.sampling import diffusers_model_fn
 from rocm_parallel.backend.parallel.ggml import QUANTIZED, dequantize
 from rocm_parallel.backend.parallel.tensor import parameter_bytes
 from rocm_parallel.backend.parallel.weights import is_held_quantized, linear_weight, resident_bytes_by_dtype
+from rocm_parallel.backend.runtime.client import WorkerGroup
 from rocm_parallel.testing.fake import fake_process_group
 from rocm_parallel.testing.gguf_files import save_gguf, write_gguf
 from rocm_parallel.testing.models import tiny_flux_config

@@ -24,7 +24,7 @@ from bounds import CLOSE_WITHIN, HANG_NAMED_WITHIN, SCALED
 from test_contention import burning
 from worker_jobs import OnRank
 
-from rocm_parallel.backend.client import WorkerError, WorkerGroup
+from rocm_parallel.backend.runtime.client import WorkerError, WorkerGroup
 
 TESTS_DIR = str(Path(__file__).resolve().parent)
 # The D window shortened further: the test shows a rank in D is named after its own window, longer than

@@ -23,10 +23,10 @@ from test_sampling import flux_model, positive, reference
 from worker_jobs import OnRank
 
 from rocm_parallel.backend import platforms
-from rocm_parallel.backend.api import ParallelFlux
 from rocm_parallel.backend.checkpoint import diffusers_to_bfl
-from rocm_parallel.backend.client import WorkerError, WorkerGroup
 from rocm_parallel.backend.config import ConfigError, ParallelLayout
+from rocm_parallel.backend.diffusion.api import ParallelFlux
+from rocm_parallel.backend.runtime.client import WorkerError, WorkerGroup
 from rocm_parallel.nodes.inputs import model_layout
 
 SYNTAX = "degrees such as 'batch 2 x tp 2' or 'tp2xring2' (batch, tp, ring, ulysses; each at most once)"

@@ -33,10 +33,10 @@ from safetensors.torch import save_file
 from test_sampling import flux_model, positive, reference
 from worker_jobs import Scale, Steps
 
-from rocm_parallel.backend import client, transport, watch
-from rocm_parallel.backend.api import ParallelFlux
 from rocm_parallel.backend.checkpoint import diffusers_to_bfl
-from rocm_parallel.backend.client import JobCancelled, WorkerGroup
+from rocm_parallel.backend.diffusion.api import ParallelFlux
+from rocm_parallel.backend.runtime import client, transport, watch
+from rocm_parallel.backend.runtime.client import JobCancelled, WorkerGroup
 from rocm_parallel.nodes.registry import is_cancel
 
 TESTS_DIR = str(Path(__file__).resolve().parent)

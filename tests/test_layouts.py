@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from rocm_parallel.backend.api import make_layout
 from rocm_parallel.backend.config import ConfigError, ParallelLayout
+from rocm_parallel.backend.diffusion.api import make_layout
 from rocm_parallel.backend.flux.dims import FluxDims
 from rocm_parallel.backend.flux.model import FLUX_DEV
 from rocm_parallel.backend.flux2.model import FLUX2_DEV
@@ -311,7 +311,7 @@ def test_a_load_whose_layout_misses_the_device_count_is_refused_before_the_file_
     """The layout against the device count needs no checkpoint: refused before its header is read (which
     imports diffusers: 12-31 s on a busy 2-core machine). The file does not exist, so reading it first
     would answer with a file error instead."""
-    from rocm_parallel.backend.api import ParallelModel
+    from rocm_parallel.backend.diffusion.api import ParallelModel
 
     flux = ParallelModel("cpu x4")
     with pytest.raises(ConfigError) as err:

@@ -1,4 +1,4 @@
-"""The liveness rules alone (backend/liveness.py): reports and OS views fed at made-up times, the way
+"""The liveness rules alone (backend/runtime/liveness.py): reports and OS views fed at made-up times, the way
 `Workers.watch` feeds them. Each rule was broken on purpose once; the mutation is named in its test.
 
 A rank's job "does no work" here when its main thread's CPU time stands still and it is not runnable;
@@ -14,8 +14,8 @@ import re
 
 import pytest
 
-from rocm_parallel.backend.liveness import Hang, Liveness, Process, Watchdog, same_collective
-from rocm_parallel.backend.messages import GroupState, RankState
+from rocm_parallel.backend.runtime.liveness import Hang, Liveness, Process, Watchdog, same_collective
+from rocm_parallel.backend.runtime.messages import GroupState, RankState
 
 
 def _group(

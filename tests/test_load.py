@@ -22,10 +22,10 @@ from rocm_parallel.backend.checkpoint import (
     load_model,
     resolve_dtype,
 )
-from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError
 from rocm_parallel.backend.flux.dims import FluxDims
 from rocm_parallel.backend.flux.model import build_flux
+from rocm_parallel.backend.runtime.client import WorkerGroup
 from rocm_parallel.testing.fake import fake_process_group
 from rocm_parallel.testing.models import random_inputs, tiny_flux_config
 from rocm_parallel.testing.parallel import apply_tensor_parallel

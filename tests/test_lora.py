@@ -19,7 +19,6 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from worker_jobs import OnRank
 
-from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.checkpoint import (
     bfl_to_diffusers,
     diffusers_to_bfl,
@@ -28,9 +27,10 @@ from rocm_parallel.backend.checkpoint import (
 )
 from rocm_parallel.backend.checkpoint.lora import LoraError, apply_loras, check_loras, inspect_lora
 from rocm_parallel.backend.checkpoint.lora.values import scan_values
-from rocm_parallel.backend.client import WorkerError, WorkerGroup
 from rocm_parallel.backend.config import ConfigError
+from rocm_parallel.backend.diffusion.api import ParallelModel
 from rocm_parallel.backend.family import get_family
+from rocm_parallel.backend.runtime.client import WorkerError, WorkerGroup
 from rocm_parallel.testing.fake import fake_process_group
 from rocm_parallel.testing.helpers import TEST_CONFIG
 from rocm_parallel.testing.models import random_inputs, tiny_flux2_config

@@ -22,7 +22,6 @@ from model_methods import BuildRandom, Inputs
 from test_context_parallel import CONFIG, reference
 from worker_jobs import OldMerge
 
-from rocm_parallel.backend.client import WorkerError, WorkerGroup
 from rocm_parallel.backend.flux.dims import FluxDims
 from rocm_parallel.backend.flux.model import build_flux
 from rocm_parallel.backend.parallel.context import cpu_flash_forward_op, math_forward_op
@@ -35,6 +34,7 @@ from rocm_parallel.backend.parallel.lse_check import (
     device_name,
     require,
 )
+from rocm_parallel.backend.runtime.client import WorkerError, WorkerGroup
 from rocm_parallel.testing.models import random_inputs
 
 

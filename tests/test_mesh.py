@@ -18,16 +18,16 @@ import pytest
 import torch
 from test_sampling import flux2_model, flux_model
 
-from rocm_parallel.backend.api import ParallelModel
-from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ParallelLayout
+from rocm_parallel.backend.diffusion.api import ParallelModel
+from rocm_parallel.backend.diffusion.messages import Conditioning, ForwardRequest
 from rocm_parallel.backend.flux.dims import FluxDims
 from rocm_parallel.backend.flux.forward import flux_call
 from rocm_parallel.backend.flux.model import FLUX_DEV
 from rocm_parallel.backend.flux.sampling import diffusers_model_fn
 from rocm_parallel.backend.flux2.forward import flux2_call, flux2_model_fn
-from rocm_parallel.backend.messages import Conditioning, ForwardRequest
 from rocm_parallel.backend.plan import Setup, collectives, estimate
+from rocm_parallel.backend.runtime.client import WorkerGroup
 from rocm_parallel.testing.meta import measure_on_meta
 from rocm_parallel.testing.models import tiny_flux_config
 

@@ -21,14 +21,14 @@ from fake_comfy import SAMPLERS, SCHEDULERS, FakeComfy, InterruptProcessingExcep
 from test_sampling import flux_model, positive, reference
 
 import rocm_parallel
-from rocm_parallel.backend import preflight
-from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.checkpoint import save_checkpoint
-from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError, ParallelLayout
+from rocm_parallel.backend.diffusion.api import ParallelModel
 from rocm_parallel.backend.family import get_family
 from rocm_parallel.backend.flux.dims import FluxDims
-from rocm_parallel.backend.messages import RankStatus
+from rocm_parallel.backend.resident.messages import RankStatus
+from rocm_parallel.backend.runtime import preflight
+from rocm_parallel.backend.runtime.client import WorkerGroup
 from rocm_parallel.nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS, checks, inputs, loading
 from rocm_parallel.nodes import registry as registry_module
 from rocm_parallel.nodes.inputs import LayoutRequest, ParallelHandle
@@ -473,8 +473,9 @@ def test_a_run_reads_the_checkpoint_header_once(
     """The header a node's run read (the Model node, a sampler) is carried through the planner's 'auto',
     check_load and load to the workers' LoadRequest: nothing in this process reads it again (it used to be
     read 4-5 times). Mutation tried: `ensure_loaded` given None instead of the runner's info read it twice."""
-    from rocm_parallel.backend import api, checkpoint, resident
+    from rocm_parallel.backend import checkpoint
     from rocm_parallel.backend.checkpoint import info, load
+    from rocm_parallel.backend.diffusion import api, group
 
     reads: list[str] = []
     inspect = info.inspect_checkpoint
@@ -483,7 +484,7 @@ def test_a_run_reads_the_checkpoint_header_once(
         reads.append(str(path))
         return inspect(path)
 
-    for module in (checkpoint, info, load, api, resident):
+    for module in (checkpoint, info, load, api, group):
         monkeypatch.setattr(module, "inspect_checkpoint", counting)
     handle = ParallelHandle(str(comfy.models / dev_checkpoint), dev_checkpoint, ("cpu", "cpu"), "float32")
     runner = ModelRunner(shared_registry, handle, LayoutRequest(None))  # 'auto': planned from the header
@@ -1040,9 +1041,9 @@ from importlib import import_module
 files = import_module(name + ".backend.checkpoint.files")
 lora = import_module(name + ".backend.checkpoint.lora.records")
 registry = import_module(name + ".nodes.registry")
-launch = import_module(name + ".backend.launch")
-watch = import_module(name + ".backend.watch")
-transport = import_module(name + ".backend.transport")
+launch = import_module(name + ".backend.runtime.launch")
+watch = import_module(name + ".backend.runtime.watch")
+transport = import_module(name + ".backend.runtime.transport")
 for cls in (config.ConfigError, files.CheckpointError, lora.LoraError, launch.WorkerError, watch.JobTimeout,
             transport.UnknownRecord):
     print(cls.__module__ + "." + cls.__qualname__)  # ComfyUI's execution.full_type_name
@@ -1068,9 +1069,9 @@ def test_errors_reach_comfyui_named_by_the_package_not_the_install_path(tmp_path
         "rocm_parallel.backend.config.ConfigError",
         "rocm_parallel.backend.checkpoint.files.CheckpointError",
         "rocm_parallel.backend.checkpoint.lora.records.LoraError",
-        "rocm_parallel.backend.launch.WorkerError",
-        "rocm_parallel.backend.watch.JobTimeout",
-        "rocm_parallel.backend.transport.UnknownRecord",
+        "rocm_parallel.backend.runtime.launch.WorkerError",
+        "rocm_parallel.backend.runtime.watch.JobTimeout",
+        "rocm_parallel.backend.runtime.transport.UnknownRecord",
         "caught True",
     ]
 

@@ -15,12 +15,12 @@ import pytest
 import torch
 from test_sampling import CASES, FLUX2_CASES, flux2_job, flux2_model, positive, reference
 
-from rocm_parallel.backend.api import ParallelModel
-from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError, ParallelLayout
+from rocm_parallel.backend.diffusion.api import ParallelModel
+from rocm_parallel.backend.diffusion.sampling import euler
 from rocm_parallel.backend.flux.sampling import resolution_mu
 from rocm_parallel.backend.flux2.forward import flux2_call, flux2_model_fn
-from rocm_parallel.backend.sampling import euler
+from rocm_parallel.backend.runtime.client import WorkerGroup
 
 LAYOUTS = {
     2: [ParallelLayout(tp=2), ParallelLayout(ring=2), ParallelLayout(ulysses=2)],
@@ -137,7 +137,7 @@ def test_a_killed_worker_fails_the_job_and_the_next_job_recovers(checkpoints: di
     import signal
     import threading
 
-    from rocm_parallel.backend.client import WorkerError
+    from rocm_parallel.backend.runtime.client import WorkerError
 
     with ParallelModel(["cpu", "cpu"], threads=1) as flux:
         flux.load(checkpoints["dev"], layout="tp", dtype="float32")
@@ -215,7 +215,7 @@ def test_timeout_bounds_the_whole_job_and_keeps_the_group(
     """`timeout=` is the job's, not one step's: 300 steps of tens of milliseconds stop at 1 s, between two
     steps or in one, with the message the worker job gave. Mutation tried: each forward given `timeout`
     itself (no deadline for the job) ran all 300 steps."""
-    from rocm_parallel.backend.client import JobTimeout
+    from rocm_parallel.backend.runtime.client import JobTimeout
 
     flux = ParallelModel(group=group2)
     flux.load(checkpoints["dev"], layout="tp", dtype="float32")

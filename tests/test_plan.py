@@ -8,9 +8,8 @@ import math
 import pytest
 import torch
 
-from rocm_parallel.backend.api import ParallelModel, make_layout
-from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError, ParallelLayout
+from rocm_parallel.backend.diffusion.api import ParallelModel, make_layout
 from rocm_parallel.backend.family import get_family
 from rocm_parallel.backend.flux.dims import FluxDims
 from rocm_parallel.backend.flux.model import FLUX_DEV, build_flux
@@ -29,6 +28,7 @@ from rocm_parallel.backend.plan import (
     ring_attention,
     weight_bytes,
 )
+from rocm_parallel.backend.runtime.client import WorkerGroup
 from rocm_parallel.testing.fake import fake_process_group
 from rocm_parallel.testing.meta import measure_on_meta
 from rocm_parallel.testing.models import tiny_flux_config

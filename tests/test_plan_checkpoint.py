@@ -12,8 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rocm_parallel.backend import call, cli
+from rocm_parallel.backend import cli
 from rocm_parallel.backend.checkpoint import inspect_checkpoint, planned_weight_dtype, save_checkpoint
+from rocm_parallel.backend.diffusion import call
 from rocm_parallel.backend.family import get_family
 from rocm_parallel.backend.plan.checkpoint import inspect_for_plan
 from rocm_parallel.testing.gguf_files import save_gguf
@@ -161,7 +162,7 @@ def test_plan_checkpoint_refusals(
 def _engine_tokens(
     family: str, latent: tuple[int, ...], references: list[tuple[int, ...]]
 ) -> tuple[int, int]:
-    """(image tokens, reference tokens) as the engine counts them for a call (backend/call.py)."""
+    """(image tokens, reference tokens) as the engine counts them for a call (backend/diffusion/call.py)."""
     info = SimpleNamespace(model_family=get_family(family))
     inputs = {"ref_latents": [torch.empty(shape, device="meta") for shape in references]}
     x = torch.empty(latent, device="meta")

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rocm_parallel.backend import api, platforms
-from rocm_parallel.backend.client import WorkerGroup, validate_devices
+from rocm_parallel.backend import platforms
 from rocm_parallel.backend.config import ConfigError
+from rocm_parallel.backend.diffusion import api
+from rocm_parallel.backend.runtime.client import WorkerGroup, validate_devices
 
 
 def test_api_default_devices_without_gpus_names_the_build(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -89,7 +90,7 @@ def test_aotriton_flag_per_arch(arch: str | None, flag: bool) -> None:
 
 def test_worker_env_sets_aotriton_only_for_rdna(monkeypatch: pytest.MonkeyPatch) -> None:
     """The one place the flag is set: launch.worker_env, per rank's GPU arch."""
-    from rocm_parallel.backend import launch
+    from rocm_parallel.backend.runtime import launch
 
     monkeypatch.delenv(platforms.AOTRITON_FLAG, raising=False)
     devices = ("cuda:0", "cuda:1")  # the env only; no processes
@@ -104,7 +105,7 @@ def test_worker_env_sets_aotriton_only_for_rdna(monkeypatch: pytest.MonkeyPatch)
 def test_worker_env_turns_the_flight_recorder_on(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch 2.9 records no collectives unless given a buffer: the liveness rules need the record (a rank
     hung in a collective must not read as 'computing'; test_startup_health's hang tests on 2.9.1)."""
-    from rocm_parallel.backend import launch
+    from rocm_parallel.backend.runtime import launch
 
     monkeypatch.delenv("TORCH_FR_BUFFER_SIZE", raising=False)
     assert launch.worker_env(("cpu", "cpu"), 0, "sock", "/tmp")["TORCH_FR_BUFFER_SIZE"] == "256"

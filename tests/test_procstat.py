@@ -1,5 +1,5 @@
-"""What the OS says a process does (backend/procstat.py) and what a rank's report carries besides its
-activity (backend/heartbeat.py): real processes sleeping, spinning, stopped, a busy grandchild; the
+"""What the OS says a process does (backend/runtime/procstat.py) and what a rank's report carries besides its
+activity (backend/runtime/heartbeat.py): real processes sleeping, spinning, stopped, a busy grandchild; the
 reporting thread left out; a GPU queue through a fake stream (the CUDA path itself needs a GPU)."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 import freezers
 import pytest
 
-from rocm_parallel.backend.heartbeat import Heartbeat, _signature, read_state, state_path
-from rocm_parallel.backend.procstat import sample
+from rocm_parallel.backend.runtime.heartbeat import Heartbeat, _signature, read_state, state_path
+from rocm_parallel.backend.runtime.procstat import sample
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread /proc is Linux's")
 
@@ -244,7 +244,7 @@ def test_terminate_leaves_a_process_sigkill_cannot_end_and_returns(tmp_path: Pat
     its limits and returns it instead of blocking its caller (issue 56: `proc.kill(); proc.wait()` without
     a timeout froze ComfyUI's execution thread). Mutation tried: the old last `proc.wait()` never returned
     (pytest-timeout)."""
-    from rocm_parallel.backend import launch
+    from rocm_parallel.backend.runtime import launch
 
     if why := freezers.unusable(1):
         pytest.skip(why)
@@ -270,7 +270,7 @@ def test_a_worker_that_exits_takes_what_it_started_with_it() -> None:
     """A worker that exits by itself (its death pipe, a crash) leaves what it started (a compiler, a vfork
     child that never exec'd): `launch.reap` kills its process group before reaping it, while the group's id
     is still its own. Mutation tried: `reap` as a plain `poll()` left the child running."""
-    from rocm_parallel.backend import launch
+    from rocm_parallel.backend.runtime import launch
 
     code = (
         "import subprocess, sys\n"

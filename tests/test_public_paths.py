@@ -21,10 +21,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_sampling import flux_model
 
-from rocm_parallel.backend.api import ParallelFlux
 from rocm_parallel.backend.checkpoint import diffusers_to_bfl
-from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError
+from rocm_parallel.backend.diffusion.api import ParallelFlux
+from rocm_parallel.backend.runtime.client import WorkerGroup
 from rocm_parallel.nodes.registry import Registry, public_error
 
 # Every folder component holds every kind of character a name may: quotes of both kinds, a newline, a

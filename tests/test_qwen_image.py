@@ -13,7 +13,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.checkpoint import (
     CheckpointError,
     bfl_to_diffusers,
@@ -22,8 +21,8 @@ from rocm_parallel.backend.checkpoint import (
     save_checkpoint,
 )
 from rocm_parallel.backend.checkpoint.lora import inspect_lora
-from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError, ParallelLayout
+from rocm_parallel.backend.diffusion.api import ParallelModel
 from rocm_parallel.backend.family import detect_bfl, detect_diffusers, get_family
 from rocm_parallel.backend.parallel.comm import CountCollectives
 from rocm_parallel.backend.parallel.context import (
@@ -36,6 +35,7 @@ from rocm_parallel.backend.parallel.context import (
 from rocm_parallel.backend.parallel.tensor import parameter_bytes
 from rocm_parallel.backend.qwen_image.forward import qwen_call, qwen_model_fn
 from rocm_parallel.backend.qwen_image.model import QWEN_IMAGE, build_qwen_image
+from rocm_parallel.backend.runtime.client import WorkerGroup
 from rocm_parallel.testing.fake import fake_process_group
 from rocm_parallel.testing.models import tiny_qwen_image_config
 from rocm_parallel.testing.parallel import apply_tensor_parallel
@@ -293,7 +293,7 @@ def test_qwen_image_refusals_before_any_rank_runs(group2: WorkerGroup, qwen_file
 
 def test_text_key_mask_reads_comfyuis_mask_forms() -> None:
     """Integer 1/0 (the text encoder's), ComfyUI's additive 0/-max; an all-real mask is no mask."""
-    from rocm_parallel.backend.checks import text_key_mask
+    from rocm_parallel.backend.diffusion.checks import text_key_mask
 
     info = type("Info", (), {"model_family": FAMILY, "model_name": "Qwen-Image"})()
     context = torch.zeros(2, 4, 32)
@@ -306,7 +306,7 @@ def test_text_key_mask_reads_comfyuis_mask_forms() -> None:
     with pytest.raises(ConfigError, match="additive values other than 0 and large negatives"):
         text_key_mask(torch.full((2, 4), -3.0), context, info)
     # a family whose call takes no mask refuses one by name, before any check of its values
-    from rocm_parallel.backend.call import bind
+    from rocm_parallel.backend.diffusion.call import bind
 
     with pytest.raises(ConfigError) as err:
         bind(get_family("flux1").call_spec, (), {"attention_mask": ints}, "FLUX.1-dev")

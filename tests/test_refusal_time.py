@@ -37,7 +37,7 @@ BOUND_S = 5.0  # per refusal, after the imports; see the module docstring for wh
 SCRIPT = r"""
 import json, sys, time
 import psutil
-from rocm_parallel.backend.api import ParallelModel
+from rocm_parallel.backend.diffusion.api import ParallelModel
 from rocm_parallel.backend.config import ConfigError
 
 garbage, nf4, sdxl, model_as_lora = sys.argv[1:5]

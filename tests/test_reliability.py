@@ -24,11 +24,11 @@ from safetensors.torch import save_file
 from test_sampling import flux_model, positive, reference
 from worker_jobs import Load, OnRank, Scale, Steps, Value
 
-from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.checkpoint import diffusers_to_bfl
-from rocm_parallel.backend.client import WorkerError, WorkerGroup, validate_devices
 from rocm_parallel.backend.config import ConfigError
-from rocm_parallel.backend.transport import private_dir, remove_stale_dirs
+from rocm_parallel.backend.diffusion.api import ParallelModel
+from rocm_parallel.backend.runtime.client import WorkerError, WorkerGroup, validate_devices
+from rocm_parallel.backend.runtime.transport import private_dir, remove_stale_dirs
 
 TESTS_DIR = str(Path(__file__).resolve().parent)
 
@@ -198,7 +198,7 @@ def test_a_rank_hung_while_loading_is_named_within_seconds(
     0's own load may take long on a loaded machine), and the next load works. Mutation tried: without
     `Liveness._blocked`'s finished-peers case the load never returned (pytest-timeout; before this rule the
     caller's own `timeout=30` ended it after 41 s)."""
-    from rocm_parallel.backend import watch
+    from rocm_parallel.backend.runtime import watch
 
     answered: dict[int, float] = {}
     take = watch.Job._take
@@ -351,7 +351,7 @@ def test_the_rank_a_timed_out_collective_waited_for_is_named(tmp_path: Path) -> 
     groups' collective timeout (5 s here, 600 s by default) ends rank 0's wait from inside. The error
     names rank 1, the rank everyone waited for, with rank 0's own error as a note. Mutation tried: without
     `Job.late` the error was rank 0's 'Timed out waiting 5000ms for recv operation to complete'."""
-    from rocm_parallel.backend.liveness import Watchdog
+    from rocm_parallel.backend.runtime.liveness import Watchdog
 
     group = WorkerGroup(
         ["cpu", "cpu"], threads=1, extra_sys_path=[TESTS_DIR], methods=["worker_jobs"],
@@ -458,8 +458,8 @@ def test_ctrl_c_inside_a_send_or_a_receive_keeps_the_group(
     every rank stops at the same step, no reply is lost and the group keeps going. Mutation tried: with
     `transport.uninterrupted` a no-op, the send case left rank 0 alone in a collective (the call never
     returned: pytest-timeout) and the receive case lost rank 1's reply (`last_replies` had only rank 0)."""
-    from rocm_parallel.backend import watch
-    from rocm_parallel.backend.transport import Reply
+    from rocm_parallel.backend.runtime import watch
+    from rocm_parallel.backend.runtime.transport import Reply
 
     module, name = watch, where.replace("receive", "recv")
     real, fired = getattr(module, name), []
@@ -602,7 +602,7 @@ def test_stray_connections_do_not_stop_the_start(monkeypatch: pytest.MonkeyPatch
     """A connection with the wrong key, and one that never speaks, while the workers connect."""
     from multiprocessing.connection import Client
 
-    from rocm_parallel.backend import launch
+    from rocm_parallel.backend.runtime import launch
 
     handshake = launch.Workers._handshake
 
@@ -660,7 +660,7 @@ def test_directories_of_dead_parents_are_removed_at_the_next_start() -> None:
     """A parent killed with SIGKILL leaves its private directories; a new start removes them, and
     only those whose owner is gone. Mutation tried: `_pid_alive` always False removed the live one."""
     script = (
-        "from rocm_parallel.backend.client import WorkerGroup\n"
+        "from rocm_parallel.backend.runtime.client import WorkerGroup\n"
         "g = WorkerGroup(['cpu'], threads=1)\n"
         "print(g._workers.tmp, g._workers.shm, flush=True)\n"
         "import sys; sys.stdin.read()\n"
@@ -682,7 +682,7 @@ def test_directories_of_dead_parents_are_removed_at_the_next_start() -> None:
 
 def test_exit_without_close_ends_the_workers() -> None:
     script = (
-        "from rocm_parallel.backend.client import WorkerGroup\n"
+        "from rocm_parallel.backend.runtime.client import WorkerGroup\n"
         "g = WorkerGroup(['cpu', 'cpu'], threads=1)\n"
         "print(*g.pids, g._workers.tmp, g._workers.shm, flush=True)\n"
     )

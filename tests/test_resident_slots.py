@@ -16,9 +16,8 @@ from test_flux2_service import one_process as flux2_one_process
 from test_service import call_inputs as flux_inputs
 from test_service import one_process as flux_one_process
 
-from rocm_parallel.backend.api import ParallelModel
-from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError, ParallelLayout
+from rocm_parallel.backend.diffusion.api import ParallelModel
 from rocm_parallel.backend.parallel.context import (
     AttentionKernel,
     ContextAttention,
@@ -26,6 +25,7 @@ from rocm_parallel.backend.parallel.context import (
     cpu_flash_forward_op,
     math_forward_op,
 )
+from rocm_parallel.backend.runtime.client import WorkerGroup
 
 TOL = 1e-5
 

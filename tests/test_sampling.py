@@ -15,8 +15,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.config import ConfigError
+from rocm_parallel.backend.diffusion.api import ParallelModel
+from rocm_parallel.backend.diffusion.sampling import denoise_schedule, euler, prepare_noise, simple_schedule
 from rocm_parallel.backend.flux.forward import patchify, unpatchify
 from rocm_parallel.backend.flux.model import build_flux
 from rocm_parallel.backend.flux.sampling import (
@@ -29,7 +30,6 @@ from rocm_parallel.backend.flux.sampling import (
 from rocm_parallel.backend.flux2.forward import flux2_call, flux2_model_fn
 from rocm_parallel.backend.flux2.model import build_flux2
 from rocm_parallel.backend.flux2.sampling import flux2_schedule
-from rocm_parallel.backend.sampling import denoise_schedule, euler, prepare_noise, simple_schedule
 from rocm_parallel.testing.models import tiny_flux2_config, tiny_flux_config
 
 REFERENCES = Path(__file__).parent / "data" / "comfy_references.safetensors"

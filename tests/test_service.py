@@ -16,11 +16,11 @@ import torch
 from test_parallel_sampling import LAYOUTS
 from test_sampling import flux_model, reference
 
-from rocm_parallel.backend.api import ParallelModel
-from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError, ParallelLayout
+from rocm_parallel.backend.diffusion.api import ParallelModel
 from rocm_parallel.backend.flux.forward import flux_call, pad_to_patch
 from rocm_parallel.backend.flux.sampling import diffusers_model_fn
+from rocm_parallel.backend.runtime.client import WorkerGroup
 
 TOL = 1e-5
 
@@ -129,7 +129,7 @@ def test_a_lookalike_prompt_is_caught_by_the_full_check(
     """Two prompts equal in every sampled word but one: the step is sent under the held key at once, the
     full comparison (made while the ranks compute) fails, and the step is redone with the new prompt.
     Mutation tried: with `Match.verify` always True, the output is the first prompt's."""
-    from rocm_parallel.backend.forward_client import SAMPLED_WORDS
+    from rocm_parallel.backend.diffusion.forward_client import SAMPLED_WORDS
 
     flux = ParallelModel(group=group2)
     flux.load(checkpoints["dev"], layout="tp", dtype="float32")
@@ -203,7 +203,7 @@ def test_forward_needs_a_loaded_model(group2: WorkerGroup) -> None:
 def test_reused_tensor_files_are_rewritten_in_place(tmp_path) -> None:
     """The forward service's files keep their names from step to step; a smaller tensor after a larger
     one must not read the larger one's tail."""
-    from rocm_parallel.backend.transport import files_in, pack, unpack
+    from rocm_parallel.backend.runtime.transport import files_in, pack, unpack
 
     big, small = torch.randn(2, 16, 64, 64), torch.randn(1, 16, 48, 40)
     first = pack({"x": big, "t": torch.ones(2)}, str(tmp_path), "request", reuse=True)

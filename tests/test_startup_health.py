@@ -14,11 +14,12 @@ import psutil
 import pytest
 from bounds import HANG_NAMED_WITHIN, OUTLAST, SCALED
 
-from rocm_parallel.backend import doctor, preflight
-from rocm_parallel.backend.client import WorkerError, WorkerGroup
+from rocm_parallel.backend import doctor
 from rocm_parallel.backend.config import ConfigError
-from rocm_parallel.backend.liveness import DEFAULT_WATCHDOG, Watchdog
 from rocm_parallel.backend.platforms import default_cpu_threads
+from rocm_parallel.backend.runtime import preflight
+from rocm_parallel.backend.runtime.client import WorkerError, WorkerGroup
+from rocm_parallel.backend.runtime.liveness import DEFAULT_WATCHDOG, Watchdog
 
 TESTS_DIR = str(Path(__file__).resolve().parent)
 
@@ -342,7 +343,7 @@ def test_a_slow_import_that_works_completes() -> None:
 def test_the_pair_rounds_meet_every_pair_once(n: int) -> None:
     from itertools import combinations
 
-    from rocm_parallel.backend.probe import pair_rounds
+    from rocm_parallel.backend.runtime.probe import pair_rounds
 
     rounds = pair_rounds(n)
     met = [pair for r in rounds for pair in r]

@@ -14,13 +14,18 @@ from __future__ import annotations
 import ast
 import io
 import re
+import subprocess
+import sys
 import tokenize
 from pathlib import Path
 
 import pytest
 
+from rocm_parallel.backend.family import BUILTIN
+
 ROOT = Path(__file__).resolve().parent.parent
-FAMILY_FOLDERS = ("flux", "flux2", "qwen_image", "wan")
+# The family folders, as the registry names them (`BUILTIN`: ".flux.family", ...): a new family is checked too.
+FAMILY_FOLDERS = tuple(module.split(".")[1] for module in BUILTIN)
 # A text encoder kind's folder registers the ComfyUI CLIP types (graphs) it serves, as a family's folder does.
 ENCODER_FOLDERS = ("t5", "llama")
 # Family names, titles and the FLUX fields the generic engine used to read (issue 35's review), as they would
@@ -39,8 +44,11 @@ ALLOWED = {
     ),
     ("nodes/inputs.py", 'HANDLE_TYPE = "PARALLEL_FLUX"'),
     # the API class's name before it was generic: users' scripts import it
+    ("backend/diffusion/api.py", '"ParallelFlux",'),
+    ("backend/diffusion/api.py", "ParallelFlux = ParallelModel"),
+    # ... and where users' scripts import it from
+    ("backend/api.py", "ParallelFlux,"),
     ("backend/api.py", '"ParallelFlux",'),
-    ("backend/api.py", "ParallelFlux = ParallelModel"),
 }
 
 
@@ -232,3 +240,160 @@ def test_the_name_check_catches_a_family_name() -> None:
             test_no_generic_module_names_a_family_or_a_flux_field()
     finally:
         module.unlink()
+
+
+# ------------------------------------------------------------------------------------------------ the rooms
+# The runtime (backend/runtime/: the worker group) imports no model code: only itself and the backend's base
+# modules below, which import no model code either. The models import the runtime, never the other way round.
+RUNTIME = ROOT / "backend" / "runtime"
+BASE_MODULES = ("config", "dtypes", "echo", "platforms", "text", "torch_range")
+COMFYUI_MODULES = ("comfy", "comfy_extras", "comfy_api", "folder_paths", "server", "execution", "nodes")
+
+
+def _all_imports(path: Path) -> set[str]:
+    """Every module `path` imports: relative ones resolved, absolute ones as written, TYPE_CHECKING included."""
+    tree = ast.parse(path.read_text())
+    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            base = base[: len(base) - (node.level - 1)]
+            target = ".".join(base + ([node.module] if node.module else []))
+            found.update(f"{target}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _runtime_side_files() -> list[Path]:
+    return sorted(RUNTIME.rglob("*.py")) + [ROOT / "backend" / f"{name}.py" for name in BASE_MODULES]
+
+
+def test_the_runtime_imports_no_model_code() -> None:
+    allowed = ("rocm_parallel.backend.runtime", *(f"rocm_parallel.backend.{m}" for m in BASE_MODULES))
+    found = []
+    for path in _runtime_side_files():
+        for target in sorted(_all_imports(path)):
+            ours = target.startswith("rocm_parallel.") or target.split(".")[0] in COMFYUI_MODULES
+            if ours and not any(target == a or target.startswith(a + ".") for a in allowed):
+                found.append(f"{path.relative_to(ROOT)} imports {target}")
+    assert not found, "the runtime imports model code (or ComfyUI):\n" + "\n".join(found)
+
+
+def test_a_worker_process_imports_no_model_code_until_it_loads_its_methods() -> None:
+    """What the static check above cannot see (an import by name): every runtime module imported the way a
+    worker imports the package (launch.py's bootstrap: the pack's ComfyUI entry point not run) leaves no
+    model module in sys.modules."""
+    names = [_module_name(p) for p in sorted(RUNTIME.rglob("*.py"))]
+    code = (
+        "import importlib, sys, types\n"
+        f"pkg = types.ModuleType('rocm_parallel'); pkg.__path__ = [{str(ROOT)!r}]\n"
+        "sys.modules['rocm_parallel'] = pkg\n"
+        f"for name in {names!r}:\n"
+        "    importlib.import_module(name)\n"
+        "allowed = ('rocm_parallel.backend.runtime', "
+        + "".join(f"'rocm_parallel.backend.{m}', " for m in BASE_MODULES)
+        + ")\n"
+        "print(sorted(m for m in sys.modules if m.startswith('rocm_parallel.backend.') and not "
+        "any(m == a or m.startswith(a + '.') for a in allowed)))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1] == "[]", done.stdout[-2000:]
+
+
+@pytest.mark.parametrize(
+    "source", ["from ..plan import estimate\n", "def f():\n    from ..checkpoint import info\n"]
+)
+def test_the_runtime_check_catches_a_model_import(source: str) -> None:
+    module = RUNTIME / "_probe_structure.py"
+    module.write_text(source)
+    try:
+        with pytest.raises(
+            AssertionError, match=r"_probe_structure\.py imports rocm_parallel\.backend\.(plan|checkpoint)"
+        ):
+            test_the_runtime_imports_no_model_code()
+    finally:
+        module.unlink()
+
+
+def test_the_backend_keeps_at_most_twelve_modules_flat() -> None:
+    """backend/ is rooms (issue 50): a new module goes into the room whose job it does."""
+    flat = sorted(p.name for p in (ROOT / "backend").glob("*.py"))
+    assert len(flat) <= 12, flat
+
+
+# Identifiers in generic code that still say FLUX (issue 50: names left from when FLUX was the only family).
+# Kept: the node inputs saved workflows and API prompts use, and the API class's old name users import.
+FLUX_NAME = re.compile(r"flux", re.IGNORECASE)
+KEPT_FLUX_NAMES = {"parallel_flux", "ParallelFlux", "HANDLE_TYPE"}
+
+
+def test_no_generic_identifier_says_flux() -> None:
+    found = []
+    for path in generic_modules():
+        source = path.read_text()
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            if (
+                tok.type == tokenize.NAME
+                and FLUX_NAME.search(tok.string)
+                and tok.string not in KEPT_FLUX_NAMES
+            ):
+                found.append(f"{path.relative_to(ROOT)}:{tok.start[0]}: {tok.string}")
+    assert not found, "FLUX-only names in generic code:\n" + "\n".join(found)
+
+
+def test_the_pack_describes_itself_without_a_family() -> None:
+    """The package's docstrings and pyproject's description speak of the pack, not of its first family."""
+    import tomllib
+
+    texts = {
+        "__init__.py": ast.get_docstring(ast.parse((ROOT / "__init__.py").read_text())) or "",
+        "backend/__init__.py": ast.get_docstring(ast.parse((ROOT / "backend" / "__init__.py").read_text()))
+        or "",
+        "pyproject.toml": tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["description"],
+    }
+    said = {where: text for where, text in texts.items() if re.search(r"flux", text, re.IGNORECASE)}
+    assert not said, said
+
+
+def test_the_flux_name_check_catches_one() -> None:
+    module = ROOT / "backend" / "_probe_structure.py"
+    module.write_text("def group(registry):\n    return registry._flux\n")
+    try:
+        with pytest.raises(AssertionError, match=r"_probe_structure\.py:2: _flux"):
+            test_no_generic_identifier_says_flux()
+    finally:
+        module.unlink()
+
+
+def test_the_public_import_path_stays() -> None:
+    """Users' scripts import the API from `rocm_parallel.backend.api` (the README): the same classes as the
+    diffusion model's room holds, nothing else there."""
+    from rocm_parallel.backend import api
+    from rocm_parallel.backend.diffusion import api as diffusion_api
+
+    assert api.ParallelModel is diffusion_api.ParallelModel is api.ParallelFlux
+    assert {name: getattr(api, name) for name in api.__all__} == {
+        name: getattr(diffusion_api, name) for name in diffusion_api.__all__
+    }
+
+
+# What runs on the workers (the runtime's worker side and every model's jobs): the nodes never import it; they
+# reach the workers through the models' APIs (and take the runtime's caller-side helpers: devices, paths).
+WORKER_SIDE = re.compile(
+    r"^rocm_parallel\.backend\.(runtime\.(worker|heartbeat|probe|cancel_points)|\w+\.(jobs|serve))(\.|$)"
+)
+
+
+def test_the_nodes_import_nothing_that_runs_on_the_workers() -> None:
+    found = [
+        f"{path.relative_to(ROOT)} imports {target}"
+        for path in sorted((ROOT / "nodes").rglob("*.py"))
+        for target in sorted(_all_imports(path))
+        if WORKER_SIDE.match(target)
+    ]
+    assert not found, "\n".join(found)

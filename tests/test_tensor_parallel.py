@@ -6,7 +6,6 @@ import pytest
 import torch
 from model_methods import BuildRandom, Inputs
 
-from rocm_parallel.backend.client import WorkerError, WorkerGroup
 from rocm_parallel.backend.config import ConfigError
 from rocm_parallel.backend.flux.dims import FluxDims
 from rocm_parallel.backend.flux.model import FLUX_DEV, build_flux
@@ -18,6 +17,7 @@ from rocm_parallel.backend.parallel.tensor import (
     parameter_bytes,
     shard_pieces,
 )
+from rocm_parallel.backend.runtime.client import WorkerError, WorkerGroup
 from rocm_parallel.testing.fake import fake_process_group
 from rocm_parallel.testing.helpers import TEST_CONFIG
 from rocm_parallel.testing.models import random_inputs, tiny_flux_config

@@ -14,12 +14,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.checkpoint import save_checkpoint
-from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError, ParallelLayout
+from rocm_parallel.backend.diffusion.api import ParallelModel
 from rocm_parallel.backend.flux2.forward import ROW_COLUMN, flux2_call, flux2_model_fn
 from rocm_parallel.backend.flux2.model import build_flux2
+from rocm_parallel.backend.runtime.client import WorkerGroup
 from rocm_parallel.testing.models import tiny_flux2_config
 
 TOL = 1e-5
@@ -36,7 +36,7 @@ CONFIGS = {
 }
 INIT = 0.1
 # ComfyUI's own FLUX.2 runs index_timestep_zero at any batch without a guidance embedder ([klein]) and only
-# at batch 1 with one ([dev]): backend/checks.py refuses the rest (ComfyUI has no result to match there)
+# at batch 1 with one ([dev]): backend/diffusion/checks.py refuses the rest (ComfyUI has no result to match there)
 BATCH = {"klein": 2, "dev": 1}
 REFERENCES_033 = Path(__file__).parent / "data" / "comfy_references-0.33.0.safetensors"
 

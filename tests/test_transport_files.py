@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rocm_parallel.backend import transport
+from rocm_parallel.backend.runtime import transport
 
 
 def test_a_tensor_file_is_read_in_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rocm_parallel.backend.api import ParallelModel
-from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError
+from rocm_parallel.backend.diffusion.api import ParallelModel
 from rocm_parallel.backend.plan.vae import vae_memory
+from rocm_parallel.backend.runtime.client import WorkerGroup
 from rocm_parallel.backend.vae.api import ParallelVae
 from rocm_parallel.backend.vae.bands import BandParallel, Bands
 from rocm_parallel.backend.vae.kind import diffusers_decode, diffusers_encode, get_vae_kind

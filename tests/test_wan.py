@@ -12,7 +12,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.checkpoint import (
     CheckpointError,
     bfl_to_diffusers,
@@ -22,12 +21,13 @@ from rocm_parallel.backend.checkpoint import (
 )
 from rocm_parallel.backend.checkpoint.load import kept_in_fp32
 from rocm_parallel.backend.checkpoint.lora import inspect_lora
-from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError, ParallelLayout
+from rocm_parallel.backend.diffusion.api import ParallelModel
+from rocm_parallel.backend.diffusion.sampling import SamplingRequest, euler
 from rocm_parallel.backend.family import detect_bfl, detect_diffusers, get_family
 from rocm_parallel.backend.parallel.comm import CountCollectives
 from rocm_parallel.backend.parallel.tensor import parameter_bytes
-from rocm_parallel.backend.sampling import SamplingRequest, euler
+from rocm_parallel.backend.runtime.client import WorkerGroup
 from rocm_parallel.backend.wan.forward import wan_call, wan_model_fn
 from rocm_parallel.backend.wan.model import WAN21_I2V_14B, WAN21_T2V_14B, build_wan
 from rocm_parallel.testing.fake import fake_process_group
@@ -328,7 +328,7 @@ def test_planner_prices_self_attention_over_the_video_and_cross_attention_to_the
 def test_admission_prices_every_frame(wan_files) -> None:
     """A video call is priced by all its latent frames (720p x 81 frames: 21 latent frames, 75,600 tokens), and
     one that cannot fit is refused naming its frames, before any rank runs."""
-    from rocm_parallel.backend.admission import activation_estimate, admit
+    from rocm_parallel.backend.diffusion.admission import activation_estimate, admit
 
     info = inspect_checkpoint(wan_files["t2v"][0])
     layout = ParallelLayout(ring=2)

@@ -21,17 +21,17 @@ from model_methods import Inputs
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.checkpoint import CheckpointError, diffusers_to_bfl, inspect_checkpoint, load_model
 from rocm_parallel.backend.checkpoint.lora import apply_loras, inspect_lora
-from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.config import ConfigError, ParallelLayout
+from rocm_parallel.backend.diffusion.api import ParallelModel
 from rocm_parallel.backend.flux.dims import FluxDims
 from rocm_parallel.backend.flux.model import FLUX_DEV, build_flux
 from rocm_parallel.backend.flux.sampling import diffusers_model_fn, run_euler
 from rocm_parallel.backend.parallel.tensor import RowParallelLinear, parameter_bytes
 from rocm_parallel.backend.parallel.weights import UpcastLinear, compute_dtype
 from rocm_parallel.backend.plan import weight_bytes
+from rocm_parallel.backend.runtime.client import WorkerGroup
 from rocm_parallel.testing.fake import fake_process_group
 from rocm_parallel.testing.helpers import TEST_CONFIG, sampling_job
 from rocm_parallel.testing.models import random_inputs

@@ -17,10 +17,10 @@ import pytest
 import torch
 from worker_jobs import OnRank, Scale, Scaled, Steps
 
-from rocm_parallel.backend.client import JobTimeout, WorkerError, WorkerGroup, validate_devices
 from rocm_parallel.backend.config import ConfigError
 from rocm_parallel.backend.flux.dims import FluxDims
-from rocm_parallel.backend.transport import UnknownRecord
+from rocm_parallel.backend.runtime.client import JobTimeout, WorkerError, WorkerGroup, validate_devices
+from rocm_parallel.backend.runtime.transport import UnknownRecord
 
 TESTS_DIR = str(Path(__file__).resolve().parent)  # on the workers' sys.path: worker_jobs lives here
 
@@ -121,7 +121,7 @@ def test_messages_are_plain_data_and_a_class_in_one_is_refused() -> None:
     import pickle
     from multiprocessing import Pipe
 
-    from rocm_parallel.backend.transport import ProtocolError, Reply, pack, recv, send
+    from rocm_parallel.backend.runtime.transport import ProtocolError, Reply, pack, recv, send
 
     class Exploit:
         def __reduce__(self):
@@ -219,7 +219,7 @@ def test_workers_exit_when_the_parent_dies(tmp_path) -> None:
     script = textwrap.dedent(
         """
         import os, sys
-        from rocm_parallel.backend.client import WorkerGroup
+        from rocm_parallel.backend.runtime.client import WorkerGroup
         group = WorkerGroup(["cpu", "cpu"], threads=1)
         print(" ".join(map(str, group.pids)), flush=True)
         sys.stdin.read()  # wait to be killed
@@ -283,7 +283,7 @@ def test_a_peer_with_the_wrong_key_is_refused_at_once(tmp_path: Path) -> None:
     from multiprocessing import AuthenticationError
     from multiprocessing.connection import Client, Listener
 
-    from rocm_parallel.backend.launch import _authenticated_accept
+    from rocm_parallel.backend.runtime.launch import _authenticated_accept
 
     address = str(tmp_path / "control.sock")
     listener = Listener(address, family="AF_UNIX", authkey=b"the group's key")
@@ -311,7 +311,7 @@ def test_a_peer_with_the_wrong_key_is_refused_at_once(tmp_path: Path) -> None:
 def test_every_launch_draws_its_own_key(monkeypatch: pytest.MonkeyPatch) -> None:
     """The key the workers authenticate with is 32 random bytes per launch (another local user cannot
     guess it). Mutation tried: a fixed key gave three equal keys."""
-    from rocm_parallel.backend import launch
+    from rocm_parallel.backend.runtime import launch
 
     keys: list[bytes] = []
 

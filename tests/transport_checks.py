@@ -13,10 +13,10 @@ from __future__ import annotations
 import os
 import time
 
-from rocm_parallel.backend.messages import HealthRequest, PairReport
-from rocm_parallel.backend.preflight import TRANSPORT_ENV
-from rocm_parallel.backend.probe import probe_pairs
-from rocm_parallel.backend.worker import WorkerContext, handler
+from rocm_parallel.backend.runtime.messages import HealthRequest, PairReport
+from rocm_parallel.backend.runtime.preflight import TRANSPORT_ENV
+from rocm_parallel.backend.runtime.probe import probe_pairs
+from rocm_parallel.backend.runtime.worker import WorkerContext, handler
 
 FAULTS = "RP_TEST_TRANSPORT_FAULTS"
 

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from rocm_parallel.backend.flux.dims import FluxDims
-from rocm_parallel.backend.transport import record
-from rocm_parallel.backend.worker import HANDLERS, Handler, handler
+from rocm_parallel.backend.runtime.transport import record
+from rocm_parallel.backend.runtime.worker import HANDLERS, Handler, handler
 from rocm_parallel.testing.models import random_inputs
 
 
@@ -176,7 +176,7 @@ def fail_in_collective(ctx, request: OnRank) -> Rank:
 def send_stale_reply(ctx, request: Value) -> Value:
     """Before its real reply, rank 0 sends a reply of the previous job id (a late reply of a cancelled
     job looks like this): the client must not take it for this job's."""
-    from rocm_parallel.backend.transport import Reply, pack, send
+    from rocm_parallel.backend.runtime.transport import Reply, pack, send
 
     if ctx.rank == 0:
         stale = pack(Value(-1), ctx.shm_dir, "stale")
@@ -306,7 +306,7 @@ def _fail_once(
 ) -> None:
     """Make this worker act once as `kind` says (see `OnRank`): at the `at`-th call of worker method
     `method`, before it runs, or else at the `at`-th `WorkerContext.load_progress`."""
-    from rocm_parallel.backend.worker import WorkerContext
+    from rocm_parallel.backend.runtime.worker import WorkerContext
 
     def fail() -> None:
         act(kind, seconds, stamp, noise)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import ConfigError
-from ..redact import listing_text, quoted
+from ..runtime.redact import listing_text, quoted
 
 # ComfyUI's full checkpoints (and some diffusion_models files) put the transformer under this prefix.
 COMFY_PREFIX = "model.diffusion_model."

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..redact import quoted
+from ..runtime.redact import quoted
 from .files import CheckpointError, StoredTensor
 
 INSTEAD = (

@@ -27,7 +27,7 @@ import torch
 
 from ..config import ConfigError, validate_tp_degree
 from ..parallel.ggml import QUANTIZED, block_scales, dequantize, is_quantized, row_bytes
-from ..redact import quoted
+from ..runtime.redact import quoted
 from .files import CheckpointError, StoredTensor, full_shape, numel
 from .gguf_header import read_gguf_header, supported_types  # torch-free: `plan` reads GGUF headers
 

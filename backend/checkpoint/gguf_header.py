@@ -12,7 +12,7 @@ from typing import Any
 
 from ..dtypes import GGUF_BLOCKS
 from ..family import families
-from ..redact import quoted
+from ..runtime.redact import quoted
 from .files import CheckpointError, StoredTensor
 
 # GGML types read as plain tensors (gguf.py PLAIN: their torch dtypes)

@@ -28,7 +28,7 @@ from ..config import ModelDims, weight_dtype_name
 from ..dtypes import COMPUTE_DTYPES, LOADABLE_DTYPES, WEIGHT_DTYPES, compute_dtype_named, stored_dtype
 from ..family import ModelFamily, detect_bfl, detect_diffusers, families, family_for_class, get_family
 from ..parallel.ggml import is_quantized
-from ..redact import quoted
+from ..runtime.redact import quoted
 from .files import (
     CHECKPOINT_FIX,
     CheckpointError,

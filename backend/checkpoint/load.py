@@ -30,12 +30,12 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
+from ..diffusion.finite import all_finite, non_finite_kind
 from ..dtypes import WEIGHT_DTYPES, stored_dtype
-from ..finite import all_finite, non_finite_kind
 from ..parallel.ggml import byte_shape, is_quantized
 from ..parallel.tensor import Pieces, apply_tensor_parallel, parameter_pieces
 from ..parallel.weights import hold_quantized, is_fp8, keep_fp8_resident
-from ..redact import quoted
+from ..runtime.redact import quoted
 from .files import CheckpointError, StoredTensor, full_shape
 from .gguf import check_block_splits, checked_values, read_gguf
 from .info import CheckpointInfo, check_weight_dtype, inspect_checkpoint, resolve_dtype

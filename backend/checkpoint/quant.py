@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..dtypes import FP8_DTYPES, stored_dtype
-from ..redact import quoted
+from ..runtime.redact import quoted
 from .files import CheckpointError, StoredTensor, numel
 
 if TYPE_CHECKING:  # torch and safetensors where values are read: `plan` reads the keys without them

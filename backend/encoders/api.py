@@ -25,9 +25,9 @@ import torch
 
 from ..config import ConfigError, ParallelLayout
 from ..dtypes import dtype_named, stored_dtype
-from ..parking import DEFAULT_POLICY, check_policy
 from ..plan.encoder import encoder_bytes
-from ..resident import ResidentGroup
+from ..resident.group import ResidentGroup
+from ..resident.parking import DEFAULT_POLICY, check_policy
 from .files import EncoderInfo, inspect_encoder
 from .kind import EMBEDDINGS, EncoderKind
 from .messages import ENCODER_SLOT, EncodeRequest, EncoderLoadRequest
@@ -97,7 +97,7 @@ class ParallelEncoder:
 
     def load(self, progress: Any = None) -> None:
         """Make the encoder resident now (otherwise the first `encode` does)."""
-        self.group.call_resident(self.request, "status", None, progress=progress)
+        self.group.hold(self.request, progress)
 
     def place(self, on_device: bool) -> None:
         """Move the shards to pinned host memory (False) or back to the devices (True, loading the encoder

@@ -17,7 +17,7 @@ from typing import Any
 from ..checkpoint.files import COMFY_PREFIX, CheckpointError, StoredTensor, missing_checkpoint
 from ..checkpoint.headers import read_header
 from ..checkpoint.quant import split_scales
-from ..transport import record
+from ..runtime.transport import record
 from .kind import EncoderKind, detect_encoder, encoder_kinds, get_encoder_kind, kinds_for_clip_type
 
 

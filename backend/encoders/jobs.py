@@ -1,55 +1,37 @@
 """The worker methods of a resident text encoder: load it into its slot, run it on a batch of prompts, move
 its shard to host memory and back (every rank its tensor-parallel shard; rank 0 returns the result).
 
-The encoder is a resident module like a diffusion model (worker.py `Resident`, one slot): `status`, `unload`
-and `unload_slot` (jobs.py) see it, and the caller's `ResidentGroup` evicts it by the same rule.
+The encoder is a resident module like a diffusion model (runtime/worker.py `Resident`, one slot): it is loaded by
+the job skeleton every resident model shares (resident/jobs.py `load_slot`), `status`, `unload` and
+`unload_slot` see it, and the caller's `ResidentGroup` evicts it by the same rule.
 """
 
 from __future__ import annotations
 
-import gc
 import time
 
 import torch
 
-from ..jobs import ON_HOST, status
-from ..messages import LoadReport
-from ..worker import WorkerContext, handler
+from ..resident.jobs import ON_HOST, free_memory, held, load_slot, report
+from ..resident.messages import LoadReport
+from ..runtime.worker import WorkerContext, handler
 from .load import load_encoder
 from .messages import EncodeReply, EncodeRequest, EncoderLoadRequest, EncoderPlacement
-
-
-def _free(ctx: WorkerContext) -> None:
-    gc.collect()
-    if ctx.device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def _report(ctx: WorkerContext, **what: float | int | bool) -> LoadReport:
-    return LoadReport(**vars(status(ctx)), **what)
 
 
 @handler("encoder_load", EncoderLoadRequest)
 def load(ctx: WorkerContext, request: EncoderLoadRequest) -> LoadReport:
     """Make the request's text encoder resident in its slot (a no-op when it already is)."""
-    resident = ctx.model(request.slot)
-    if resident.key == request:
-        return _report(ctx, reused=True)
-    resident.clear()
-    _free(ctx)
-    started = time.perf_counter()
-    model = load_encoder(request, ctx.device, progress=ctx.load_progress)
-    ctx.synchronize()
-    resident.set(model, request)
-    return _report(ctx, reused=False, seconds=time.perf_counter() - started)
+    return load_slot(
+        ctx,
+        request.slot,
+        request,
+        lambda: (load_encoder(request, ctx.device, progress=ctx.load_progress), {}),
+    )
 
 
 def _encoder(ctx: WorkerContext, slot: str) -> torch.nn.Module:
-    resident = ctx.model(slot)
-    model = resident.require()
-    if not isinstance(resident.key, EncoderLoadRequest):
-        raise TypeError(f"slot {slot!r} holds no text encoder on rank {ctx.rank}")
-    return model
+    return held(ctx, slot, EncoderLoadRequest, "text encoder")[0]
 
 
 @handler("encoder_run", EncodeRequest)
@@ -96,5 +78,5 @@ def place(ctx: WorkerContext, request: EncoderPlacement) -> LoadReport:
             param.data = moved.pin_memory() if pin else moved
     ctx.synchronize()
     setattr(model, ON_HOST, not request.on_device)
-    _free(ctx)
-    return _report(ctx, reused=True, seconds=time.perf_counter() - started)
+    free_memory(ctx)
+    return report(ctx, reused=True, seconds=time.perf_counter() - started)

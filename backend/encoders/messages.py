@@ -2,12 +2,12 @@
 
 | method (encoders/jobs.py) | request             | reply                                       |
 |---------------------------|---------------------|---------------------------------------------|
-| encoder_load              | EncoderLoadRequest  | LoadReport (messages.py)                    |
+| encoder_load              | EncoderLoadRequest  | LoadReport (resident/messages.py)           |
 | encoder_run               | EncodeRequest       | EncodeReply (rank 0: the hidden states)     |
 | encoder_offload           | EncoderPlacement    | LoadReport (the shard moved to/from host)   |
 
-An `EncoderLoadRequest` is a resident module request (resident.py `ResidentGroup.call_resident`): it names
-its slot, its load method and the bytes of weights it puts on each rank, so the group keeps it beside the
+An `EncoderLoadRequest` is a resident module request (resident/group.py `ResidentGroup.call_resident`): it
+names its slot, its load method and the bytes of weights it puts on each rank, so the group keeps it beside the
 diffusion models and evicts it by the same rule.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..config import ParallelLayout
-from ..transport import record
+from ..runtime.transport import record
 from .files import EncoderInfo
 
 ENCODER_SLOT = (
@@ -48,7 +48,9 @@ class EncoderLoadRequest:
     weight_bytes: int = 0
     slot: str = ENCODER_SLOT
     load_method: str = "encoder_load"
-    park_method: str = "encoder_offload"  # it may wait in host memory between jobs (backend/parking.py)
+    park_method: str = (
+        "encoder_offload"  # it may wait in host memory between jobs (backend/resident/parking.py)
+    )
 
     def describe(self) -> str:
         """The panel's layout column for a resident text encoder."""

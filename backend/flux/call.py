@@ -1,5 +1,5 @@
 """FLUX.1's model call as data: ComfyUI's `Flux.forward(x, timestep, context, y, guidance, ref_latents,
-ref_latents_method=)` inputs, and the checks one call passes before any rank runs it (backend/call.py).
+ref_latents_method=)` inputs, and the checks one call passes before any rank runs it (backend/diffusion/call.py).
 
 FLUX.2 takes the same inputs but the pooled vector (flux2/family.py builds its spec from `flux_call_spec`).
 """
@@ -9,9 +9,9 @@ from __future__ import annotations
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from ..call import LATENT_TOKENS, TEXT_TOKENS, CallInput, CallSpec, Inputs
-from ..checks import check_latent_input, check_text, check_timestep, check_vector, reference_inputs
 from ..config import ConfigError
+from ..diffusion.call import LATENT_TOKENS, TEXT_TOKENS, CallInput, CallSpec, Inputs
+from ..diffusion.checks import check_latent_input, check_text, check_timestep, check_vector, reference_inputs
 
 if TYPE_CHECKING:
     import torch

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from ..api import ParallelModel
 from ..checkpoint import save_checkpoint
-from ..client import validate_devices
 from ..config import ConfigError
+from ..diffusion.api import ParallelModel
+from ..runtime.client import validate_devices
 from ..text import MB, markdown_table
 from .dims import FluxDims
 from .keys import rope_axes

@@ -4,7 +4,7 @@ conditioning (T5-XXL features, CLIP-L's pooled vector, FluxGuidance) and one-pro
 The target is bit-for-bit agreement with ComfyUI's own `KSampler(euler, simple, cfg 1.0)` (and
 `SamplerCustom` with a SIGMAS input), so every formula repeats ComfyUI's arithmetic in the same order and
 dtype (comfy/model_sampling.py, comfy/samplers.py at ComfyUI 0.3.64). Noise, masks, the plan and the Euler
-loop every family shares are in backend/sampling.py; FLUX.2 (flux2/sampling.py) reuses this module's
+loop every family shares are in backend/diffusion/sampling.py; FLUX.2 (flux2/sampling.py) reuses this module's
 conditioning helpers with its own schedule.
 """
 
@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..config import ConfigError
-from ..family import LatentFormat
-from ..sampling import (
+from ..diffusion.sampling import (
     ModelCall,
     SamplingPlan,
     SamplingRequest,
@@ -30,6 +29,7 @@ from ..sampling import (
     simple_schedule,
     single_entry,
 )
+from ..family import LatentFormat
 from .facts import LATENT, SCALE_FACTOR, SHIFT_FACTOR, VARIANTS, variant  # torch-free
 from .forward import ModelFn, flux_call
 

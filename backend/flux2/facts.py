@@ -46,7 +46,7 @@ FLUX2_KLEIN_9B: dict[str, Any] = {
 
 TIMESTEP_ZERO = "index_timestep_zero"
 # ComfyUI's ref_latents_method values its FLUX.2 runs (the first is FLUX.2's default; comfy/ldm/flux/model.py
-# treats anything unknown as "offset", the pack refuses it: backend/checks.py)
+# treats anything unknown as "offset", the pack refuses it: backend/diffusion/checks.py)
 REF_METHODS = ("index", "offset", "uxo", TIMESTEP_ZERO)
 
 LATENT = LatentFormat(

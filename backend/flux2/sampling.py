@@ -11,7 +11,7 @@ SamplerCustomAdvanced. Read in comfy_extras/nodes_flux.py and comfy/model_base.p
   guidance is the conditioning's (3.5 when FluxGuidance set none) for models with a guidance embedder.
 - `latent_formats.Flux2`: 128 channels at 1/16 of the pixels, process_in/out the identity.
 
-Noise, the empty-latent rule and the Euler loop are every family's (backend/sampling.py), as in ComfyUI.
+Noise, the empty-latent rule and the Euler loop are every family's (backend/diffusion/sampling.py), as in ComfyUI.
 `denoise` < 1 schedules steps/denoise steps and keeps the tail, as ComfyUI's KSampler does with every
 scheduler; `shift_mu` (ModelSamplingFlux) does not apply: Flux2Scheduler sets its own shift.
 """
@@ -26,8 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ConfigError
-from ..flux.sampling import SUPPORTED_COND_KEYS, guidance_tensor
-from ..sampling import (
+from ..diffusion.sampling import (
     SamplingPlan,
     SamplingRequest,
     make_plan,
@@ -35,6 +34,7 @@ from ..sampling import (
     single_entry,
     text_features,
 )
+from ..flux.sampling import SUPPORTED_COND_KEYS, guidance_tensor
 
 if TYPE_CHECKING:
     from ..checkpoint import CheckpointInfo

@@ -48,12 +48,6 @@ def all_gather_single(output: torch.Tensor, local: torch.Tensor, group: Any = No
     gather(output, local, group=group)
 
 
-def synchronize(device: torch.device) -> None:
-    """Wait for `device` to finish queued work (for timings and results); CPU and meta need nothing."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _bytes(arg: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tree_leaves(arg) if isinstance(t, torch.Tensor))
 

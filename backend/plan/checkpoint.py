@@ -41,7 +41,7 @@ from ..checkpoint.quant import QUANT_SUFFIXES, SCALE_INPUT, SCALE_WEIGHT, SCALED
 from ..config import ModelDims
 from ..dtypes import GGUF_BLOCKS, stored_dtype
 from ..family import ModelFamily, detect_bfl, detect_diffusers, families, family_for_class
-from ..redact import quoted
+from ..runtime.redact import quoted
 
 # diffusers' folder files (checkpoint/info.py's names; that module imports torch)
 _CONFIG, _WEIGHTS, _INDEX = (

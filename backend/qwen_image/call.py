@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..call import LATENT_TOKENS, TEXT_TOKENS, CallInput, CallSpec, Inputs
-from ..checks import check_latent_input, check_text, check_timestep, reference_inputs, text_key_mask
+from ..diffusion.call import LATENT_TOKENS, TEXT_TOKENS, CallInput, CallSpec, Inputs
+from ..diffusion.checks import check_latent_input, check_text, check_timestep, reference_inputs, text_key_mask
 
 if TYPE_CHECKING:
     import torch

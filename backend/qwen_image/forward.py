@@ -19,7 +19,7 @@ ComfyUI's `QwenImageTransformer2DModel._forward` (comfy/ldm/qwen_image/model.py;
   default) modulates the reference tokens at timestep 0: diffusers' `zero_cond_t`, set per call.
 * Text ids: txt_start + j on all three axes, txt_start = max(w_len // 2, h_len // 2) of the main latent.
 * The text mask (0.33's `attention_mask`; 0.3.75 never passes one): 1 = real token. The caller turns it into
-  a boolean key mask (backend/checks.py `text_key_mask`); diffusers takes it as `encoder_hidden_states_mask`
+  a boolean key mask (backend/diffusion/checks.py `text_key_mask`); diffusers takes it as `encoder_hidden_states_mask`
   and drops the padded text keys from every attention, as ComfyUI's additive -max mask does.
 * timestep: sigma, as ComfyUI passes it (ModelSamplingAuraFlow / ModelSamplingFlux, multiplier 1); both
   models multiply it by 1000 in their sinusoidal embedding.

@@ -14,7 +14,7 @@ comfy/model_sampling.py (0.3.75 and 0.33.0, the same):
   EmptySD3LatentImage's 4-D zeros are taken as ComfyUI takes them (fix_empty_latent_channels unsqueezes).
 
 `ParallelModel.sample` runs the positive prompt only (cfg 1): ComfyUI's KSampler on the ROCm Parallel Model
-runs every cfg (nodes/comfy_model.py). Noise and the Euler loop are every family's (backend/sampling.py), as in
+runs every cfg (nodes/comfy_model.py). Noise and the Euler loop are every family's (backend/diffusion/sampling.py), as in
 ComfyUI.
 """
 
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..config import ConfigError
-from ..sampling import (
+from ..diffusion.sampling import (
     SamplingPlan,
     SamplingRequest,
     make_plan,

@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from ..admission import refuse_unless_fits
 from ..checkpoint import resolve_dtype
-from ..client import ProgressCallback
 from ..config import ConfigError
 from ..plan.vae import VaeMemory, largest_side, vae_memory
-from ..resident import ResidentGroup
+from ..resident.admission import refuse_unless_fits
+from ..resident.group import ResidentGroup
+from ..runtime.client import ProgressCallback
 from .bands import Bands
 from .images import crop_pixels, decoder_input, encoder_input
 from .kind import VaeKind, get_vae_kind
@@ -156,7 +156,7 @@ class ParallelVae:
 
     def load(self, progress: ProgressCallback | None = None) -> None:
         """Make the VAE resident on every rank now (otherwise the first decode or encode does)."""
-        self.group.call_resident(self.request, "ping", None, progress=progress)
+        self.group.hold(self.request, progress)
 
     def decode(self, samples: torch.Tensor, timeout: float | None = None) -> torch.Tensor:
         """ComfyUI's VAE Decode of `samples`: the IMAGE [B, H, W, 3] (a 3-D VAE's frame folded into the batch,

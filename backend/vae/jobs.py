@@ -1,8 +1,9 @@
 """The worker methods of a resident VAE: load it into its slot, decode a latent, encode an image (every rank
 its band of rows, bands.py; rank 0 returns the whole result).
 
-The VAE is a resident module like a diffusion model (worker.py `Resident`, one slot): `status`, `unload` and
-`unload_slot` (jobs.py) see it, and the caller's `ResidentGroup` evicts it by the same rule.
+The VAE is a resident module like a diffusion model (runtime/worker.py `Resident`, one slot): it is loaded by
+the job skeleton every resident model shares (resident/jobs.py `load_slot`), `status`, `unload` and
+`unload_slot` see it, and the caller's `ResidentGroup` evicts it by the same rule.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import time
 
 import torch
 
-from ..jobs import status
-from ..messages import LoadReport
-from ..worker import WorkerContext, handler
+from ..resident.jobs import held, load_slot
+from ..resident.messages import LoadReport
+from ..runtime.worker import WorkerContext, handler
 from .bands import BandParallel, Bands
 from .images import decoded_image
 from .kind import VaeKind, get_vae_kind
@@ -23,39 +24,16 @@ from .messages import VaeLoadRequest, VaeReply, VaeRequest
 from .peak import LiveBytes, ResidentHighWater
 
 
-def _free(ctx: WorkerContext) -> None:
-    import gc
-
-    gc.collect()
-    if ctx.device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 @handler("vae_load", VaeLoadRequest)
 def load(ctx: WorkerContext, request: VaeLoadRequest) -> LoadReport:
     """Make the request's VAE resident in its slot (a no-op when it already is)."""
-    resident = ctx.model(request.slot)
-    if resident.key == request:
-        return LoadReport(**vars(status(ctx)), reused=True)
-    resident.clear()
-    _free(ctx)
-    started = time.perf_counter()
-    model = load_vae(request, ctx.device, progress=ctx.load_progress)
-    ctx.synchronize()
-    resident.set(model, request)
-    return LoadReport(**vars(status(ctx)), reused=False, seconds=time.perf_counter() - started)
-
-
-def _resident(ctx: WorkerContext, request: VaeRequest) -> tuple[torch.nn.Module, VaeLoadRequest]:
-    resident = ctx.model(request.slot)
-    model = resident.require()
-    if not isinstance(resident.key, VaeLoadRequest):
-        raise TypeError(f"slot {request.slot!r} holds no VAE on rank {ctx.rank}")
-    return model, resident.key
+    return load_slot(
+        ctx, request.slot, request, lambda: (load_vae(request, ctx.device, progress=ctx.load_progress), {})
+    )
 
 
 def _run(ctx: WorkerContext, request: VaeRequest, decode: bool) -> VaeReply:
-    model, loaded = _resident(ctx, request)
+    model, loaded = held(ctx, request.slot, VaeLoadRequest, "VAE")
     kind = get_vae_kind(loaded.kind)
     cpu = ctx.device.type == "cpu"
     if not cpu:

@@ -2,11 +2,11 @@
 
 | method (backend/vae/jobs.py) | request          | reply                                  |
 |------------------------------|------------------|----------------------------------------|
-| vae_load                     | VaeLoadRequest   | LoadReport (messages.py)               |
+| vae_load                     | VaeLoadRequest   | LoadReport (resident/messages.py)      |
 | vae_decode, vae_encode       | VaeRequest       | VaeReply (rank 0: the image / latent)  |
 
-A `VaeLoadRequest` is a resident module request (resident.py `ResidentGroup.hold`): it names its slot, its
-load method and the bytes of weights it puts on each rank, so the group keeps it beside the diffusion
+A `VaeLoadRequest` is a resident module request (resident/group.py `ResidentGroup.hold`): it names its
+slot, its load method and the bytes of weights it puts on each rank, so the group keeps it beside the diffusion
 models and evicts by the same rule.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..transport import record
+from ..runtime.transport import record
 
 VAE_SLOT = "vae"  # the group's slot for a VAE (one VAE resident at a time; loading another replaces it)
 

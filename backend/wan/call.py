@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..call import LATENT_TOKENS, TEXT_TOKENS, CallInput, CallSpec, Inputs
-from ..checks import check_latent_input, check_text
 from ..config import ConfigError
+from ..diffusion.call import LATENT_TOKENS, TEXT_TOKENS, CallInput, CallSpec, Inputs
+from ..diffusion.checks import check_latent_input, check_text
 
 if TYPE_CHECKING:
     from ..checkpoint import CheckpointInfo

@@ -13,7 +13,7 @@ ComfyUI's KSampler on the ROCm Parallel Model runs uni_pc, cfg and the two-exper
 ModelSamplingSD3 is `ModelSamplingDiscreteFlow` with multiplier 1000: sigma(t) = shift t / (1 + (shift - 1) t)
 over t = 1/1000 .. 1 computed as comfy/model_sampling.py does, and the model gets sigma x 1000
 (`SamplingPlan.multiplier`). Latents: Wan 2.1's format (16 channels, 1/8, 4 frames per latent frame) or, for
-TI2V-5B's 48 channels, Wan 2.2's (1/16). Noise and the loop are every family's (backend/sampling.py).
+TI2V-5B's 48 channels, Wan 2.2's (1/16). Noise and the loop are every family's (backend/diffusion/sampling.py).
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..config import ConfigError
-from ..family import LatentFormat
-from ..sampling import (
+from ..diffusion.sampling import (
     SamplingPlan,
     SamplingRequest,
     make_plan,
@@ -34,6 +33,7 @@ from ..sampling import (
     single_entry,
     text_features,
 )
+from ..family import LatentFormat
 from .facts import WAN21_LATENT, WAN22_LATENT  # comfy/latent_formats.py Wan21, Wan22 (torch-free)
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """ComfyUI's Cancel (POST /interrupt) on the pack's samplers, timed by ComfyUI's own clock: the time from the
 request to its `execution_interrupted` message (its timestamp, ms). A long run of short steps stops at the
 next model call (the runner checks ComfyUI's interrupt before each one and while the workers compute); one
-long step stops a few transformer blocks in (backend/cancel_points.py). The next result is exact.
+long step stops a few transformer blocks in (backend/runtime/cancel_points.py). The next result is exact.
 
 Before issue 36, Cancel on a 3000-step run took 0.18-4.12 s (median 1.80 s over 20): ComfyUI checks its
 interrupt in a progress hook it throttles to 0.5 % of the run, and the pack's forward never did.

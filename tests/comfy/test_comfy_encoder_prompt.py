@@ -104,7 +104,7 @@ def _saved(comfy: Comfy, prefix: str) -> list[dict[str, torch.Tensor]]:
 def _workers(comfy: Comfy) -> list[int]:
     """The pack's worker processes under the ComfyUI server."""
     children = psutil.Process(comfy.proc.pid).children(recursive=True)
-    return [c.pid for c in children if "backend.worker" in " ".join(c.cmdline())]
+    return [c.pid for c in children if "backend.runtime.worker" in " ".join(c.cmdline())]
 
 
 @pytest.fixture(scope="module")

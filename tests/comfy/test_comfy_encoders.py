@@ -47,10 +47,10 @@ import torch
 from comfy_server import COMFYUI_PATH, COMFYUI_VERSION, TESTS_DIR
 from safetensors.torch import save_file
 
-from rocm_parallel.backend.client import WorkerGroup
 from rocm_parallel.backend.encoders.api import ParallelEncoder
 from rocm_parallel.backend.encoders.t5.kind import T5_XXL
-from rocm_parallel.backend.resident import ResidentGroup
+from rocm_parallel.backend.resident.group import ResidentGroup
+from rocm_parallel.backend.runtime.client import WorkerGroup
 
 pytestmark = [pytest.mark.comfy, pytest.mark.timeout(1800)]
 
@@ -395,8 +395,8 @@ def _sample_on_the_pack(
 ) -> torch.Tensor:
     """`sample(clip, model)` with the pack's CLIP and the ROCm Parallel Model (TP 2) on one worker group: both
     resident side by side, every model call on the workers."""
-    from rocm_parallel.backend.api import ParallelModel
     from rocm_parallel.backend.config import ParallelLayout
+    from rocm_parallel.backend.diffusion.api import ParallelModel
     from rocm_parallel.nodes import comfy_model
     from rocm_parallel.nodes.comfy_clip import build_clip
     from rocm_parallel.nodes.inputs import LayoutRequest, ParallelHandle

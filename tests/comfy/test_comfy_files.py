@@ -24,9 +24,9 @@ import pytest
 import torch
 from comfy_server import COMFYUI_PATH, COMFYUI_VERSION, TESTS_DIR
 
-from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.checkpoint import inspect_checkpoint
 from rocm_parallel.backend.config import ParallelLayout
+from rocm_parallel.backend.diffusion.api import ParallelModel
 from rocm_parallel.nodes.checks import KV_CACHE_MESSAGE
 from rocm_parallel.nodes.inputs import LayoutRequest, ParallelHandle
 from rocm_parallel.nodes.registry import Registry

@@ -23,8 +23,8 @@ import pytest
 import torch
 from comfy_server import COMFYUI_PATH, TESTS_DIR
 
-from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.config import ParallelLayout
+from rocm_parallel.backend.diffusion.api import ParallelModel
 from rocm_parallel.nodes.inputs import LayoutRequest, ParallelHandle
 from rocm_parallel.nodes.registry import Registry
 

@@ -29,8 +29,8 @@ from comfy_server import COMFYUI_PATH, COMFYUI_VERSION
 from safetensors.torch import save_file
 from test_comfy_encoders import TINY_CLIP_L, TINY_QWEN25, TINY_T5, _randomize
 
-from rocm_parallel.backend.client import WorkerGroup
-from rocm_parallel.backend.resident import ResidentGroup
+from rocm_parallel.backend.resident.group import ResidentGroup
+from rocm_parallel.backend.runtime.client import WorkerGroup
 
 pytestmark = [pytest.mark.comfy, pytest.mark.timeout(1800)]
 

@@ -42,9 +42,9 @@ import torch
 from comfy_server import COMFYUI_PATH, Comfy
 from safetensors.torch import load_file
 
-from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.checkpoint import inspect_checkpoint
 from rocm_parallel.backend.config import ParallelLayout
+from rocm_parallel.backend.diffusion.api import ParallelModel
 from rocm_parallel.nodes.inputs import LayoutRequest, ParallelHandle
 from rocm_parallel.nodes.registry import Registry
 

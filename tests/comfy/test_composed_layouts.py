@@ -21,9 +21,9 @@ from comfy_server import COMFYUI_PATH, TESTS_DIR
 from test_sampling import ALL_CASES as CASES
 from test_sampling import flux_model, reference
 
-from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.checkpoint import save_checkpoint
 from rocm_parallel.backend.config import ParallelLayout
+from rocm_parallel.backend.diffusion.api import ParallelModel
 from rocm_parallel.nodes.inputs import LayoutRequest, ParallelHandle
 from rocm_parallel.nodes.registry import Registry
 

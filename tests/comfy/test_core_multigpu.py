@@ -24,7 +24,7 @@ import torch
 from comfy_server import COMFYUI_VERSION, reference
 from test_parallel_model import CASES, checkpoints, comfy, parallel_model, registries, run_case
 
-from rocm_parallel.backend.messages import DeviceMemory, RankStatus
+from rocm_parallel.backend.resident.messages import DeviceMemory, RankStatus
 from rocm_parallel.nodes import comfy_beside, comfy_model
 from rocm_parallel.nodes.registry import Registry, size_text
 from rocm_parallel.nodes.status import format_state

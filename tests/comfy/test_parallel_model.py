@@ -26,9 +26,9 @@ from comfy_server import ALL_CASES as CASES
 from comfy_server import COMFYUI_PATH, COMFYUI_VERSION, FLUX2_CASES, MODELS, REFERENCES, TESTS_DIR, reference
 from test_sampling import flux_model
 
-from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.checkpoint import save_checkpoint
 from rocm_parallel.backend.config import ParallelLayout
+from rocm_parallel.backend.diffusion.api import ParallelModel
 from rocm_parallel.nodes.checks import LORA_ON_MODEL_MESSAGE
 from rocm_parallel.nodes.inputs import LayoutRequest, ParallelHandle
 from rocm_parallel.nodes.registry import Registry

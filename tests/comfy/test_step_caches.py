@@ -23,9 +23,9 @@ import torch
 from comfy_server import COMFYUI_PATH, TESTS_DIR
 from test_sampling import flux_model
 
-from rocm_parallel.backend.api import ParallelModel
 from rocm_parallel.backend.checkpoint import diffusers_to_bfl, save_checkpoint
 from rocm_parallel.backend.config import ParallelLayout
+from rocm_parallel.backend.diffusion.api import ParallelModel
 from rocm_parallel.nodes import checks
 from rocm_parallel.nodes.inputs import LayoutRequest, ParallelHandle
 from rocm_parallel.nodes.registry import Registry

@@ -50,7 +50,7 @@ def _one_gpu_reference():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("layout", [{"tp": 2}, {"ring": 2}, {"ulysses": 2}])
 def test_parallel_forward_matches_one_gpu(layout: dict) -> None:
-    from rocm_parallel.backend.client import WorkerGroup
+    from rocm_parallel.backend.runtime.client import WorkerGroup
 
     config, inputs, expected = _one_gpu_reference()
     with WorkerGroup(["cuda:0", "cuda:1"], extra_sys_path=[TESTS_DIR], methods=["model_methods"]) as group:
@@ -97,7 +97,7 @@ def test_gpu_sdpa_is_not_the_math_fallback() -> None:
 
 def one_gpu_group(workers: int):
     """`workers` workers on cuda:0; more than one share it through gloo (NCCL refuses two ranks per GPU)."""
-    from rocm_parallel.backend.client import WorkerGroup
+    from rocm_parallel.backend.runtime.client import WorkerGroup
 
     return WorkerGroup(
         ["cuda:0"] * workers,
@@ -147,8 +147,8 @@ def test_comfyui_references_on_one_gpu(dtype: str, tolerance: float, layout: str
     from test_parallel_sampling import run_case
     from test_sampling import CASES, flux_model, reference
 
-    from rocm_parallel.backend.api import ParallelModel
     from rocm_parallel.backend.checkpoint import diffusers_to_bfl
+    from rocm_parallel.backend.diffusion.api import ParallelModel
 
     path = tmp_path / "tiny-flux-dev.safetensors"
     save_file(diffusers_to_bfl(flux_model("dev").state_dict()), str(path))
@@ -176,9 +176,9 @@ def test_plan_on_this_machines_gpus_prices_their_memory(capsys: pytest.CaptureFi
 
 
 def test_a_parked_text_encoder_leaves_the_gpu(tmp_path: Path) -> None:
-    """backend/parking.py on a real GPU: each rank's shard moves to pinned host memory (the GPU's allocated
+    """backend/resident/parking.py on a real GPU: each rank's shard moves to pinned host memory (the GPU's allocated
     bytes drop by at least its weights) and back for the next encode, which gives the same hidden states."""
-    from rocm_parallel.backend.api import ParallelModel
+    from rocm_parallel.backend.diffusion.api import ParallelModel
     from rocm_parallel.backend.encoders.api import ParallelEncoder
     from rocm_parallel.testing.encoder_files import VOCAB, write_encoder
 

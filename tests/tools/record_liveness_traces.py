@@ -23,8 +23,8 @@ sys.path[:0] = [str(TESTS)]
 from test_contention import BURNERS, TRACES, _group, burning, run_contention  # noqa: E402
 from worker_jobs import OnRank  # noqa: E402
 
-from rocm_parallel.backend.client import WorkerError  # noqa: E402
-from rocm_parallel.backend.liveness import DEFAULT_WATCHDOG  # noqa: E402
+from rocm_parallel.backend.runtime.client import WorkerError  # noqa: E402
+from rocm_parallel.backend.runtime.liveness import DEFAULT_WATCHDOG  # noqa: E402
 from rocm_parallel.testing.traces import Recorder  # noqa: E402
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ...redact import quoted
+from ...runtime.redact import quoted
 from .reading import Device, delta_ranges, indices, read_all
 from .records import AdapterKind, LoraError, LoraModule, Parsed, Ranges, Stats
 

@@ -16,7 +16,7 @@ from typing import Any
 from safetensors import SafetensorError, safe_open
 
 from ...family import families
-from ...redact import quoted
+from ...runtime.redact import quoted
 from ..files import listing, special_kind, starts_like_safetensors, truncation_detail
 from ..info import CheckpointInfo
 from .kinds import APPLIED, CONV_ONLY, KINDS, REFUSED, WEIGHT_KINDS
@@ -97,7 +97,7 @@ def inspect_lora(path: str | os.PathLike[str], info: CheckpointInfo) -> LoraInfo
             split = split_key(key)
             if split is not None and split[1] in ("conv", "refused") and split[0] in table:
                 _unknown_key(path, key, info)
-        _no_flux_keys(path, shapes, skipped)
+        _no_model_keys(path, shapes, skipped)
     for key in unknown:
         _unknown_key(path, key, info)
     modules: list[LoraModule] = []
@@ -237,10 +237,10 @@ def refuse_foreign_lora(path: str | os.PathLike[str]) -> None:
     _check_file(path)
     shapes, _ = read_header(path)
     if plainly_foreign(shapes):
-        _no_flux_keys(path, shapes, ())
+        _no_model_keys(path, shapes, ())
 
 
-def _no_flux_keys(path: Path, shapes: Mapping[str, Any], skipped: Sequence[str]) -> None:
+def _no_model_keys(path: Path, shapes: Mapping[str, Any], skipped: Sequence[str]) -> None:
     if skipped and len(skipped) == len(shapes):
         raise LoraError(
             f"LoRA {quoted(path)} has only text-encoder keys ({len(skipped)}, e.g. '{skipped[0]}'), which "

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ...config import ConfigError
-from ...redact import quoted
+from ...runtime.redact import quoted
 
 Ranges = Sequence[tuple[int, int]]  # [start, stop) ranges, concatenated in order
 Segments = tuple[tuple[int, int, int], ...]  # (destination row, source row, rows)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ...redact import quoted
+from ...runtime.redact import quoted
 from ..info import CheckpointInfo
 from .kinds import KINDS
 from .parse import inspect_lora, refuse_foreign_lora

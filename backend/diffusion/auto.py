@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from .checkpoint import resolve_dtype
-from .client import WorkerGroup
-from .config import ConfigError, ModelDims, ParallelLayout
-from .family import families, get_family
-from .messages import LinkReport, LinkRequest
-from .plan import Choice, Link, Setup, choose
+from ..checkpoint import resolve_dtype
+from ..config import ConfigError, ModelDims, ParallelLayout
+from ..family import families, get_family
+from ..plan import PCIE4, Choice, Link, Setup, choose, estimate
+from ..runtime.client import WorkerGroup
+from ..runtime.messages import LinkReport, LinkRequest
 
 
 def make_layout(
@@ -80,3 +80,28 @@ def choose_layout(
         reference_tokens=reference_tokens, frames=frames,
     )  # fmt: skip
     return choose(setup, fixed)
+
+
+def gloo_cost(devices: int, gbps: float, latency_us: float) -> str:
+    """What gloo costs, priced by the planner: one 1024 px step of the first family's (by name) first released model
+    (flux1-dev) at tp `devices` over the link gloo measured here, against the same step over PCIe 4.0 x16
+    peer-to-peer (the planner's defaults)."""
+    family = min(families(), key=lambda f: f.name)  # by name: registration order depends on imports
+    preset, config = next(iter(family.presets.items()))
+    dims = family.dims(config)
+
+    def step(link: Link) -> float:
+        setup = Setup(
+            dims, width=1024, height=1024, batch=1, text_tokens=family.text.tokens, dtype="bfloat16",
+            weight_dtype="compute", devices=devices, memory_gb=1e3, link=link, tflops=100.0, family=family.name,
+        )  # fmt: skip
+        return estimate(setup, ParallelLayout(tp=devices)).step_s
+
+    gloo, pcie = step(Link(gbps, latency_us, measured=True, name="gloo")), step(PCIE4)
+    return (
+        f"the planner prices one {preset} 1024x1024 step at tp {devices} (100 TFLOPS per GPU) at "
+        f"{gloo:.2f} s over gloo as measured here ({gbps:.2f} GB/s, {latency_us:.0f} µs per collective) "
+        f"against {pcie:.2f} s over PCIe 4.0 x16 peer-to-peer: context parallelism (ring/Ulysses) moves far "
+        f"fewer bytes (`python -m rocm_parallel plan --devices {devices} --link-gbps {gbps:.2f} "
+        f"--latency-us {latency_us:.0f}`)"
+    )

@@ -23,7 +23,7 @@ group uses and why. Pure decisions here (no torch at import); the loop is the cl
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 # The worker's name for the rung it runs on (tests' fake probes read it; `HealthReport.env` shows it).
@@ -103,7 +103,7 @@ def plan_transports(
 
 
 def _torch_build() -> str:
-    from .platforms import torch_build
+    from ..platforms import torch_build
 
     return torch_build()
 
@@ -143,7 +143,7 @@ def forced_backend(backend: str | None) -> str | None:
     if backend is not None or not forced:
         return backend
     if forced not in ("gloo", "nccl"):
-        from .config import ConfigError
+        from ..config import ConfigError
 
         raise ConfigError(
             f"{TRANSPORT_FORCE}={forced!r} in the environment; use 'gloo' or 'nccl', or unset it"
@@ -160,30 +160,14 @@ def short_note(transport: Transport, fell_back: bool) -> str | None:
     )
 
 
+# The planner's price of a group on gloo, in words: (devices, measured GB/s, µs per collective) -> text. The
+# runtime imports no model code, so the planner's side puts its function here (backend/__init__.py, when the
+# package is imported: always before a group starts).
+PRICES: list[Callable[[int, float, float], str]] = []
+
+
 def gloo_cost(devices: int, gbps: float, latency_us: float) -> str:
-    """What gloo costs, priced by the planner: one 1024 px step of the first family's (by name) first released model
-    (flux1-dev) at tp `devices` over the link gloo measured here, against the same step over PCIe 4.0 x16
-    peer-to-peer (the planner's defaults)."""
-    from .config import ParallelLayout
-    from .family import families
-    from .plan import PCIE4, Link, Setup, estimate
-
-    family = min(families(), key=lambda f: f.name)  # by name: registration order depends on imports
-    preset, config = next(iter(family.presets.items()))
-    dims = family.dims(config)
-
-    def step(link: Link) -> float:
-        setup = Setup(
-            dims, width=1024, height=1024, batch=1, text_tokens=family.text.tokens, dtype="bfloat16",
-            weight_dtype="compute", devices=devices, memory_gb=1e3, link=link, tflops=100.0, family=family.name,
-        )  # fmt: skip
-        return estimate(setup, ParallelLayout(tp=devices)).step_s
-
-    gloo, pcie = step(Link(gbps, latency_us, measured=True, name="gloo")), step(PCIE4)
-    return (
-        f"the planner prices one {preset} 1024x1024 step at tp {devices} (100 TFLOPS per GPU) at "
-        f"{gloo:.2f} s over gloo as measured here ({gbps:.2f} GB/s, {latency_us:.0f} µs per collective) "
-        f"against {pcie:.2f} s over PCIe 4.0 x16 peer-to-peer: context parallelism (ring/Ulysses) moves far "
-        f"fewer bytes (`python -m rocm_parallel plan --devices {devices} --link-gbps {gbps:.2f} "
-        f"--latency-us {latency_us:.0f}`)"
-    )
+    """What gloo costs here, as the planner prices it (`PRICES`); a plain line when no planner is there."""
+    if not PRICES:
+        return f"gloo measured {gbps:.2f} GB/s, {latency_us:.0f} µs per collective here"
+    return PRICES[-1](devices, gbps, latency_us)

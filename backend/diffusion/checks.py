@@ -1,5 +1,5 @@
 """What the caller checks before any rank runs: a sampling job (once) and the pieces every family's call
-checks are made of (backend/call.py runs a call's checks on every step: cheap ones only), each against the
+checks are made of (backend/diffusion/call.py runs a call's checks on every step: cheap ones only), each against the
 resident checkpoint; messages name ComfyUI's inputs and nodes.
 """
 
@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from .checkpoint import CheckpointInfo
-from .config import ConfigError
-from .family import families
+from ..checkpoint import CheckpointInfo
+from ..config import ConfigError
+from ..family import families
 from .sampling import SamplingPlan, SamplingRequest
 
 # An additive mask value at or below this drops its key (exp of it is 0 in float32): ComfyUI's own masks are
@@ -40,7 +40,7 @@ def check_sample(
     return family.sampling(info, latent, positive, request)
 
 
-# --- pieces of a family's call checks (backend/call.py `CallSpec.check`) ------------------------------
+# --- pieces of a family's call checks (backend/diffusion/call.py `CallSpec.check`) ------------------------------
 
 
 def latent_shaped(x: Any, channels: int, info: CheckpointInfo) -> bool:

@@ -16,9 +16,8 @@ import torch
 import torch.distributed as dist
 
 from .messages import AttentionReport, HealthReport, HealthRequest, LinkReport, LinkRequest, PairReport
-from .parallel.comm import synchronize
 from .preflight import TRANSPORT_ENV
-from .worker import WorkerContext, handler
+from .worker import WorkerContext, handler, synchronize
 
 # The settings that change how collectives travel (preflight.py), as each rank saw them.
 TRANSPORT_FLAGS = ("NCCL_P2P_DISABLE", "NCCL_PROTO", TRANSPORT_ENV)

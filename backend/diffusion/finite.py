@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .parallel.weights import is_fp8
+from ..parallel.weights import is_fp8
 
 CHUNK = 1 << 26  # elements per pass: bounds the float16 copy an fp8 tensor is checked in (no fp8 min/max)
 

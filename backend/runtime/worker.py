@@ -9,8 +9,8 @@ Started by `client.WorkerGroup` (never imported by ComfyUI itself). Life of a wo
    Meanwhile a thread of its own reports what the rank is doing (heartbeat.py), from the first line of
    `main` on: the caller tells a hung rank from a slow one by these reports;
 4. report Ready, then serve `transport.Request` envelopes until "shutdown": `_run` finds the method
-   (`HANDLERS`, filled by `@handler` in jobs.py, serve.py, probe.py, vae/jobs.py, encoders/jobs.py and the
-   modules the group names),
+   (`HANDLERS`, filled by `@handler` in the `BUILTIN_METHODS` modules (probe.py; resident/, diffusion/,
+   vae/ and encoders/ jobs) and the modules the group names),
    checks the request record's type and calls it; a `Reply` (and `Progress` on the way) carries the
    request's job id back;
 5. leave the group cleanly (barrier, destroy_process_group, os._exit) — gloo can abort at interpreter
@@ -37,10 +37,16 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from ..config import DEFAULT_SLOT
 from .heartbeat import Heartbeat
-from .messages import DEFAULT_SLOT, RankInfo
-from .parallel.comm import synchronize
+from .messages import RankInfo
 from .transport import Hello, Progress, Ready, Reply, Request, StorePort, is_record, pack, recv, send, unpack
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for `device` to finish queued work (for timings and results); CPU and meta need nothing."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @dataclass(frozen=True)
@@ -56,8 +62,8 @@ HANDLERS: dict[str, Handler] = {}
 
 def handler(name: str, request: type | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register a worker method callable by name from the client. `request`: the payload record it takes
-    (backend/messages.py, or a test module's own), None when it takes none. It returns a payload record or
-    None."""
+    (runtime/messages.py, a model's messages.py, or a test module's own), None when it takes none. It returns
+    a payload record or None."""
 
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
         HANDLERS[name] = Handler(fn, request)
@@ -177,14 +183,27 @@ def _ping(ctx: WorkerContext) -> RankInfo:
     return RankInfo(rank=ctx.rank, pid=os.getpid(), device=str(ctx.device), backend=ctx.backend)
 
 
+# The modules whose methods every worker serves, by name relative to this package: the runtime's own probes,
+# and the models' jobs. Imported in the worker process only: the runtime's code imports no model code
+# (tests/test_structure.py); the model side imports the runtime.
+BUILTIN_METHODS = (
+    ".probe",
+    "..resident.jobs",
+    "..diffusion.jobs",
+    "..diffusion.serve",
+    "..vae.jobs",
+    "..encoders.jobs",
+)
+
+
 def _load_methods() -> None:
     """Import the modules that register handlers with @handler, so a worker knows every method.
 
     The built-in ones first, then the modules the group was started with (`WorkerGroup(methods=...)`,
     e.g. tests' and benchmarks' own methods): product code carries no method that only they use.
     """
-    for module in ("jobs", "serve", "probe", "vae.jobs", "encoders.jobs"):
-        importlib.import_module(f"{__package__}.{module}")
+    for module in BUILTIN_METHODS:
+        importlib.import_module(module, __package__)
     for module in filter(None, os.environ.get("RP_METHODS", "").split(",")):
         importlib.import_module(module)
 

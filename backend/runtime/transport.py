@@ -4,8 +4,8 @@ Two kinds of record, both frozen dataclasses:
 
 - envelopes (`Request`, `Progress`, `Reply` and the start-up `Hello` / `StorePort` / `Ready`): how a job
   travels. Every job envelope carries the job id, so a reply from another job is never taken for this one's.
-- payloads (backend/messages.py, and the tests' own in their worker modules): what a job carries. A
-  `Request` holds one payload record or none, a `Reply` one or none. A payload class is registered with
+- payloads (runtime/messages.py and each model's messages.py, and the tests' own in their worker
+  modules): what a job carries. A `Request` holds one payload record or none, a `Reply` one or none. A payload class is registered with
   `@record`; on arrival only registered classes are rebuilt, by name, and a name this process does not
   know is refused (`UnknownRecord`). The client (inside ComfyUI the pack's modules have other names) and
   the workers never need to share class identities, only names.
@@ -41,8 +41,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from .config import package_named
-from .dtypes import DTYPES
+from ..config import package_named
+from ..dtypes import DTYPES
 
 INLINE_LIMIT = 64 * 1024  # bytes; smaller tensors travel inside the message
 PREFIX = "rocm-parallel-"

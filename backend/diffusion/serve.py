@@ -2,7 +2,7 @@
 samplers call a model (forward_client.py is the caller's side).
 
 Where a step runs: ComfyUI's sampler calls the proxy MODEL's diffusion model (`nodes/comfy_model.py`),
-or `ParallelModel.sample` runs its Euler loop; either calls `ParallelModel.forward` (backend/api.py),
+or `ParallelModel.sample` runs its Euler loop; either calls `ParallelModel.forward` (backend/diffusion/api.py),
 which sends one `model_call` request to every rank. Each rank runs its family's model call
 (`ModelFamily.call`, on the inputs the family's `CallSpec` declares) on its shard in the resident layout and
 rank 0 returns the full output. Under a batch degree
@@ -23,14 +23,14 @@ from typing import Any
 
 import torch
 
-from .cancel_points import cancellable
-from .compile import note_compiles
-from .family import ModelFamily, family_of
+from ..compile import note_compiles, repeated_blocks
+from ..family import ModelFamily, family_of
+from ..parallel.mesh import BatchSplit, groups_of
+from ..parallel.weights import compute_dtype
+from ..runtime.cancel_points import cancellable
+from ..runtime.worker import Resident, WorkerContext, handler
 from .finite import all_finite
 from .messages import ConditioningSlots, ForwardReply, ForwardRequest
-from .parallel.mesh import BatchSplit, groups_of
-from .parallel.weights import compute_dtype
-from .worker import Resident, WorkerContext, handler
 
 
 class ConditioningMissing(KeyError):
@@ -96,7 +96,9 @@ def forward(ctx: WorkerContext, request: ForwardRequest) -> ForwardReply:
             mine = {
                 i.name: _take(split, inputs[i.name]) if i.batched else inputs[i.name] for i in spec.inputs
             }
-            model_fn = cancellable(ctx, model, family.model_fn(model), every_group_runs=all(split.sizes))
+            model_fn = cancellable(
+                ctx, model, family.model_fn(model), repeated_blocks(model), every_group_runs=all(split.sizes)
+            )
             out = family.call(model_fn, split.take(x), split.take(request.timestep.to(ctx.device)), **mine)
         entry = (family.latent_channels(model.config), *x.shape[2:])
         out = split.gather(out, entry, dtype, ctx.device)

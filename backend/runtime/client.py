@@ -1,8 +1,8 @@
 """WorkerGroup: the persistent group of worker processes, one per device, seen from the caller.
 
 Where a request enters: `WorkerGroup.call_all(method, request, timeout=, progress=)` sends the same
-`transport.Request` (carrying one payload record from backend/messages.py, or none) to every rank and
-returns their reply records (rank 0 first); `call` returns rank 0's. How the processes start is
+`transport.Request` (carrying one payload record from runtime/messages.py or a model's messages.py, or
+none) to every rank and returns their reply records (rank 0 first); `call` returns rank 0's. How the processes start is
 launch.py; how a job in flight is waited for (cancel, errors) is watch.py, and how a hung rank is told
 from a slow one is liveness.py (from the reports each rank writes several times a second, heartbeat.py).
 """
@@ -17,8 +17,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..config import ConfigError
+from ..platforms import DeviceSpec, check_threads, default_cpu_threads, validate_devices
 from . import preflight
-from .config import ConfigError
 from .launch import (
     PACK_ROOT,
     WorkerError,
@@ -28,7 +29,6 @@ from .launch import (
     worker_env,
 )  # fmt: skip
 from .messages import HealthReport, HealthRequest, PairReport
-from .platforms import DeviceSpec, check_threads, default_cpu_threads, validate_devices
 from .preflight import Transport
 from .transport import (
     Reply,

@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..runtime.client import JobCancelled, JobTimeout, ProgressCallback, WorkerError, WorkerGroup
+from ..runtime.watch import CANCELLED
 from .call import CallSpec, check_held_values
-from .client import JobCancelled, JobTimeout, ProgressCallback, WorkerError, WorkerGroup
 from .messages import DEFAULT_SLOT, Conditioning, ConditioningSlots, ForwardReply, ForwardRequest
 from .sampling import Inputs, SamplingPlan, euler
-from .watch import CANCELLED
 
 _keys = itertools.count(1)
 

@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from .config import ConfigError
+from ..config import ConfigError
 from .finite import all_finite, non_finite_kind
 
 if TYPE_CHECKING:
-    from .family import LatentFormat
+    from ..family import LatentFormat
 
 # ComfyUI KSampler's steps widget: 1 .. 10000 (a schedule of 1e9 steps filled the caller's memory).
 MAX_STEPS = 10000

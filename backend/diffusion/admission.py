@@ -4,27 +4,20 @@ before the caller allocates anything for it (noise, tokens) and before any rank 
 Without it a 16384 x 16384 image passed every check and, minutes later, a CPU worker was killed by the
 kernel (exit -9) or a GPU ran out of memory mid-step. The estimate is the planner's own
 (`plan.cost.activation_bytes`: peak live activations of one rank during one forward, calibrated against
-torch's MemTracker); the limit is what the devices have: for CPU workers the host memory available now,
-shared by every worker; for GPUs the free memory each rank reported after its load (weights resident).
+torch's MemTracker); the limit is what the devices have (resident/admission.py `memory_limit`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-import psutil
-
-from .checkpoint import CheckpointInfo
-from .config import ConfigError, ParallelLayout
-from .messages import RankStatus
-from .plan import Setup
-from .plan.cost import activation_bytes
-from .text import GB
-
-# Of the memory available, the share activations may take: the rest is the Python processes' own
-# growth, the caller's outputs, kernel workspaces and the planner's error (within ~10 % on FLUX).
-HOST_SHARE = 0.8
-GPU_SHARE = 0.9
+from ..checkpoint import CheckpointInfo
+from ..config import ConfigError, ParallelLayout
+from ..plan import Setup
+from ..plan.cost import activation_bytes
+from ..resident.admission import memory_limit
+from ..resident.messages import RankStatus
+from ..text import GB
 
 
 def activation_estimate(
@@ -45,24 +38,6 @@ def activation_estimate(
         frames=frames,
     )  # fmt: skip
     return activation_bytes(setup, layout)
-
-
-def memory_limit(devices: Sequence[str], reports: Sequence[RankStatus]) -> tuple[float, str] | None:
-    """(bytes one rank's activations may take, what bounds it), or None when nothing is known (a GPU
-    group that has not reported its memory yet)."""
-    if devices[0] == "cpu":
-        available = psutil.virtual_memory().available
-        workers = len(devices)
-        return (
-            available * HOST_SHARE / workers,
-            f"{available / GB:.1f} GB of host memory are available to {workers} CPU worker(s) "
-            f"({HOST_SHARE:.0%} of it shared between them)",
-        )
-    free = [r.memory.free_gb for r in reports if r.memory is not None]
-    if not free:
-        return None
-    least = min(free)
-    return least * GB * GPU_SHARE, f"the fullest GPU has {least:.1f} GB free after loading the weights"
 
 
 def admit(
@@ -106,29 +81,6 @@ def admit(
         f"{estimate / GB:.1f} GB of activations per {word} in layout {layout} ({dtype}), but {why}: the limit "
         f"is {limit / GB:.1f} GB per {word}. What fits: {fit}{smaller_batch}; or more devices, or a smaller "
         "image, then upscale"
-    )
-
-
-def refuse_unless_fits(
-    need: float,
-    devices: Sequence[str],
-    reports: Sequence[RankStatus],
-    *,
-    what: str,
-    fits: Callable[[float], str],
-) -> None:
-    """Refuse a job of another phase than a model call (a VAE decode: backend/vae/api.py) that needs `need`
-    bytes on one rank beyond what is resident, when the devices do not have them. `what` names the job,
-    `fits(limit)` says what would fit in `limit` bytes per rank. A GPU group that has not reported its memory
-    yet is not refused (nothing is known)."""
-    bound = memory_limit(devices, reports)
-    if bound is None or need <= bound[0]:
-        return
-    limit, why = bound
-    word = "CPU worker" if devices[0] == "cpu" else "GPU"
-    raise ConfigError(
-        f"{what} needs about {need / GB:.1f} GB per {word}, but {why}: the limit is {limit / GB:.1f} GB per "
-        f"{word}. What fits: {fits(limit)}; or more devices"
     )
 
 

@@ -1,10 +1,14 @@
-"""A worker group with models resident on every rank: the part of `ParallelModel` that starts the group,
-loads, re-loads after a failure, unloads, reports status and plans 'auto' layouts.
+"""A worker group with models resident on every rank, whatever their kind (a diffusion model, a text encoder,
+a VAE): the group started on first use and again after a failure, each model in its slot, loaded when a job
+needs it, evicted (least recently used first) or parked in host memory when the weights would not fit
+together, unloaded, and the ranks' status.
 
 A group keeps several models resident at once, each in its own slot (a ComfyUI graph with two models, such
-as Wan 2.2's high- and low-noise experts or a text encoder beside a diffusion model, keeps both): each slot
-has its own layout, shards, LoRA state and conditioning. `ParallelModel` (api.py) adds what runs on a
-resident model: `forward` and `sample`; a call names its slot, the default one when it does not.
+as Wan 2.2's high- and low-noise experts or a text encoder beside a diffusion model, keeps both). A model is
+named by its load request: any frozen record with `slot`, `checkpoint`, the bytes of weights it puts on
+each rank (`weight_bytes`, or a `weight_bytes_on(device)` method) and `load_method` (the worker method that
+loads it; resident/jobs.py `load_slot` is its skeleton). `diffusion/group.py` adds what loading a diffusion
+model takes (options, checks, 'auto' layouts); `ParallelEncoder` and `ParallelVae` use a group as it is.
 """
 
 from __future__ import annotations
@@ -14,37 +18,18 @@ import dataclasses
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
 from typing import Any
 
 import psutil
-import torch
 
+from ..config import DEFAULT_SLOT
+from ..plan.encoder import COMFYUI_GPU0, MARGIN
+from ..platforms import DeviceSpec, parse_devices
+from ..runtime.client import ProgressCallback, WorkerError, WorkerGroup, check_group_options, validate_devices
+from ..text import GB
 from . import admission
-from .auto import choose_layout, make_layout, measure_machine
-from .checkpoint import (
-    CheckpointInfo,
-    check_loras,
-    check_weight_dtype,
-    inspect_checkpoint,
-    planned_weight_dtype,
-    resolve_dtype,
-)
-from .checkpoint.gguf import check_block_splits
-from .checkpoint.lora.values import refuse_foreign_loras
-from .client import ProgressCallback, WorkerError, WorkerGroup, check_group_options, validate_devices
-from .compile import compile_mode
-from .config import ConfigError, ModelDims, ParallelLayout, weight_dtype_name
-from .dtypes import WEIGHT_DTYPES, compute_dtype_named
-from .forward_client import ForwardClient
-from .messages import DEFAULT_SLOT, LinkReport, LoadReport, LoadRequest, RankStatus, UnloadRequest
+from .messages import LoadReport, RankStatus, UnloadRequest
 from .parking import check_policy, parkable, to_park
-from .plan import Choice
-from .plan.encoder import COMFYUI_GPU0, MARGIN
-from .platforms import DeviceSpec, parse_devices
-from .text import GB
-
-Checkpoint = str | os.PathLike[str] | CheckpointInfo  # a path, or its header as inspect_checkpoint read it
 
 
 def default_devices() -> list[str]:
@@ -53,55 +38,15 @@ def default_devices() -> list[str]:
     return list(parse_devices("all"))
 
 
-Loras = Sequence[tuple[str | os.PathLike[str], float]]
-
 # Of a device's memory (a GPU's, or the host's for CPU workers), the share the weights of every resident
 # model may take together before the least recently used is unloaded for a new one: the rest is for
 # activations, the runtime and (on GPU 0) ComfyUI's own models.
 RESIDENT_SHARE = 0.75
 
 
-@dataclasses.dataclass(frozen=True)
-class LoadOptions:
-    """How to make a checkpoint resident: one record for `load`, `check_load`, the nodes and the checks.
-
-    `layout`: 'tp' (every device shards the weights), 'context' (ring x Ulysses: `ring` / `ulysses`, None or
-    0 filling the rest), degrees such as 'batch 2 x tp 2' (a ParallelLayout's `str`; the product is the
-    device count), a ParallelLayout, or 'auto' (the planner's choice). `ring` / `ulysses` go with 'context'
-    only: with anything else they are refused. `dtype` is the compute dtype; `weight_dtype` how linear
-    weights stay resident ('default' (None): an fp8 file's stay fp8; 'fp8_e4m3fn' / 'fp8_e5m2': converted at
-    load; 'compute': upcast at load). `attention` overrides the attention kernel. `loras`: (path, strength)
-    pairs applied in order on top (each rank patches its own shard). `compile`: 'inductor' / 'aot_eager'
-    compile the repeated blocks (compile.py), 'off' runs eager. `slot`: which of the group's resident
-    models this is (several stay resident, one per slot).
-    """
-
-    layout: str | ParallelLayout = "tp"
-    ring: int | None = None
-    ulysses: int | None = None
-    dtype: str | None = None
-    weight_dtype: str | None = None
-    attention: str | None = None
-    loras: tuple[tuple[str, float], ...] = ()
-    compile: str | None = "off"
-    slot: str = DEFAULT_SLOT
-
-    @classmethod
-    def make(cls, options: LoadOptions | None = None, **given: Any) -> LoadOptions:
-        """`options` with `given` fields replaced (LoRAs as a tuple of (path, strength) pairs)."""
-        if "loras" in given:
-            given["loras"] = tuple((os.fspath(path), strength) for path, strength in given["loras"] or ())
-        unknown = sorted(set(given) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise ConfigError(
-                f"{', '.join(unknown)} is not a load option; use {', '.join(f.name for f in dataclasses.fields(cls))}"
-            )
-        return dataclasses.replace(options or cls(), **given)
-
-
 class ResidentGroup:
     """A worker group (started on first use, started again after a failure closed it) and the models its
-    ranks hold: `residents`, slot -> the `LoadRequest` every rank answered (`resident`: the default slot's).
+    ranks hold: `residents`, slot -> the load request every rank answered (`resident`: the default slot's).
 
     Thread-safe: calls from several threads run one at a time; `status()` never waits for a running
     job (it answers from the last report, marked busy).
@@ -126,13 +71,10 @@ class ResidentGroup:
         self.threads, self.start_timeout = threads, start_timeout
         self._group: WorkerGroup | None = group
         # slot -> what every rank holds there, in least recently used order (the first is evicted first)
-        self.residents: OrderedDict[str, LoadRequest] = OrderedDict()
+        self.residents: OrderedDict[str, Any] = OrderedDict()
         self._loaded_in: dict[str, WorkerGroup] = {}
-        self.auto_choice: Choice | None = None  # the latest 'auto' decision; .explanation for the node
-        self._machine: tuple[WorkerGroup, LinkReport] | None = None
         self._lock = threading.RLock()
         self._last_status: list[RankStatus] = []
-        self._forwards: dict[str, ForwardClient] = {}  # what the ranks hold for `forward`, per slot
         self.evicted: list[str] = []  # one line per model unloaded to make room for another (the panel)
         # slots whose weights wait in host memory (parking.py), and each parkable slot's policy
         self.parked: set[str] = set()
@@ -193,122 +135,15 @@ class ResidentGroup:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ auto
-
-    def machine(self) -> LinkReport:
-        """Link bandwidth/latency, device TFLOPS and memory, measured once per worker group (probe.py)."""
-        group = self.group
-        if self._machine is None or self._machine[0] is not group:
-            self._machine = (group, measure_machine(group))
-        return self._machine[1]
-
-    def auto_layout(
-        self,
-        dims: ModelDims,
-        width: int = 1024,
-        height: int = 1024,
-        batch: int = 1,
-        dtype: str | None = None,
-        context_only: bool = False,
-        weight_dtype: str = "compute",
-        family: str | None = None,
-        reference_tokens: int = 0,
-        fixed: dict[str, int] | None = None,
-        frames: int = 1,
-    ) -> Choice:
-        """The planner's layout for this image (or video: `frames`) on these devices; `.explanation` is one
-        line for the node.
-
-        `batch` is the model call's batch (`plan.call_batch`: the images, twice them when cond and uncond
-        run together at cfg != 1): the planner never picks a batch degree above it. `context_only` keeps
-        tp at 1 (the Ring Attention Sampler's auto); `fixed` keeps other degrees too ({"batch": 2}).
-        `weight_dtype`: the planner's name ('compute', 'fp8_e4m3fn', 'fp8_e5m2'; see
-        `load.planned_weight_dtype` for a checkpoint's 'default'). `family` is the checkpoint's model
-        family (CheckpointInfo.family; the first registered one when None). `reference_tokens`: the image
-        tokens of reference latents, which every step carries next to the image's.
-        """
-        keep = {**(fixed or {}), **({"tp": 1} if context_only else {})}
-        self.auto_choice = choose_layout(
-            self.machine(), self.devices, dims, width, height, batch, dtype=dtype, fixed=keep,
-            weight_dtype=weight_dtype, family=family, reference_tokens=reference_tokens, frames=frames,
-        )  # fmt: skip
-        return self.auto_choice
-
     # ------------------------------------------------------------------ models
 
     @property
-    def resident(self) -> LoadRequest | None:
+    def resident(self) -> Any:
         """What the default slot holds (the one model of a caller that keeps one), or None."""
         return self.residents.get(DEFAULT_SLOT)
 
-    def load(
-        self,
-        checkpoint: Checkpoint,
-        options: LoadOptions | None = None,
-        *,
-        progress: ProgressCallback | None = None,
-        timeout: float | None = None,
-        **given: Any,
-    ) -> list[LoadReport]:
-        """Make `checkpoint` resident as `options` (a LoadOptions, and/or its fields as keywords: `layout`,
-        `ring`, `ulysses`, `dtype`, `weight_dtype`, `attention`, `loras`, `compile`, `slot`) say; reuses
-        what is already there.
-
-        `checkpoint`: a path, or the CheckpointInfo a caller read from it already (the header is read once
-        per run and carried to the workers, which do not read it again).
-        'auto' plans for a 1024x1024 image; `sample(layout='auto')` re-plans for the latent's size.
-        When only the LoRAs change, the workers re-read just the affected tensors from the checkpoint and
-        apply the new set, so `loras=()` gives back the checkpoint's weights bit for bit. Reports then carry
-        `lora_tensors` (tensors rewritten) and `lora_seconds`. fp8 weights are upcast per layer: same
-        outputs, half the bytes of bf16. A LoRA-patched weight is held in the compute dtype.
-        Another slot's model stays resident, unless the weights of all of them would not fit the devices
-        together: the least recently used are unloaded first (`evicted` says so).
-        `progress(done, total)` runs as the tensors arrive; raising from it stops the load between
-        tensors on every rank (nothing stays resident in that slot then). Returns each rank's report (its
-        status after the load: device, parameter bytes, memory; and whether the model was reused).
-        Changing `compile` re-loads the model.
-        """
-        with self._lock:
-            request = self.check_load(checkpoint, options, **given)
-            return self._load_resident(request, progress, timeout)
-
-    def check_load(
-        self, checkpoint: Checkpoint, options: LoadOptions | None = None, **given: Any
-    ) -> LoadRequest:
-        """Validate a load from the checkpoint's and LoRAs' headers alone: no worker starts (except to
-        measure the link for 'auto'), nothing is unloaded. Raises ConfigError naming the input; returns
-        the request the workers would get."""
-        opts = LoadOptions.make(options, **given)
-        weight_dtype_name(opts.weight_dtype)  # a bad name fails before the checkpoint is read
-        compiled = compile_mode(opts.compile)
-        if not isinstance(opts.slot, str) or not opts.slot:
-            raise ConfigError(f"slot={opts.slot!r} must be a non-empty name")
-        if opts.layout != "auto":  # needs no file: refused before the header is read (that imports diffusers)
-            make_layout(opts.layout, len(self.devices), opts.ring, opts.ulysses).check_devices(
-                len(self.devices)
-            )
-        # an SDXL LoRA or a model checkpoint given as a LoRA: named before the checkpoint's header is read
-        refuse_foreign_loras(opts.loras)
-        info = checkpoint if isinstance(checkpoint, CheckpointInfo) else inspect_checkpoint(checkpoint)
-        checked = check_loras(opts.loras, info)
-        resolve_dtype(opts.dtype, self.devices[0])  # a bad dtype fails here, before anything is unloaded
-        weights = check_weight_dtype(opts.weight_dtype, info)
-        layout = opts.layout
-        if layout == "auto":
-            planned = planned_weight_dtype(weights, info)
-            layout = self.auto_layout(
-                info.dims, dtype=opts.dtype, weight_dtype=planned, family=info.family
-            ).layout
-        parallel = make_layout(layout, len(self.devices), opts.ring, opts.ulysses)
-        parallel.validate(info.dims, devices=len(self.devices))
-        check_block_splits(info, parallel.tp)  # GGUF: each rank must hold whole quantization blocks
-        path = info.path if isinstance(checkpoint, CheckpointInfo) else str(checkpoint)
-        return LoadRequest(
-            path, info, parallel, opts.dtype, weights, opts.attention, checked, compiled, slot=opts.slot
-        )
-
     def _load_resident(
-        self, request: LoadRequest, progress: ProgressCallback | None = None, timeout: float | None = None
+        self, request: Any, progress: ProgressCallback | None = None, timeout: float | None = None
     ) -> list[LoadReport]:
         """Load on the workers; `residents` names the request only once every rank holds it."""
         group = self.group
@@ -326,15 +161,17 @@ class ResidentGroup:
             raise
         self.residents[slot], self._loaded_in[slot] = request, group
         self._last_status = reports
-        if isinstance(request, LoadRequest):  # a resident module (a VAE) takes no model calls
-            self._forwards[slot] = ForwardClient(request.info.model_family.call_spec, slot)
+        self._held(request)
         self._residency_changed()
         return reports
+
+    def _held(self, request: Any) -> None:
+        """Every rank holds `request` now: what a kind keeps in the caller for it (diffusion/group.py: the
+        forward client of its model calls)."""
 
     def _forget(self, slot: str) -> None:
         self.residents.pop(slot, None)
         self._loaded_in.pop(slot, None)
-        self._forwards.pop(slot, None)
         self.parked.discard(slot)
 
     def _residency_changed(self) -> None:
@@ -393,6 +230,13 @@ class ResidentGroup:
         self.residents.move_to_end(slot)
         return self.group
 
+    def hold(self, request: Any, progress: ProgressCallback | None = None) -> None:
+        """Make `request` resident in its slot now, as the first job that needs it would: loaded when the ranks
+        hold something else there, brought back to the devices when parked; the slot becomes the most
+        recently used."""
+        with self._lock:
+            self._resident_group(request, progress)
+
     def call_resident(
         self,
         request: Any,
@@ -417,7 +261,7 @@ class ResidentGroup:
         """Each rank's latest status (after the latest load or status call): what admission reads."""
         return list(self._last_status)
 
-    def _make_room(self, request: LoadRequest, group: WorkerGroup) -> None:
+    def _make_room(self, request: Any, group: WorkerGroup) -> None:
         """Make room on the devices for `request`'s weights: while every resident model's weights and the
         new one's would not fit together (`RESIDENT_SHARE` of the smallest device's memory), park the
         modules that may wait in host memory (parking.py; they then hold no device memory), then unload
@@ -498,49 +342,12 @@ class ResidentGroup:
         finally:
             self._lock.release()
 
-    def _slot_request(self, slot: str | None) -> LoadRequest:
-        """The request resident in `slot` (the default one when None), or ConfigError naming what is."""
-        name = DEFAULT_SLOT if slot is None else slot
-        request = self.residents.get(name)
-        if request is None:
-            if not self.residents:
-                raise ConfigError("no checkpoint is loaded; call load(checkpoint) first")
-            raise ConfigError(
-                f"no checkpoint is loaded in slot {name!r}; loaded: {', '.join(map(repr, self.residents))}"
-            )
-        return request
-
-    def compute_dtype_of(self, slot: str | None = None) -> torch.dtype:
-        """The dtype the workers compute the slot's model in (its load's, else the devices' default)."""
-        request = self.residents.get(DEFAULT_SLOT if slot is None else slot)
-        return resolve_dtype(request.dtype if request else None, self.devices[0])
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        """The dtype the workers compute in (the default slot's load's, else the devices' default)."""
-        return self.compute_dtype_of(None)
-
 
 def weight_bytes_per_rank(request: Any, device: str) -> int:
-    """Parameter bytes one rank holds for `request` (the planner's exact count for its layout and dtypes; a
-    resident module's request says its own)."""
-    from .plan import weight_bytes
-
-    if not isinstance(request, LoadRequest):
-        return int(request.weight_bytes)
-
-    info = request.info
-    compute = str(resolve_dtype(request.dtype, device)).removeprefix("torch.")
-    planned = planned_weight_dtype(request.weight_dtype, info)
-    fp8 = WEIGHT_DTYPES.get(planned)
-    bytes_ = compute_dtype_named(compute).bytes
-    return weight_bytes(
-        info.dims,
-        request.layout,
-        bytes_,
-        family=info.family,
-        linear_bytes=fp8.bytes if fp8 is not None else None,
-    )
+    """Parameter bytes one rank holds for `request`: its own count (`weight_bytes_on(device)`: a diffusion
+    model's, the planner's exact count for its layout and dtypes) or the number it carries (`weight_bytes`)."""
+    count = getattr(request, "weight_bytes_on", None)
+    return int(count(device)) if count is not None else int(request.weight_bytes)
 
 
 def _load_method(request: Any) -> str:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from .config import ConfigError
+from ..config import ConfigError
 
 PARK_POLICIES = ("auto", "resident", "host")
 DEFAULT_POLICY = "auto"

@@ -34,25 +34,25 @@ from typing import Any, TypeVar
 
 import psutil
 
-from .config import ConfigError, package_named
+from ..config import ConfigError, package_named
+from ..platforms import AOTRITON_FLAG, gpu_arch, needs_aotriton_flag
 from .exits import MemoryReading, exit_reason, oom_kill_count
 from .heartbeat import read_state, state_path, write_ask
 from .liveness import DEFAULT_WATCHDOG, Hang, Liveness, Process, Watchdog, describe
 from .messages import RankState
-from .platforms import AOTRITON_FLAG, gpu_arch, needs_aotriton_flag
 from .procstat import sample
 from .transport import Hello, Ready, Request, StorePort, private_dir, recv, send, uninterrupted
 
 T = TypeVar("T")
 
-PACK_ROOT = Path(__file__).resolve().parent.parent
+PACK_ROOT = Path(__file__).resolve().parents[2]
 
 # Imports the backend as `rocm_parallel.backend` from PACK_ROOT without executing the pack's
 # __init__ (which is ComfyUI's entry point) and whatever folder name the pack was installed under.
 _BOOTSTRAP = (
     "import sys, types; root = sys.argv[1]; pkg = types.ModuleType('rocm_parallel'); "
     "pkg.__path__ = [root]; sys.modules['rocm_parallel'] = pkg; "
-    "from rocm_parallel.backend.worker import main; main()"
+    "from rocm_parallel.backend.runtime.worker import main; main()"
 )
 
 

@@ -3,9 +3,9 @@
 A cancel (ComfyUI's Cancel, Ctrl+C, `timeout=`, `WorkerGroup.cancel()`) touches a flag file the workers
 look for (watch.py `Job.cancel`). Between steps `WorkerContext.step_done` reads it; inside one model call —
 one step of a 16384 px image takes minutes — the ranks read it at agreed points: a forward pre-hook on the
-model's repeated blocks (the classes `_repeated_blocks` names, the same ones compile.py compiles), every
-`every` blocks. Each rank reads its flag and the ranks all-reduce it (MAX) over the whole group, so all of
-them decide alike and raise `JobCancelled` at the same block: none is left in a collective its peers will
+model's repeated blocks (the classes the caller names: diffusion/serve.py passes the ones
+`_repeated_blocks` names, the same ones compile.py compiles), every `every` blocks. Each rank reads its flag
+and the ranks all-reduce it (MAX) over the whole group, so all of them decide alike and raise `JobCancelled` at the same block: none is left in a collective its peers will
 never enter. Every rank runs the same blocks in the same order (tensor and context parallelism split each
 block's work; under a batch degree each batch group runs the whole model on its entries), so the checks
 line up; the batch groups meet at each check instead of only at the call's final gather.
@@ -26,14 +26,13 @@ call's batch) is not armed: that group runs no block, and stops with the others 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .compile import repeated_block_classes
 from .worker import JobCancelled, WorkerContext
 
 POINTS = 16  # about this many checks per model call: `every` = blocks // POINTS (at least 1)
@@ -44,8 +43,8 @@ HOOKS_ATTR = "_rp_cancel_points"  # the model's installed `_Points`
 class _Points:
     """The hooks on one model's repeated blocks and, during a call, that call's checks."""
 
-    def __init__(self, model: nn.Module) -> None:
-        names = set(repeated_block_classes(model))
+    def __init__(self, model: nn.Module, block_classes: Collection[str]) -> None:
+        names = set(block_classes)
         blocks = [m for m in model.modules() if type(m).__name__ in names]
         self.every = max(1, len(blocks) // POINTS)
         self.armed: _Checks | None = None
@@ -109,17 +108,21 @@ class _Checks:
 
 
 def cancellable(
-    ctx: WorkerContext, model: nn.Module, model_fn: Callable[..., Any], every_group_runs: bool = True
+    ctx: WorkerContext,
+    model: nn.Module,
+    model_fn: Callable[..., Any],
+    block_classes: Collection[str],
+    every_group_runs: bool = True,
 ) -> Callable[..., Any]:
     """`model_fn` (the family's call into `model`) with its calls armed: on a cancel every rank stops at the
     next agreed block (see the module docstring). `every_group_runs`: False when a batch group has no
-    entries in this call (not armed: that group runs no block). A model without repeated blocks is
-    cancelled at the call's end."""
-    if not every_group_runs or not getattr(model, "_repeated_blocks", None):
+    entries in this call (not armed: that group runs no block). `block_classes`: the class names of the
+    model's repeated blocks, where the checks are; a model without any is cancelled at the call's end."""
+    if not every_group_runs or not block_classes:
         return model_fn
     points = getattr(model, HOOKS_ATTR, None)
     if points is None:
-        points = _Points(model)
+        points = _Points(model, block_classes)
         setattr(model, HOOKS_ATTR, points)
     group = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
     lag = GPU_LAG if ctx.device.type == "cuda" else 0

@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .config import ConfigError
+from ..config import ConfigError
 from .sampling import check_finite, check_real
 
 if TYPE_CHECKING:
-    from .checkpoint import CheckpointInfo
-    from .config import ParallelLayout
+    from ..checkpoint import CheckpointInfo
+    from ..config import ParallelLayout
 
 Inputs = dict[str, Any]
 
