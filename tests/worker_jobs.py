@@ -239,12 +239,19 @@ def freeze_self(version: int) -> None:
 
 
 def make_noise(share: float) -> None:
-    """A daemon thread that uses about `share` of a core in bursts of a few milliseconds (see `OnRank`)."""
+    """A daemon thread that uses about `share` of a core in bursts of a few milliseconds (see `OnRank`),
+    mostly without the GIL, as gloo's native threads do (hashlib releases it while it hashes a large
+    buffer): a thread holding the GIL while the machine starves it would delay the rank's reports too."""
+    import hashlib
     import threading
+
+    data = bytes(1 << 16)
 
     def noise() -> None:
         while True:
-            work_for(0.005)
+            end = time.monotonic() + 0.005
+            while time.monotonic() < end:
+                hashlib.sha256(data)
             time.sleep(0.005 / share - 0.005)
 
     if share > 0:
