@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +35,7 @@ from ..backend.runtime import launch, watch
 from ..backend.runtime.client import WorkerError, WorkerGroup
 from ..backend.runtime.liveness import DEFAULT_WATCHDOG
 from ..testing.helpers import TINY_CONFIG as CONFIG
-from ..testing.helpers import sampling_job, write_random_checkpoint
+from ..testing.helpers import burning, sampling_job, write_random_checkpoint
 from ..testing.writers import write_random_lora
 
 TESTS = Path(__file__).resolve().parents[1] / "tests"  # the fault-injecting worker methods
@@ -92,18 +91,6 @@ def _tests() -> Any:
 
 def _group(world: int) -> WorkerGroup:
     return WorkerGroup(["cpu"] * world, threads=1, extra_sys_path=[str(TESTS)], methods=["worker_jobs"])
-
-
-@contextlib.contextmanager
-def _burning(count: int) -> Iterator[None]:
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
-    try:
-        yield
-    finally:
-        for proc in procs:
-            proc.kill()
-        for proc in procs:
-            proc.wait()
 
 
 @contextlib.contextmanager
@@ -257,7 +244,7 @@ def run(args: argparse.Namespace) -> str:
         checkpoint = write_random_checkpoint(Path(folder) / "tiny-flux.safetensors", CONFIG)
         lora = write_random_lora(Path(folder) / "tiny-lora.safetensors", CONFIG, "bfl")
         for load, burners in (("quiet", 0), (f"{args.burners} burners", args.burners)):
-            with _burning(burners):
+            with burning(burners):
                 for kind, options, where, world in PYTHON_HANGS:
                     measure(
                         load,

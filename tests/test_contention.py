@@ -11,12 +11,9 @@ collective its peer had completed.
 
 from __future__ import annotations
 
+import contextlib
 import os
-import subprocess
-import sys
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -24,6 +21,7 @@ from contention_jobs import Miniature
 
 from rocm_parallel.backend.runtime.client import WorkerGroup
 from rocm_parallel.backend.runtime.liveness import DEFAULT_WATCHDOG
+from rocm_parallel.testing import helpers
 from rocm_parallel.testing.traces import load, replay
 
 TESTS_DIR = str(Path(__file__).resolve().parent)
@@ -33,17 +31,9 @@ BURNERS = (os.cpu_count() or 1) + 2  # more burning processes than cores
 PLAN = ((2, 100, 1000), (4, 100, 1000))
 
 
-@contextmanager
-def burning(count: int = BURNERS) -> Iterator[None]:
+def burning(count: int = BURNERS) -> contextlib.AbstractContextManager[None]:
     """`count` processes that keep a core busy each, for the block."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
-    try:
-        yield
-    finally:
-        for proc in procs:
-            proc.kill()
-        for proc in procs:
-            proc.wait()
+    return helpers.burning(count)
 
 
 def _group(world: int) -> WorkerGroup:
