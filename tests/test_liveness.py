@@ -145,6 +145,23 @@ def test_a_blocked_rank_in_a_collective_its_peer_left_and_went_past_is_stuck() -
     )
 
 
+def test_a_rank_whose_recorder_lags_behind_its_own_later_collectives_is_not_stuck() -> None:
+    """Four ranks; rank 1 blocks after collective #27. Ranks 0 and 3 wait in #28 for it; rank 2 waits there too,
+    but its recorder still shows #27 not completed (issued 28, completed 26), which rank 0 has left. Rank 2
+    has moved past #27 itself: rank 1 is named (after the 5 s hold), not rank 2 (seen in `bench hangs`).
+    Mutation tried: without the `group.issued > n` guard in `_peers`, rank 2 was named at 4.5 s."""
+    waiting = _group("a", (0, 1, 2, 3), 28, 27, since=0.5)
+    groups = {
+        0: (waiting,),
+        1: (_group("a", (0, 1, 2, 3), 27, 27),),
+        2: (_group("a", (0, 1, 2, 3), 28, 26, since=0.5),),
+        3: (waiting,),
+    }
+    found = Ranks(world=4).until(30.0, groups)
+    assert found is not None and found[1].ranks == (1,) and found[0] >= 6.0, found
+    assert "rank 0 waits for it in collective #28" in found[1].why
+
+
 def test_a_peer_that_left_without_issuing_more_is_no_evidence() -> None:
     """Rank 0 completed #5 and computes (issued nothing after it); rank 1, blocked, still shows #5: not
     proof (the issue's rule asks for the peer past #n *and* later collectives)."""
