@@ -12,13 +12,14 @@ from pathlib import Path
 
 import psutil
 import pytest
-from bounds import HANG_NAMED_WITHIN
+from bounds import HANG_NAMED_WITHIN, OUTLAST, SCALED
 
 from rocm_parallel.backend import doctor
 from rocm_parallel.backend.config import ConfigError
 from rocm_parallel.backend.platforms import default_cpu_threads
 from rocm_parallel.backend.runtime import preflight
 from rocm_parallel.backend.runtime.client import WorkerError, WorkerGroup
+from rocm_parallel.backend.runtime.liveness import DEFAULT_WATCHDOG, Watchdog
 
 TESTS_DIR = str(Path(__file__).resolve().parent)
 
@@ -329,10 +330,10 @@ def test_the_backend_can_be_forced_from_the_environment(monkeypatch: pytest.Monk
     )
 
 
-def _importing(what: str) -> WorkerGroup:
+def _importing(what: str, watchdog: Watchdog = DEFAULT_WATCHDOG) -> WorkerGroup:
     return WorkerGroup(
         ["cpu", "cpu"], threads=1, start_timeout=300, extra_sys_path=[TESTS_DIR],
-        methods=["worker_jobs", "startup_checks"], env={"RP_TEST_IMPORT": what},
+        methods=["worker_jobs", "startup_checks"], env={"RP_TEST_IMPORT": what}, watchdog=watchdog,
     )  # fmt: skip
 
 
@@ -359,11 +360,13 @@ def test_a_rank_blocked_while_importing_is_named_within_seconds(tmp_path: Path) 
 
 @pytest.mark.slow
 def test_a_slow_import_that_works_completes() -> None:
-    """Rank 1 works 40 s while importing its methods (rank 0 ready, waiting): the group starts."""
+    """Rank 1 works 5 `idle` windows (40 s under the default watchdog) while importing its methods (rank 0
+    ready, waiting): the group starts."""
+    slow = OUTLAST * SCALED.idle
     started = time.monotonic()
-    group = _importing("work:1:40")
+    group = _importing(f"work:1:{slow:g}", SCALED)
     try:
-        assert time.monotonic() - started >= 40
+        assert time.monotonic() - started >= slow
         assert [r.rank for r in group.call_all("ping")] == [0, 1]
     finally:
         group.close()

@@ -119,7 +119,8 @@ class WorkerGroup:
         result, start the group again with the next transport (NCCL_P2P_DISABLE=1, then also
         NCCL_PROTO=Simple, then gloo; None: on GPUs only) and say so in `warnings`; `transport` and
         `transport_why` say what it runs on. `watchdog`: how long each sign of a hang must last (liveness.Watchdog); its
-        `collective_timeout` is set on the workers' process groups."""
+        `collective_timeout` is set on the workers' process groups. `self.watchdog` may be replaced between jobs
+        (the next job's rules use it; the collective timeout stays the one the workers started with)."""
         backend = preflight.forced_backend(backend)
         self.devices = validate_devices(devices, backend)
         check_threads(threads)
@@ -342,7 +343,8 @@ class WorkerGroup:
                 # started everywhere (cancelled together, at the same step), never half of each.
                 with uninterrupted():
                     job = Job(
-                        workers, self._job, method, timeout=timeout, progress=progress, watchdog=watchdog,
+                        workers, self._job, method, timeout=timeout, progress=progress,
+                        watchdog=watchdog or self.watchdog,
                         cancel_grace=cancel_grace, limit=limit, label=label,
                     )  # fmt: skip
                     self._running = job
