@@ -368,6 +368,12 @@ class WorkerGroup:
             job.outcome()
             return results
 
+    def check_files(self, request: Any) -> None:
+        """ConfigError, before anything is sent, when a rank on another host lacks a file `request` names or
+        holds another file under its name (remote.py; nothing to check on one host)."""
+        with self._lock:
+            self._workers.check_files(request)
+
     def call(self, method: str, request: Any = None, **options: Any) -> Any:
         """Run `method` on every rank and return rank 0's reply (options as for `call_all`)."""
         return self.call_all(method, request, **options)[0]

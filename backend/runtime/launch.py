@@ -321,6 +321,10 @@ class Workers:
         """Touch job `job`'s cancel flag, which every rank looks for at its cancel points."""
         Path(self.shm, f"cancel-{job}").touch()
 
+    def check_files(self, record: Any) -> None:
+        """Whether every rank can read the files `record` names as this process does: here they can
+        (remote.HostsWorkers checks other hosts' copies)."""
+
     def requests_for(self, request: Request) -> list[Request]:
         """The request each rank gets, by rank: the same one here (remote.HostsWorkers: other hosts' with
         their tensors inline and their files checked). Raises before anything is sent."""

@@ -55,7 +55,7 @@ from .messages import (
     StopRanks,
 )
 from .procstat import ProcSample
-from .transport import Hello, Request, inlined
+from .transport import Hello, Request, inlined, pack
 
 STOP_SECONDS = 15.0  # beyond the grace, what an agent's stop may take (launch.terminate's own limits)
 FILE_CHECK_SECONDS = 120.0  # an agent's answer about a request's files (headers on a slow disk)
@@ -263,15 +263,24 @@ class HostsWorkers(Workers):
         if self._prepared is not None and self._prepared[0] is request:
             return self._prepared[1]
         out = [request] * len(self.devices)
-        payload = inlined(request.payload)
-        folders = settings().folders
-        for mine in self.elsewhere:
-            files: list[tuple[str, str, str]] = []
-            theirs = _mapped(payload, mine.link.hello.models, folders, files)
-            self._check_files(mine, files)
+        for mine, theirs in self._for_hosts(inlined(request.payload)):
             for rank in mine.ranks:
                 out[rank] = replace(request, payload=theirs)
         self._prepared = (request, out)
+        return out
+
+    def check_files(self, record: Any) -> None:
+        """Every file `record` names, checked on every other host (once per version of a file), before
+        anything is sent: a load refused here leaves what the ranks hold as it was."""
+        self._for_hosts(pack(record, "", "", inline=True))
+
+    def _for_hosts(self, payload: Any) -> list[tuple[_Ranks, Any]]:
+        """A packed payload as each other host's ranks get it: paths mapped, files checked there."""
+        folders, out = settings().folders, []
+        for mine in self.elsewhere:
+            files: list[tuple[str, str, str]] = []
+            out.append((mine, _mapped(payload, mine.link.hello.models, folders, files)))
+            self._check_files(mine, files)
         return out
 
     def _check_files(self, mine: _Ranks, files: list[tuple[str, str, str]]) -> None:
@@ -332,7 +341,7 @@ class HostsWorkers(Workers):
         for mine in self.elsewhere:
             if mine.link.gone is not None:
                 return WorkerError(
-                    f"{mine.link.name} is gone while {doing}: {mine.link.gone}; its {mine.described} went with it"
+                    f"{mine.link.name} is gone while {doing}: {mine.link.gone}; its {mine.described} are lost with it"
                     + self.log_tails(),
                     mine.ranks[0],
                 )
