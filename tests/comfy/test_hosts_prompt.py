@@ -28,7 +28,7 @@ from rocm_parallel.backend.checkpoint import save_checkpoint
 
 if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
-from agents import alive, assert_gone, descendants, free_port, running_agent, write_key  # noqa: E402
+from agents import alive, assert_gone, descendants, free_port, running_agent, write_key
 
 pytestmark = [pytest.mark.comfy, pytest.mark.timeout(1800)]
 
@@ -58,7 +58,9 @@ def two_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoHosts]:
             yield TwoHosts(comfy, agent, there)
 
 
-def _prompt(devices: str, layout: str, prefix: str, checkpoint: str | None = None, steps: int | None = None) -> dict:
+def _prompt(
+    devices: str, layout: str, prefix: str, checkpoint: str | None = None, steps: int | None = None
+) -> dict:
     prompt = model_prompt(CASE)
     prompt["4"]["inputs"]["devices"] = devices
     if checkpoint is not None:
@@ -80,7 +82,9 @@ def _error(entry: dict) -> str:
     return errors[0]["exception_message"]
 
 
-def test_tp_inside_each_host_and_the_ring_across_equals_comfyui_through_the_prompt(two_hosts: TwoHosts) -> None:
+def test_tp_inside_each_host_and_the_ring_across_equals_comfyui_through_the_prompt(
+    two_hosts: TwoHosts,
+) -> None:
     comfy = two_hosts.comfy
     entry = comfy.wait_done(_queue(comfy, _prompt(DEVICES, "tp 2 x ring 2", "hosts/parity")))
     assert entry["status"]["status_str"] == "success", _error(entry)
@@ -111,7 +115,9 @@ def test_a_different_file_on_the_second_host_is_refused_through_the_prompt(two_h
     assert not list((comfy.base / "output").glob("hosts/other*"))
 
 
-def test_the_second_agent_killed_mid_step_is_named_and_the_first_host_alone_is_exact(two_hosts: TwoHosts) -> None:
+def test_the_second_agent_killed_mid_step_is_named_and_the_first_host_alone_is_exact(
+    two_hosts: TwoHosts,
+) -> None:
     comfy, agent = two_hosts.comfy, two_hosts.agent
     prompt_id = _queue(comfy, _prompt(DEVICES, "tp 2 x ring 2", "hosts/killed", steps=400))
     deadline = time.monotonic() + 300
@@ -126,7 +132,10 @@ def test_the_second_agent_killed_mid_step_is_named_and_the_first_host_alone_is_e
     os.kill(agent.pid, signal.SIGKILL)
     entry = comfy.wait_done(prompt_id, timeout=120)
     assert entry["status"]["status_str"] == "error"
-    ended = [data for kind, data in entry["status"]["messages"] if kind == "execution_error"][0]["timestamp"] / 1000
+    ended = (
+        next(data for kind, data in entry["status"]["messages"] if kind == "execution_error")["timestamp"]
+        / 1000
+    )
     message = _error(entry)
     print(f"named {ended - killed:.1f} s after the SIGKILL: {message[:300]}")
     assert ended - killed <= 10.0
