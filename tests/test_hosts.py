@@ -309,3 +309,38 @@ def test_a_gguf_header_walk_rejects_garbage(tmp_path) -> None:
     path = tmp_path / "bad.gguf"
     path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 1, 1) + b"\xff" * 32)
     assert identity(str(path)).header == "first MiB"  # not a header this reader walks: its first bytes
+
+
+# --------------------------------------------------------------------------------------------------
+# docs/hosts.md's planner table
+
+
+def test_the_docs_table_of_two_hosts_is_the_planners() -> None:
+    """Every cell of docs/hosts.md's table (2 hosts x 4 GPUs of 24 GB, FLUX.1-dev bf16 1024x1024, cfg 1 and
+    3.5 at 100 and 10 Gb/s): the layouts that fit, their memory and step time, auto's pick in bold."""
+    from pathlib import Path
+
+    from rocm_parallel.backend.flux.dims import FluxDims
+    from rocm_parallel.backend.flux.facts import FLUX_DEV
+    from rocm_parallel.backend.plan import call_batch
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "hosts.md").read_text()
+    table = text.split("<!-- hosts-table -->\n", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    columns = [(1.0, 100.0), (1.0, 10.0), (3.5, 100.0), (3.5, 10.0)]
+    dims = FluxDims.from_diffusers_config(FLUX_DEV)
+    setups = [
+        Setup(dims, batch=call_batch(1, cfg), devices=8, hosts=2, inter_host=network(gbit), memory_gb=24.0)
+        for cfg, gbit in columns
+    ]
+    fitting = [{e.name: e for e in plan(s) if e.fits} for s in setups]
+    picks = [str(choose(s).layout) for s in setups]
+    shown = set()
+    for row in table:
+        name, memory, *cells = [c.strip() for c in row.strip("|").split("|")]
+        shown.add(name)
+        priced = [f.get(name) for f in fitting]
+        assert memory == f"{max(e.per_gpu for e in priced if e) / 1e9:.1f}", name
+        for cell, estimate_, pick in zip(cells, priced, picks, strict=True):
+            expected = "—" if estimate_ is None else f"{estimate_.step_s:.2f}"
+            assert cell == (f"**{expected}**" if name == pick else expected), (name, cell)
+    assert shown == set().union(*fitting)  # every layout that fits in any column, none other
