@@ -178,7 +178,7 @@ class Workers:
         key = secrets.token_bytes(32)
         listener = Listener(address, family="AF_UNIX", authkey=key)
         try:
-            for rank in range(len(self.devices)):
+            for rank in self.local_ranks:
                 with open(self.log_path(rank), "wb") as log:
                     proc = subprocess.Popen(
                         bootstrap_command(),
@@ -192,6 +192,7 @@ class Workers:
                 proc.stdin.write(key.hex().encode() + b"\n")
                 proc.stdin.flush()
                 self.procs.append(proc)
+            self.spawn_elsewhere()
             self._liveness = Liveness(self.devices, self.pids, self.watchdog, time.monotonic())
             self._handshake(listener)
         except BaseException as exc:
@@ -206,6 +207,14 @@ class Workers:
                 raise
             raise failure from exc
         listener.close()
+
+    @property
+    def local_ranks(self) -> range:
+        """The ranks this machine starts (all of them; remote.HostsWorkers: those not on another host)."""
+        return range(len(self.devices))
+
+    def spawn_elsewhere(self) -> None:
+        """Start the ranks this machine does not (none here; remote.HostsWorkers: other hosts')."""
 
     def _accept(self, listener: Listener, deadline: float) -> Connection:
         # Listener.accept blocks without a timeout; poll its socket so a worker that dies at import time
@@ -225,8 +234,7 @@ class Workers:
         deadline = time.monotonic() + self.start_timeout
         by_rank: dict[int, Connection] = {}
         while len(by_rank) < len(self.devices):
-            conn = self._accept(listener, deadline)
-            hello = self._next_record(conn, Hello, deadline, "connecting")
+            conn, hello = self._next_hello(listener, deadline)
             by_rank[hello.rank] = conn
             self._connected.add(hello.rank)
         self.conns = [by_rank[r] for r in range(len(self.devices))]
@@ -235,6 +243,11 @@ class Workers:
             send(conn, StorePort(port=port))
         for conn in self.conns:
             self._next_record(conn, Ready, deadline, "joining the process group")
+
+    def _next_hello(self, listener: Listener, deadline: float) -> tuple[Connection, Hello]:
+        """The next rank to connect, and its Hello."""
+        conn = self._accept(listener, deadline)
+        return conn, self._next_record(conn, Hello, deadline, "connecting")
 
     def _next_record(self, conn: Connection, kind: type[T], deadline: float, doing: str) -> T:
         while not conn.poll(0.2):
@@ -259,7 +272,7 @@ class Workers:
         caller's `start_timeout`, naming the ranks not there yet and what each was doing."""
         self.raise_if_exited("starting")
         now = time.monotonic()
-        hang = self.watch(range(len(self.procs)), (), now)
+        hang = self.watch(range(len(self.devices)), (), now)
         if hang is not None:
             self.kill(hang.kill)
             connected = (
@@ -267,8 +280,8 @@ class Workers:
             )
             raise WorkerError(hang.why + connected + self.log_tails(), hang.ranks[0])
         if now > deadline:
-            late = [r for r in range(len(self.procs)) if r not in self._connected] or list(
-                range(len(self.procs))
+            late = [r for r in range(len(self.devices)) if r not in self._connected] or list(
+                range(len(self.devices))
             )
             assert self._liveness is not None
             where = "; ".join(f"rank {r}: {describe(self._liveness.state(r), now)}" for r in late)
@@ -286,7 +299,7 @@ class Workers:
         live = self._liveness
         assert live is not None
         looks: dict[int, Any] = {}
-        for rank in range(len(self.procs)):
+        for rank in range(len(self.devices)):
             state = self.state(rank)
             process = self.process(rank, state) if rank in pending else None
             live.observe(rank, now, state, process)
@@ -297,10 +310,27 @@ class Workers:
                 {"now": now, "pending": list(pending), "done": list(done), "failed": failed, "looks": looks}
             )
         if live.questions != self._asked and not self.closed:
-            with contextlib.suppress(OSError):
-                write_ask(self.live, live.questions)
+            self.ask(live.questions)
             self._asked = dict(live.questions)
         return hang
+
+    def ask(self, questions: dict[str, int]) -> None:
+        """Ask every rank about these collectives (heartbeat.write_ask)."""
+        with contextlib.suppress(OSError):
+            write_ask(self.live, questions)
+
+    def cancel(self, job: int) -> None:
+        """Touch job `job`'s cancel flag, which every rank looks for at its cancel points."""
+        Path(self.shm, f"cancel-{job}").touch()
+
+    def check_files(self, record: Any) -> None:
+        """Whether every rank can read the files `record` names as this process does: here they can
+        (remote.HostsWorkers checks other hosts' copies)."""
+
+    def requests_for(self, request: Request) -> list[Request]:
+        """The request each rank gets, by rank: the same one here (remote.HostsWorkers: other hosts' with
+        their tensors inline and their files checked). Raises before anything is sent."""
+        return [request] * len(self.devices)
 
     def begin(self, method: str, job: int, watchdog: Watchdog | None = None) -> Liveness:
         """A fresh judge for a job, with every rank's latest report (a rank silent since before counts)."""
@@ -308,7 +338,7 @@ class Workers:
         self._liveness = Liveness(self.devices, self.pids, watchdog or self.watchdog, now, method, job)
         if old is not None:
             self._liveness.carry(old.seen)
-        states = {rank: self.state(rank) for rank in range(len(self.procs))}
+        states = {rank: self.state(rank) for rank in range(len(self.devices))}
         for rank, state in states.items():
             self._liveness.observe(rank, now, state, None)
         if self.trace is not None:
@@ -360,7 +390,7 @@ class Workers:
             return ""
 
     def log_tails(self) -> str:
-        tails = [(r, self.log_tail(r, 800)) for r in range(len(self.procs))]
+        tails = [(r, self.log_tail(r, 800)) for r in range(len(self.devices))]
         return "".join(f"\nrank {r} output:\n{t}" for r, t in tails if t)
 
     def exit_report(self, doing: str) -> WorkerError | None:
@@ -438,7 +468,7 @@ class Workers:
                 flush=True,
             )
         self.exit_codes = [p.returncode for p in self.procs]
-        self.final_output = [self.log_tail(r) for r in range(len(self.procs))]
+        self.final_output = [self.log_tail(r) for r in range(len(self.devices))]
         self._finalizer.detach()  # its terminate has run: only the directories are left to remove
         for directory in (self.tmp, self.shm, self.live):
             shutil.rmtree(directory, ignore_errors=True)

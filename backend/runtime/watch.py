@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from multiprocessing.connection import wait
-from pathlib import Path
 from typing import NoReturn
 
 from .launch import WorkerError, Workers
@@ -105,11 +104,12 @@ class Job:
         """The request to every rank that lacks it, each recorded once it has it. A rank whose process died
         since the last check is lost (the group is stopped)."""
         self.request = request
+        requests = self.workers.requests_for(request)  # raises before any rank has it
         for rank, conn in enumerate(self.workers.conns):
             if rank in self.sent:
                 continue
             try:
-                send(conn, request)
+                send(conn, requests[rank])
             except OSError:
                 self.lost(rank)
             self.sent.append(rank)
@@ -299,7 +299,7 @@ class Job:
         ranks get as long as they stay healthy."""
         if deadline and self.cancel_deadline is None:
             self.cancel_deadline = time.monotonic() + self.cancel_grace
-        Path(self.cancel_path).touch()
+        self.workers.cancel(self.id)
 
     def stop(self, reason: BaseException) -> None:
         """After the caller's exception (Ctrl+C, an error while waiting): cancel and wait for every rank's

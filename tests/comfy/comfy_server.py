@@ -354,8 +354,9 @@ def _tree_state(path: str) -> str:
 
 
 @contextmanager
-def running_comfy(base: Path) -> Iterator[Comfy]:
-    """Start ComfyUI on a free loopback port; on exit stop it and check nothing is left behind."""
+def running_comfy(base: Path, env: dict[str, str] | None = None) -> Iterator[Comfy]:
+    """Start ComfyUI on a free loopback port (`env`: more of its environment); on exit stop it and check nothing
+    is left behind."""
     (base / "custom_nodes").mkdir()
     (base / "custom_nodes" / PACK_DIR_NAME).symlink_to(PACK_ROOT, target_is_directory=True)
     (base / "custom_nodes" / "rp_test_nodes.py").write_text(REFERENCE_NODE.format(references=str(REFERENCES)))
@@ -380,6 +381,7 @@ def running_comfy(base: Path) -> Iterator[Comfy]:
         "ROCM_PARALLEL_THREADS": "1",  # one thread per worker: the machine's cores are shared
         "OMP_NUM_THREADS": "1",
         "PYTHONDONTWRITEBYTECODE": "1",  # nothing written into the ComfyUI checkout
+        **(env or {}),
     }
     log = base / "comfyui.log"
     command = [
