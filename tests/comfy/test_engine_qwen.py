@@ -1,0 +1,116 @@
+"""The model engine on Qwen-Image (backend/models/plans/qwen_image.py) against ComfyUI's own model, every layout.
+
+Tiny Qwen-Image and Qwen-Image-Edit-2511 files are built and saved by ComfyUI's own classes and ModelSave
+(tests/tools/comfy_models.py); ComfyUI's own loader loads each in this process and its
+`diffusion_model.forward` is the reference. The pack loads the same file with `engine='comfy'` on CPU
+workers. Both sides' detection is told the small heads, head width, text width and RoPE axes (ComfyUI's class
+defaults hold the released ones), nothing else.
+
+    COMFYUI_PATH=<ComfyUI checkout> PYTHONPATH=<stand-ins>:<pack parent> \\
+        python -m pytest -q tests/comfy/test_engine_qwen.py
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from comfy_server import COMFYUI_PATH, TESTS_DIR
+from test_engine import LAYOUTS, comfy_forward
+
+from rocm_parallel.backend.api import ParallelModel
+
+pytestmark = [pytest.mark.comfy, pytest.mark.timeout(3000)]
+
+TOL = 1e-5  # float32 on gloo (the issue's bar is 1e-4); measured up to 1e-6
+# case -> (file, reference latents): Qwen-Image (text to image); Qwen-Image-Edit (the same file and class,
+# its default ref method 'index': reference tokens appended to the image stream); Edit-2511 (its file's
+# marker picks 'index_timestep_zero': the reference tokens modulated at timestep 0 from a token index on)
+CASES = {
+    "qwen-image": ("qwen-image", False),
+    "qwen-image-edit": ("qwen-image", True),
+    "qwen-image-edit-2511": ("qwen-image-edit-2511", True),
+}
+
+
+@pytest.fixture(scope="module")
+def comfy() -> dict[str, Any]:
+    if not COMFYUI_PATH:
+        pytest.skip("set COMFYUI_PATH to a ComfyUI checkout to run the comfy tier")
+    sys.path.insert(0, str(TESTS_DIR / "tools"))
+    import comfy_models
+
+    return comfy_models.import_comfy(COMFYUI_PATH)
+
+
+def spec(name: str) -> dict[str, Any]:
+    import comfy_models
+
+    return dict(comfy_models.MODELS[name])
+
+
+@pytest.fixture(scope="module")
+def files(comfy: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, Any]]:
+    """name -> (a file ComfyUI's ModelSave wrote, ComfyUI's own diffusion model loaded from it)."""
+    import comfy_models
+
+    folder = tmp_path_factory.mktemp("engine-qwen")
+    out = {}
+    for name in ("qwen-image", "qwen-image-edit-2511"):
+        path = folder / f"{name}.safetensors"
+        comfy_models.model_save(comfy, comfy_models.build(comfy, spec(name), torch.float32), path)
+        out[name] = (str(path), comfy_models.load_in_comfy(comfy, path, spec(name)).model.diffusion_model)
+    return out
+
+
+@pytest.fixture(scope="module")
+def groups(comfy: dict[str, Any]) -> Iterator[dict[int, ParallelModel]]:
+    made = {n: ParallelModel(["cpu"] * n, threads=1) for n in (2, 4)}
+    yield made
+    for model in made.values():
+        model.close()
+
+
+def call_inputs(name: str, references: bool, seed: int = 0) -> dict[str, Any]:
+    """A CFG-like call: two latents [B, C, T=1, H, W] at 10 x 14 (35 image tokens: uneven over 2 ranks), 7
+    text tokens, the second prompt padded (ComfyUI's text mask, 1 per real token: its last 2 dropped); with
+    `references`, one reference latent at 6 x 8 (12 more image tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    channels, text = spec(name)["in"] // 4, spec(name)["text"]
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, 5:] = 0
+    inputs = {
+        "x": torch.randn(2, channels, 1, 10, 14, generator=g),
+        "timestep": torch.tensor([0.7, 0.7]),
+        "context": torch.randn(2, 7, text, generator=g),
+        "attention_mask": mask,
+    }
+    if references:
+        inputs["ref_latents"] = [torch.randn(2, channels, 1, 6, 8, generator=g)]
+    return inputs
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS), ids=lambda s: s.replace(" ", ""))
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_engine_equals_comfyuis_own_qwen_image(files, groups, case, layout) -> None:
+    import comfy_models
+
+    name, references = CASES[case]
+    path, reference = files[name]
+    inputs = call_inputs(name, references)
+    expected = comfy_forward(reference, inputs)
+    # the text mask is not a no-op in this call: the padded prompt's output moves without it
+    unmasked = comfy_forward(reference, {**inputs, "attention_mask": None})
+    assert (unmasked[1] - expected[1]).abs().max().item() > 1e-3
+    groups[LAYOUTS[layout]].load(
+        path, layout=layout, dtype="float32", engine="comfy", comfyui=COMFYUI_PATH,
+        detection=comfy_models.widths(spec(name)),
+    )  # fmt: skip
+    out = groups[LAYOUTS[layout]].forward(**inputs)
+    assert out.shape == expected.shape
+    diff = (out - expected).abs().max().item()
+    print(f"{case} {layout}: max |diff| {diff:.2e}")
+    assert diff <= TOL
