@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 from comfy_server import COMFYUI_PATH, TESTS_DIR, Comfy, run_prompt, saved_latent
-from test_comfy_models import LAYOUTS
+from test_comfy_models import LAYOUTS, saving
 
 pytestmark = [pytest.mark.comfy, pytest.mark.timeout(3000)]
 
@@ -82,18 +82,9 @@ def prompt(name: str, widths: dict[str, Any], layout: str, devices: str, seed: i
                 "inputs": {"conditioning": [source, 0], "latent": ["6", 0]},
             }
         sampler |= {"positive": ["3", 0], "negative": ["4", 0]}
-    tag = f"{name}_{layout.replace(' ', '')}"
     nodes["40"] = {"class_type": "KSampler", "inputs": {"model": ["10", 0], **sampler}}
     nodes["41"] = {"class_type": "KSampler", "inputs": {"model": ["30", 0], **sampler}}
-    nodes["50"] = {
-        "class_type": "SaveLatent",
-        "inputs": {"samples": ["40", 0], "filename_prefix": f"engine/comfy_{tag}"},
-    }
-    nodes["51"] = {
-        "class_type": "SaveLatent",
-        "inputs": {"samples": ["41", 0], "filename_prefix": f"engine/pack_{tag}"},
-    }
-    return nodes
+    return {**nodes, **saving(f"{name}_{layout.replace(' ', '')}")}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS), ids=lambda s: s.replace(" ", ""))

@@ -14,7 +14,7 @@ small model's head count and RoPE axes (ComfyUI hard-codes the released ones), n
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,14 +38,19 @@ LAYOUTS = {  # layout -> workers
 }
 
 
-@pytest.fixture(scope="module")
-def comfy() -> dict[str, Any]:
+def import_comfy() -> dict[str, Any]:
+    """ComfyUI imported in this process (tests/tools/comfy_models.py import_comfy); skips without one."""
     if not COMFYUI_PATH:
         pytest.skip("set COMFYUI_PATH to a ComfyUI checkout to run the comfy tier")
     sys.path.insert(0, str(TESTS_DIR / "tools"))
     import comfy_models
 
     return comfy_models.import_comfy(COMFYUI_PATH)
+
+
+@pytest.fixture(scope="module")
+def comfy() -> dict[str, Any]:
+    return import_comfy()
 
 
 def tiny(name: str) -> dict[str, Any]:
@@ -56,12 +61,15 @@ def tiny(name: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def files(comfy: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, Any]]:
+    return saved_models(comfy, tmp_path_factory.mktemp("engine"), ("flux1-dev", "flux2-dev"))
+
+
+def saved_models(comfy: dict[str, Any], folder: Path, names: Sequence[str]) -> dict[str, tuple[str, Any]]:
     """name -> (a file ComfyUI's ModelSave wrote, ComfyUI's own diffusion model loaded from it)."""
     import comfy_models
 
-    folder = tmp_path_factory.mktemp("engine")
     out = {}
-    for name in ("flux1-dev", "flux2-dev"):
+    for name in names:
         path = folder / f"{name}.safetensors"
         spec = tiny(name)
         comfy_models.model_save(comfy, comfy_models.build(comfy, spec, torch.float32), path)

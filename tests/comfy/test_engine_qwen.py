@@ -12,14 +12,13 @@ defaults hold the released ones), nothing else.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from comfy_server import COMFYUI_PATH, TESTS_DIR
-from test_engine import LAYOUTS, comfy_forward
+from comfy_server import COMFYUI_PATH
+from test_engine import LAYOUTS, comfy_forward, import_comfy, saved_models, tiny
 
 from rocm_parallel.backend.api import ParallelModel
 
@@ -39,32 +38,13 @@ UNMASKED = ("0.3.75",)  # ComfyUI versions whose Qwen-Image ignores the text mas
 
 @pytest.fixture(scope="module")
 def comfy() -> dict[str, Any]:
-    if not COMFYUI_PATH:
-        pytest.skip("set COMFYUI_PATH to a ComfyUI checkout to run the comfy tier")
-    sys.path.insert(0, str(TESTS_DIR / "tools"))
-    import comfy_models
-
-    return comfy_models.import_comfy(COMFYUI_PATH)
-
-
-def spec(name: str) -> dict[str, Any]:
-    import comfy_models
-
-    return dict(comfy_models.MODELS[name])
+    return import_comfy()
 
 
 @pytest.fixture(scope="module")
 def files(comfy: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, Any]]:
     """name -> (a file ComfyUI's ModelSave wrote, ComfyUI's own diffusion model loaded from it)."""
-    import comfy_models
-
-    folder = tmp_path_factory.mktemp("engine-qwen")
-    out = {}
-    for name in ("qwen-image", "qwen-image-edit-2511"):
-        path = folder / f"{name}.safetensors"
-        comfy_models.model_save(comfy, comfy_models.build(comfy, spec(name), torch.float32), path)
-        out[name] = (str(path), comfy_models.load_in_comfy(comfy, path, spec(name)).model.diffusion_model)
-    return out
+    return saved_models(comfy, tmp_path_factory.mktemp("engine-qwen"), ("qwen-image", "qwen-image-edit-2511"))
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +60,7 @@ def call_inputs(name: str, references: bool, seed: int = 0) -> dict[str, Any]:
     text tokens, the second prompt padded (ComfyUI's text mask, 1 per real token: its last 2 dropped); with
     `references`, one reference latent at 6 x 8 (12 more image tokens)."""
     g = torch.Generator().manual_seed(seed)
-    channels, text = spec(name)["in"] // 4, spec(name)["text"]
+    channels, text = tiny(name)["in"] // 4, tiny(name)["text"]
     mask = torch.ones(2, 7, dtype=torch.long)
     mask[1, 5:] = 0
     inputs = {
@@ -110,7 +90,7 @@ def test_the_engine_equals_comfyuis_own_qwen_image(comfy, files, groups, case, l
     assert moved == 0.0 if comfy["version"] in UNMASKED else moved > 1e-3
     groups[LAYOUTS[layout]].load(
         path, layout=layout, dtype="float32", engine="comfy", comfyui=COMFYUI_PATH,
-        detection=comfy_models.widths(spec(name)),
+        detection=comfy_models.widths(tiny(name)),
     )  # fmt: skip
     out = groups[LAYOUTS[layout]].forward(**inputs)
     assert out.shape == expected.shape
