@@ -13,6 +13,7 @@ defaults hold the released ones), nothing else.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -96,4 +97,57 @@ def test_the_engine_equals_comfyuis_own_qwen_image(comfy, files, groups, case, l
     assert out.shape == expected.shape
     diff = (out - expected).abs().max().item()
     print(f"{case} {layout}: max |diff| {diff:.2e}")
+    assert diff <= TOL
+
+
+def test_compiled_blocks_on_the_engine_equal_comfyuis_own_qwen_image(files, groups) -> None:
+    """compile='aot_eager' on the plan's blocks (ComfyUI's QwenImageTransformerBlock) with the block split's
+    hooks on them: ring 2, Edit-2511's reference latent and timestep-zero index in the call."""
+    import comfy_models
+
+    path, reference = files["qwen-image-edit-2511"]
+    inputs = call_inputs("qwen-image-edit-2511", references=True)
+    group = groups[2]
+    group.load(
+        path, layout="ring 2", dtype="float32", engine="comfy", comfyui=COMFYUI_PATH,
+        detection=comfy_models.widths(tiny("qwen-image-edit-2511")), compile="aot_eager",
+    )  # fmt: skip
+    diff = (group.forward(**inputs) - comfy_forward(reference, inputs)).abs().max().item()
+    print(f"compiled: max |diff| {diff:.2e}; {group.compiles[-1:]}")
+    assert group.compiles and "compiled the repeated blocks" in group.compiles[0]
+    assert diff <= TOL
+
+
+@pytest.mark.parametrize("layout", ["tp 2", "ring 2 x tp 2"], ids=lambda s: s.replace(" ", ""))
+def test_loras_on_the_engine_equal_comfyuis_loras_on_qwen_image(
+    comfy, files, groups, layout, tmp_path
+) -> None:
+    """Every adapter kind ComfyUI reads (LoRA, LoHa, LoKr, full difference, DoRA, bias differences) under
+    ComfyUI's `diffusion_model.` keys, patched by ComfyUI's own code on ComfyUI's model and on each rank's
+    slices."""
+    import comfy_models
+
+    from rocm_parallel.backend.checkpoint import inspect_checkpoint
+    from rocm_parallel.testing.writers import LORA_KINDS, write_random_lora
+
+    path, plain = files["qwen-image"]
+    lora = write_random_lora(
+        tmp_path / "qwen-kinds.safetensors", inspect_checkpoint(path).config, "bfl", kind=list(LORA_KINDS),
+        dora=[None, "output", "input"], bias=True, seed=1, relative=0.3, family="qwen_image",
+    )  # fmt: skip
+    patcher = comfy_models.load_in_comfy(comfy, Path(path), tiny("qwen-image"))
+    lora_sd = comfy["utils"].load_torch_file(lora, safe_load=True)
+    patcher = comfy["sd"].load_lora_for_models(patcher, None, lora_sd, 0.8, 0)[0]
+    patcher.patch_model()
+    inputs = call_inputs("qwen-image", references=False)
+    expected = comfy_forward(patcher.model.diffusion_model, inputs)
+    reports = groups[LAYOUTS[layout]].load(
+        path, layout=layout, dtype="float32", engine="comfy", comfyui=COMFYUI_PATH,
+        detection=comfy_models.widths(tiny("qwen-image")), loras=[(lora, 0.8)],
+    )  # fmt: skip
+    assert reports[0].lora_tensors > 0
+    diff = (groups[LAYOUTS[layout]].forward(**inputs) - expected).abs().max().item()
+    away = (expected - comfy_forward(plain, inputs)).abs().max().item()
+    print(f"LoRAs {layout}: max |diff| {diff:.2e} (the LoRAs move the output by {away:.2e})")
+    assert away > 1e-2
     assert diff <= TOL
