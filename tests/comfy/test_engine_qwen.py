@@ -19,7 +19,14 @@ from typing import Any
 import pytest
 import torch
 from comfy_server import COMFYUI_PATH
-from test_engine import LAYOUTS, comfy_forward, import_comfy, saved_models, tiny
+from test_engine import (
+    LAYOUTS,
+    assert_bytes_not_above_the_diffusers_engines,
+    comfy_forward,
+    import_comfy,
+    saved_models,
+    tiny,
+)
 
 from rocm_parallel.backend.api import ParallelModel
 
@@ -151,3 +158,14 @@ def test_loras_on_the_engine_equal_comfyuis_loras_on_qwen_image(
     print(f"LoRAs {layout}: max |diff| {diff:.2e} (the LoRAs move the output by {away:.2e})")
     assert away > 1e-2
     assert diff <= TOL
+
+
+# the released Qwen-Image's header shapes (tests/tools/comfy_models.py header_like): 60 blocks of 24 x 128
+RELEASED = {"family": "qwen_image", "in": 64, "text": 3584, "heads": 24, "head_dim": 128, "blocks": 60}
+
+
+def test_bytes_per_rank_at_the_released_config_are_not_above_the_diffusers_engines(comfy) -> None:
+    """ComfyUI's own class as its detection configures it from the released header (its class defaults hold
+    the released widths), the plan applied on the meta device: bytes per rank at TP 1, 2 and 4, bf16 and fp8,
+    not above the planner's count of the diffusers engine's shards."""
+    assert_bytes_not_above_the_diffusers_engines(comfy, "qwen_image", "qwen-image", RELEASED)
