@@ -151,6 +151,12 @@ def attribute(owner: Any, path: str) -> Any:
     return functools.reduce(getattr, path.split("."), owner)
 
 
+def _names_module(pattern: str, path: str) -> bool:
+    """Whether a plan key (`*` = one path component) names the module at `path` ('' = the root)."""
+    keys, parts = pattern.split(".") if pattern else [], path.split(".") if path else []
+    return len(keys) == len(parts) and all(k in ("*", p) for k, p in zip(keys, parts, strict=True))
+
+
 @dataclass(frozen=True)
 class ModelPlan:
     """How one of ComfyUI's diffusion model classes is sharded (see the module docstring).
@@ -176,6 +182,16 @@ class ModelPlan:
     unbatched: tuple[str, ...] = ()
     # plan keys some checkpoints of the class lack (every other key must name a module)
     optional: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for role, path in (("heads", self.heads), ("width", self.width)):
+            owner, _, name = path.rpartition(".")
+            for pattern, names in self.per_rank.items():
+                if name in names and _names_module(pattern, owner):
+                    raise ValueError(
+                        f"{self.name}: {role}={path!r} is divided per rank by per_rank[{pattern!r}]; name an "
+                        "attribute holding the whole model's value"
+                    )
 
     def matches(self, class_name: str, unet_config: Mapping[str, Any]) -> bool:
         """Whether this plan is the one for a model of `class_name` detected with `unet_config`."""
