@@ -417,7 +417,10 @@ def running_comfy(base: Path, env: dict[str, str] | None = None) -> Iterator[Com
                 time.sleep(1.0)
         yield server
     finally:
-        family = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        try:
+            family = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:  # ComfyUI exited already (the assertion above says how)
+            family = [proc.pid]
         proc.terminate()
         try:
             proc.wait(timeout=30)
