@@ -412,7 +412,8 @@ def running_comfy(base: Path, env: dict[str, str] | None = None) -> Iterator[Com
             try:
                 server.get("/system_stats")
                 break
-            except (urllib.error.URLError, ConnectionError):
+            # TimeoutError: the connection accepted but not yet answered (a loaded machine)
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
                 assert time.monotonic() < deadline, f"ComfyUI did not start:\n{log.read_text()[-3000:]}"
                 time.sleep(1.0)
         yield server
