@@ -8,7 +8,11 @@ sections), modulation linears reading one vector (a Gathered bank), a block attr
 attention over [text | image] that calls `transformer_options["optimized_attention_override"]` exactly as
 ComfyUI's `wrap_attn` does (comfy/ldm/modules/attention.py, 0.3.75 and 0.33.0).
 
-The worker methods (`WorkerGroup(methods=["engine_toy"])`) build it seeded on every rank, apply its plan in a
+`BlockToy` is the other split (BlockSplit, as in ComfyUI's Qwen-Image): its forward builds the streams, a
+position table over [text | image] and an additive text mask in one body and hands them whole to every block,
+with an index into the image tokens from which the block modulates them otherwise.
+
+The worker methods (`WorkerGroup(methods=["engine_toy"])`) build a toy seeded on every rank, apply its plan in a
 layout and run its forward.
 """
 
@@ -24,7 +28,15 @@ from torch import nn
 from rocm_parallel.backend.config import ParallelLayout
 from rocm_parallel.backend.models.apply import apply_tensor_parallel
 from rocm_parallel.backend.models.attention import OVERRIDE_KEY, apply_context_parallel, attention_override
-from rocm_parallel.backend.models.plan import Columns, Gathered, ModelPlan, Rows, SequenceSplit, Stream
+from rocm_parallel.backend.models.plan import (
+    BlockSplit,
+    Columns,
+    Gathered,
+    ModelPlan,
+    Rows,
+    SequenceSplit,
+    Stream,
+)
 from rocm_parallel.backend.parallel.mesh import parallel_groups
 from rocm_parallel.backend.runtime.transport import record
 from rocm_parallel.backend.runtime.worker import WorkerContext, handler
@@ -35,17 +47,18 @@ DIM, HEADS, MLP, TEXT, IMAGE, OUT = 32, 4, 48, 12, 8, 6
 def sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, mask: Any = None, **kwargs: Any
 ) -> torch.Tensor:
-    """An attention function as ComfyUI's take them (`skip_reshape`: [B, H, S, D] in, [B, S, H * D] out)."""
-    out = F.scaled_dot_product_attention(q, k, v)
+    """An attention function as ComfyUI's take them (`skip_reshape`: [B, H, S, D] in, [B, S, H * D] out; an
+    additive key mask [B, 1, S])."""
+    out = F.scaled_dot_product_attention(q, k, v, None if mask is None else mask[:, None])
     return out.transpose(1, 2).flatten(-2)
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, options: dict[str, Any]
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, options: dict[str, Any], mask: Any = None
 ) -> torch.Tensor:
     """ComfyUI's `wrap_attn` protocol: the override, when present, gets the function and its arguments."""
     override = options.get(OVERRIDE_KEY)
-    kwargs = {"skip_reshape": True, "transformer_options": options}
+    kwargs = {"mask": mask, "skip_reshape": True, "transformer_options": options}
     return sdpa(q, k, v, heads, **kwargs) if override is None else override(sdpa, q, k, v, heads, **kwargs)
 
 
@@ -138,9 +151,95 @@ TOY_PLAN = ModelPlan(
 )
 
 
-def build(seed: int = 0) -> Toy:
+class BlockToyBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_heads = self.num_attention_heads = HEADS  # per rank, and whole (the plan's `heads`)
+        self.mod = nn.Linear(DIM, 6 * DIM)
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.proj = nn.Linear(DIM, DIM)
+
+    def forward(self, hidden, context, vec, pe, mask=None, start=None, transformer_options=None):
+        """Joint attention over [context | hidden], positions `pe` [B, S, head dim] added to every head's q
+        and k, the text mask [B, T] additive; image tokens from `start` on modulated by the second half."""
+        first, second = self.mod(F.silu(vec))[:, None].chunk(2, -1)
+        x = torch.cat([context, hidden], 1)
+        shift, scale, gate = first.chunk(3, -1)
+        q, k, v = heads_of(self.qkv(F.layer_norm(x, (DIM,)) * (1 + scale) + shift), 3, self.num_heads)
+        q, k = q + pe[:, None], k + pe[:, None]
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_zeros(mask.shape[0], hidden.shape[1])], 1)[:, None]
+        x = x + gate * self.proj(attention(q, k, v, self.num_heads, transformer_options, mask))
+        context, hidden = x.split([context.shape[1], hidden.shape[1]], 1)
+        if start is not None:
+            hidden = torch.cat([hidden[:, :start], hidden[:, start:] * (1 + second[..., :DIM])], 1)
+        return context, hidden
+
+
+class BlockToy(nn.Module):
+    """forward(img, txt, mask, start, y): the streams, positions and mask made in one body, as Qwen-Image's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.img_in, self.txt_in, self.vec_in = (
+            nn.Linear(OUT, DIM),
+            nn.Linear(TEXT, DIM),
+            nn.Linear(IMAGE, DIM),
+        )
+        self.pos = nn.Linear(1, DIM // HEADS)
+        self.blocks = nn.ModuleList([BlockToyBlock(), BlockToyBlock()])
+        self.final = nn.Linear(DIM, OUT)
+        self.hidden_size = DIM
+
+    def forward(self, img, txt, y, mask=None, start=None, transformer_options=None):
+        hidden, context, vec = self.img_in(img), self.txt_in(txt), self.vec_in(y)
+        steps = torch.arange(txt.shape[1] + img.shape[1], dtype=img.dtype)
+        pe = self.pos(steps.sin()[None, :, None]).expand(img.shape[0], -1, -1)
+        if (
+            mask is not None
+        ):  # as ComfyUI's Qwen-Image: 1 per real token -> additive, a large negative dropped
+            mask = (mask - 1).to(img.dtype) * torch.finfo(img.dtype).max
+        for block in self.blocks:
+            context, hidden = block(hidden, context, vec, pe, mask, start, transformer_options or {})
+        return self.final(hidden)
+
+
+BLOCK_TOY_PLAN = ModelPlan(
+    name="block toy",
+    model_class=f"{__name__}.BlockToy",
+    heads="blocks.0.num_attention_heads",  # a dotted path: the root holds no head count
+    width="hidden_size",
+    linears={"blocks.*.mod": Gathered("vec"), "blocks.*.qkv": Columns(3), "blocks.*.proj": Rows()},
+    per_rank={"blocks.*": ("num_heads",)},
+    blocks=("BlockToyBlock",),
+    sequence=BlockSplit(
+        blocks="blocks.*",
+        streams=(Stream("txt", ("context",)), Stream("img", ("hidden",))),
+        joint={"pe": 1},
+        masks={"mask": "txt"},
+        indices={"start": "img"},
+        output="final",
+        output_stream="img",
+    ),
+    attention=("blocks.*",),
+)
+TOYS = {"toy": (Toy, TOY_PLAN), "block toy": (BlockToy, BLOCK_TOY_PLAN)}
+
+
+def build(seed: int = 0, toy: str = "toy") -> nn.Module:
     torch.manual_seed(seed)
-    return Toy().eval()
+    return TOYS[toy][0]().eval()
+
+
+def block_inputs(images: int, texts: int, batch: int = 2, seed: int = 1) -> dict[str, Any]:
+    """The block toy's call: the second entry's last 2 text tokens padding, modulated from image token 3 on."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(batch, texts, dtype=torch.long)
+    mask[-1, -2:] = 0
+    return {
+        "img": torch.randn(batch, images, OUT, generator=g), "txt": torch.randn(batch, texts, TEXT, generator=g),
+        "y": torch.randn(batch, IMAGE, generator=g), "mask": mask, "start": 3,
+    }  # fmt: skip
 
 
 def inputs(images: int, texts: int, batch: int = 2, seed: int = 1) -> dict[str, torch.Tensor]:
@@ -158,6 +257,7 @@ def inputs(images: int, texts: int, batch: int = 2, seed: int = 1) -> dict[str, 
 class ToyLayout:
     layout: ParallelLayout
     seed: int = 0
+    toy: str = "toy"  # a TOYS key
 
 
 @record
@@ -176,10 +276,10 @@ class ToyOutput:
 @handler("toy_engine", ToyLayout)
 def toy_engine(ctx: WorkerContext, request: ToyLayout) -> ToyOutput:
     """The toy, seeded alike on every rank, with its plan applied in `layout` (kept resident)."""
-    model = build(request.seed)
+    model, plan = build(request.seed, request.toy), TOYS[request.toy][1]
     groups = parallel_groups(request.layout, ctx.device)
-    apply_tensor_parallel(model, TOY_PLAN, groups.tp_group)
-    state = apply_context_parallel(model, TOY_PLAN, request.layout, groups.cp_mesh, ctx.device, torch.float32)
+    apply_tensor_parallel(model, plan, groups.tp_group)
+    state = apply_context_parallel(model, plan, request.layout, groups.cp_mesh, ctx.device, torch.float32)
     model._toy_state = state
     ctx.resident.set(model, request)
     return ToyOutput(None, sum(p.numel() * p.element_size() for p in model.parameters()))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_toy import TOY_PLAN, ToyInputs, ToyLayout, build, inputs
+from engine_toy import TOY_PLAN, ToyInputs, ToyLayout, block_inputs, build, inputs
 
 from rocm_parallel.backend.config import ConfigError, ParallelLayout
 from rocm_parallel.backend.models.options import check_engine, resolve_comfyui
@@ -41,6 +41,33 @@ def test_a_plan_shards_its_model_like_one_process(groups: WorkerGroup, layout, i
     out = groups.call("toy_forward", ToyInputs(given)).out
     assert out.shape == expected.shape
     assert (out - expected).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize(("groups", "layout"), LAYOUTS, indirect=["groups"], ids=str)
+@pytest.mark.parametrize(("images", "texts"), [(9, 5), (8, 6)], ids=["uneven", "even"])
+def test_a_block_split_shards_its_model_like_one_process(groups: WorkerGroup, layout, images, texts) -> None:
+    """BlockSplit: the streams split at the first block, the whole position table cut into its streams' parts
+    at every block, the text mask split with the text (its dropped keys dropped on every rank), the image
+    index made local: the one-process output."""
+    given = block_inputs(images, texts)
+    with torch.no_grad():
+        expected = build(toy="block toy")(**given)
+        unmasked = build(toy="block toy")(**{**given, "mask": None})
+    assert (unmasked[-1] - expected[-1]).abs().max().item() > 1e-3  # the mask is not a no-op here
+    groups.call_all("toy_engine", ToyLayout(layout, toy="block toy"))
+    out = groups.call("toy_forward", ToyInputs(given)).out
+    assert out.shape == expected.shape
+    assert (out - expected).abs().max().item() <= TOL
+
+
+def test_a_plan_whose_head_count_is_divided_per_rank_is_refused() -> None:
+    from dataclasses import replace
+
+    from engine_toy import BLOCK_TOY_PLAN
+
+    with pytest.raises(ValueError, match=r"block toy: heads='blocks\.0\.num_heads' is divided per rank by "
+                       r"per_rank\['blocks\.\*'\]; name an attribute holding the whole model's value"):  # fmt: skip
+        replace(BLOCK_TOY_PLAN, heads="blocks.0.num_heads")
 
 
 def test_the_plan_registry_picks_by_class_and_detected_config() -> None:

@@ -153,7 +153,7 @@ def _per_rank(
 
 def check_tensor_parallel(model: nn.Module, plan: ModelPlan, degree: int) -> None:
     """Refuse a degree that does not divide the model's heads, naming the degrees that do."""
-    heads = int(getattr(model, plan.heads))
+    heads = plan.head_count(model)
     if heads % degree:
         valid = [d for d in range(2, heads + 1) if heads % d == 0]
         raise ConfigError(

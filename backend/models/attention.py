@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +50,7 @@ from ..parallel.context import (
 )
 from ..parallel.lse_check import guard_ring_kernel
 from ..parallel.tensor import resolve_plan
-from .plan import ModelPlan, SequenceSplit
+from .plan import BlockSplit, ModelPlan, SequenceSplit
 
 OVERRIDE_KEY = (
     "optimized_attention_override"  # ComfyUI's transformer_options key (comfy/ldm/modules/attention.py)
@@ -84,6 +84,7 @@ class SequenceState:
     degree: int
     rank: int
     depth: int = 0
+    key_masks: bool = False  # the plan declares key masks (BlockSplit.masks): they reach the attention
 
     @property
     def context(self) -> ContextState:
@@ -119,21 +120,56 @@ def attention_override(state: SequenceState) -> Callable[..., Any]:
                 q, k, v, heads, mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape,
                 skip_output_reshape=skip_output_reshape, **kwargs,
             )  # fmt: skip
-        if mask is not None or kwargs.get("enable_gqa"):
+        if (mask is not None and not state.key_masks) or kwargs.get("enable_gqa"):
             raise ConfigError(
                 "ring / Ulysses attention got an attention mask (or grouped keys); this model's plan splits no "
                 "masked attention: use layout 'tp'"
             )
+        if mask is not None:  # the plan's key mask, split with its tokens: which local keys are kept
+            mask = ~_dropped_keys(mask).reshape(q.shape[0], -1)
         if skip_reshape:  # [B, H, S, D] -> diffusers' [B, S, H, D]
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         else:  # [B, S, H * D]
             q, k, v = (t.unflatten(-1, (heads, -1)) for t in (q, k, v))
         out = state.attention(
-            q, k, v, None, 0.0, False, kwargs.get("scale"), False, parallel_config=state.config
+            q, k, v, mask, 0.0, False, kwargs.get("scale"), False, parallel_config=state.config
         ).to(q.dtype)
         return out.transpose(1, 2) if skip_output_reshape else out.flatten(-2)
 
     return override
+
+
+def _piece(value: torch.Tensor, dim: int, state: SequenceState, padded: bool) -> torch.Tensor:
+    """This rank's piece of a stream's tensor along `dim` (padded to whole pieces first when any stream is)."""
+    if padded:
+        value = pad_for_ranks(value, dim, state.degree)
+    return value.chunk(state.degree, dim)[state.rank]
+
+
+def _padding(lengths: Mapping[str, int], state: SequenceState, device: torch.device) -> LocalPadding | None:
+    """This rank's key validity over its pieces of the streams (`lengths`, in attention order); None when
+    the degree divides every stream."""
+    if not any(n % state.degree for n in lengths.values()):
+        return None
+    valid = [
+        torch.arange(-(-n // state.degree)) < split_sizes(n, state.degree)[state.rank]
+        for n in lengths.values()
+    ]
+    return LocalPadding(torch.cat(valid).to(device, torch.float32), ())
+
+
+def _gathered(out: torch.Tensor, dim: int, length: int, state: SequenceState, padded: bool) -> torch.Tensor:
+    """The whole stream of `length` tokens from every rank's piece `out` (padding cut away)."""
+    pieces = [torch.empty_like(out) for _ in range(state.degree)]
+    dist.all_gather(pieces, out.contiguous(), group=state.group)
+    gathered = torch.cat(pieces, dim)
+    return unpad_from_ranks(gathered, dim, split_sizes(length, state.degree)) if padded else gathered
+
+
+def _refuse(refused: Mapping[str, str], arguments: Mapping[str, Any]) -> None:
+    for name, why in refused.items():
+        if arguments.get(name) is not None:
+            raise ConfigError(f"{name} is set, which ring / Ulysses cannot split: {why}")
 
 
 def _split_method(model: nn.Module, split: SequenceSplit, state: SequenceState) -> None:
@@ -146,12 +182,9 @@ def _split_method(model: nn.Module, split: SequenceSplit, state: SequenceState) 
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         arguments = bound.arguments
-        for name, why in split.refused.items():
-            if arguments.get(name) is not None:
-                raise ConfigError(f"{name} is set, which ring / Ulysses cannot split: {why}")
+        _refuse(split.refused, arguments)
         lengths = {s.name: int(arguments[s.inputs[0]].shape[s.dim]) for s in split.streams}
         padded = any(n % state.degree for n in lengths.values())
-        valid = []
         for stream in split.streams:
             length = lengths[stream.name]
             for name in stream.inputs:
@@ -161,29 +194,103 @@ def _split_method(model: nn.Module, split: SequenceSplit, state: SequenceState) 
                         f"{split.method}: '{name}' has {value.shape[stream.dim]} entries along dim {stream.dim}, "
                         f"'{stream.inputs[0]}' {length}: the plan splits them alike"
                     )
-                if padded:
-                    value = pad_for_ranks(value, stream.dim, state.degree)
-                arguments[name] = value.chunk(state.degree, stream.dim)[state.rank]
-            sizes = split_sizes(length, state.degree)
-            width = -(-length // state.degree)
-            valid.append(torch.arange(width) < sizes[state.rank])
-        device = arguments[split.streams[0].inputs[0]].device
-        key_valid = torch.cat(valid).to(device, torch.float32)
-        state.context.padding = LocalPadding(key_valid, ()) if padded else None
+                arguments[name] = _piece(value, stream.dim, state, padded)
+        state.context.padding = _padding(lengths, state, arguments[split.streams[0].inputs[0]].device)
         state.depth = 0  # a previous call that failed inside a block left it raised
         try:
             out = method(*bound.args, **bound.kwargs)
         finally:
             state.context.padding = None
-        dim = split.stream(split.output).dim
-        pieces = [torch.empty_like(out) for _ in range(state.degree)]
-        dist.all_gather(pieces, out.contiguous(), group=state.group)
-        gathered = torch.cat(pieces, dim)
-        if padded:
-            gathered = unpad_from_ranks(gathered, dim, split_sizes(lengths[split.output], state.degree))
-        return gathered
+        return _gathered(out, split.stream(split.output).dim, lengths[split.output], state, padded)
 
     setattr(model, split.method, split_call)
+
+
+@dataclass
+class _BlockForward:
+    """One forward under a BlockSplit: the streams' whole lengths, read at its first block (None before)."""
+
+    lengths: dict[str, int] | None = None
+    padded: bool = False
+
+
+def _dropped_keys(mask: torch.Tensor) -> torch.Tensor:
+    """A ComfyUI additive key mask's dropped keys (a large negative: ComfyUI writes -finfo.max); any other
+    value than 0 would weigh a key, which ring / Ulysses cannot split."""
+    dropped = mask <= torch.finfo(mask.dtype).min / 2
+    if not bool((dropped | (mask == 0)).all()):
+        raise ConfigError(
+            "an attention mask holds values other than 0 (keep) and a large negative (drop), which ring / "
+            "Ulysses cannot split; use layout 'tp'"
+        )
+    return dropped
+
+
+def _split_blocks(model: nn.Module, split: BlockSplit, state: SequenceState) -> None:
+    """Split the streams at the first of `split.blocks` each forward calls, each block's whole arguments at
+    every block, and gather `split.output`'s output (plan.py BlockSplit)."""
+    blocks = [model.get_submodule(n) for n in resolve_plan(model, {split.blocks: None})]
+    signature = inspect.signature(type(blocks[0]).forward)
+    forward = _BlockForward()
+    state.key_masks = bool(split.masks)
+
+    def start(_module: nn.Module, _args: Any, kwargs: dict[str, Any]) -> None:
+        _refuse(split.refused, kwargs)
+        forward.lengths, state.depth = None, 0  # a previous call that failed inside a block left them set
+        state.context.padding, state.context.masked = None, False
+
+    def end(*_: Any) -> None:
+        state.context.padding, state.context.masked = None, False
+
+    def first_block(arguments: dict[str, Any]) -> dict[str, int]:
+        lengths = {s.name: int(arguments[s.inputs[0]].shape[s.dim]) for s in split.streams}
+        forward.lengths, forward.padded = lengths, any(n % state.degree for n in lengths.values())
+        device = arguments[split.streams[0].inputs[0]].device
+        state.context.padding = _padding(lengths, state, device)
+        masks = [arguments.get(n) for n in split.masks]  # whole: decided alike on every rank
+        state.context.masked = forward.padded or any(
+            m is not None and m.is_floating_point() and bool(_dropped_keys(m).any()) for m in masks
+        )
+        for stream in split.streams:
+            for name in stream.inputs:
+                arguments[name] = _piece(arguments[name], stream.dim, state, forward.padded)
+        return lengths
+
+    def at_block(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        arguments = dict(signature.bind(block, *args, **kwargs).arguments)
+        arguments.pop(next(iter(signature.parameters)))  # self
+        lengths = forward.lengths or first_block(arguments)
+        padded = forward.padded
+        for name, dim in split.joint.items():
+            value = arguments.get(name)
+            if value is not None:
+                if value.shape[dim] != sum(lengths.values()):
+                    raise RuntimeError(
+                        f"{name} has {value.shape[dim]} entries along dim {dim}, the streams {lengths} together"
+                    )
+                parts = value.split(list(lengths.values()), dim)
+                arguments[name] = torch.cat([_piece(p, dim, state, padded) for p in parts], dim)
+        for name, stream in split.masks.items():
+            if arguments.get(name) is not None:
+                arguments[name] = _piece(arguments[name], split.stream(stream).dim, state, padded)
+        for name, stream in split.indices.items():
+            if arguments.get(name) is not None:
+                sizes = split_sizes(lengths[stream], state.degree)
+                start = sum(sizes[: state.rank])
+                arguments[name] = min(max(int(arguments[name]) - start, 0), sizes[state.rank])
+        return (), arguments
+
+    def gather(_module: nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
+        if forward.lengths is None:  # no block ran: nothing was split
+            return out
+        length = forward.lengths[split.output_stream]
+        return _gathered(out, split.stream(split.output_stream).dim, length, state, forward.padded)
+
+    model.register_forward_pre_hook(start, with_kwargs=True)
+    model.register_forward_hook(end)
+    for block in blocks:
+        block.register_forward_pre_hook(at_block, with_kwargs=True)
+    model.get_submodule(split.output).register_forward_hook(gather)
 
 
 def apply_context_parallel(
@@ -205,7 +312,7 @@ def apply_context_parallel(
         raise ConfigError(
             f"{plan.name}'s plan has no sequence split; ring and Ulysses do not apply: use layout 'tp'"
         )
-    heads = int(getattr(model, plan.heads)) // layout.tp
+    heads = plan.head_count(model) // layout.tp
     if heads % layout.ulysses:
         raise ConfigError(
             f"ulysses_degree={layout.ulysses} does not divide the {heads} attention heads each rank holds"
@@ -218,8 +325,9 @@ def apply_context_parallel(
         route_diffusers_gathers_through_host()  # before the probe and the guard, which gather too
     if layout.ring > 1:
         context.lse_shape = probe_ring(config, device, layout.ring)
-        head_dim = int(getattr(model, plan.width)) // int(getattr(model, plan.heads))
-        context.kernel = guard_ring_kernel(context.kernel, config, device, dtype, context.lse_shape, head_dim)
+        context.kernel = guard_ring_kernel(
+            context.kernel, config, device, dtype, context.lse_shape, plan.head_dim(model)
+        )
     state = SequenceState(
         ContextAttention(context), config, group, dist.get_world_size(group), dist.get_rank(group)
     )
@@ -227,7 +335,10 @@ def apply_context_parallel(
         module = model.get_submodule(name)
         module.register_forward_pre_hook(functools.partial(_enter, state))
         module.register_forward_hook(functools.partial(_leave, state))
-    _split_method(model, plan.sequence, state)
+    if isinstance(plan.sequence, BlockSplit):
+        _split_blocks(model, plan.sequence, state)
+    else:
+        _split_method(model, plan.sequence, state)
     return state
 
 

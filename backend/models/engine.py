@@ -69,11 +69,13 @@ class EngineModel(nn.Module):
 
     def forward(self, x: torch.Tensor, timestep: torch.Tensor, **inputs: Any) -> torch.Tensor:
         """One model call as ComfyUI's model wrapper makes it: `diffusion_model(x, timestep, **inputs)`;
-        an empty sequence (no reference latents) is passed as ComfyUI passes it, None."""
+        an empty sequence (no reference latents) is passed as ComfyUI passes it, None, and a boolean key mask
+        (the caller's checks hold a text mask so: diffusion/checks.py `text_key_mask`) as ComfyUI's text
+        encoder gives it, 1 per real token and 0 per padding."""
         options: dict[str, Any] = {}
         if self.sequence is not None:
             options[OVERRIDE_KEY] = attention_override(self.sequence)
-        given = {k: (None if isinstance(v, tuple | list) and not v else v) for k, v in inputs.items()}
+        given = {k: _as_comfy(v) for k, v in inputs.items()}
         return self.diffusion_model(x, timestep, transformer_options=options, **given)
 
     def set_loras(
@@ -94,6 +96,14 @@ class EngineModel(nn.Module):
         )
         self.lora_patched = patched
         return len(patched | previous)
+
+
+def _as_comfy(value: Any) -> Any:
+    if isinstance(value, tuple | list) and not value:
+        return None
+    if torch.is_tensor(value) and value.dtype == torch.bool:
+        return value.long()
+    return value
 
 
 def storage_dtype(info: CheckpointInfo, weight_dtype: str, compute: torch.dtype) -> torch.dtype:

@@ -9,7 +9,8 @@ says, for that class:
 * `per_rank`: which attributes count heads or widths and so shrink by the tp degree on each rank
   (`num_heads` on FLUX's blocks: they reshape q / k / v by it);
 * `sequence`: where the token sequence splits for ring attention and Ulysses (`SequenceSplit`: a method of
-  the model whose arguments carry the token streams and their position ids, split alike) and `attention`,
+  the model whose arguments carry the token streams and their position ids, split alike; `BlockSplit`: the
+  blocks' arguments, for a model with no such method) and `attention`,
   the modules whose attention then runs over the whole split sequence (through ComfyUI's attention hook);
   attention elsewhere (a cross-attention to the unsplit text) stays ComfyUI's own;
 * `blocks`: the repeated blocks' class names (cancel points, compile), `unbatched`: the call's inputs that
@@ -24,6 +25,7 @@ Nothing here imports torch: a plan is read by the planner and by tests without i
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,13 +116,56 @@ class SequenceSplit:
 
 
 @dataclass(frozen=True)
+class BlockSplit:
+    """Where context parallelism splits the tokens of a model whose forward builds its streams inside itself,
+    with no method between that carries them (Qwen-Image's `_forward` patchifies, appends the reference
+    latents, embeds and computes the RoPE of cat(text ids, image ids) in one body): at its blocks' arguments.
+
+    Every rank gets its 1/N of each stream, split at the first of the `blocks` a forward calls (the blocks'
+    outputs carry the rank's tokens on to the next); the arguments ComfyUI hands every block whole are split
+    at each block exactly like their tokens: `joint` ones concatenate every stream in `streams` order along a
+    dim (Qwen-Image's RoPE: name -> dim), `masks` hold one additive entry per token of a stream (a text mask:
+    0 keeps a key, a large negative drops it; its dropped keys are dropped from every softmax, as padding's
+    are), `indices` are an int index into a stream's tokens (Edit-2511's `timestep_zero_index`: where the
+    reference tokens start), rewritten to the rank's local index. `output` is the module whose output is the
+    `output_stream`'s tokens (along dim 1), gathered back whole (and unpadded) on every rank. Padding, the
+    stream order and `refused` (the model's forward arguments that must be None) are SequenceSplit's.
+    """
+
+    blocks: str
+    streams: tuple[Stream, ...]
+    output: str
+    output_stream: str
+    joint: Mapping[str, int] = field(default_factory=dict)
+    masks: Mapping[str, str] = field(default_factory=dict)
+    indices: Mapping[str, str] = field(default_factory=dict)
+    refused: Mapping[str, str] = field(default_factory=dict)
+
+    def stream(self, name: str) -> Stream:
+        return next(s for s in self.streams if s.name == name)
+
+
+def attribute(owner: Any, path: str) -> Any:
+    """`owner`'s attribute at `path`, dotted through submodules ('transformer_blocks.0.num_attention_heads'):
+    a model whose root holds no head count names one on a block (nn.Module resolves '0' as a child)."""
+    return functools.reduce(getattr, path.split("."), owner)
+
+
+def _names_module(pattern: str, path: str) -> bool:
+    """Whether a plan key (`*` = one path component) names the module at `path` ('' = the root)."""
+    keys, parts = pattern.split(".") if pattern else [], path.split(".") if path else []
+    return len(keys) == len(parts) and all(k in ("*", p) for k, p in zip(keys, parts, strict=True))
+
+
+@dataclass(frozen=True)
 class ModelPlan:
     """How one of ComfyUI's diffusion model classes is sharded (see the module docstring).
 
     `model_class` is the class's qualified name ('comfy.ldm.flux.model.Flux'); `when` the unet_config
     values (ComfyUI's detection output) that pick this plan among the plans of one class (FLUX.1 and FLUX.2
     share ComfyUI's Flux class). `heads` and `width`: the model's attributes holding its attention head
-    count and attention width (heads x head dim), for validation and the LSE guard's numeric check.
+    count and attention width (heads x head dim), for validation and the LSE guard's numeric check; dotted
+    paths reach into submodules (`attribute`), and neither may be one `per_rank` divides.
     """
 
     name: str
@@ -132,18 +177,36 @@ class ModelPlan:
     blocks: tuple[str, ...]
     when: Mapping[str, Any] = field(default_factory=dict)
     norms: Mapping[str, HeadNorm] = field(default_factory=dict)
-    sequence: SequenceSplit | None = None
+    sequence: SequenceSplit | BlockSplit | None = None
     attention: tuple[str, ...] = ()
     unbatched: tuple[str, ...] = ()
     # plan keys some checkpoints of the class lack (every other key must name a module)
     optional: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        for role, path in (("heads", self.heads), ("width", self.width)):
+            owner, _, name = path.rpartition(".")
+            for pattern, names in self.per_rank.items():
+                if name in names and _names_module(pattern, owner):
+                    raise ValueError(
+                        f"{self.name}: {role}={path!r} is divided per rank by per_rank[{pattern!r}]; name an "
+                        "attribute holding the whole model's value"
+                    )
+
     def matches(self, class_name: str, unet_config: Mapping[str, Any]) -> bool:
         """Whether this plan is the one for a model of `class_name` detected with `unet_config`."""
         return class_name == self.model_class and all(unet_config.get(k) == v for k, v in self.when.items())
 
+    def head_count(self, model: Any) -> int:
+        """The model's attention heads (whole: before or after the tensor-parallel split)."""
+        return int(attribute(model, self.heads))
+
+    def head_dim(self, model: Any) -> int:
+        return int(attribute(model, self.width)) // self.head_count(model)
+
 
 __all__ = [
+    "BlockSplit",
     "Columns",
     "Gathered",
     "HeadNorm",
@@ -153,4 +216,5 @@ __all__ = [
     "SequenceSplit",
     "Split",
     "Stream",
+    "attribute",
 ]

@@ -111,10 +111,13 @@ class RPTestReferenceLatent:
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {{"required": {{"case": ("STRING", {{"default": "kontext_2steps"}}), "index": ("INT", {{"default": 0}})}}}}
+        return {{"required": {{"case": ("STRING", {{"default": "kontext_2steps"}}), "index": ("INT", {{"default": 0}})}},
+                "optional": {{"frame_axis": ("BOOLEAN", {{"default": False}})}}}}
 
-    def load(self, case, index):
-        return ({{"samples": load_file(REFERENCES)[f"{{case}}.ref{{index}}"]}},)
+    def load(self, case, index, frame_axis=False):
+        # frame_axis: [B, C, 1, H, W], as Qwen-Image's (Wan's) VAE encodes an image
+        samples = load_file(REFERENCES)[f"{{case}}.ref{{index}}"]
+        return ({{"samples": samples.unsqueeze(2) if frame_axis else samples}},)
 
 
 class RPTestTinyUNETLoader:
@@ -128,9 +131,12 @@ class RPTestTinyUNETLoader:
     @classmethod
     def INPUT_TYPES(cls):
         return {{"required": {{"unet_name": ("STRING", {{"default": ""}}), "num_heads": ("INT", {{"default": 4}}),
-                              "axes_dim": ("STRING", {{"default": "[4, 6, 6]"}})}}}}
+                              "axes_dim": ("STRING", {{"default": "[4, 6, 6]"}})}},
+                "optional": {{"overrides": ("STRING", {{"default": ""}})}}}}
 
-    def load(self, unet_name, num_heads, axes_dim):
+    def load(self, unet_name, num_heads, axes_dim, overrides=""):
+        # `overrides` (JSON), when given, is told instead of FLUX's two: another class's names (Qwen-Image's
+        # num_attention_heads, attention_head_dim, joint_attention_dim, axes_dims_rope)
         import json
 
         import comfy.model_detection as detection
@@ -139,10 +145,11 @@ class RPTestTinyUNETLoader:
         import torch
 
         original = detection.detect_unet_config
+        told = json.loads(overrides) if overrides else {{"num_heads": num_heads, "axes_dim": json.loads(axes_dim)}}
 
         def detect(state_dict, key_prefix, metadata=None):
             config = original(state_dict, key_prefix, metadata=metadata)
-            return {{**config, "num_heads": num_heads, "axes_dim": json.loads(axes_dim)}}
+            return {{**config, **told}}
 
         detection.detect_unet_config = detect
         try:
@@ -194,13 +201,20 @@ class RPTestSeededConditioning:
     @classmethod
     def INPUT_TYPES(cls):
         return {{"required": {{"seed": ("INT", {{"default": 0}}), "tokens": ("INT", {{"default": 7}}),
-                              "width": ("INT", {{"default": 32}})}}}}
+                              "width": ("INT", {{"default": 32}})}},
+                "optional": {{"padding": ("INT", {{"default": 0}})}}}}
 
-    def load(self, seed, tokens, width):
+    def load(self, seed, tokens, width, padding=0):
+        # `padding` > 0: the last `padding` tokens are a padded prompt's, masked out as Qwen-Image's text
+        # encoder masks them (`attention_mask` [1, tokens], 1 per real token, torch.long)
         import torch
 
         g = torch.Generator().manual_seed(seed)
-        return ([[torch.randn(1, tokens, width, generator=g), {{}}]],)
+        extra = {{}}
+        if padding:
+            extra["attention_mask"] = torch.ones(1, tokens, dtype=torch.long)
+            extra["attention_mask"][:, tokens - padding :] = 0
+        return ([[torch.randn(1, tokens, width, generator=g), extra]],)
 
 
 class RPTestTinyCLIPLoader:

@@ -93,16 +93,18 @@ def prompt(name: str, files: dict[str, Any], layout: str, devices: str, seed: in
                    "inputs": {"parallel_flux": parallel, "layout": layout, "ring_degree": 0, "ulysses_degree": 0}}  # fmt: skip
     nodes["40"] = {"class_type": "KSampler", "inputs": {"model": own, **sampler}}
     nodes["41"] = {"class_type": "KSampler", "inputs": {"model": ["30", 0], **sampler}}
-    tag = f"{name}_{layout.replace(' ', '')}"
-    nodes["50"] = {
-        "class_type": "SaveLatent",
-        "inputs": {"samples": ["40", 0], "filename_prefix": f"engine/comfy_{tag}"},
+    return {**nodes, **saving(f"{name}_{layout.replace(' ', '')}")}
+
+
+def saving(tag: str) -> dict[str, Any]:
+    """SaveLatent nodes for ComfyUI's KSampler (node 40) and the pack's (41): engine/{comfy,pack}_<tag>."""
+    return {
+        node: {
+            "class_type": "SaveLatent",
+            "inputs": {"samples": [sampler, 0], "filename_prefix": f"engine/{side}_{tag}"},
+        }
+        for node, sampler, side in (("50", "40", "comfy"), ("51", "41", "pack"))
     }
-    nodes["51"] = {
-        "class_type": "SaveLatent",
-        "inputs": {"samples": ["41", 0], "filename_prefix": f"engine/pack_{tag}"},
-    }
-    return nodes
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS), ids=lambda s: s.replace(" ", ""))

@@ -14,7 +14,7 @@ small model's head count and RoPE axes (ComfyUI hard-codes the released ones), n
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,14 +38,19 @@ LAYOUTS = {  # layout -> workers
 }
 
 
-@pytest.fixture(scope="module")
-def comfy() -> dict[str, Any]:
+def import_comfy() -> dict[str, Any]:
+    """ComfyUI imported in this process (tests/tools/comfy_models.py import_comfy); skips without one."""
     if not COMFYUI_PATH:
         pytest.skip("set COMFYUI_PATH to a ComfyUI checkout to run the comfy tier")
     sys.path.insert(0, str(TESTS_DIR / "tools"))
     import comfy_models
 
     return comfy_models.import_comfy(COMFYUI_PATH)
+
+
+@pytest.fixture(scope="module")
+def comfy() -> dict[str, Any]:
+    return import_comfy()
 
 
 def tiny(name: str) -> dict[str, Any]:
@@ -56,12 +61,15 @@ def tiny(name: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def files(comfy: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, Any]]:
+    return saved_models(comfy, tmp_path_factory.mktemp("engine"), ("flux1-dev", "flux2-dev"))
+
+
+def saved_models(comfy: dict[str, Any], folder: Path, names: Sequence[str]) -> dict[str, tuple[str, Any]]:
     """name -> (a file ComfyUI's ModelSave wrote, ComfyUI's own diffusion model loaded from it)."""
     import comfy_models
 
-    folder = tmp_path_factory.mktemp("engine")
     out = {}
-    for name in ("flux1-dev", "flux2-dev"):
+    for name in names:
         path = folder / f"{name}.safetensors"
         spec = tiny(name)
         comfy_models.model_save(comfy, comfy_models.build(comfy, spec, torch.float32), path)
@@ -249,7 +257,9 @@ RELEASED = {  # header shapes of the released files (tests/tools/comfy_models.py
 }  # fmt: skip
 
 
-def engine_bytes(comfy: dict[str, Any], preset: str, tp: int, rank: int, weight_dtype: str) -> int:
+def engine_bytes(
+    comfy: dict[str, Any], released: dict[str, Any], tp: int, rank: int, weight_dtype: str
+) -> int:
     """Parameter bytes rank `rank` of `tp` holds of the released model on the engine: ComfyUI's own class as
     its detection configures it from the released header's shapes, built on the meta device, the plan applied
     under the fake process group, each parameter in the dtype the loader holds it in (bf16 compute)."""
@@ -263,7 +273,7 @@ def engine_bytes(comfy: dict[str, Any], preset: str, tp: int, rank: int, weight_
     from rocm_parallel.testing.fake import fake_process_group
 
     detection = comfy["detection"]
-    probe = comfy_models.header_like(RELEASED[preset])
+    probe = comfy_models.header_like(released)
     config = detection.model_config_from_unet_config(detection.detect_unet_config(probe, ""), probe)
     config.set_inference_dtype(torch.bfloat16, None)
     model = config.get_model({}, "", device=torch.device("meta")).diffusion_model
@@ -284,16 +294,24 @@ def engine_bytes(comfy: dict[str, Any], preset: str, tp: int, rank: int, weight_
 def test_bytes_per_rank_at_the_released_configs_are_not_above_the_diffusers_engines(comfy, preset) -> None:
     """The issue's bar: bytes per GPU unchanged or lower than today's (the planner's count of the diffusers
     engine's shards, which BENCHMARKS tables), at TP 1, 2 and 4, bf16 and fp8 weights, first and last rank."""
+    assert_bytes_not_above_the_diffusers_engines(comfy, preset.split("-")[0], preset, RELEASED[preset])
+
+
+def assert_bytes_not_above_the_diffusers_engines(
+    comfy: dict[str, Any], family_name: str, preset: str, released: dict[str, Any]
+) -> None:
+    """The engine's bytes on each rank (`engine_bytes` of the `released` header) against the planner's count
+    of the diffusers engine's shards of the family's `preset`."""
     from rocm_parallel.backend.config import ParallelLayout
     from rocm_parallel.backend.family import get_family
     from rocm_parallel.backend.plan import weight_bytes
 
-    family = get_family(preset.split("-")[0])
+    family = get_family(family_name)
     dims = family.dims(family.presets[preset])
     for tp in (1, 2, 4):
         for weights, size in (("compute", 2), ("fp8_e4m3fn", 1)):
             for rank in {0, tp - 1}:
-                ours = engine_bytes(comfy, preset, tp, rank, weights)
+                ours = engine_bytes(comfy, released, tp, rank, weights)
                 today = weight_bytes(
                     dims, ParallelLayout(tp=tp), 2, rank, family=family.name, linear_bytes=size
                 )

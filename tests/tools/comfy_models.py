@@ -1,5 +1,8 @@
-"""Small random FLUX.1 / FLUX.2 models built with ComfyUI's OWN model classes and saved by ComfyUI's OWN
-ModelSave, so the pack's loader can be checked against files that no code of ours wrote.
+"""Small random FLUX.1 / FLUX.2 (and Qwen-Image) models built with ComfyUI's OWN model classes and saved by
+ComfyUI's OWN ModelSave, so the pack's loader can be checked against files that no code of ours wrote.
+Qwen-Image (`--models qwen-image,qwen-image-edit-2511`; the model engine's tests build it in process) is told
+its heads, head width, text width and RoPE axes (its class defaults hold the released ones) and gets the
+ModelSave, bf16, bare and prefix files only.
 
     export COMFYUI_PATH=/path/to/ComfyUI        # a ComfyUI checkout and its environment (docs/testing.md)
     python tests/tools/comfy_models.py --out DIR [--models flux1-dev,flux2-klein] [--no-fp8]
@@ -84,13 +87,18 @@ HEADS, HEAD_DIM, DOUBLE, SINGLE = 4, 16, 2, 2
 FLUX1_AXES = [4, 6, 6]  # FLUX's (16, 56, 56) of 128 in proportion (the pack's rope_axes(16))
 FLUX2_AXES = [4, 4, 4, 4]  # FLUX.2's (32, 32, 32, 32) of 128
 
-# family, latent channels per token (img_in input), text width, pooled width (FLUX.1), guidance, seed
+# family, latent channels per token (img_in input), text width, pooled width (FLUX.1), guidance, seed;
+# Qwen-Image: `blocks` dual-stream blocks, `marker`: Edit-2511's `__index_timestep_zero__` (0.33 reads it)
 MODELS: dict[str, dict[str, Any]] = {
     "flux1-dev": {"family": "flux", "in": 64, "text": 32, "pooled": 24, "guidance": True, "seed": 1234},
     "flux1-schnell": {"family": "flux", "in": 64, "text": 32, "pooled": 24, "guidance": False, "seed": 4321},
     "flux2-dev": {"family": "flux2", "in": 128, "text": 32, "guidance": True, "seed": 5678},
     "flux2-klein": {"family": "flux2", "in": 128, "text": 24, "guidance": False, "seed": 8765},
+    "qwen-image": {"family": "qwen_image", "in": 64, "text": 32, "blocks": 2, "seed": 2468},
+    "qwen-image-edit-2511": {"family": "qwen_image", "in": 64, "text": 32, "blocks": 2, "marker": True, "seed": 2468},
 }  # fmt: skip
+FLUX_MODELS = [n for n, spec in MODELS.items() if spec["family"] != "qwen_image"]  # the CLI's default
+QWEN_MARKER = "__index_timestep_zero__"  # comfy/model_detection.py: an Edit-2511 file (an empty tensor)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -144,6 +152,13 @@ def widths(spec: dict[str, Any]) -> dict[str, Any]:
     A spec may name its own `heads`, `head_dim`, `axes`, `double`, `single` (the comfy tier's GGUF models
     are wider: K-quant rows are 256 values)."""
     axes = spec.get("axes", FLUX2_AXES if spec["family"] == "flux2" else FLUX1_AXES)
+    if spec["family"] == "qwen_image":  # its class defaults hold the released widths (24 x 128, 3584)
+        return {
+            "num_attention_heads": spec.get("heads", HEADS),
+            "attention_head_dim": spec.get("head_dim", HEAD_DIM),
+            "joint_attention_dim": spec["text"],
+            "axes_dims_rope": list(axes),
+        }
     return {"num_heads": spec.get("heads", HEADS), "axes_dim": list(axes)}
 
 
@@ -152,6 +167,15 @@ def header_like(spec: dict[str, Any]) -> dict[str, torch.Tensor]:
     head_dim = spec.get("head_dim", HEAD_DIM)
     hidden = spec.get("heads", HEADS) * head_dim
     t = lambda *shape: torch.empty(shape, device="meta")  # noqa: E731
+    if spec["family"] == "qwen_image":  # detected by txt_norm; reads img_in and counts the blocks
+        sd = {"txt_norm.weight": t(spec["text"]), "img_in.weight": t(hidden, spec["in"]),
+              "proj_out.weight": t(spec["in"], hidden)}  # fmt: skip
+        sd.update(
+            {f"transformer_blocks.{i}.attn.to_q.weight": t(hidden, hidden) for i in range(spec["blocks"])}
+        )
+        if spec.get("marker"):
+            sd[QWEN_MARKER] = t(0)
+        return sd
     sd = {
         "img_in.weight": t(hidden, spec["in"]),
         "txt_in.weight": t(hidden, spec["text"]),
@@ -180,7 +204,7 @@ def model_config(comfy: dict[str, Any], spec: dict[str, Any]):
     detection = comfy["detection"]
     probe = header_like(spec)
     unet_config = detection.detect_unet_config(probe, "")
-    want = "flux2" if spec["family"] == "flux2" else "flux"
+    want = {"flux2": "flux2", "qwen_image": "qwen_image"}.get(spec["family"], "flux")
     if unet_config is None or unet_config.get("image_model") != want:
         raise RuntimeError(f"ComfyUI's detection did not see {want} in the probe: {unet_config}")
     unet_config.update(widths(spec))
@@ -202,7 +226,8 @@ def fill_random(module: torch.nn.Module, seed: int) -> None:
             name = canonical(key)
             g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             x = torch.randn(tuple(tensor.shape), generator=g, dtype=torch.float32)
-            if name.endswith("_norm.scale"):
+            if name.endswith("_norm.scale") or name.rpartition(".")[0].rpartition(".")[2].startswith("norm_"):
+                # (FLUX's *_norm.scale, Qwen-Image's attn.norm_q.weight, ...)
                 x = 1.0 + 0.1 * x
             elif name.endswith(".bias"):
                 x = 0.05 * x
@@ -269,7 +294,12 @@ def dequantized(tensor: torch.Tensor) -> torch.Tensor:
 
 def residency(model) -> str:
     """How ComfyUI holds the first image qkv weight: its class, .dtype and storage dtype."""
-    w = model.model.diffusion_model.double_blocks[0].img_attn.qkv.weight
+    blocks = model.model.diffusion_model
+    w = (
+        blocks.transformer_blocks[0].attn.to_q.weight
+        if hasattr(blocks, "transformer_blocks")
+        else (blocks.double_blocks[0].img_attn.qkv.weight)
+    )
     storage = getattr(w, "storage_dtype", None) or getattr(getattr(w, "_qdata", None), "dtype", None)
     text = f"{type(w).__name__} dtype={str(w.dtype).removeprefix('torch.')}"
     if storage is not None:
@@ -287,6 +317,8 @@ def compare(model, reference: dict[str, torch.Tensor]) -> float:
         got = loaded.get(canonical(key))
         if got is None:
             raise RuntimeError(f"ComfyUI's loaded model has no '{key}'")
+        if not want.numel():  # a marker (Qwen-Image-Edit-2511's empty __index_timestep_zero__)
+            continue
         raw_fp8 = type(got).__name__ != "QuantizedTensor" and got.dtype in FP8
         got = dequantized(got)
         layer = key.removesuffix(".weight")
@@ -465,7 +497,9 @@ def make(comfy: dict[str, Any], out: Path, names: list[str], fp8: bool) -> list[
         record(
             name, "bare", "ModelSave file, prefix stripped (comfy.utils.state_dict_prefix_replace)", reference
         )
-        if renames_norms:
+        if (
+            renames_norms and spec["family"] != "qwen_image"
+        ):  # Qwen-Image's norms are `.weight` in every version
             write(comfy, norms_as_scale(bare), out / f"{name}.bare-scale.safetensors", metadata)
             record(
                 name, "bare-scale", "ModelSave file, prefix stripped, norms renamed *_norm.scale", reference
@@ -490,7 +524,7 @@ def make(comfy: dict[str, Any], out: Path, names: list[str], fp8: bool) -> list[
                 reference,
             )
 
-        if not fp8:
+        if not fp8 or spec["family"] == "qwen_image":
             continue
         canonical_bare = norms_as_scale(bare)  # what ComfyUI 0.3.75 detects; 0.33 reads either
         flux1 = spec["family"] == "flux"
@@ -553,7 +587,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="folder for the model files (+ manifest.json)")
     parser.add_argument("--check", type=Path, nargs="*", default=[], help="folders to load with this ComfyUI")
     parser.add_argument("--comfyui", default=os.environ.get("COMFYUI_PATH"), help="ComfyUI checkout")
-    parser.add_argument("--models", default=",".join(MODELS), help=f"subset of {','.join(MODELS)}")
+    parser.add_argument("--models", default=",".join(FLUX_MODELS), help=f"subset of {','.join(MODELS)}")
     parser.add_argument("--no-fp8", action="store_true", help="skip the scaled fp8 / fp8 mixed files")
     args = parser.parse_args()
     if args.out is None and not args.check:
