@@ -13,7 +13,7 @@ from typing import Any
 from ..plan import ModelPlan
 
 # Modules (relative to this package) whose `PLANS` tuple holds their plans.
-MODULES: tuple[str, ...] = (".flux",)
+MODULES: tuple[str, ...] = (".flux", ".wan")
 
 
 def plans() -> tuple[ModelPlan, ...]:
