@@ -14,9 +14,11 @@ if __package__:  # ComfyUI (custom_nodes/<folder>) or pip-installed as rocm_para
 
     check_torch()  # a torch below the supported range: one message with the range and the install commands
     from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+    from .nodes.registry import announce_hosts
     from .nodes.routes import register_routes
 
     register_routes()  # only does something inside ComfyUI
+    announce_hosts()  # inside ComfyUI with ROCM_PARALLEL_LISTEN set: the key and the other hosts' command
 else:  # imported as a bare file: pytest collecting a checkout whose folder name is no identifier
     NODE_CLASS_MAPPINGS: dict[str, type] = {}
     NODE_DISPLAY_NAME_MAPPINGS: dict[str, str] = {}

@@ -1,4 +1,5 @@
-"""Command line: demo | plan | doctor | bench <name> (bench: from a checkout only). In ComfyUI's folder:
+"""Command line: demo | plan | doctor | bench <name> (bench: from a checkout only) | worker --join (another
+host's agent, docs/hosts.md). In ComfyUI's folder:
 `python custom_nodes/rocm-parallel doctor`; pip-installed or a checkout: `python -m rocm_parallel doctor`."""
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="per-GPU memory, bytes moved and step time per layout")
     doctor = sub.add_parser("doctor", help="check torch, GPUs, flags and a real worker group; advise")
     bench = sub.add_parser("bench", help="run a benchmark and print its table (from a checkout)")
+    worker = sub.add_parser(
+        "worker", help="join this host to another host's worker groups: --join ADDRESS:PORT (docs/hosts.md)"
+    )
     if command in (None, "demo"):
         _demo_module().add_arguments(demo)
     if command in (None, "plan"):
@@ -63,6 +67,10 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
         doctor_module.add_arguments(doctor)
     if command in (None, "bench"):
         _add_bench_arguments(bench)
+    if command in (None, "worker"):
+        from .runtime import agent
+
+        agent.add_arguments(worker)
     return parser
 
 
@@ -140,6 +148,25 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--link-gbps", type=float, default=24.0, help="per-GPU bus bandwidth in GB/s (PCIe 4.0 x16: ~24)"
     )
     parser.add_argument("--latency-us", type=float, default=30.0, help="latency of one collective in µs")
+    parser.add_argument(
+        "--hosts",
+        type=int,
+        default=1,
+        help="hosts the devices are spread over, as many on each (--devices 8 --hosts 2: 2 hosts x 4 GPUs); "
+        "TP stays inside a host",
+    )
+    parser.add_argument(
+        "--inter-host-gbit",
+        type=float,
+        default=10.0,
+        help="each host's network in gigabits per second, as NICs are sold (10, 25, 100 GbE); with --hosts",
+    )
+    parser.add_argument(
+        "--inter-host-latency-us",
+        type=float,
+        default=50.0,
+        help="latency of one collective between hosts in µs (TCP sockets: ~50; RDMA: less)",
+    )
     parser.add_argument("--tflops", type=float, default=100.0, help="sustained TFLOPS of one GPU")
     parser.add_argument(
         "--dtype", choices=tuple(d.name for d in COMPUTE_DTYPES), default="bfloat16", help="compute dtype"
@@ -186,6 +213,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     from .plan import request as plan_request
     from .plan.gguf import gguf_hint
     from .plan.graph import format_graph, graph_answer
+    from .plan.setup import network
     from .platforms import planned_gpus
 
     try:
@@ -205,7 +233,8 @@ def _run_plan(args: argparse.Namespace) -> int:
             text_tokens=text_tokens if args.text_tokens is None else args.text_tokens, dtype=args.dtype,
             weight_dtype=args.weight_dtype, devices=args.devices, memory_gb=args.memory_gb,
             link=Link(args.link_gbps, args.latency_us, name="link"), tflops=args.tflops, family=family.name,
-            file_weights=args.file_weights, frames=args.frames,
+            file_weights=args.file_weights, frames=args.frames, hosts=args.hosts,
+            inter_host=network(args.inter_host_gbit, args.inter_host_latency_us),
         )  # fmt: skip
         setup = plan_request.with_references(setup, args, family)
         if args.layout is None:
@@ -300,6 +329,10 @@ def _run(args: argparse.Namespace) -> int:
         return doctor.run(args)
     if args.command == "demo":
         return _demo_module().run(args)
+    if args.command == "worker":
+        from .runtime import agent
+
+        return agent.run(args)
     if _benchmark_names() is None:
         print(f"error: {NO_BENCHMARKS}", file=sys.stderr)
         return 2

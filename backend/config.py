@@ -6,6 +6,7 @@ message that names the input, the value, the limit and the fix.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, replace
 from typing import Any
@@ -152,6 +153,9 @@ LAYOUT_KINDS = ("tp", "context", "auto")
 _DEGREE = re.compile(r"^(batch|tp|ring|ulysses)\s*=?\s*([0-9]+)$")
 # A degree is a number of devices: past this no machine has them (and int() of 4300 digits raises).
 MAX_DEGREE = 4096
+# The mesh's dimensions, outermost to innermost (parallel/mesh.py builds it so): consecutive ranks share the
+# innermost's groups, so TP's groups are neighbouring ranks, on one host when its degree divides each host's.
+MESH_ORDER = ("batch", "ring", "ulysses", "tp")
 SYNTAX = "degrees such as 'batch 2 x tp 2' or 'tp2xring2' (batch, tp, ring, ulysses; each at most once)"
 
 
@@ -339,6 +343,35 @@ class ParallelLayout:
         return (
             f"the layout {self} needs {self.world_size} devices (batch x tp x ring x ulysses) but {devices} "
             f"were given; make the product {devices}{hint}"
+        )
+
+    def extent(self, dim: str) -> int:
+        """Consecutive ranks one group of mesh dimension `dim` lies within: its degree times those of the
+        dimensions inside it ('cp': ring x Ulysses flattened, as diffusers uses it)."""
+        inner = MESH_ORDER[MESH_ORDER.index("ring" if dim == "cp" else dim) :]
+        return math.prod(getattr(self, name) for name in inner)
+
+    def crosses_hosts(self, dim: str, host_devices: int) -> bool:
+        """A group of `dim` spans two hosts of `host_devices` devices each (ranks placed host by host)."""
+        return host_devices % self.extent(dim) != 0
+
+    def check_hosts(self, sizes: tuple[int, ...]) -> None:
+        """Raise ConfigError unless every tensor-parallel group is inside one host: TP moves the most bytes
+        (two all-reduces of every token's hidden state per block), far too many for a network. `sizes`:
+        each host's device count in rank order (platforms.host_sizes); ring, Ulysses and batch may span."""
+        if len(sizes) < 2 or all(size % self.tp == 0 for size in sizes):
+            return
+        common = math.gcd(*sizes)
+        usable = [d for d in _divisors(common) if self.tp % d == 0 and d > 1]
+        counts = " and ".join(str(size) for size in sizes)
+        if usable:
+            better = replace(self, tp=usable[-1], ring=self.ring * self.tp // usable[-1])
+            fix = f"use tp {_one_of(usable)} with ring, Ulysses or batch across the hosts, e.g. '{better}'"
+        else:
+            fix = "use ring, Ulysses or batch across the hosts (no TP degree divides every host's devices)"
+        raise ConfigError(
+            f"layout {self} would put a tensor-parallel group of {self.tp} ranks across hosts (the hosts hold "
+            f"{counts} devices, placed host by host); TP must stay inside a host: {fix}"
         )
 
     def validate_sequence(self, image_tokens: int) -> None:

@@ -108,12 +108,20 @@ def parse_devices(spec: DeviceSpec, visible: Callable[[], int] | None = None) ->
             raise ConfigError(
                 "devices=[] is empty; give at least one device, e.g. 'all', 'cuda:0,cuda:1' or 'cpu x2'"
             )
-        return tuple(_device(item, spec) for item in items)
+        return by_host(tuple(_device(item, spec) for item in items), spec)
     if len(spec) > MAX_DEVICE_TEXT:
         raise ConfigError(
             f"devices={echo_devices(spec)} is longer than {MAX_DEVICE_TEXT} characters; a device list is "
             "short: 'all', '0,1,2,3', 'cuda:0,cuda:1' or 'cpu x2'"
         )
+    segments = _host_segments(spec.strip().lower())
+    if len(segments) > 1 or segments[0][0] is not None:
+        return by_host(_parse_hosts(segments, spec, visible), spec)
+    return _parse_local(spec, visible)
+
+
+def _parse_local(spec: str, visible: Callable[[], int] | None) -> tuple[str, ...]:
+    """One machine's devices written as text ('all', '0,1', 'cuda:0,cuda:1', 'cpu x2')."""
     text = spec.strip().lower()
     if text in ("", DEVICES_ALL):
         count = (visible or visible_gpus)()
@@ -169,26 +177,37 @@ def validate_devices(devices: DeviceSpec, backend: str | None = None) -> tuple[s
     two ranks on one device; gloo does not care, which lets one GPU test the multi-rank paths)."""
     normalized = parse_devices(devices)
     shown = echo_devices(devices)
-    kinds = {d.split(":")[0] for d in normalized}
+    kinds = {local_device(d).split(":")[0] for d in normalized}
     if len(kinds) > 1:
         raise ConfigError(f"devices={shown} mixes CPU and GPU workers; use only GPUs or only 'cpu'")
-    if "cpu" in kinds:
-        check_cpu_workers(len(normalized), devices)
-    if "cuda" in kinds:
+    for host, ranks in hosts_of(normalized):
+        _check_host_devices(host, [local_device(normalized[r]) for r in ranks], devices, backend)
+    check_platform([local_device(d) for d in normalized], backend)
+    return normalized
+
+
+def _check_host_devices(host: str | None, names: list[str], devices: DeviceSpec, backend: str | None) -> None:
+    """One host's devices: this machine's against its memory and GPUs; another host's agent checks its own
+    when it joins (runtime/agents.py), so only a GPU named twice is refused here."""
+    shown = echo_devices(devices)
+    if host is None and names[0] == "cpu":
+        check_cpu_workers(len(names), devices)
+    if not names[0].startswith("cuda"):
+        return
+    indices = [int(d.split(":")[1]) for d in names]
+    if len(set(indices)) != len(indices) and backend != "gloo":
+        where = "a GPU" if host is None else f"a GPU of {host}"
+        raise ConfigError(
+            f"devices={shown} names {where} twice; each worker needs its own GPU "
+            "(backend='gloo' allows several workers on one GPU, for testing)"
+        )
+    if host is None:
         import torch
 
         available = torch.cuda.device_count()
-        indices = [int(d.split(":")[1]) for d in normalized]
-        if len(set(indices)) != len(indices) and backend != "gloo":
-            raise ConfigError(
-                f"devices={shown} names a GPU twice; each worker needs its own GPU "
-                "(backend='gloo' allows several workers on one GPU, for testing)"
-            )
         missing = [i for i in indices if i >= available]
         if missing:
             raise missing_gpu_error(devices, missing[0], available)
-    check_platform(normalized, backend)
-    return normalized
 
 
 def check_threads(threads: object, cores: int | None = None) -> None:
@@ -242,11 +261,15 @@ def planned_gpus(spec: str) -> tuple[int, float | None]:
 
 
 def _device(item: str | int, spec: DeviceSpec) -> str:
-    """One entry of a device list -> 'cpu' or 'cuda:N' (a bare index or 'cuda' names a GPU)."""
+    """One entry of a device list -> 'cpu' or 'cuda:N' (a bare index or 'cuda' names a GPU), or either on
+    another host: 'HOST:cpu', 'HOST:cuda:N' (`device_host`)."""
     if isinstance(item, int) and not isinstance(item, bool):
         name = str(item)
     else:
         name = str(item).strip().lower()
+    host = _HOST_PREFIX.match(name)
+    if host is not None and _is_host(host.group(1)):
+        return f"{host.group(1)}:{_device(host.group(2), spec)}"
     index = name.removeprefix("cuda:")
     if index.isascii() and index.isdigit() and (name.startswith("cuda:") or index == name):
         if len(index.lstrip("0")) > MAX_COUNT_DIGITS:
@@ -273,6 +296,102 @@ def _device(item: str | int, spec: DeviceSpec) -> str:
         f"devices={echo_devices(spec)}: {shown} is not a device; use 'all', GPU indices like '0,1,2,3', "
         "'cuda:0,cuda:1' or CPU workers like 'cpu x2'"
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# Devices on other hosts (docs/hosts.md): 'cpu x2, 127.0.0.2:cpu x2', '0,1, host2:0,1'. A host's name
+# prefixes its first device and applies to the devices after it until the next host's; this machine's
+# devices come first (rank 0, which holds the rendezvous and reads the caller's cancels, is one of them).
+# Inside the group a remote device keeps its host: 'host2:cuda:1' (rank order: hosts contiguous, this
+# machine first, so the mesh's innermost dimension, TP, stays inside a host when its degree divides each
+# host's count; config.ParallelLayout.check_hosts).
+
+_HOST_PREFIX = re.compile(r"^(\[[0-9a-f:.]+\]|[a-z0-9_][a-z0-9_.-]*)\s*:\s*(.+)$")
+_NOT_HOSTS = frozenset({"cuda", "cpu", "rocm", "hip"})
+
+
+def _is_host(name: str) -> bool:
+    """A device entry's prefix names a host (not a device kind, not an index)."""
+    return name not in _NOT_HOSTS and not name.isdigit()
+
+
+def device_host(device: str) -> str | None:
+    """The host a group's device is on ('host2' for 'host2:cuda:1'), None for this machine's."""
+    if device.startswith("["):
+        return device[: device.index("]") + 1]
+    head = device.split(":", 1)[0]
+    return head if ":" in device and _is_host(head) else None
+
+
+def local_device(device: str) -> str:
+    """The device's name on its own host: 'cuda:1' for 'host2:cuda:1' (and for 'cuda:1')."""
+    host = device_host(device)
+    return device if host is None else device[len(host) + 1 :]
+
+
+def hosts_of(devices: Sequence[str]) -> list[tuple[str | None, list[int]]]:
+    """[(host, its ranks)] in rank order: (None, this machine's ranks) first when it has any."""
+    found: dict[str | None, list[int]] = {}
+    for rank, device in enumerate(devices):
+        found.setdefault(device_host(device), []).append(rank)
+    return list(found.items())
+
+
+def host_sizes(devices: Sequence[str]) -> tuple[int, ...]:
+    """Each host's device count, in rank order (one entry for a group on this machine alone)."""
+    return tuple(len(ranks) for _, ranks in hosts_of(devices))
+
+
+def by_host(devices: tuple[str, ...], spec: DeviceSpec) -> tuple[str, ...]:
+    """The devices with each host's together, this machine's first (the order ranks are placed in), and a
+    group whose devices are all on other hosts refused: rank 0 runs here."""
+    hosts = hosts_of(devices)
+    if len(hosts) == 1 and hosts[0][0] is None:
+        return devices
+    if hosts[0][0] is not None:
+        raise ConfigError(
+            f"devices={echo_devices(spec)} names no device of this machine; rank 0 runs here (it holds the "
+            "group's rendezvous), so name one or more of this machine's devices first, e.g. "
+            f"'0, {hosts[0][0]}:0,1' or 'cpu x1, {hosts[0][0]}:cpu x2'"
+        )
+    return tuple(devices[rank] for _, ranks in hosts for rank in ranks)
+
+
+def _host_segments(text: str) -> list[tuple[str | None, str]]:
+    """'cpu x2, 127.0.0.2:cpu x2' -> [(None, 'cpu x2'), ('127.0.0.2', 'cpu x2')]: each host's devices as
+    the text of one machine (a host named twice keeps both parts)."""
+    segments: list[tuple[str | None, list[str]]] = [(None, [])]
+    for token in text.split(","):
+        match = _HOST_PREFIX.match(token.strip())
+        if match is not None and _is_host(match.group(1)):
+            segments.append((match.group(1), [match.group(2)]))
+        else:
+            segments[-1][1].append(token)
+    return [(host, ",".join(tokens)) for host, tokens in segments if host is not None or tokens]
+
+
+def _parse_hosts(
+    segments: list[tuple[str | None, str]], spec: str, visible: Callable[[], int] | None
+) -> tuple[str, ...]:
+    devices: list[str] = []
+    for host, text in segments:
+        if host is None:
+            devices += _parse_local(text, visible)
+            continue
+        if text.strip() in ("", DEVICES_ALL):
+            raise ConfigError(
+                f"devices={echo_devices(spec)}: name {host}'s devices, e.g. '{host}:0,1' or '{host}:cpu x2' "
+                "('all' means this machine's GPUs; the agent on a host offers its own, docs/hosts.md)"
+            )
+        match = _CPU_TIMES.match(text.strip())
+        if match is not None:  # another host's CPU workers: its agent checks its own memory
+            count = int(match.group(1)) if len(match.group(1)) <= MAX_COUNT_DIGITS else 0
+            if count < 1:
+                raise ConfigError(f"devices={echo_devices(spec)}: give {host} 1 or more CPU workers")
+            devices += [f"{host}:cpu"] * count
+            continue
+        devices += [f"{host}:{_device(item, spec)}" for item in text.split(",")]
+    return tuple(devices)
 
 
 def missing_gpu_error(spec: DeviceSpec, wanted: int, available: int, instead: str = TRY_CPU) -> ConfigError:

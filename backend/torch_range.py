@@ -20,7 +20,7 @@ import sys
 from importlib import metadata
 
 LOWEST = (2, 9)  # = pyproject.toml's `torch>=2.9` (tests/test_packaging.py)
-# the releases CI tests (.ci/run: the whole suite; on 2.11 its torch-facing files)
+# the releases CI tests (.ci/run: the whole suite on 2.13, the tests marked torch_api on the others)
 TESTED = ("2.9.1", "2.11.0", "2.13.0", "2.15.0")
 INSTALL = (
     "install torch first, then this pack: ROCm (Linux): pip install torch --index-url "

@@ -14,6 +14,7 @@ BENCHMARKS = {
     "planner": "the planner's weights, activations and collectives vs the engine on the meta device",
     "layouts": "the planner's choice among every composition, 2-8 GPUs of 16-48 GB, vs cache-dit's FLUX.2 table",
     "failures": "one rank fails or hangs (OOM, stopped, killed, hung anywhere), slow but healthy ranks, cancel, Ctrl+C: time to the error, rank named, next job",
+    "hangs": "40 Python-level hangs and the kernel-level ones (D, SIGSTOP, cgroup freezers), quiet and beside CPU burners: time until the hung rank is named, closing time",
     "step": "one ComfyUI-driven step (a forward request) vs the same forward in one process, 1024x1024",
     "scaling": "sampling steps on 1, 2, 4 CPU workers: latency, time per step, peak memory per worker",
     "call": "one model call broken down: caller wrapper, conditioning key, latent out, compute, collectives, reply",

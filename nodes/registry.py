@@ -84,8 +84,58 @@ def threads_from_env() -> int | None:
 
 def _default_factory(devices: tuple[str, ...]) -> ParallelModel:
     from ..backend.diffusion.api import ParallelModel
+    from ..backend.platforms import device_host
 
+    if any(device_host(d) for d in devices):
+        configure_hosts()
     return ParallelModel(list(devices), threads=threads_from_env())
+
+
+def announce_hosts() -> None:
+    """At ComfyUI's start, with ROCM_PARALLEL_LISTEN set: the group's key made ready (created in the user folder
+    when there is none) and the command the other hosts run printed, so they can join before the first job
+    (nothing listens yet: the hub starts with the first group that names another host)."""
+    import sys
+
+    from ..backend.config import ConfigError
+    from ..backend.runtime.hostsettings import LISTEN_ENV, read_key, settings
+
+    if not os.environ.get(LISTEN_ENV) or "folder_paths" not in sys.modules:
+        return
+    try:
+        configure_hosts()
+        found = settings()
+        read_key(found.key_file, create=True)
+    except ConfigError as exc:
+        print(f"[ROCm Parallel] other hosts cannot join: {exc}", file=sys.stderr, flush=True)
+        return
+    address = "{}:{}".format(*found.listen)
+    print(
+        f"[ROCm Parallel] other hosts join this ComfyUI with a copy of {found.key_file} (mode 600) and: python "
+        f"custom_nodes/<this pack> worker --join {address} --key-file <the copy> --devices <theirs> --models "
+        "<their ComfyUI/models> (docs/hosts.md)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def configure_hosts() -> None:
+    """What a group across hosts takes from ComfyUI (docs/hosts.md): the group's key in its user folder
+    (created there on first use), and its model folders, under which the other hosts find their copies of a
+    file by the same name (its models folder: 'diffusion_models/flux.safetensors'; a folder of its
+    extra_model_paths.yaml: '<kind>/<name>')."""
+    import folder_paths
+
+    from ..backend.runtime.hostsettings import configure
+
+    models = os.path.abspath(folder_paths.models_dir)
+    folders = {models: ""}
+    for kind, entry in folder_paths.folder_names_and_paths.items():
+        for folder in entry[0]:
+            inside = os.path.abspath(folder).startswith(models + os.sep)
+            folders.setdefault(os.path.abspath(folder), os.path.relpath(folder, models) if inside else kind)
+    key_file = os.path.join(folder_paths.get_user_directory(), "rocm_parallel", "hosts.key")
+    configure(key_file=key_file, folders=folders)
 
 
 class Registry:

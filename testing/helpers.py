@@ -1,6 +1,6 @@
 """What both the tests and the benchmarks need, written once: the small FLUX configs they share, a random
-BFL checkpoint, a ComfyUI-shaped sampling job, device sync, timing with one statistic (the median) and a
-Markdown table. The rest of testing/: models.py (tiny configs, random inputs), writers.py (fp8 "mixed"
+BFL checkpoint, a ComfyUI-shaped sampling job, device sync, timing with one statistic (the median), a
+Markdown table and CPU burners (a machine busier than its cores). The rest of testing/: models.py (tiny configs, random inputs), writers.py (fp8 "mixed"
 checkpoints, LoRAs), fake.py (the `fake` process group), meta.py (the meta-device tracer).
 
 Lives outside the shipped package (the wheel has no `testing/`); import it from a checkout as
@@ -9,9 +9,12 @@ Lives outside the shipped package (the wheel has no `testing/`); import it from 
 
 from __future__ import annotations
 
+import contextlib
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,3 +81,16 @@ def median_seconds(
         synchronize(device)
         times.append(time.perf_counter() - started)
     return statistics.median(times)
+
+
+@contextlib.contextmanager
+def burning(count: int) -> Iterator[None]:
+    """`count` processes that keep a core busy each, for the block (killed and reaped after it)."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()

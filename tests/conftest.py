@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -30,17 +31,17 @@ TEST_METHODS = (
     "lse_kernels",
     "engine_toy",
 )
-# Their request and reply records travel by name: this process must know them too (a session group's
-# status can name a test's resident record whichever test file asks).
-for _module in TEST_METHODS:
-    importlib.import_module(_module)
-
 # The suite runs several worker processes on a 2-core machine: one thread each keeps them from
 # fighting over cores (and keeps float results reproducible).
 torch.set_num_threads(1)
 
 
 def _start(world_size: int) -> WorkerGroup:
+    # Their request and reply records travel by name: this process must know them too (a session group's
+    # status can name a test's resident record whichever test file asks). Imported here, when the first
+    # shared group starts, not at collection: a run that needs no group (most single files) skips them.
+    for module in TEST_METHODS:
+        importlib.import_module(module)
     return WorkerGroup(["cpu"] * world_size, threads=1, extra_sys_path=[TESTS_DIR], methods=TEST_METHODS)
 
 
@@ -134,6 +135,19 @@ def built_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def groups(request: pytest.FixtureRequest) -> WorkerGroup:
     """Parametrize with indirect=True and a world size (2 or 4) to get that session group."""
     return request.getfixturevalue(f"group{request.param}")
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """A run that selects by one marker (`-m torch_api`, `-m comfy_quick`: CI's torch range and quick tier)
+    does not import the test modules whose text never names it: they hold no test carrying it (markers are
+    written in the module, by decorator or `pytestmark`), and importing every module (diffusers,
+    transformers, the models) costs each such run some 15 s of a 2-core machine."""
+    marker = config.getoption("markexpr")
+    if not (marker and re.fullmatch(r"\w+", marker)):
+        return None
+    if not (collection_path.name.startswith("test_") and collection_path.suffix == ".py"):
+        return None
+    return True if marker not in collection_path.read_text() else None
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

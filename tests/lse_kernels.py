@@ -62,9 +62,11 @@ KINDS = ("base2", "transposed", "padded", "posinf_empty", "garbage")
 @record
 @dataclass(frozen=True)
 class BadKernel:
-    """Put the `kind` kernel in place of the CPU flash kernel on every rank ('' puts the real one back)."""
+    """Put the `kind` kernel in place of the CPU flash kernel on the ranks `ranks` (empty: every rank; the
+    others get the real one); '' puts the real one back everywhere."""
 
     kind: str
+    ranks: tuple[int, ...] = ()
 
 
 @record
@@ -77,7 +79,8 @@ class KernelFix:
 
 @handler("use_bad_kernel", BadKernel)
 def use_bad_kernel(ctx: Any, request: BadKernel) -> None:
-    context.cpu_flash_forward_op = bad_kernel(request.kind) if request.kind else REAL_CPU_FLASH
+    bad = request.kind and (not request.ranks or ctx.rank in request.ranks)
+    context.cpu_flash_forward_op = bad_kernel(request.kind) if bad else REAL_CPU_FLASH
     lse_check.clear_verdicts()
 
 

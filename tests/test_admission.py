@@ -85,6 +85,7 @@ def test_an_image_too_large_for_the_machine_is_refused_before_anything_runs(
     assert out["samples"].shape == (1, 16, 8, 8) and calls  # ran on the ranks this time
 
 
+@pytest.mark.slow
 def test_a_model_call_too_large_is_refused_before_the_ranks(
     group2: WorkerGroup, checkpoints: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.torch_api
+
 # The columns issue 37 asks for, section by section (written here, not read from benchmarks/gpu.py).
 ISSUE_COLUMNS = {
     "The numeric LSE guard on this device's attention kernels": (

@@ -66,6 +66,7 @@ def _cancelled(flux: ParallelModel, inputs: dict, took: float) -> tuple[float, l
     raise AssertionError(f"no cancel stopped a rank inside the call: {replies}")
 
 
+@pytest.mark.torch_api
 @pytest.mark.parametrize("compile", ["off", "aot_eager"])
 def test_a_cancel_stops_inside_a_model_call_at_the_same_block_on_every_rank(
     deep_checkpoint: str, group2: WorkerGroup, compile: str
@@ -125,6 +126,7 @@ class _Context:
         return self.pending
 
 
+@pytest.mark.torch_api
 @pytest.mark.parametrize(("lag", "every", "stops_before"), [(0, 1, 4), (2, 1, 6), (0, 3, 4), (2, 3, 10)])
 def test_the_checks_stop_at_an_agreed_block(lag: int, every: int, stops_before: int) -> None:
     """A cancel pending from block 4 on: with no lag (a CPU: the all-reduce is synchronous) the first check
@@ -140,3 +142,37 @@ def test_the_checks_stop_at_an_agreed_block(lag: int, every: int, stops_before: 
         for block in range(1, 20):
             ctx.pending = block >= 4
             checks.before_block()
+
+
+@pytest.mark.torch_api
+def test_the_lagged_checks_read_only_this_calls_flags_when_slots_are_reused() -> None:
+    """A model keeps its host slots from call to call (`_Points.slots`: pinned allocations are slow), so a
+    cancelled call leaves them holding its raised flags. The next call must not act on them: with a GPU's lag
+    of 2 a call without a cancel runs every block, and a call cancelled from block 4 on stops before block 6,
+    exactly as with fresh slots (the test above).
+
+    Mutation tried: with the `self.checks <= self.lag` guard removed from `_Checks._lagged` (check k reading
+    slot k - lag before this call wrote it) every case above still passed with fresh slots, and here the
+    second call stopped before block 1 on the first call's flag: this test failed."""
+    from rocm_parallel.backend.runtime.cancel_points import _Checks
+    from rocm_parallel.backend.runtime.worker import JobCancelled
+
+    ctx = _Context()
+    slots: list = []  # one model's slots, shared by its calls as `cancellable` shares `_Points.slots`
+
+    def call(cancel_from: int | None, blocks: int = 20) -> int | None:
+        checks = _Checks(ctx, None, 1, 2, slots)
+        try:
+            for block in range(1, blocks + 1):
+                ctx.pending = cancel_from is not None and block >= cancel_from
+                checks.before_block()
+        except JobCancelled as stop:
+            return int(str(stop).rsplit(" ", 1)[1])
+        return None
+
+    for _ in range(2):
+        assert call(cancel_from=1) == 3  # cancelled at once: every slot now holds a raised flag
+        assert len(slots) == 3
+        assert call(cancel_from=None) is None  # runs every block
+        assert call(cancel_from=1, blocks=2) is None  # two checks: the lag has not passed yet
+        assert call(cancel_from=4) == 6

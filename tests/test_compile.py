@@ -56,6 +56,7 @@ def diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
 
+@pytest.mark.torch_api
 def test_tp_compiles_once_per_size_and_matches_eager(
     group2: WorkerGroup, checkpoints: dict[str, str]
 ) -> None:
@@ -79,6 +80,7 @@ def test_tp_compiles_once_per_size_and_matches_eager(
     flux.unload()
 
 
+@pytest.mark.torch_api
 @pytest.mark.parametrize("through_host", [False, True], ids=["direct", "through_host"])
 def test_context_parallel_compiles_around_its_attention(
     group2: WorkerGroup, checkpoints: dict[str, str], through_host: bool
@@ -128,6 +130,8 @@ def test_flux2_tp_compiled_matches_eager(group2: WorkerGroup, tmp_path: pytest.T
     flux.unload()
 
 
+@pytest.mark.torch_api
+@pytest.mark.slow
 def test_inductor_block_matches_eager_in_process() -> None:
     """Inductor itself (C++ code generated and built) on a one double + one single block FLUX, in this
     process: the smallest model with both block classes, so CI builds two kernels' worth of C++."""
@@ -144,6 +148,7 @@ def test_inductor_block_matches_eager_in_process() -> None:
         torch.compiler.reset()
 
 
+@pytest.mark.torch_api
 def test_a_bad_compile_mode_fails_before_any_worker_starts(checkpoints: dict[str, str]) -> None:
     flux = ParallelModel(["cpu", "cpu"], threads=1)
     with pytest.raises(ConfigError) as error:

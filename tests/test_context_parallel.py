@@ -34,6 +34,8 @@ from rocm_parallel.testing.helpers import TEST_CONFIG
 from rocm_parallel.testing.models import random_inputs, tiny_flux_config
 from rocm_parallel.testing.parallel import apply_context_parallel
 
+pytestmark = pytest.mark.torch_api
+
 # 8 heads so that Ulysses 2 and 4 both split them; 2 double + 3 single blocks.
 CONFIG = TEST_CONFIG
 

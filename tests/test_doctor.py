@@ -29,6 +29,7 @@ def _doctor(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.torch_api
 def test_doctor_checks_a_real_cpu_group() -> None:
     done = _doctor("--devices", "cpu x2", "--json")
     assert done.returncode == 0, done.stderr
@@ -82,6 +83,7 @@ def test_doctor_refuses_bad_devices_before_starting_anything() -> None:
     assert done.stdout == ""
 
 
+@pytest.mark.torch_api
 def test_doctor_reports_a_failed_group_with_advice() -> None:
     """A group that cannot start is a finding with its message, not a traceback."""
     facts = doctor.machine_facts()

@@ -10,6 +10,7 @@ equal the pack's one-process encoder within 1e-5 and transformers within 1e-4. T
 
 from __future__ import annotations
 
+import itertools
 import re
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from rocm_parallel.backend.encoders.files import check_clip_type, inspect_encode
 from rocm_parallel.backend.encoders.kind import get_encoder_kind
 from rocm_parallel.backend.encoders.load import load_encoder
 from rocm_parallel.backend.encoders.messages import EncoderLoadRequest
+from rocm_parallel.backend.parallel.splits import vocab_range
 from rocm_parallel.backend.plan.encoder import encoder_bytes, place_encoder
 from rocm_parallel.backend.resident.group import ResidentGroup
 from rocm_parallel.testing.encoder_files import KINDS, PACK_KINDS, VOCAB, reference, write_encoder
@@ -98,6 +100,49 @@ def test_tensor_parallel_equals_one_process(
         assert got.intermediate is not None and expected_mid is not None
         assert (got.intermediate - expected_mid).abs().max() < 1e-5, embedding
     group.unload(f"te {kind}")
+
+
+UNEVEN_VOCAB = 1001  # divided by neither 2 nor 4: 501 + 500 rows, 251 + 251 + 251 + 248
+
+
+def test_vocabulary_blocks_cover_every_row_once_at_any_size() -> None:
+    """Each rank's rows [start, stop) tile the table in rank order, whatever the size and degree (8 GPUs
+    and fewer), the last rank's block the short one."""
+    for degree in range(1, 9):
+        for size in [*range(degree, 80), 1001, 32128, 131072, 151936]:
+            ranges = [vocab_range(size, rank, degree) for rank in range(degree)]
+            assert ranges[0][0] == 0 and ranges[-1][1] == size, (size, degree)
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges)), (size, degree, ranges)
+            block = -(-size // degree)
+            assert all(stop - start == block for start, stop in ranges[:-1] if stop < size), (size, degree)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_vocabulary_the_degree_does_not_divide_reads_every_boundary_id(
+    request: pytest.FixtureRequest, tmp_path: Path, world: int
+) -> None:
+    """Token embeddings split by vocabulary over 2 and 4 ranks when the table's 1001 rows divide by neither:
+    the ids at every rank's first and last row (and 0 and 1000) read the one-process encoder's rows, within
+    1e-5. Every other test's table (1000 rows) divides evenly, where a wrong block size still looks right.
+
+    Mutations tried: `vocab_range` with blocks of size // degree (the last id held by no rank: its row came
+    back zero), and the lookup's `local >= rows` as `local > rows` (a rank's first id past its block looked
+    up on the rank before: an index error on the workers); each failed this test at both degrees."""
+    path = write_encoder("t5", tmp_path, vocab=UNEVEN_VOCAB)
+    edges = {0, UNEVEN_VOCAB - 1}
+    for rank in range(world):
+        start, stop = vocab_range(UNEVEN_VOCAB, rank, world)
+        edges |= {start, start + 1, stop - 1}
+    ids = torch.tensor([sorted(edges)])
+    expected, _ = one_process(path, ids)
+    group = ResidentGroup(group=request.getfixturevalue(f"group{world}"))
+    encoder = ParallelEncoder(group, path, embedding="vocab", slot="te uneven vocab")
+    try:
+        got = encoder.encode(ids)
+    finally:
+        group.unload("te uneven vocab")
+    assert (got.out - expected).abs().max() < 1e-5
+    assert (expected - reference("t5", path, ids)).abs().max() < TOLERANCE
 
 
 def test_embeddings_made_outside_take_their_positions(

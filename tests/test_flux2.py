@@ -90,6 +90,7 @@ def test_packed_column_takes_each_part() -> None:
     assert pieces.ranges == ((64, 128), (192, 256), (320, 384), (576, 768), (960, 1152))
 
 
+@pytest.mark.torch_api
 @pytest.mark.parametrize("degree", [2, 4])
 def test_flux2_collectives_per_forward(degree: int) -> None:
     dims = FluxDims.from_diffusers_config(CONFIG)
@@ -102,6 +103,7 @@ def test_flux2_collectives_per_forward(degree: int) -> None:
     assert dict(counter.log.counts) == {"all_reduce": 2 * 2 + 3, "all_gather": 1}
 
 
+@pytest.mark.torch_api
 def test_flux2_dev_bytes_per_rank_on_meta() -> None:
     """FLUX.2 [dev] at TP=4 in bf16: everything but the small embedders is split four ways."""
     full = parameter_bytes(build_flux2(FLUX2_DEV, device="meta", dtype=torch.bfloat16))

@@ -97,6 +97,82 @@ def test_dequantize_matches_the_gguf_packages_numpy(tmp_path: Path, qtype: str) 
     assert (ref - weight).abs().max().item() <= 0.35 * weight.abs().max().item()  # a real quantization
 
 
+def _random_blocks(qtype: str, rows: int, values: int, seed: int) -> np.ndarray:
+    """`rows` rows of `values` values of `qtype` as random blocks: every quant, sub-scale and sign bit drawn
+    at random (the `gguf` package quantizes none of Q2_K, Q3_K, IQ4_NL, IQ4_XS, so no encoder of ours decides
+    which bits occur), the float16 scale fields (SCALE_BYTES) set to random finite values of either sign."""
+    from rocm_parallel.backend.parallel.ggml import SCALE_BYTES
+
+    rng = np.random.default_rng(seed)
+    block, size, _ = QUANTIZED[qtype]
+    blocks = rng.integers(0, 256, (rows * values // block, size), dtype=np.uint8)
+    start, stop = SCALE_BYTES[qtype]
+    scales = (rng.standard_normal((blocks.shape[0], (stop - start) // 2)) * 0.05).astype(np.float16)
+    blocks[:, start:stop] = scales.view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def _accepted_types() -> list[str]:
+    from rocm_parallel.backend.checkpoint.gguf_header import supported_types
+
+    return supported_types().split(", ")
+
+
+@pytest.mark.parametrize("qtype", _accepted_types())
+def test_every_type_the_loader_accepts_reads_as_the_gguf_package_dequantizes(
+    tmp_path: Path, qtype: str
+) -> None:
+    """Each GGML type the loader accepts, stored in a file, read back by the loader (`read_gguf`, whole and in
+    column pieces as a row-parallel shard reads it) against the `gguf` package's own numpy dequantizer of the
+    same bytes: exact for the plain types, within a few float16 steps of each block's largest value for the
+    quantized ones (ComfyUI-GGUF's formulas round intermediates to float16, numpy keeps float32). The bytes are
+    random (`_random_blocks`), so a formula that is wrong for some bit patterns is seen: a finiteness check
+    is not enough (a sign flip in Q2_K's minimum passes one).
+
+    Mutations tried, each failing this test for its type alone (errors in units of a block's largest value;
+    unbroken: at most 1.0e-3): Q2_K's `- dmin * m` as `+ dmin * m` (2.2) and its minima read from the scales'
+    low nibble (1.0); Q3_K's high bit not subtracting 4 (1.0) and its scale offset 32 as 31 (0.040); IQ4_NL's
+    nibbles taken high first (1.9) and its sign flipped (2.0); IQ4_XS's scale offset 32 as 31 (0.053)."""
+    from rocm_parallel.backend.checkpoint.gguf import read_gguf, read_gguf_header
+
+    rows, values = 4, 1024  # four super-blocks (256) or 32 blocks (32) per row
+    if qtype in QUANTIZED:
+        data = _random_blocks(qtype, rows, values, seed=len(qtype) * 31 + sum(map(ord, qtype)))
+    else:
+        rng = np.random.default_rng(5)
+        data = rng.standard_normal((rows, values)).astype(np.float32)
+        data = data.astype(np.float16) if qtype == "F16" else data
+        data = (data.view(np.uint32) >> 16).astype(np.uint16) if qtype == "BF16" else data
+    writer = gguf.GGUFWriter(path=None, arch="flux")
+    writer.add_tensor("w.weight", data, raw_dtype=gguf.GGMLQuantizationType[qtype])
+    path = tmp_path / f"{qtype}.gguf"
+    writer.write_header_to_file(path=str(path))
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    ((data_read, shape, kind),) = _gguf_tensors(str(path), qtype)
+    assert shape == (rows, values)
+    ref = torch.from_numpy(np.asarray(gguf.quants.dequantize(data_read, kind), dtype=np.float32)).reshape(
+        shape
+    )
+    stored = read_gguf_header(path)[0]["w.weight"]
+    block = QUANTIZED[qtype][0] if qtype in QUANTIZED else 1
+    whole = read_gguf(stored, ((0, rows),), None, torch.float32, torch.device("cpu"))
+    pieces = read_gguf(
+        stored, ((1, 3),), ((block, 2 * block), (values - block, values)), torch.float32, torch.device("cpu")
+    )
+    expected_pieces = torch.cat([ref[1:3, block : 2 * block], ref[1:3, values - block :]], dim=1)
+    assert torch.isfinite(ref).all() and ref.abs().max() > 0
+    if qtype not in QUANTIZED:
+        assert torch.equal(whole, ref) and torch.equal(pieces, expected_pieces)
+        return
+    per_block = ref.reshape(-1, block).abs().amax(dim=1, keepdim=True)
+    error = ((whole - ref).reshape(-1, block).abs() / per_block).max().item()
+    assert error <= 2e-3, error  # four float16 steps of each block's largest value
+    assert (pieces - expected_pieces).abs().max().item() <= 2e-3 * ref.abs().max().item()
+
+
 def test_inspect_reads_family_config_and_types(files: dict[str, str], tmp_path: Path) -> None:
     info = inspect_checkpoint(files["Q4_K"])
     assert (info.family, info.format, info.quantization) == ("flux1", "bfl", "gguf")
@@ -256,6 +332,7 @@ def _call() -> dict[str, torch.Tensor]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("groups", "layouts"), [(2, ("tp 2", "ring 2")), (4, ("tp 4", "tp 2 x ring 2"))],
                          indirect=["groups"], ids=["2", "4"])  # fmt: skip
 def test_workers_equal_the_dequantized_model(

@@ -1,9 +1,11 @@
 """The liveness rules alone (backend/runtime/liveness.py): reports and OS views fed at made-up times, the way
 `Workers.watch` feeds them. Each rule was broken on purpose once; the mutation is named in its test.
 
-A rank "does no work" here when its CPU time stands still and no thread is runnable (`Process(working=
-False)`); "works" when a thread is runnable or in disk wait (`working=True`: on a starved machine that is
-all a computing rank shows). The traces recorded under real contention are replayed in test_contention.py.
+A rank's job "does no work" here when its main thread's CPU time stands still and it is not runnable;
+it "works" when that thread is runnable (`working`: on a starved machine that is all a computing rank
+shows) or uses CPU (`busy`). Its other threads (gloo's: `threads`, `ticking`) count only where a rank is
+inside a collective (they move its data) or its reports are late (where it is is not known). The traces
+recorded under real contention and real hangs are replayed in test_contention.py.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ class Ranks:
         pids = tuple(100 + r for r in range(world))
         self.live = Liveness((device,) * world, pids, Watchdog(**watchdog), 0.0, method, job)
         self.beat = 0
-        self.cpu = dict.fromkeys(range(world), 0.0)
+        self.cpu = dict.fromkeys(range(world), 0.0)  # every thread's (the reporter's aside)
+        self.job_cpu = dict.fromkeys(range(world), 0.0)  # the main thread's
+        self.io = dict.fromkeys(range(world), 0)
 
     def at(
         self,
@@ -46,17 +50,25 @@ class Ranks:
         *,
         working: tuple[int, ...] = (),
         busy: tuple[int, ...] = (),
+        threads: tuple[int, ...] = (),
+        ticking: tuple[int, ...] = (),
+        in_d: tuple[int, ...] = (),
+        reading: tuple[int, ...] = (),
         stopped: tuple[int, ...] = (),
+        frozen: tuple[int, ...] = (),
         silent: tuple[int, ...] = (),
         starving: tuple[int, ...] = (),
         gpu: tuple[int, ...] = (),
         doing: dict[int, tuple[str, int, str]] | None = None,
         failed: bool = False,
     ) -> Hang | None:
-        """One look at `now`. `working`: ranks with a thread runnable (or in disk wait); `busy`: ranks whose
-        CPU time grows (0.5 s per look); every other rank's process does no work. `silent`: no new report;
-        `starving`: the reporting thread waits for a core; `gpu`: GPU work queued; `doing`: (doing, job,
-        detail) by rank (default: computing this job)."""
+        """One look at `now`. The job's (main) thread: `working`, runnable; `busy`, its CPU time grows (0.5 s
+        per look); `in_d`, in uninterruptible sleep (D) with no progress; `reading`, in D reading pages from
+        a disk. Its other threads (gloo's): `threads`, runnable and using CPU while the main thread sleeps;
+        `ticking`, three ticks of CPU every fifth look (gloo's threads on an idle machine). Any other rank's
+        process does no work. `frozen`: its cgroup frozen. `silent`: no new report; `starving`: the
+        reporting thread waits for a core; `gpu`: GPU work queued; `doing`: (doing, job, detail) by rank
+        (default: computing this job)."""
         self.beat += 1
         pending = [r for r in range(self.world) if r not in done]
         for rank in range(self.world):
@@ -67,9 +79,18 @@ class Ranks:
             )  # fmt: skip
             if rank in busy:
                 self.cpu[rank] += 0.5
+                self.job_cpu[rank] += 0.5
+            if rank in threads or (rank in ticking and self.beat % 5 == 0):
+                self.cpu[rank] += 0.5 if rank in threads else 0.03
+            if rank in reading:
+                self.io[rank] += 4096
             process = Process(
-                stopped=rank in stopped, cpu_seconds=self.cpu[rank], working=rank in working,
+                stopped=rank in stopped, cpu_seconds=self.cpu[rank],
+                working=bool({rank} & {*working, *threads, *in_d, *reading}),
                 reporter_runnable=rank in starving,
+                main_state="D" if rank in in_d or rank in reading else "R" if rank in working else "S",
+                job_cpu=self.job_cpu[rank], job_working=rank in working, main_io=self.io[rank],
+                main_wait="fuse_wait" if rank in in_d else "", frozen=f"/cg/rank{rank}" if rank in frozen else "",
             )  # fmt: skip
             self.live.observe(
                 rank, now, None if rank in silent else state, process if rank in pending else None
@@ -122,6 +143,23 @@ def test_a_blocked_rank_in_a_collective_its_peer_left_and_went_past_is_stuck() -
         f"on that group; it is waiting in collective #4 (all_reduce over ranks 0, 1) for {when - 0.5:.0f} s) "
         "while this rank does no work: the ranks issued their collectives in different orders"
     )
+
+
+def test_a_rank_whose_recorder_lags_behind_its_own_later_collectives_is_not_stuck() -> None:
+    """Four ranks; rank 1 blocks after collective #27. Ranks 0 and 3 wait in #28 for it; rank 2 waits there too,
+    but its recorder still shows #27 not completed (issued 28, completed 26), which rank 0 has left. Rank 2
+    has moved past #27 itself: rank 1 is named (after the 5 s hold), not rank 2 (seen in `bench hangs`).
+    Mutation tried: without the `group.issued > n` guard in `_peers`, rank 2 was named at 4.5 s."""
+    waiting = _group("a", (0, 1, 2, 3), 28, 27, since=0.5)
+    groups = {
+        0: (waiting,),
+        1: (_group("a", (0, 1, 2, 3), 27, 27),),
+        2: (_group("a", (0, 1, 2, 3), 28, 26, since=0.5),),
+        3: (waiting,),
+    }
+    found = Ranks(world=4).until(30.0, groups)
+    assert found is not None and found[1].ranks == (1,) and found[0] >= 6.0, found
+    assert "rank 0 waits for it in collective #28" in found[1].why
 
 
 def test_a_peer_that_left_without_issuing_more_is_no_evidence() -> None:
@@ -233,6 +271,101 @@ def test_a_new_job_starts_with_no_idleness_carried_over() -> None:
     found = ranks.until(70.0, groups, start=50.5, working=(2,))
     assert found is not None and found[0] >= 55.5, found
     assert re.search(r"but for [56] s it has used no CPU", found[1].why), found[1].why
+
+
+def test_a_waited_for_rank_whose_other_threads_work_is_named() -> None:
+    """Issue 56: rank 1 sleeps in Python while gloo's threads (or any other of its threads) use CPU and are
+    runnable now and then; rank 0 waits for it. The job's thread alone says whether it works: named after
+    the 5 s hold. Mutation tried: counting every thread's ticks and states again (`job = whole` in
+    `Liveness.observe`) never named it (None at 60 s), the caller's own timeout naming rank 0 instead."""
+    groups = {0: (_group("a", (0, 1), 5, 4, since=0.5),), 1: (_group("a", (0, 1), 4, 4),), 2: ()}
+    for noise in ({"threads": (1,)}, {"ticking": (1,)}):
+        found = Ranks().until(60.0, groups, working=(2,), **noise)
+        assert found is not None and found[1].ranks == (1,) and 6.0 <= found[0] <= 6.5, (noise, found)
+        assert "does no work while running 'steps'" in found[1].why
+
+
+def test_a_rank_inside_a_collective_whose_threads_move_its_data_is_not_idle() -> None:
+    """Rank 1 still shows collective #2 pending while rank 0 has left it and issued more (the starved-rank
+    picture): its main thread waits, gloo's threads are runnable, finishing the transfer. Its whole process
+    counts there, not its job's thread: no verdict. A rank whose late report comes from a starved reporting
+    thread is judged by its whole process too (it may have entered a collective since). Mutation tried:
+    judging the collective rules by the job's thread (`quiet_since` from the job's view) named rank 1 at
+    4.5 s."""
+    left = {0: (_group("a", (0, 1), 4, 3, since=0.5),), 1: (_group("a", (0, 1), 2, 1, since=0.5),), 2: ()}
+    assert Ranks().until(300.0, left, threads=(1,), busy=(0, 2)) is None
+    waits = {0: (_group("a", (0, 1), 5, 4, since=0.5),), 1: (_group("a", (0, 1), 4, 4),), 2: ()}
+    ranks = Ranks()
+    ranks.at(0.5, waits, working=(2,))
+    assert (
+        ranks.until(100.0, waits, start=1.0, silent=(1,), starving=(1,), threads=(1,), working=(2,)) is None
+    )
+
+
+def test_a_look_at_which_the_waiter_is_not_seen_waiting_does_not_start_the_hold_over() -> None:
+    """On a loaded machine the waiting rank's report is sometimes late while its gloo threads tick: at such
+    a look nobody is seen waiting for rank 1. The hold goes on through gaps shorter than a late report
+    (`FRESH`). Mutation tried: starting the hold over at every gap (as the old `_hold` did) never named
+    rank 1 here (None at 30 s; the issue's probe saw 15.5-21.4 s at load 15)."""
+    groups = {0: (_group("a", (0, 1), 5, 4, since=0.5),), 1: (_group("a", (0, 1), 4, 4),), 2: ()}
+    ranks = Ranks()
+    found, now = None, 0.5
+    while found is None and now < 30:
+        gap = int(now * 2) % 8 == 7  # every 4 s one look with rank 0's report late and not current
+        ranks.live.seen[0].reported -= 2.0 if gap else 0.0
+        found = ranks.at(now, groups, working=(2,), silent=(0,) if gap else (), threads=(0,) if gap else ())
+        now += 0.5
+    assert found is not None and found.ranks == (1,) and now - 0.5 <= 6.5, (now, found)
+
+
+def test_a_waited_for_rank_in_uninterruptible_sleep_is_named_after_its_own_window() -> None:
+    """Rank 1's job thread is in D with no page read and no tick (a stuck driver call, a frozen cgroup v1)
+    while rank 0 waits: not hung after the 5 s of a Python hang (a slow disk waits in D too), named after
+    `uninterruptible` (30 s), with where in the kernel it waits. A rank in D that reads pages (a slow network
+    share) is never named; nor one nobody waits for. Mutation tried: without `_uninterruptible` the job never
+    ended (None at 120 s); counting D as no work (`in_d` left out of the idle clock) named it at 6 s."""
+    groups = {0: (_group("a", (0, 1), 5, 4, since=0.5),), 1: (_group("a", (0, 1), 4, 4),), 2: ()}
+    found = Ranks().until(120.0, groups, working=(2,), in_d=(1,))
+    assert found is not None and found[1].ranks == found[1].kill == (1,) and 31.0 <= found[0] <= 31.5, found
+    assert found[1].why == (
+        "worker rank 1 (cpu, pid 101) has been in uninterruptible sleep (D) for 30 s while running 'steps' "
+        f"(it reports computing 'steps' ({found[0]:.0f} s so far); in the kernel at fuse_wait), with no CPU "
+        "time or disk reads since, and rank 0 waits for it in collective #5 (all_reduce over ranks 0, 1): a "
+        "stuck driver or disk call"
+    )
+    assert Ranks().until(300.0, groups, working=(2,), reading=(1,), step=2.0) is None
+    assert Ranks().until(300.0, {}, working=(0, 2), in_d=(1,), step=2.0) is None
+    assert Ranks(uninterruptible=3.0).until(10.0, groups, working=(2,), in_d=(1,))[0] <= 4.5  # scaled
+
+
+def test_a_rank_whose_cgroup_is_frozen_is_named_like_a_stopped_one() -> None:
+    """A frozen cgroup (v2: its threads asleep, S; v1: D) stops the rank as SIGSTOP does: named after the
+    `stopped` window, with the cgroup. Mutation tried: without `frozen` in the stopped rule nothing was
+    named at 3.1 s (a v2-frozen rank then waits for the 5 s rule, named as 'stuck in a native call')."""
+    ranks = Ranks()
+    assert ranks.at(0.5, {}, working=(0, 2)) is None
+    assert ranks.at(1.0, {}, frozen=(1,), silent=(1,), working=(0, 2)) is None
+    assert ranks.at(2.9, {}, frozen=(1,), silent=(1,), working=(0, 2)) is None
+    hang = ranks.at(3.1, {}, frozen=(1,), silent=(1,), working=(0, 2))
+    assert hang is not None and hang.ranks == hang.kill == (1,)
+    assert hang.why == (
+        "worker rank 1 (cpu, pid 101) is frozen by its cgroup's freezer (/cg/rank1) while running 'steps' "
+        "(computing 'steps' (3 s so far))"
+    )
+
+
+def test_gloo_ticks_do_not_keep_ranks_waiting_for_each_other_from_being_stuck() -> None:
+    """Two ranks blocked in collectives the other never enters (a cycle), their gloo threads using three
+    ticks a second (0.03 of a core), which land in one look: over a window of a second that is no work.
+    Mutation tried: comparing the CPU time look to look (`CPU_WINDOW` = 0: 0.03 s in 0.2 s reads as 0.15
+    of a core) named nobody (None at 60 s)."""
+    groups = {
+        0: (_group("a", (0, 1), 5, 4, since=1.0), _group("b", (0, 1), 1, 1)),
+        1: (_group("a", (0, 1), 4, 4), _group("b", (0, 1), 2, 1, since=1.0)),
+        2: (),
+    }
+    found = Ranks().until(60.0, groups, start=1.0, step=0.2, working=(2,), ticking=(0, 1))
+    assert found is not None and found[1].ranks == (0, 1) and found[0] <= 6.0, found
 
 
 # ------------------------------------------------------------------------------------------ collectives

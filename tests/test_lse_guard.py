@@ -37,6 +37,8 @@ from rocm_parallel.backend.parallel.lse_check import (
 from rocm_parallel.backend.runtime.client import WorkerError, WorkerGroup
 from rocm_parallel.testing.models import random_inputs
 
+pytestmark = pytest.mark.torch_api
+
 
 @pytest.fixture
 def old_merge(group2: WorkerGroup):
@@ -176,4 +178,35 @@ def test_a_ring_with_an_unfixable_kernel_is_refused_on_every_rank(bad_kernels: W
     assert "matches float64 attention's in none of the known layouts" in str(err.value)
     assert "use attention='math' (exact, slower)" in str(err.value)
     assert bad_kernels.alive  # every rank refused at the same point: nobody waits in a collective
+    assert bad_kernels.call("ping") is not None
+
+
+def test_one_rank_refusing_its_kernel_alone_makes_every_rank_refuse(bad_kernels: WorkerGroup) -> None:
+    """Only rank 1's kernel fails the numeric check (two GPUs of different kinds, or one whose kernel
+    library differs): the ranks agree on the verdict before any ring collective, so rank 0, whose own kernel
+    passed, refuses too, naming the other rank, and neither waits in a collective the other never joins;
+    the group stays up. The case the agreement (`lse_check._agree`) exists for: the test above has every
+    rank refuse on its own.
+
+    Mutation tried: with `_agree` returning this rank's own verdict, rank 0 went on into the ring merge check
+    alone; rank 1's refusal then left it waiting in a collective, the group was stopped, and this test
+    failed."""
+    bad_kernels.call_all("use_bad_kernel", BadKernel("garbage", ranks=(1,)))
+    with pytest.raises(WorkerError) as err:
+        bad_kernels.call_all("build_random", BuildRandom(CONFIG, 7, "float32", ring=2))
+    replies = bad_kernels.last_replies
+    assert sorted(replies) == [0, 1] and not any(r.ok for r in replies.values())
+    assert {r.error_type for r in replies.values()} == {"KernelRefused"}
+    assert replies[1].error.startswith(
+        "KernelRefused: ring attention refused: the attention kernel 'cpu_flash' on "
+    )
+    assert replies[0].error.startswith(
+        "KernelRefused: ring attention refused: another rank's attention kernel failed the LSE guard's numeric check (its "
+        "error names it); this rank's 'cpu_flash' on "
+    )
+    assert replies[0].error.rstrip().endswith(": out and LSE agree with float64"), replies[0].error
+    assert str(err.value) in {
+        f"rank {r} (cpu): {replies[r].error.rstrip()}" for r in (0, 1)
+    }  # the first read
+    assert bad_kernels.alive
     assert bad_kernels.call("ping") is not None

@@ -61,7 +61,8 @@ def one_process(model: torch.nn.Module, family: str, call: dict) -> torch.Tensor
         return flux2_call(fn, call["x"], call["timestep"], call["context"], None, call["guidance"])
 
 
-@pytest.mark.parametrize("family", ["flux1", "flux2"])
+@pytest.mark.slow
+@pytest.mark.parametrize("family", [pytest.param("flux1", marks=pytest.mark.torch_api), "flux2"])
 def test_composed_layouts_equal_one_process(
     group4: WorkerGroup, checkpoints: dict[str, str], flux2_checkpoints: dict[str, str], family: str
 ) -> None:
@@ -93,6 +94,7 @@ def _request(family: str, batch: int, key: int) -> ForwardRequest:
     return ForwardRequest(call["x"], call["timestep"], key, per_call, Conditioning(held))
 
 
+@pytest.mark.torch_api
 def test_each_group_computes_its_share_and_an_idle_group_only_gathers(
     group4: WorkerGroup, checkpoints: dict[str, str]
 ) -> None:
@@ -113,6 +115,7 @@ def test_each_group_computes_its_share_and_an_idle_group_only_gathers(
     flux.unload()
 
 
+@pytest.mark.torch_api
 def test_the_lse_guard_probes_the_ring_sub_group(group4: WorkerGroup, checkpoints: dict[str, str]) -> None:
     """tp 2 x ring 2 with diffusers' old ring merge (<= 0.37 on torch >= 2.9, which fails on ROCm's 3-D
     LSE): each ring of 2 ranks is probed on its own sub-group, answers '4d', and the guarded forward equals
@@ -158,6 +161,7 @@ def _planned_by_dimension(setup: Setup, layout: ParallelLayout, labels: set[str]
     return out
 
 
+@pytest.mark.torch_api
 @pytest.mark.parametrize(
     ("layout", "counts"),
     [
@@ -186,6 +190,7 @@ TINY = tiny_flux_config(heads=8, head_dim=32, double_blocks=2, single_blocks=4, 
 # torch 2.9's `fake` process group cannot resolve a sub-mesh's group by name inside MemTracker's trace
 # ("Could not resolve the process group registered under the name 14", torch 2.9.1); the engine's composed
 # layouts themselves run on 2.9 (the gloo tests above), only this meta-device measurement needs 2.10+.
+@pytest.mark.torch_api
 @pytest.mark.skipif(
     tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 10),
     reason="torch 2.9's fake process group cannot resolve a sub-mesh's group for MemTracker's trace",

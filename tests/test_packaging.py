@@ -29,6 +29,7 @@ def _ci_variable(name: str) -> str:
     return value
 
 
+@pytest.mark.torch_api
 def test_torch_has_a_lower_bound_only_the_lowest_ci_runs() -> None:
     """pyproject's bound, the import-time check (backend/torch_range.py) and .ci/run's lowest torch are one
     version: the oldest the whole suite passes on. The import check's tested list is what CI runs."""
@@ -103,6 +104,7 @@ def _run(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.Com
     return done
 
 
+@pytest.mark.torch_api
 @pytest.mark.parametrize("present", ["2.99.0", "2.9.1+rocm7.1"])
 def test_wheel_install_keeps_the_present_torch(tmp_path: Path, built_wheel: Path, present: str) -> None:
     """A ComfyUI whose torch is newer than anything the pack was tested with (2.99.0), or the ROCm build
@@ -164,6 +166,7 @@ def _code_blocks(section: str, language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", section, flags=re.S)
 
 
+@pytest.mark.torch_api
 def test_ci_runs_the_readme_commands_verbatim() -> None:
     """Every line the README gives a newcomer (torch only when absent, the demo, the tests) is a line of
     .ci/run, which runs them in fresh venvs; the torch it installs is pyproject's lower bound."""
@@ -181,11 +184,37 @@ def test_ci_runs_the_readme_commands_verbatim() -> None:
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     for line in lines:
         assert f"    {line}" in ci, f"{line!r} is not run by .ci/run"
-    assert 'python3 -m venv "$work/first"' in ci and 'python3 -m venv "$work/newest"' in ci
-    assert '    python3 -m venv "$work/torch-$torch_version"' in ci  # the lowest and the GPU machines' torch
-    assert not any(ln.startswith("python3 -m pip") for ln in ci)  # never the system Python
+    assert 'python3 -m venv "$work/first"' in ci
+    assert '        python3 -m venv "$work/torch-$torch_version"' in ci  # the torch range's own venvs
+    assert not any(ln.lstrip().startswith(("python3 -m pip", "pip ")) for ln in ci)  # never the system Python
 
 
+def test_ci_runs_the_torch_api_tests_on_the_range_and_the_full_matrix_is_one_variable_away() -> None:
+    """Issue 49: the whole suite once (the README's venv, above), then the tests marked torch_api (a marker,
+    not a file list) on the newest, the lowest and the GPU machines' torch, each installed before the pack
+    (the README's lines keep it); CI_FULL_MATRIX=1 runs the whole suite there instead. The quick part of the
+    real-ComfyUI tier runs through the script contributors run (scripts/comfy_tier.sh). Every marker CI
+    selects is declared (pytest runs with --strict-markers)."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    range_loop = 'for torch_version in "$NEWEST_TORCH" "$LOWEST_TORCH" "$GPU_MACHINE_TORCH"; do'
+    assert ci.count(range_loop) == 2, "the venvs prepared and the tests run: the same three torches"
+    assert '"$work/torch-$torch_version/bin/python" -m pip install -q "torch==$torch_version"' in ci
+    assert 'python -m pip install -e ".[test]" && python -m pytest -q -m torch_api' in ci
+    assert 'FULL_MATRIX="${CI_FULL_MATRIX:-0}"' in ci
+    assert (
+        'python -m pip install -e ".[test]" && python -m pytest -q\n' in ci
+    )  # the full matrix's whole suite
+    assert not re.search(r"pytest[^\n#]* tests/", ci)  # no pytest run is given a file list
+    assert 'scripts/comfy_tier.sh "$([ "$FULL_MATRIX" = 1 ] && echo --full || echo --quick)"' in ci
+    tier = (ROOT / "scripts" / "comfy_tier.sh").read_text()
+    assert "marker=comfy_quick" in tier and "marker=comfy\n" in tier
+    pytest_options = _pyproject()["tool"]["pytest"]["ini_options"]
+    declared = {m.split(":", 1)[0] for m in pytest_options["markers"]}
+    assert {"torch_api", "comfy_quick", "comfy", "slow", "gpu"} <= declared
+    assert "--strict-markers" in pytest_options["addopts"]
+
+
+@pytest.mark.slow
 def test_readme_python_example_runs(tmp_path: Path) -> None:
     """The README's Python example, as printed, on two CPU workers: the same latent in both layouts."""
     (example,) = _code_blocks(_readme_section("Use it from Python"), "python")
@@ -283,6 +312,7 @@ def test_requires_comfyui_and_the_readme_name_exactly_the_versions_the_tier_runs
     assert sorted(re.findall(r"^\| (\d+\.\d+\.\d+) \|", table, re.M), key=_version_key) == tier
 
 
+@pytest.mark.torch_api
 def test_a_torch_below_the_range_is_refused_at_import(tmp_path: Path) -> None:
     """torch 2.8.0+rocm6.4 installed (its metadata first on the path, as pip would leave it): `import
     rocm_parallel` stops with the supported range and the install commands, before any node or worker.

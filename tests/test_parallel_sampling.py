@@ -59,6 +59,7 @@ def run_case(flux: ParallelModel, name: str, progress=None) -> torch.Tensor:
     return out["samples"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("groups", [2, 4], indirect=True)
 def test_every_layout_matches_comfyui(groups: WorkerGroup, checkpoints: dict[str, str]) -> None:
     flux = ParallelModel(group=groups)
@@ -131,6 +132,7 @@ def test_sample_without_a_checkpoint() -> None:
     assert not flux.started  # validation needed no worker
 
 
+@pytest.mark.slow
 def test_a_killed_worker_fails_the_job_and_the_next_job_recovers(checkpoints: dict[str, str]) -> None:
     """Own group: a worker is SIGKILLed mid-job; the caller hears which rank, the next job just works."""
     import os
@@ -233,6 +235,7 @@ def test_timeout_bounds_the_whole_job_and_keeps_the_group(
 # --- FLUX.2: ComfyUI's template (Flux2Scheduler, euler) through the workers --------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("groups", [2, 4], indirect=True)
 def test_flux2_sample_matches_one_process_and_comfyui(
     groups: WorkerGroup, flux2_checkpoints: dict[str, str]

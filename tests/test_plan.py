@@ -76,6 +76,7 @@ def test_ring_layout_reduces_to_the_calculator() -> None:
 # --- weights: exactly what the engine holds --------------------------------------------------------
 
 
+@pytest.mark.torch_api
 @pytest.mark.parametrize("degree", [1, 2, 4, 8])
 def test_tp_weight_bytes_equal_the_engine_shard(degree: int) -> None:
     for rank in sorted({0, degree - 1}):
@@ -96,6 +97,7 @@ def test_context_parallel_weights_are_a_full_copy() -> None:
     assert measured["weights"] == weight_bytes(TINY, ParallelLayout(ring=2), 2)
 
 
+@pytest.mark.torch_api
 def test_the_meta_model_gives_flux_devs_work_and_tp_facts() -> None:
     """Derived from the meta model, equal to FLUX.1-dev's architecture worked by hand: per-token linears
     (image stream, text stream, joint single blocks), 57 attentions, 76 fused all-reduces, 344 x hidden
@@ -124,6 +126,7 @@ def _planned(setup: Setup, layout: ParallelLayout) -> tuple[dict[str, int], dict
     return counts, payload
 
 
+@pytest.mark.slow
 def test_tp_collectives_of_flux_dev() -> None:
     setup = Setup(DEV, 512, 512, text_tokens=512, devices=2)
     layout = ParallelLayout(tp=2)
@@ -136,6 +139,7 @@ def test_tp_collectives_of_flux_dev() -> None:
     assert (counts, payload) == (measured["counts"], measured["payload"])
 
 
+@pytest.mark.torch_api
 @pytest.mark.parametrize(
     "layout",
     [
@@ -167,6 +171,7 @@ def test_padded_context_parallel_adds_the_validity_channel() -> None:
 # --- activations vs MemTracker (a FLUX of other widths than the calibration) -------------------------
 
 
+@pytest.mark.torch_api
 @pytest.mark.parametrize(
     "layout",
     [

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from rocm_parallel.backend.config import ParallelLayout
 from rocm_parallel.backend.family import families
 from rocm_parallel.backend.plan import model_facts
@@ -20,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent / "tools"))
 from make_plan_facts import presets_facts, render
 
 
+@pytest.mark.slow
 def test_facts_file_equals_the_meta_models_facts() -> None:
     # The file is data derived from code: a change to a family's model, TP plan or presets must rewrite it
     # (python tests/tools/make_plan_facts.py), or plan would price the old model.
@@ -49,6 +52,7 @@ def by_name(facts: ModelFacts) -> dict[str, tuple]:
     return named
 
 
+@pytest.mark.torch_api
 def test_dims_of_no_preset_come_from_the_meta_model() -> None:
     family = next(f for f in families() if f.name == "flux1")
     dims = family.dims(tiny_flux_config())

@@ -11,6 +11,8 @@ from rocm_parallel.backend.config import ConfigError
 from rocm_parallel.backend.diffusion import api
 from rocm_parallel.backend.runtime.client import WorkerGroup, validate_devices
 
+pytestmark = pytest.mark.torch_api
+
 
 def test_api_default_devices_without_gpus_names_the_build(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(platforms, "visible_gpus", lambda: 0)

@@ -350,6 +350,7 @@ def test_a_mask_the_padding_hook_did_not_plan_is_refused() -> None:
 # TP facts on the meta device
 
 
+@pytest.mark.torch_api
 def test_one_all_gather_per_forward_also_under_zero_cond_t() -> None:
     """Two all-reduces per block (both streams fused) and one all-gather for the 2 x blocks + 1 modulation
     linears, also when Edit-2511's doubled temb feeds txt_mod and norm_out their halves."""
@@ -376,6 +377,7 @@ def test_each_rank_s_attention_counts_its_own_heads() -> None:
         assert attn.to_q.out_features == attn.inner_dim == attn.add_q_proj.out_features
 
 
+@pytest.mark.torch_api
 @pytest.mark.parametrize("degree", [2, 4, 8])
 def test_released_bytes_per_rank_on_meta(degree: int) -> None:
     """Qwen-Image in bf16: everything but the embedders, the per-head q/k norms and the row-parallel biases is

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from bounds import HANG_NAMED_WITHIN
+from bounds import HANG_NAMED_WITHIN, OUTLAST, SCALED
 from safetensors.torch import save_file
 from test_sampling import flux_model, positive, reference
 from worker_jobs import Load, OnRank, Scale, Steps, Value
@@ -33,8 +33,17 @@ from rocm_parallel.backend.runtime.transport import private_dir, remove_stale_di
 TESTS_DIR = str(Path(__file__).resolve().parent)
 
 
-def _group() -> WorkerGroup:
-    return WorkerGroup(["cpu", "cpu"], threads=1, extra_sys_path=[TESTS_DIR], methods=["worker_jobs"])
+def _group(world: int = 2) -> WorkerGroup:
+    return WorkerGroup(["cpu"] * world, threads=1, extra_sys_path=[TESTS_DIR], methods=["worker_jobs"])
+
+
+# How the hang tests' rank 1 hangs (tests/worker_jobs.py OnRank): in Python while another thread of it uses a
+# fifth of a core (gloo's threads use some whatever the rank does: issue 56), on a lock, in a native call.
+HANGS = {
+    "sleep": {"kind": "sleep", "seconds": 3600.0, "noise": 0.2},
+    "lock": {"kind": "lock"},
+    "native": {"kind": "native"},
+}
 
 
 def _gone(pids: list[int], within: float = 10.0) -> bool:
@@ -124,8 +133,8 @@ def test_a_stopped_rank_is_caught_by_the_watchdog_and_the_next_job_is_correct(ch
 
 
 def _named(error: WorkerError, victim: int, kind: str, method: str, report: str) -> None:
-    """The error names rank 1 alone (a hang found by state: 'native' stopped its reports, 'block' did not),
-    with its own last report."""
+    """The error names rank 1 alone (a hang found by state: 'native' stopped its reports, the Python kinds
+    did not), with its own last report."""
     if kind == "native":
         start = (
             rf"worker rank 1 \(cpu, pid {victim}\) stopped reporting \d+ s ago while running '{method}' "
@@ -142,28 +151,30 @@ def _named(error: WorkerError, victim: int, kind: str, method: str, report: str)
 
 
 @pytest.mark.parametrize(
-    ("at_step", "kind"),
-    [(1, "block"), (1, "native"), (3, "block")],
+    ("at_step", "kind", "world"),
+    [(1, "sleep", 4), (1, "native", 2), (3, "lock", 2)],
     ids=[
-        "blocked in Python in the first call after a load",
+        "asleep in Python in the first call after a load, 4 workers",
         "in a native call, first call",
-        "blocked mid-sample",
+        "blocked on a lock mid-sample",
     ],
 )
 def test_a_rank_hung_in_a_model_call_is_named_within_seconds(
-    checkpoint: str, tmp_path: Path, at_step: int, kind: str
+    checkpoint: str, tmp_path: Path, at_step: int, kind: str, world: int
 ) -> None:
-    """Rank 1 blocks in the first model call after a load (every ComfyUI run's first), or in step 3: in
-    Python with its interpreter free (its reports go on: 'computing'), or in a native call that keeps the
-    interpreter (its reports stop); rank 0 waits for it in a collective. Only rank 1 is named, within seconds (tests/bounds.py).
-    Mutations tried: without `Liveness._blocked` the Python case waited for the 600 s collective timeout
-    and named rank 0 (before this rule: 600.1 s, gloo's 'Timed out waiting 600000ms for send operation');
-    naming every pending rank (`Hang((0, 1), ...)`) failed the rank assertion; without `publish` in the
-    worker's job start, the message said 'its last report: reading tensor 112 of 112'."""
-    with ParallelModel(group=_group()) as flux:
+    """Rank 1 hangs in the first model call after a load (every ComfyUI run's first), or in step 3: in
+    Python with its interpreter free (its reports go on: 'computing'; asleep while another thread of it
+    works, or on a lock), or in a native call that keeps the interpreter (its reports stop); rank 0 waits
+    for it in a collective. Only rank 1 is named, within seconds (tests/bounds.py), under the default
+    watchdog. Mutations tried: without `Liveness._blocked` the Python case waited for the 600 s collective
+    timeout and named rank 0 (before this rule: 600.1 s, gloo's 'Timed out waiting 600000ms for send
+    operation'); naming every pending rank (`Hang((0, 1), ...)`) failed the rank assertion; without `publish`
+    in the worker's job start, the message said 'its last report: reading tensor 112 of 112'; counting
+    every thread's CPU (issue 56) left the sleeping rank unnamed until the pytest timeout."""
+    with ParallelModel(group=_group(world)) as flux:
         flux.load(checkpoint, layout="tp", dtype="float32")
         stamp = tmp_path / "hung"
-        flux.group.call("arm_failure", OnRank(rank=1, at_step=at_step, kind=kind, stamp=str(stamp)))
+        flux.group.call("arm_failure", OnRank(rank=1, at_step=at_step, stamp=str(stamp), **HANGS[kind]))
         victim = flux.group.pids[1]
         with pytest.raises(WorkerError) as err:
             _sample(flux)
@@ -175,17 +186,18 @@ def test_a_rank_hung_in_a_model_call_is_named_within_seconds(
 
 @pytest.mark.parametrize(
     ("lora", "kind"),
-    [(False, "block"), (True, "block"), (False, "native")],
+    [(False, "sleep"), (True, "lock"), (False, "native")],
     ids=["load", "LoRA change", "native"],
 )
 def test_a_rank_hung_while_loading_is_named_within_seconds(
     checkpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lora: bool, kind: str
 ) -> None:
-    """Rank 1 blocks at its 3rd tensor of a load (or of a LoRA change on the resident model) while rank 0
-    finishes: rank 1 is named with its own progress within seconds (tests/bounds.py) of rank 0's answer (from then on its peer
-    waits for it; rank 0's own load may take long on a loaded machine), and the next load works. Mutation
-    tried: without `Liveness._blocked`'s finished-peers case the load never returned (pytest-timeout;
-    before this rule the caller's own `timeout=30` ended it after 41 s)."""
+    """Rank 1 hangs at its 3rd tensor of a load (asleep beside a working thread), of a LoRA change on the
+    resident model (a lock), or in a native call, while rank 0 finishes: rank 1 is named with its own
+    progress within seconds (tests/bounds.py) of rank 0's answer (from then on its peer waits for it; rank
+    0's own load may take long on a loaded machine), and the next load works. Mutation tried: without
+    `Liveness._blocked`'s finished-peers case the load never returned (pytest-timeout; before this rule the
+    caller's own `timeout=30` ended it after 41 s)."""
     from rocm_parallel.backend.runtime import watch
 
     answered: dict[int, float] = {}
@@ -211,7 +223,7 @@ def test_a_rank_hung_while_loading_is_named_within_seconds(
         else:
             flux.unload()
         stamp = tmp_path / "hung"
-        flux.group.call("arm_load_failure", OnRank(rank=1, at_step=3, kind=kind, stamp=str(stamp)))
+        flux.group.call("arm_load_failure", OnRank(rank=1, at_step=3, stamp=str(stamp), **HANGS[kind]))
         victim = flux.group.pids[1]
         answered.clear()
         with pytest.raises(WorkerError) as err:
@@ -224,6 +236,7 @@ def test_a_rank_hung_while_loading_is_named_within_seconds(
         assert flux.resident is not None
 
 
+@pytest.mark.torch_api
 def test_a_rank_left_alone_in_a_collective_is_named_with_where_it_waits() -> None:
     """Rank 1 enters one all-reduce more than rank 0, which finishes the job: rank 1 is alive and reports,
     but waits in a collective no peer will enter. On a loaded machine rank 1's last report may still show
@@ -268,19 +281,32 @@ def test_a_rank_that_hangs_after_its_peer_finished_is_named_with_its_own_progres
 # ------------------------------------------------------------------------------------------ slow, healthy
 
 
-def test_a_25_second_call_after_fast_ones_completes(checkpoint: str, group2: WorkerGroup) -> None:
-    """Steps of a fraction of a second, then one of 25 s more on rank 1, working all along (a bigger image,
-    a first kernel autotune), while rank 0 waits for it: the job completes with the right image. Mutation
-    tried: the old pace watchdog (a forward may take max(8 s, 5 x the slowest so far)) killed step 3 at
-    8 s; a 'does no work' rule that ignored the runnable state failed it once CPU-starved."""
-    flux = ParallelModel(group=group2)
+@pytest.fixture
+def scaled(group2: WorkerGroup, monkeypatch: pytest.MonkeyPatch) -> WorkerGroup:
+    """The session's 2-worker group under the suite's scaled windows (tests/bounds.py) for one test."""
+    monkeypatch.setattr(group2, "watchdog", SCALED)
+    return group2
+
+
+def test_a_call_five_windows_longer_after_fast_ones_completes(checkpoint: str, scaled: WorkerGroup) -> None:
+    """Steps of a fraction of a second, then one 5 `idle` windows longer on rank 1 (25 s under the default
+    watchdog), working all along (a bigger image, a first kernel autotune), while rank 0 waits for it: the
+    job completes with the right image. Mutation tried: the old pace watchdog (a forward may take max(8 s, 5
+    x the slowest so far)) killed step 3 at 8 s; a 'does no work' rule that ignored the runnable state
+    failed it once CPU-starved."""
+    flux = ParallelModel(group=scaled)
     flux.load(checkpoint, layout="tp", dtype="float32")
     expected = _sample(flux)
-    flux.group.call("arm_failure", OnRank(rank=1, at_step=3, kind="slow", seconds=25.0))
+    slow = OUTLAST * SCALED.idle
+    flux.group.call("arm_failure", OnRank(rank=1, at_step=3, kind="slow", seconds=slow))
     seen: list[str] = []
-    poll = threading.Timer(8.0, lambda: seen.append(flux.activity or ""))
-    poll.start()
-    assert torch.equal(_sample(flux), expected)
+    poll = threading.Timer(slow / 2, lambda: seen.append(flux.activity or ""))
+
+    def progress(step: int, total: int) -> None:
+        if step == 2:  # step 3, the slow one, runs from here on
+            poll.start()
+
+    assert torch.equal(_sample(flux, progress=progress), expected)
     poll.join()
     # the panel's line: rank 1 computes, rank 0 waits for it in the step's next collective
     assert re.fullmatch(
@@ -288,32 +314,34 @@ def test_a_25_second_call_after_fast_ones_completes(checkpoint: str, group2: Wor
         r"\(\w+ over ranks 0, 1\)\)",
         seen[0],
     ), seen
-    assert group2.alive
+    assert scaled.alive
 
 
-def test_ranks_sleeping_40_seconds_in_the_same_call_complete(checkpoint: str, group2: WorkerGroup) -> None:
-    """Every rank sleeps 40 s at the start of step 2 (no CPU, no disk, no GPU): nobody waits for anybody,
-    so nothing is hung, and the job completes with the same image. Mutation tried: calling every rank that
-    does no work hung (not only one its peers wait for) failed this at 5 s."""
-    flux = ParallelModel(group=group2)
+def test_ranks_asleep_five_windows_in_the_same_call_complete(checkpoint: str, scaled: WorkerGroup) -> None:
+    """Every rank sleeps 5 `idle` windows (40 s under the default watchdog) at the start of step 2 (no CPU,
+    no disk, no GPU): nobody waits for anybody, so nothing is hung, and the job completes with the same
+    image. Mutation tried: calling every rank that does no work hung (not only one its peers wait for)
+    failed this at 5 s."""
+    flux = ParallelModel(group=scaled)
     flux.load(checkpoint, layout="tp", dtype="float32")
     expected = _sample(flux)
-    flux.group.call("arm_failure", OnRank(rank=-1, at_step=2, kind="sleep", seconds=40.0))
+    asleep = OUTLAST * SCALED.idle
+    flux.group.call("arm_failure", OnRank(rank=-1, at_step=2, kind="sleep", seconds=asleep))
     started = time.monotonic()
     assert torch.equal(_sample(flux), expected)
-    assert time.monotonic() - started >= 40 and group2.alive
+    assert time.monotonic() - started >= asleep and scaled.alive
 
 
-def test_a_thirty_second_tensor_read_completes(checkpoint: str, group2: WorkerGroup) -> None:
-    """Rank 1 takes 30 s to read its 3rd tensor, working all along (a read that decompresses; a network
-    share's wait is disk wait, `D`, which counts the same), while rank 0 has finished: the load completes
-    and samples the same image. Mutation tried: the old gap watchdog (max(8 s, 5 x the longest gap
-    between records)) failed the load after 8 s."""
-    flux = ParallelModel(group=group2)
+def test_a_tensor_read_five_windows_long_completes(checkpoint: str, scaled: WorkerGroup) -> None:
+    """Rank 1 takes 5 `idle` windows (30 s under the default watchdog) to read its 3rd tensor, working all
+    along (a read that decompresses; a network share's reads wait in D and bring pages in, which counts
+    the same), while rank 0 has finished: the load completes and samples the same image. Mutation tried:
+    the old gap watchdog (max(8 s, 5 x the longest gap between records)) failed the load after 8 s."""
+    flux = ParallelModel(group=scaled)
     flux.load(checkpoint, layout="tp", dtype="float32")
     expected = _sample(flux)
     flux.unload()
-    flux.group.call("arm_load_failure", OnRank(rank=1, at_step=3, kind="slow", seconds=30.0))
+    flux.group.call("arm_load_failure", OnRank(rank=1, at_step=3, kind="slow", seconds=OUTLAST * SCALED.idle))
     reports = flux.load(checkpoint, layout="tp", dtype="float32")
     assert [r.reused for r in reports] == [False, False]
     assert torch.equal(_sample(flux), expected)
@@ -344,6 +372,26 @@ def test_the_rank_a_timed_out_collective_waited_for_is_named(tmp_path: Path) -> 
     assert not group.alive and _gone(group.pids)
 
 
+def test_a_time_limit_that_ends_a_job_names_the_rank_it_waited_for() -> None:
+    """Rank 1 works (never hung) while rank 0 waits for it in an all-reduce; the caller's `timeout` passes
+    and neither can stop (no cancel point in either place): the error names rank 1, the rank the job waited
+    for, and who waited for it, never the waiter (issue 56: 'did not stop ... (rank 0 waiting ...)' with
+    `rank` 0). Mutation tried: the first pending rank, as before, named rank 0."""
+    group = _group()
+    with pytest.raises(WorkerError) as err:
+        group.call(
+            "hang_at", OnRank(rank=1, at_step=2, kind="slow", seconds=60.0), timeout=3.0, cancel_grace=2.0
+        )
+    assert err.value.rank == 1, str(err.value)
+    assert re.match(
+        r"'hang_at' did not stop within 2 s of being cancelled at its time limit: worker rank 1 \(cpu\) held it "
+        r"up \(rank 0 waits for it in collective #\d+ \(all_reduce over ranks 0, 1\)\) \(",
+        str(err.value),
+    ), str(err.value)
+    assert not group.alive and _gone(group.pids)
+
+
+@pytest.mark.torch_api
 def test_ranks_that_issue_different_collectives_at_the_same_number_are_named(tmp_path: Path) -> None:
     """Rank 1 broadcasts where rank 0 all-reduces: the recorders disagree on collective #n, asked by the
     caller once a rank has waited a second. Mutation tried: without the comparison of the answers
@@ -888,6 +936,7 @@ def test_a_time_limit_must_be_positive(group2: WorkerGroup) -> None:
     assert flux.devices == ("cpu", "cpu")
 
 
+@pytest.mark.torch_api
 def test_a_workers_own_memory_is_within_the_bound(checkpoint: str) -> None:
     """WORKER_HOST_BYTES, the per-worker host memory the CPU worker count is bounded by, is what a real
     worker holds besides its model's weights once it has loaded and sampled one. A fresh group: the

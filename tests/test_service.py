@@ -161,6 +161,7 @@ def test_a_rank_that_lost_the_conditioning_gets_it_again(
     assert (out - one_process(inputs)).abs().max().item() <= TOL
 
 
+@pytest.mark.slow
 def test_forward_after_a_worker_died_restarts_the_group_and_reloads(checkpoints: dict[str, str]) -> None:
     with ParallelModel(["cpu", "cpu"], threads=1) as flux:
         flux.load(checkpoints["dev"], layout=ParallelLayout(ring=2), dtype="float32")

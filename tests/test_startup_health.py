@@ -12,13 +12,14 @@ from pathlib import Path
 
 import psutil
 import pytest
-from bounds import HANG_NAMED_WITHIN
+from bounds import HANG_NAMED_WITHIN, OUTLAST, SCALED
 
 from rocm_parallel.backend import doctor
 from rocm_parallel.backend.config import ConfigError
 from rocm_parallel.backend.platforms import default_cpu_threads
 from rocm_parallel.backend.runtime import preflight
 from rocm_parallel.backend.runtime.client import WorkerError, WorkerGroup
+from rocm_parallel.backend.runtime.liveness import DEFAULT_WATCHDOG, Watchdog
 
 TESTS_DIR = str(Path(__file__).resolve().parent)
 
@@ -27,6 +28,7 @@ def _alive(pids: list[int]) -> list[int]:
     return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 
+@pytest.mark.torch_api
 def test_start_checks_collectives_and_shares_cpu_cores_out() -> None:
     """No `threads` given: each CPU worker runs cores // workers torch threads (at least one)."""
     cores = len(os.sched_getaffinity(0))
@@ -43,6 +45,7 @@ def test_default_cpu_threads(workers: int, cores: int, threads: int) -> None:
     assert default_cpu_threads(workers, cores) == threads
 
 
+@pytest.mark.torch_api
 def test_a_hung_first_collective_is_retried_without_p2p_and_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     """The first health check hangs (tests/hang_checks.py: rank 0 stays out of the all-reduce while P2P
     is on); after `health_timeout` the group is torn down, started again with NCCL_P2P_DISABLE=1, works,
@@ -159,6 +162,7 @@ def _faulty_group(faults: str, **env: str) -> WorkerGroup:
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_the_ladder_falls_to_gloo_and_says_what_it_costs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every NCCL rung fails its pair probe (an NCCL error with P2P, a wrong value without, an NCCL error
     with the Simple protocol; a hang is the next test's): the group ends on gloo, works, and says each
@@ -213,6 +217,7 @@ def test_the_ladder_falls_to_gloo_and_says_what_it_costs(monkeypatch: pytest.Mon
     assert not _alive(group.pids)
 
 
+@pytest.mark.slow
 def test_a_hung_pair_probe_is_ended_by_its_limit_and_the_next_transport_used(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -273,6 +278,34 @@ def test_a_users_own_settings_are_where_the_ladder_starts() -> None:
     assert plan.ladder == (preflight.P2P,)
 
 
+def test_a_users_own_nccl_proto_is_kept_on_every_rung(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL_PROTO=LL128 set by the user: the Simple rung (which would replace it) is never tried, and the
+    workers of every rung that is tried run with the user's protocol. P2P fails its probe here, so the group
+    is started a second time (peer-to-peer off) and the user's NCCL_PROTO must survive that restart too.
+
+    Mutation tried: with the `env.get("NCCL_PROTO")` filter removed from `plan_transports`, the plan kept the
+    Simple rung and, with the shared-memory rung failing as well, the workers ran with NCCL_PROTO=Simple:
+    this test failed."""
+    plan = preflight.plan_transports(
+        ["cuda:0", "cuda:1"], None, {"NCCL_PROTO": "LL128"}, retry=True, nccl_available=True
+    )
+    assert plan.ladder == (preflight.P2P, preflight.SHM, preflight.GLOO)
+    assert [preflight.worker_env(t, {"NCCL_PROTO": "LL128"})["NCCL_PROTO"] for t in plan.ladder] == [
+        "LL128"
+    ] * 3
+    monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+    group = _faulty_group("nccl=error,nccl-shm=error", NCCL_PROTO="LL128")
+    try:
+        assert group.transport is preflight.GLOO
+        assert [h.env["NCCL_PROTO"] for h in group.health] == ["LL128", "LL128"]
+        assert group.transport_why == "the defaults, NCCL_P2P_DISABLE=1" + preflight.FAILED
+        (fallback, _cost) = group.warnings
+        assert "NCCL_PROTO=Simple" not in fallback, fallback
+    finally:
+        group.close()
+    assert not _alive(group.pids)
+
+
 def test_gpus_without_nccl_start_on_gloo_and_the_planner_prices_it() -> None:
     """Strix Halo (no RCCL for gfx1151) or a torch without NCCL: gloo from the start, said and priced."""
     plan = preflight.plan_transports(["cuda:0", "cuda:1"], None, {}, retry=True, nccl_available=False)
@@ -297,10 +330,10 @@ def test_the_backend_can_be_forced_from_the_environment(monkeypatch: pytest.Monk
     )
 
 
-def _importing(what: str) -> WorkerGroup:
+def _importing(what: str, watchdog: Watchdog = DEFAULT_WATCHDOG) -> WorkerGroup:
     return WorkerGroup(
         ["cpu", "cpu"], threads=1, start_timeout=300, extra_sys_path=[TESTS_DIR],
-        methods=["worker_jobs", "startup_checks"], env={"RP_TEST_IMPORT": what},
+        methods=["worker_jobs", "startup_checks"], env={"RP_TEST_IMPORT": what}, watchdog=watchdog,
     )  # fmt: skip
 
 
@@ -325,12 +358,15 @@ def test_a_rank_blocked_while_importing_is_named_within_seconds(tmp_path: Path) 
     assert not _alive([c.pid for c in psutil.Process().children() if c not in before])
 
 
+@pytest.mark.slow
 def test_a_slow_import_that_works_completes() -> None:
-    """Rank 1 works 40 s while importing its methods (rank 0 ready, waiting): the group starts."""
+    """Rank 1 works 5 `idle` windows (40 s under the default watchdog) while importing its methods (rank 0
+    ready, waiting): the group starts."""
+    slow = OUTLAST * SCALED.idle
     started = time.monotonic()
-    group = _importing("work:1:40")
+    group = _importing(f"work:1:{slow:g}", SCALED)
     try:
-        assert time.monotonic() - started >= 40
+        assert time.monotonic() - started >= slow
         assert [r.rank for r in group.call_all("ping")] == [0, 1]
     finally:
         group.close()
@@ -348,6 +384,7 @@ def test_the_pair_rounds_meet_every_pair_once(n: int) -> None:
     assert all(len({rank for pair in r for rank in pair}) == 2 * len(r) for r in rounds)  # one partner each
 
 
+@pytest.mark.torch_api
 def test_three_ranks_probe_every_pair_while_one_sits_out_each_round() -> None:
     """An odd group: in each round of the pair probe one rank has no partner and still joins the round's
     all-to-all (with nothing to send), or the other two would wait for it. Mutation tried: with the rank

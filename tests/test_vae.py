@@ -272,6 +272,7 @@ def test_the_band_mode_refuses_what_it_cannot_split() -> None:
 # The planner
 
 
+@pytest.mark.torch_api
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", KINDS)
 def test_the_planner_prices_a_band_as_the_meta_device_measures_it(name: str, dtype: torch.dtype) -> None:

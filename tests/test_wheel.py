@@ -22,7 +22,7 @@ TEST_ONLY_NAMES = ("model_methods", "worker_jobs", "cp_checks", "load_checks", "
 NO_BENCHMARKS = (
     "error: the benchmarks are not installed with the package; run them from a checkout of the repository: "
     "git clone https://github.com/rocm-parallel/rocm-parallel && cd rocm-parallel && "
-    "python -m rocm_parallel bench <name>\n"
+    "python -m pip install -e . && python -m rocm_parallel bench <name>\n"
 )
 
 

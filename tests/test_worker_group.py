@@ -76,6 +76,7 @@ def test_timeout_cancels_and_keeps_the_group(group2: WorkerGroup) -> None:
     assert group2.call("ping").rank == 0
 
 
+@pytest.mark.torch_api
 def test_large_tensors_travel_through_shared_files(group2: WorkerGroup) -> None:
     big = torch.randn(512, 1024)  # 2 MiB: above the inline limit
     before = set(os.listdir(group2._workers.shm))  # the shared group's folder as earlier tests left it
@@ -138,6 +139,7 @@ def test_messages_are_plain_data_and_a_class_in_one_is_refused() -> None:
     assert isinstance(got, Reply) and got.result["fields"]["files"] == ("x",)
 
 
+@pytest.mark.torch_api
 def test_out_of_memory_names_the_device_and_the_remedy(group2: WorkerGroup) -> None:
     with pytest.raises(WorkerError) as err:
         group2.call("out_of_memory", OnRank(rank=1))
@@ -233,6 +235,8 @@ def test_workers_exit_when_the_parent_dies(tmp_path) -> None:
     assert _gone(pids), "workers outlived their parent"
 
 
+@pytest.mark.slow
+@pytest.mark.torch_api
 def test_clean_exit_after_a_parallel_forward() -> None:
     from model_methods import BuildRandom, Inputs
 

@@ -61,9 +61,14 @@ class OnRank:
     peers: they finish the job, it waits forever), 'order' (issues two collectives in the other order than
     its peers: each waits for the other), 'mismatch' (issues a broadcast where its peers all-reduce),
     'await_cancel' (at a load's tensor, waits until the caller's cancel flag is up: a load that is still
-    going when the cancel arrives, however late a loaded caller reads the progress that triggers it).
+    going when the cancel arrives, however late a loaded caller reads the progress that triggers it),
+    'lock' (blocks acquiring a lock it holds: the interpreter free), 'kernel' (its main thread waits in the
+    kernel, uninterruptible (D), the interpreter free: a stuck driver call; see `wait_in_kernel`),
+    'freeze' / 'freeze2' (the rank freezes itself with the cgroup v1 / v2 freezer; see `freeze_self`).
     `stamp`: a file the rank writes time.monotonic() to as it acts (the same clock in every process on
-    Linux: a test measures from the moment a rank hung, not from the job's start)."""
+    Linux: a test measures from the moment a rank hung, not from the job's start). `noise`: meanwhile a
+    second thread of the rank uses about this share of a core in short bursts (gloo's transfer threads use
+    a tick or three a second whatever the job does: the job's thread alone says whether it works)."""
 
     rank: int
     at_step: int = 0
@@ -71,6 +76,7 @@ class OnRank:
     kind: str = "oom"
     seconds: float = 0.0
     stamp: str = ""
+    noise: float = 0.0
 
 
 @record
@@ -195,6 +201,63 @@ def block_in_python() -> None:
     threading.Event().wait()
 
 
+def block_on_a_lock() -> None:
+    """Acquire a lock this thread already holds (a deadlock in the job's own code)."""
+    import threading
+
+    lock = threading.Lock()
+    lock.acquire()
+    lock.acquire()
+
+
+def wait_in_kernel() -> None:
+    """Wait in the kernel, uninterruptibly (state D), with the interpreter free (its reports go on): like a
+    driver call that never returns. glibc's posix_spawn is a vfork: the caller's thread waits, in D, until
+    the child execs, and the child first opens a FIFO nobody writes to, so it never does. ctypes releases
+    the GIL around the call; the child is in the rank's process group (a kill of the group ends it; a
+    SIGKILL ends the vfork wait)."""
+    import ctypes
+
+    fifo = os.path.join(os.environ.get("RP_SHM_DIR") or "/tmp", f"never-written-{os.getpid()}")
+    os.mkfifo(fifo)
+    libc = ctypes.CDLL(None, use_errno=True)
+    actions = ctypes.create_string_buffer(256)  # posix_spawn_file_actions_t (80 bytes on glibc x86-64)
+    libc.posix_spawn_file_actions_init(actions)
+    libc.posix_spawn_file_actions_addopen(actions, 0, fifo.encode(), os.O_RDONLY, 0)
+    argv = (ctypes.c_char_p * 2)(b"true", None)
+    pid = ctypes.c_int()
+    libc.posix_spawn(ctypes.byref(pid), b"/bin/true", actions, None, argv, None)
+
+
+def freeze_self(version: int) -> None:
+    """Freeze this process with cgroup `version`'s freezer (tests/freezers.py; the test thaws it). The write
+    that freezes returns; the threads stop on their way back to user space."""
+    import freezers
+
+    freezers.freeze(version, os.getpid())
+    time.sleep(3600)
+
+
+def make_noise(share: float) -> None:
+    """A daemon thread that uses about `share` of a core in bursts of a few milliseconds (see `OnRank`),
+    mostly without the GIL, as gloo's native threads do (hashlib releases it while it hashes a large
+    buffer): a thread holding the GIL while the machine starves it would delay the rank's reports too."""
+    import hashlib
+    import threading
+
+    data = bytes(1 << 16)
+
+    def noise() -> None:
+        while True:
+            end = time.monotonic() + 0.005
+            while time.monotonic() < end:
+                hashlib.sha256(data)
+            time.sleep(0.005 / share - 0.005)
+
+    if share > 0:
+        threading.Thread(target=noise, name="noise", daemon=True).start()
+
+
 def work_for(seconds: float) -> None:
     """Keep a core busy for `seconds` (a slow step, a slow read that decompresses): working, not hung."""
     end = time.monotonic() + seconds
@@ -209,10 +272,11 @@ def write_stamp(path: str) -> None:
             f.write(repr(time.monotonic()))
 
 
-def act(kind: str, seconds: float = 0.0, stamp: str = "") -> None:
+def act(kind: str, seconds: float = 0.0, stamp: str = "", noise: float = 0.0) -> None:
     """What `OnRank.kind` does at its step (the collective kinds are the job's own)."""
     import signal
 
+    make_noise(noise)
     write_stamp(stamp)
     if kind == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
@@ -220,6 +284,12 @@ def act(kind: str, seconds: float = 0.0, stamp: str = "") -> None:
         hang_natively()
     if kind == "block":
         block_in_python()
+    if kind == "lock":
+        block_on_a_lock()
+    if kind == "kernel":
+        wait_in_kernel()
+    if kind in ("freeze", "freeze2"):
+        freeze_self(1 if kind == "freeze" else 2)
     if kind == "slow":
         work_for(seconds)
         return
@@ -238,13 +308,15 @@ def _await_cancel(ctx, within: float = 120.0) -> None:
         time.sleep(0.01)
 
 
-def _fail_once(at: int, kind: str, method: str | None = None, seconds: float = 0.0, stamp: str = "") -> None:
+def _fail_once(
+    at: int, kind: str, method: str | None = None, seconds: float = 0.0, stamp: str = "", noise: float = 0.0
+) -> None:
     """Make this worker act once as `kind` says (see `OnRank`): at the `at`-th call of worker method
     `method`, before it runs, or else at the `at`-th `WorkerContext.load_progress`."""
     from rocm_parallel.backend.runtime.worker import WorkerContext
 
     def fail() -> None:
-        act(kind, seconds, stamp)
+        act(kind, seconds, stamp, noise)
 
     if method is not None:
         original, calls = HANDLERS[method], []
@@ -279,7 +351,7 @@ def arm_failure(ctx, request: OnRank) -> None:
     `at_step`-th forward acts on entry while its peers run that forward and wait for it in a collective
     (at_step=1: the first model call after a load)."""
     if request.rank in (ctx.rank, -1):
-        _fail_once(request.at_step, request.kind, "model_call", request.seconds, request.stamp)
+        _fail_once(request.at_step, request.kind, "model_call", request.seconds, request.stamp, request.noise)
 
 
 @handler("hang_at", OnRank)
@@ -295,7 +367,7 @@ def hang_at(ctx, request: OnRank) -> Rank:
             dist.all_reduce(t, group=first)
             dist.all_reduce(t, group=second)
         elif request.rank in (ctx.rank, -1) and step == request.at_step and request.kind != "mismatch":
-            act(request.kind, request.seconds, request.stamp)
+            act(request.kind, request.seconds, request.stamp, request.noise)
         if request.kind == "mismatch" and ctx.rank == request.rank and step == request.at_step:
             write_stamp(request.stamp)
             dist.broadcast(t, src=0)  # its peers all-reduce here: the same collective number, another op
@@ -312,7 +384,9 @@ def arm_load_failure(ctx, request: OnRank) -> None:
     """Make `rank` act as `kind` says at tensor `at_step` of the NEXT load, or LoRA change (its peers load
     in full)."""
     if request.rank in (ctx.rank, -1):
-        _fail_once(request.at_step, request.kind, seconds=request.seconds, stamp=request.stamp)
+        _fail_once(
+            request.at_step, request.kind, seconds=request.seconds, stamp=request.stamp, noise=request.noise
+        )
 
 
 @handler("uneven_load", Load)

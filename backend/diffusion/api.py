@@ -23,6 +23,7 @@ import torch
 from ..checkpoint import CheckpointInfo, inspect_checkpoint, planned_file_weights, planned_weight_dtype
 from ..checkpoint.gguf import check_block_splits
 from ..config import ParallelLayout
+from ..platforms import host_sizes
 from ..resident.group import default_devices
 from ..runtime.client import ProgressCallback
 from .admission import activation_estimate, admit
@@ -126,6 +127,7 @@ class ParallelModel(DiffusionGroup):
                 wanted = make_layout(layout, len(self.devices), ring, ulysses)
                 if wanted != resident.layout:
                     wanted.validate(info.dims, devices=len(self.devices))
+                    wanted.check_hosts(host_sizes(self.devices))
                     check_block_splits(info, wanted.tp, devices=len(self.devices))
                     resident = dataclasses.replace(resident, layout=wanted)
             if shape is not None:  # before any allocation for the job (check_sample draws the noise)

@@ -14,8 +14,9 @@ from ..config import ConfigError, ModelDims, ParallelLayout
 from ..family import families, get_family
 from ..plan import PCIE4, Choice, Link, Setup, choose, estimate
 from ..plan.setup import FileWeights
+from ..platforms import host_sizes
 from ..runtime.client import WorkerGroup
-from ..runtime.messages import LinkReport, LinkRequest
+from ..runtime.messages import HostsLinkReport, LinkReport, LinkRequest
 from ..text import cli_command
 
 
@@ -65,9 +66,11 @@ def choose_layout(
     reference_tokens: int,
     frames: int = 1,
     file_weights: FileWeights | None = None,
+    hosts_link: HostsLinkReport | None = None,
 ) -> Choice:
     """The planner's layout for this image on these devices, keeping the `fixed` degrees
-    (ParallelModel.auto_layout documents the arguments)."""
+    (ParallelModel.auto_layout documents the arguments). Across hosts (`hosts_link`: the group's pre-flight),
+    the link inside a host and the network between them as measured there."""
     cpu = devices[0].startswith("cpu")
     link = Link(
         machine.gbps if machine.gbps is not None else 1.0,
@@ -75,12 +78,30 @@ def choose_layout(
         measured=machine.gbps is not None,
         name="gloo (CPU)" if cpu else "link",
     )
+    sizes, inter_host = host_sizes(devices), None
+    if len(sizes) > 1:
+        if len(set(sizes)) > 1:
+            raise ConfigError(
+                f"layout='auto' across hosts needs as many devices on each host (these hold {sizes}); name the "
+                "layout, e.g. 'tp 2 x ring 2' (TP inside a host)"
+            )
+        if hosts_link is not None and hosts_link.within_gbps is not None:
+            link = Link(
+                hosts_link.within_gbps, hosts_link.within_latency_us or 0.0, measured=True, name=link.name
+            )
+        if hosts_link is not None and hosts_link.between_gbps is not None:
+            # measured with every index's ranks at once: one host's network is their bandwidth together
+            inter_host = Link(
+                hosts_link.between_gbps * hosts_link.between_groups, hosts_link.between_latency_us or 0.0,
+                measured=True, name="between hosts",
+            )  # fmt: skip
     compute = str(resolve_dtype(dtype, devices[0])).removeprefix("torch.")
     setup = Setup(
         dims, width, height, batch, dtype=compute, devices=len(devices), memory_gb=machine.memory_bytes / 1e9,
         link=link, tflops=machine.tflops, device_word="CPU worker" if cpu else "GPU", weight_dtype=weight_dtype,
         family=family, text_tokens=(get_family(family) if family else families()[0]).text.tokens,
-        reference_tokens=reference_tokens, frames=frames, file_weights=file_weights,
+        reference_tokens=reference_tokens, frames=frames, file_weights=file_weights, hosts=len(sizes),
+        inter_host=inter_host,
     )  # fmt: skip
     return choose(setup, fixed)
 

@@ -31,7 +31,7 @@ from ..compile import compile_mode
 from ..config import DEFAULT_SLOT, ConfigError, ModelDims, ParallelLayout, weight_dtype_name
 from ..plan import Choice
 from ..plan.setup import FileWeights
-from ..platforms import DeviceSpec
+from ..platforms import DeviceSpec, host_sizes
 from ..resident.group import ResidentGroup
 from ..resident.messages import LoadReport
 from ..runtime.client import ProgressCallback, WorkerGroup
@@ -151,7 +151,7 @@ class DiffusionGroup(ResidentGroup):
         self.auto_choice = choose_layout(
             self.machine(), self.devices, dims, width, height, batch, dtype=dtype, fixed=keep,
             weight_dtype=weight_dtype, family=family, reference_tokens=reference_tokens, frames=frames,
-            file_weights=file_weights,
+            file_weights=file_weights, hosts_link=self.group.hosts_link,
         )  # fmt: skip
         return self.auto_choice
 
@@ -200,9 +200,9 @@ class DiffusionGroup(ResidentGroup):
         if not isinstance(opts.slot, str) or not opts.slot:
             raise ConfigError(f"slot={opts.slot!r} must be a non-empty name")
         if opts.layout != "auto":  # needs no file: refused before the header is read (that imports diffusers)
-            make_layout(opts.layout, len(self.devices), opts.ring, opts.ulysses).check_devices(
-                len(self.devices)
-            )
+            named = make_layout(opts.layout, len(self.devices), opts.ring, opts.ulysses)
+            named.check_devices(len(self.devices))
+            named.check_hosts(host_sizes(self.devices))  # TP inside a host (docs/hosts.md)
         # an SDXL LoRA or a model checkpoint given as a LoRA: named before the checkpoint's header is read
         refuse_foreign_loras(opts.loras)
         info = checkpoint if isinstance(checkpoint, CheckpointInfo) else inspect_checkpoint(checkpoint)
@@ -222,6 +222,7 @@ class DiffusionGroup(ResidentGroup):
             ).layout  # fmt: skip
         parallel = make_layout(layout, len(self.devices), opts.ring, opts.ulysses)
         parallel.validate(info.dims, devices=len(self.devices))
+        parallel.check_hosts(host_sizes(self.devices))
         # GGUF: each rank must hold whole quantization blocks
         check_block_splits(info, parallel.tp, devices=len(self.devices))
         path = info.path if isinstance(checkpoint, CheckpointInfo) else str(checkpoint)

@@ -26,6 +26,7 @@ import torch
 from ..config import ConfigError, ParallelLayout
 from ..dtypes import dtype_named, stored_dtype
 from ..plan.encoder import encoder_bytes
+from ..platforms import host_sizes
 from ..resident.admission import refuse_unless_fits
 from ..resident.group import ResidentGroup
 from ..resident.parking import DEFAULT_POLICY, check_policy
@@ -70,6 +71,12 @@ class ParallelEncoder:
         self.placement = check_policy(placement)
         kind = info.encoder
         degree = len(group.devices)
+        if len(host_sizes(group.devices)) > 1:  # every rank holds a TP shard: a host's devices only
+            raise ConfigError(
+                f"the text encoder is split over every device of its group with tensor parallelism, which stays "
+                f"inside a host; devices {', '.join(group.devices)} span hosts: give the text encoder this host's "
+                "devices (docs/hosts.md)"
+            )
         kind.validate_tp(degree, info.config)
         held = {n: _held_name(info, n, dtypes) for n in info.tensors}
         # a scaled weight is held as stored (fp8); `held` names the dtype ComfyUI dequantizes it to (load.py).

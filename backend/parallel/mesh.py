@@ -30,10 +30,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import ConfigError, ParallelLayout
+from ..config import MESH_ORDER, ConfigError, ParallelLayout
 from .comm import all_gather_single
 
-MESH_DIMS = ("batch", "ring", "ulysses", "tp")
+MESH_DIMS = MESH_ORDER  # outermost to innermost (config.py: the placement rules read it too)
 # diffusers flattens the ("ring", "ulysses") sub-mesh into one group for the sequence split and the output
 # gather; collectives on it are counted under this name.
 CP_DIM = "cp"

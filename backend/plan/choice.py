@@ -10,7 +10,7 @@ from ..config import ConfigError, ParallelLayout
 from ..dtypes import FP8_DTYPES
 from ..text import GB
 from .cost import Estimate, check_blocks, plan
-from .report import capacity, gb
+from .report import capacity, describe_links, gb
 from .setup import Setup
 
 
@@ -49,7 +49,7 @@ def choose(setup: Setup, fixed: Mapping[str, int] | None = None) -> Choice:
     idle_note = f"; {best.idle_groups} batch group(s) idle per call" if best.idle_groups else ""
     explanation = (
         f"auto: {best.name} — fits {gb(best.per_gpu)} of {capacity(setup.memory_gb)} GB per {setup.device_word}; "
-        f"predicted {best.step_s:.2f} s/step{versus} ({setup.link.describe()}){idle_note}"
+        f"predicted {best.step_s:.2f} s/step{versus} ({describe_links(setup)}){idle_note}"
     )
     return Choice(best.layout, explanation, estimates)
 
@@ -71,7 +71,7 @@ def _nothing_fits(setup: Setup, estimates: list[Estimate]) -> str:
             0, f"fp8 weights (weight_dtype {fp8}: {best.name}, {gb(best.per_gpu)} GB per {setup.device_word})"
         )
     for devices in (2, 4, 8):
-        if devices > setup.devices:
+        if devices > setup.devices and devices % setup.hosts == 0:
             more = [e for e in plan(replace(setup, devices=devices)) if e.fits]
             if more:
                 hints.append(f"{devices} GPUs ({more[0].name})")

@@ -7,13 +7,13 @@ the ring layout's attention numbers reduce to it (see `attention_ring`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..config import ConfigError, ModelDims, ParallelLayout, _one_of
 from ..family import families, get_family
 from ..text import GB
-from .setup import Setup
+from .setup import Link, Setup
 from .shapes import model_facts, split_inside_block, weight_bytes
 
 # --------------------------------------------------------------------------------------------------
@@ -369,11 +369,15 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidate_layouts(dims: ModelDims, devices: int, batch: int | None = None) -> list[ParallelLayout]:
+def candidate_layouts(
+    dims: ModelDims, devices: int, batch: int | None = None, hosts: int = 1
+) -> list[ParallelLayout]:
     """Every composition batch x tp x ring x ulysses of `devices` devices that ParallelLayout.validate
     accepts for these dims; with the call's `batch`, only batch degrees up to it (a larger one leaves
-    groups idle in every call: never a plan). Ordered by batch degree, then TP degree (largest first),
-    then ring before Ulysses."""
+    groups idle in every call: never a plan); over several `hosts`, only those whose TP stays inside a host
+    (`ParallelLayout.check_hosts`). Ordered by batch degree, then TP degree (largest first), then ring
+    before Ulysses."""
+    sizes = (devices // hosts,) * hosts
     found: list[ParallelLayout] = []
     for b in _divisors(devices):
         if batch is not None and b > batch:
@@ -384,6 +388,7 @@ def candidate_layouts(dims: ModelDims, devices: int, batch: int | None = None) -
                 layout = ParallelLayout(batch=b, tp=tp, ring=cp // u, ulysses=u)
                 try:
                     layout.validate(dims, devices=devices)
+                    layout.check_hosts(sizes)
                 except ConfigError:
                     continue
                 found.append(layout)
@@ -414,7 +419,7 @@ def check_blocks(setup: Setup, layout: ParallelLayout) -> None:
     usable = sorted(
         {
             c.tp
-            for c in candidate_layouts(setup.dims, setup.devices)
+            for c in candidate_layouts(setup.dims, setup.devices, hosts=setup.hosts)
             if c.tp > 1 and block_split(setup, c.tp) is None
         }
     )
@@ -434,8 +439,23 @@ def check_blocks(setup: Setup, layout: ParallelLayout) -> None:
 
 def _example(setup: Setup, tp: int) -> str:
     """A layout of the setup's devices with TP degree `tp` (the largest batch degree the call uses first)."""
-    found = [c for c in candidate_layouts(setup.dims, setup.devices, setup.batch) if c.tp == tp]
+    found = [c for c in candidate_layouts(setup.dims, setup.devices, setup.batch, setup.hosts) if c.tp == tp]
     return str(found[0] if found else ParallelLayout(tp=tp))
+
+
+def link_for(setup: Setup, layout: ParallelLayout, dim: str) -> Link:
+    """The link a collective of mesh dimension `dim` travels: the devices' own inside a host, the network
+    between hosts when its groups span them. A host's network is shared by its ranks that send across it at
+    once: one per group of the dimension on the host (the stride of its ranks), each ring crossing a host's
+    boundary once each way. A simple model: it prices the bytes that stay inside a host at the network's
+    speed too."""
+    host = setup.host_devices
+    if setup.hosts == 1 or not layout.crosses_hosts(dim, host):
+        return setup.link
+    network = setup.between_hosts
+    degree = layout.cp if dim == "cp" else getattr(layout, dim)
+    sharing = min(host, layout.extent(dim) // degree)
+    return replace(network, gbps=network.gbps / sharing)
 
 
 def estimate(setup: Setup, layout: ParallelLayout) -> Estimate:
@@ -445,12 +465,13 @@ def estimate(setup: Setup, layout: ParallelLayout) -> Estimate:
     tp x ring x ulysses devices; every collective pays the link's latency and its bytes at its bandwidth.
     """
     layout.validate(setup.dims, devices=setup.devices)
+    layout.check_hosts((setup.host_devices,) * setup.hosts)
     check_blocks(setup, layout)
     comms = collectives(setup, layout)
-    link = setup.link
-    comm_s = sum(c.count * link.latency_us * 1e-6 for c in comms) + sum(c.sent_per_gpu for c in comms) / (
-        link.gbps * GB
-    )
+    comm_s = 0.0
+    for c in comms:
+        link = link_for(setup, layout, c.dim)
+        comm_s += c.count * link.latency_us * 1e-6 + c.sent_per_gpu / (link.gbps * GB)
     share = local_batch(setup, layout) / setup.batch
     return Estimate(
         layout=layout,
@@ -475,7 +496,7 @@ def estimate(setup: Setup, layout: ParallelLayout) -> Estimate:
 def plan(setup: Setup, idle: bool = False) -> list[Estimate]:
     """Every composition the engine accepts for the setup, fastest predicted first (those that fit before
     those that don't); no batch degree above the call's batch unless `idle` (a caller that fixed one)."""
-    candidates = candidate_layouts(setup.dims, setup.devices, None if idle else setup.batch)
+    candidates = candidate_layouts(setup.dims, setup.devices, None if idle else setup.batch, setup.hosts)
     # a GGUF file's TP degrees that would cut its quantization blocks are no plan (the loader refuses them)
     found = [estimate(setup, layout) for layout in candidates if block_split(setup, layout.tp) is None]
     return sorted(found, key=lambda e: (not e.fits, e.step_s))

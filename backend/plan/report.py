@@ -53,6 +53,18 @@ def _weights(setup: Setup) -> str:
     return "" if setup.weight_dtype == "compute" else f" ({setup.weight_dtype} weights)"
 
 
+def describe_links(setup: Setup) -> str:
+    """'PCIe 4.0 x16 24 GB/s assumed', and over several hosts what joins them: '...; 2 hosts x 4 devices,
+    100 Gb/s between hosts 12 GB/s assumed'."""
+    if setup.hosts == 1:
+        return setup.link.describe()
+    net = setup.between_hosts
+    return (
+        f"{setup.link.describe()}; {setup.hosts} hosts x {setup.host_devices} devices, {net.gbps * 8:.3g} Gb/s and "
+        f"{net.latency_us:.0f} µs per collective between hosts {'measured' if net.measured else 'assumed'}"
+    )
+
+
 SHORT_HEADER = ["layout", "per GPU (GB)", "fits", "step (s)"]
 SHORT_NOTE = "(--full: weights, activations, collectives and bytes sent per layout)"
 
@@ -65,7 +77,7 @@ def format_table(setup: Setup, estimates: list[Estimate], full: bool = True) -> 
         f"{setup.dims.head_dim}, {setup.dims.blocks_text()}), "
         f"{setup.dtype}{_weights(setup)}, {setup.width}x{setup.height}, call batch {setup.batch} "
         f"({_tokens(setup)}), {setup.devices} device(s) x {capacity(setup.memory_gb)} GB, "
-        f"{setup.link.describe()}, {setup.tflops:g} TFLOPS per device"
+        f"{describe_links(setup)}, {setup.tflops:g} TFLOPS per device"
     )
     header = ["layout", "weights (GB)", "activations (GB)", "of which buffers (GB)", "per GPU (GB)", "fits",
               "collectives / step (per mesh dimension)", "sent per GPU (GB)", "compute (s)", "comm (s)", "step (s)"]  # fmt: skip

@@ -95,6 +95,15 @@ class Link:
 
 PCIE4 = Link(24.0, 30.0, name="PCIe 4.0 x16")
 XGMI = Link(300.0, 10.0, name="xGMI / NVLink")
+# Between hosts: one host's network (its bandwidth shared by the host's devices that send across it at once,
+# cost.py `link_for`). A collective over TCP sockets (gloo, NCCL/RCCL's socket transport) pays tens of µs
+# more than one inside a host; RDMA (InfiniBand, RoCE) less.
+NETWORK_LATENCY_US = 50.0
+
+
+def network(gbit: float, latency_us: float = NETWORK_LATENCY_US, measured: bool = False) -> Link:
+    """A host's network link of `gbit` gigabits per second (as NICs are sold: 10, 25, 100 GbE)."""
+    return Link(gbit / 8, latency_us, measured=measured, name=f"{gbit:g} Gb/s between hosts")
 
 
 def call_batch(images: int, cfg: float = 1.0, together: bool = True) -> int:
@@ -140,6 +149,19 @@ class Setup:
     # a checkpoint's own linear weights, tensor by tensor (`plan --checkpoint`, the loader's auto): priced and
     # split as the file holds each one; None prices every linear weight as `weight_dtype`
     file_weights: FileWeights | None = None
+    # several hosts (docs/hosts.md): `devices` split evenly over `hosts`, placed host by host; collectives of a
+    # mesh dimension that spans hosts travel over `inter_host` (None: 10 Gb/s Ethernet), TP never does
+    hosts: int = 1
+    inter_host: Link | None = None
+
+    @property
+    def host_devices(self) -> int:
+        """Devices on one host."""
+        return self.devices // self.hosts
+
+    @property
+    def between_hosts(self) -> Link:
+        return self.inter_host if self.inter_host is not None else network(10.0)
 
     def __post_init__(self) -> None:
         known = [f.name for f in families()]
@@ -174,6 +196,11 @@ class Setup:
             )
         if self.frames > 1 and not family.geometry.frames:
             raise ConfigError(f"frames={self.frames}: {family.title} makes images, not videos; use frames=1")
+        if not isinstance(self.hosts, int) or self.hosts < 1 or self.devices % self.hosts:
+            raise ConfigError(
+                f"hosts={self.hosts!r} must be a positive integer that divides devices={self.devices} (the planner "
+                "prices hosts with as many devices each)"
+            )
         for name in ("batch", "devices", "text_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -148,6 +148,7 @@ class ResidentGroup:
         """Load on the workers; `residents` names the request only once every rank holds it."""
         group = self.group
         slot = request.slot
+        group.check_files(request)  # another host's copies: refused while the ranks still hold what they hold
         self._forget(slot)  # the workers drop what they held there first
         self._make_room(request, group)
         try:

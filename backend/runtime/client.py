@@ -9,6 +9,7 @@ from a slow one is liveness.py (from the reports each rank writes several times 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import sys
@@ -18,18 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError
-from ..platforms import DeviceSpec, check_threads, default_cpu_threads, validate_devices
+from ..platforms import DeviceSpec, check_threads, default_cpu_threads, hosts_of, validate_devices
 from . import preflight
-from .launch import (
-    PACK_ROOT,
-    WorkerError,
-    Workers,
-    bootstrap_command,
-    check_seconds,
-    worker_env,
-)  # fmt: skip
-from .messages import HealthReport, HealthRequest, PairReport
+from .launch import PACK_ROOT, WorkerError, bootstrap_command, check_seconds, worker_env
+from .messages import HealthReport, HealthRequest, HostsLinkReport, HostsLinkRequest, PairReport
 from .preflight import Transport
+from .remote import WorkerOptions, workers_for
 from .transport import (
     Reply,
     Request,
@@ -119,7 +114,8 @@ class WorkerGroup:
         result, start the group again with the next transport (NCCL_P2P_DISABLE=1, then also
         NCCL_PROTO=Simple, then gloo; None: on GPUs only) and say so in `warnings`; `transport` and
         `transport_why` say what it runs on. `watchdog`: how long each sign of a hang must last (liveness.Watchdog); its
-        `collective_timeout` is set on the workers' process groups."""
+        `collective_timeout` is set on the workers' process groups. `self.watchdog` may be replaced between jobs
+        (the next job's rules use it; the collective timeout stays the one the workers started with)."""
         backend = preflight.forced_backend(backend)
         self.devices = validate_devices(devices, backend)
         check_threads(threads)
@@ -145,6 +141,8 @@ class WorkerGroup:
         self.warnings: list[str] = []  # what start-up changed on its own (shown by the API, nodes, doctor)
         self.health: list[HealthReport] = []  # each rank's health-check figures
         self.pairs: list[PairReport] = []  # each rank's exchange with every other (the pre-flight)
+        # across hosts: rank 0's measure of the link inside its host and of the network (the pre-flight)
+        self.hosts_link: HostsLinkReport | None = None
         # how the collectives travel, and why (preflight.py; set by the start)
         self.transport, self.transport_why = preflight.P2P, ""
         remove_stale_dirs()
@@ -157,17 +155,17 @@ class WorkerGroup:
         return len(self.devices)
 
     def _launch(self, transport: Transport) -> None:
-        backend = transport.backend or self.backend
-        env = preflight.worker_env(transport, self._env)
+        options = WorkerOptions(
+            extra_sys_path=self._extra_sys_path, methods=self._methods, backend=transport.backend or self.backend,
+            threads=self.threads, env=preflight.worker_env(transport, self._env),
+            collective_timeout=self.watchdog.collective_timeout,
+        )  # fmt: skip
 
         def env_for(rank: int, address: str, shm: str) -> dict[str, str]:
-            return worker_env(
-                self.devices, rank, address, shm, extra_sys_path=self._extra_sys_path, methods=self._methods,
-                backend=backend, threads=self.threads, env=env,
-                collective_timeout=self.watchdog.collective_timeout,
-            )  # fmt: skip
+            return worker_env(self.devices, rank, address, shm, **dataclasses.asdict(options))
 
-        self._workers = Workers(self.devices, self.start_timeout, self.watchdog)
+        # ranks on other hosts are started through their agents (remote.py); a group here alone as always
+        self._workers = workers_for(self.devices, self.start_timeout, self.watchdog, options)
         self._workers.start(env_for)
 
     def _start(self) -> None:
@@ -229,6 +227,9 @@ class WorkerGroup:
             if not wrong and self.world_size > 1:
                 self.pairs = self.call_all("probe_pairs", HealthRequest(), limit=limit)
                 wrong = [(p.rank, p.detail) for p in self.pairs if not p.correct]
+            hosts = tuple(tuple(ranks) for _, ranks in hosts_of(self.devices))
+            if not wrong and len(hosts) > 1:  # the network between hosts, for the planner (plan/cost.py)
+                self.hosts_link = self.call("measure_hosts", HostsLinkRequest(hosts), limit=limit)
         except WorkerError as exc:
             self.close(timeout=1.0)
             raise WorkerError(f"health check failed: {exc}", exc.rank) from exc
@@ -342,7 +343,8 @@ class WorkerGroup:
                 # started everywhere (cancelled together, at the same step), never half of each.
                 with uninterrupted():
                     job = Job(
-                        workers, self._job, method, timeout=timeout, progress=progress, watchdog=watchdog,
+                        workers, self._job, method, timeout=timeout, progress=progress,
+                        watchdog=watchdog or self.watchdog,
                         cancel_grace=cancel_grace, limit=limit, label=label,
                     )  # fmt: skip
                     self._running = job
@@ -367,6 +369,12 @@ class WorkerGroup:
                         _remove_files(job, tag, reuse_files)
             job.outcome()
             return results
+
+    def check_files(self, request: Any) -> None:
+        """ConfigError, before anything is sent, when a rank on another host lacks a file `request` names or
+        holds another file under its name (remote.py; nothing to check on one host)."""
+        with self._lock:
+            self._workers.check_files(request)
 
     def call(self, method: str, request: Any = None, **options: Any) -> Any:
         """Run `method` on every rank and return rank 0's reply (options as for `call_all`)."""

@@ -19,6 +19,7 @@ import contextlib
 import os
 import secrets
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -151,6 +152,7 @@ class Workers:
         self.closed = False  # stopped: the connections are closed, the directories gone
         self.exit_codes: list[int | None] = []
         self.final_output: list[str] = []  # each rank's last output, read when stopped
+        self.left: list[str] = []  # the workers SIGKILL did not end when stopped, in words (`stop`)
         self._ps: dict[int, psutil.Process] = {}
         self._memory: dict[int, MemoryReading] = {}  # each rank's last resident memory (exits.py)
         self._stopped_by_pack: set[int] = set()  # ranks this launch killed itself
@@ -176,7 +178,7 @@ class Workers:
         key = secrets.token_bytes(32)
         listener = Listener(address, family="AF_UNIX", authkey=key)
         try:
-            for rank in range(len(self.devices)):
+            for rank in self.local_ranks:
                 with open(self.log_path(rank), "wb") as log:
                     proc = subprocess.Popen(
                         bootstrap_command(),
@@ -190,6 +192,7 @@ class Workers:
                 proc.stdin.write(key.hex().encode() + b"\n")
                 proc.stdin.flush()
                 self.procs.append(proc)
+            self.spawn_elsewhere()
             self._liveness = Liveness(self.devices, self.pids, self.watchdog, time.monotonic())
             self._handshake(listener)
         except BaseException as exc:
@@ -204,6 +207,14 @@ class Workers:
                 raise
             raise failure from exc
         listener.close()
+
+    @property
+    def local_ranks(self) -> range:
+        """The ranks this machine starts (all of them; remote.HostsWorkers: those not on another host)."""
+        return range(len(self.devices))
+
+    def spawn_elsewhere(self) -> None:
+        """Start the ranks this machine does not (none here; remote.HostsWorkers: other hosts')."""
 
     def _accept(self, listener: Listener, deadline: float) -> Connection:
         # Listener.accept blocks without a timeout; poll its socket so a worker that dies at import time
@@ -223,8 +234,7 @@ class Workers:
         deadline = time.monotonic() + self.start_timeout
         by_rank: dict[int, Connection] = {}
         while len(by_rank) < len(self.devices):
-            conn = self._accept(listener, deadline)
-            hello = self._next_record(conn, Hello, deadline, "connecting")
+            conn, hello = self._next_hello(listener, deadline)
             by_rank[hello.rank] = conn
             self._connected.add(hello.rank)
         self.conns = [by_rank[r] for r in range(len(self.devices))]
@@ -233,6 +243,11 @@ class Workers:
             send(conn, StorePort(port=port))
         for conn in self.conns:
             self._next_record(conn, Ready, deadline, "joining the process group")
+
+    def _next_hello(self, listener: Listener, deadline: float) -> tuple[Connection, Hello]:
+        """The next rank to connect, and its Hello."""
+        conn = self._accept(listener, deadline)
+        return conn, self._next_record(conn, Hello, deadline, "connecting")
 
     def _next_record(self, conn: Connection, kind: type[T], deadline: float, doing: str) -> T:
         while not conn.poll(0.2):
@@ -257,7 +272,7 @@ class Workers:
         caller's `start_timeout`, naming the ranks not there yet and what each was doing."""
         self.raise_if_exited("starting")
         now = time.monotonic()
-        hang = self.watch(range(len(self.procs)), (), now)
+        hang = self.watch(range(len(self.devices)), (), now)
         if hang is not None:
             self.kill(hang.kill)
             connected = (
@@ -265,8 +280,8 @@ class Workers:
             )
             raise WorkerError(hang.why + connected + self.log_tails(), hang.ranks[0])
         if now > deadline:
-            late = [r for r in range(len(self.procs)) if r not in self._connected] or list(
-                range(len(self.procs))
+            late = [r for r in range(len(self.devices)) if r not in self._connected] or list(
+                range(len(self.devices))
             )
             assert self._liveness is not None
             where = "; ".join(f"rank {r}: {describe(self._liveness.state(r), now)}" for r in late)
@@ -284,7 +299,7 @@ class Workers:
         live = self._liveness
         assert live is not None
         looks: dict[int, Any] = {}
-        for rank in range(len(self.procs)):
+        for rank in range(len(self.devices)):
             state = self.state(rank)
             process = self.process(rank, state) if rank in pending else None
             live.observe(rank, now, state, process)
@@ -295,10 +310,27 @@ class Workers:
                 {"now": now, "pending": list(pending), "done": list(done), "failed": failed, "looks": looks}
             )
         if live.questions != self._asked and not self.closed:
-            with contextlib.suppress(OSError):
-                write_ask(self.live, live.questions)
+            self.ask(live.questions)
             self._asked = dict(live.questions)
         return hang
+
+    def ask(self, questions: dict[str, int]) -> None:
+        """Ask every rank about these collectives (heartbeat.write_ask)."""
+        with contextlib.suppress(OSError):
+            write_ask(self.live, questions)
+
+    def cancel(self, job: int) -> None:
+        """Touch job `job`'s cancel flag, which every rank looks for at its cancel points."""
+        Path(self.shm, f"cancel-{job}").touch()
+
+    def check_files(self, record: Any) -> None:
+        """Whether every rank can read the files `record` names as this process does: here they can
+        (remote.HostsWorkers checks other hosts' copies)."""
+
+    def requests_for(self, request: Request) -> list[Request]:
+        """The request each rank gets, by rank: the same one here (remote.HostsWorkers: other hosts' with
+        their tensors inline and their files checked). Raises before anything is sent."""
+        return [request] * len(self.devices)
 
     def begin(self, method: str, job: int, watchdog: Watchdog | None = None) -> Liveness:
         """A fresh judge for a job, with every rank's latest report (a rank silent since before counts)."""
@@ -306,7 +338,7 @@ class Workers:
         self._liveness = Liveness(self.devices, self.pids, watchdog or self.watchdog, now, method, job)
         if old is not None:
             self._liveness.carry(old.seen)
-        states = {rank: self.state(rank) for rank in range(len(self.procs))}
+        states = {rank: self.state(rank) for rank in range(len(self.devices))}
         for rank, state in states.items():
             self._liveness.observe(rank, now, state, None)
         if self.trace is not None:
@@ -335,15 +367,15 @@ class Workers:
         return seen
 
     def kill(self, ranks: Sequence[int]) -> None:
-        """SIGKILL these ranks now (a stopped or stuck process ignores SIGTERM and the death pipe)."""
+        """SIGKILL these ranks now, with what they started (a stopped or stuck process ignores SIGTERM and
+        the death pipe)."""
         for rank in ranks:
             self._stopped_by_pack.add(rank)
-            with contextlib.suppress(OSError):
-                self.procs[rank].kill()
+            _kill_group(self.procs[rank])
 
     def _wait_for_an_exit(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and all(p.poll() is None for p in self.procs):
+        while time.monotonic() < deadline and all(reap(p) is None for p in self.procs):
             time.sleep(0.02)
 
     # ---------------------------------------------------------------- how they are
@@ -358,13 +390,13 @@ class Workers:
             return ""
 
     def log_tails(self) -> str:
-        tails = [(r, self.log_tail(r, 800)) for r in range(len(self.procs))]
+        tails = [(r, self.log_tail(r, 800)) for r in range(len(self.devices))]
         return "".join(f"\nrank {r} output:\n{t}" for r, t in tails if t)
 
     def exit_report(self, doing: str) -> WorkerError | None:
         """A WorkerError for the first rank that exited (rank, device, pid, exit code, its last output)."""
         for rank, proc in enumerate(self.procs):
-            code = proc.poll()
+            code = reap(proc)
             if code is not None:
                 tail = self.log_tail(rank)
                 name, why = self.exit_reason(rank, code)
@@ -395,12 +427,11 @@ class Workers:
 
     def wait_for_exit(self, rank: int, seconds: float) -> None:
         """Give the OS a moment to report the exit of a rank whose connection closed."""
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.procs[rank].wait(timeout=seconds)
+        _wait_for_exits([self.procs[rank]], seconds)
 
     @property
     def running(self) -> bool:
-        return all(p.poll() is None for p in self.procs)
+        return all(reap(p) is None for p in self.procs)
 
     # ---------------------------------------------------------------- the end
 
@@ -415,12 +446,32 @@ class Workers:
 
     def stop(self, grace: float) -> None:
         """Wait `grace` s for the processes to leave, then close the death pipes, terminate, kill; close
-        the connections and remove the private directories. Idempotent."""
+        the connections and remove the private directories. Never blocks longer than that and a few
+        seconds: a worker SIGKILL cannot end (state D) is left to the OS and said (`left`, and on stderr).
+        Idempotent."""
+        if self.closed:
+            self.exit_codes = [reap(p) for p in self.procs]  # a worker left to the OS may have gone since
+            return
         self.closed = True
-        terminate(self.procs, (), grace=grace)
+        left = terminate(self.procs, (), grace=grace)
+        if left:
+            self.left = [
+                f"worker rank {self.procs.index(p)} ({self.devices[self.procs.index(p)]}, pid {p.pid}): "
+                f"{why_left(p.pid) or 'gone'}"
+                for p in left
+            ]
+            print(
+                "[ROCm Parallel] the worker group was closed, but SIGKILL has not ended "
+                + "; ".join(self.left)
+                + ". It is left to the operating system; the next call starts a new group.",
+                file=sys.stderr,
+                flush=True,
+            )
         self.exit_codes = [p.returncode for p in self.procs]
-        self.final_output = [self.log_tail(r) for r in range(len(self.procs))]
-        self._finalizer()
+        self.final_output = [self.log_tail(r) for r in range(len(self.devices))]
+        self._finalizer.detach()  # its terminate has run: only the directories are left to remove
+        for directory in (self.tmp, self.shm, self.live):
+            shutil.rmtree(directory, ignore_errors=True)
         for conn in self.conns:
             conn.close()
 
@@ -447,33 +498,110 @@ def _set_receive_timeout(conn: Connection, seconds: float) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(seconds), 0))
 
 
-def terminate(procs: list[subprocess.Popen[bytes]], directories: Sequence[str], grace: float = 5.0) -> None:
-    """Wait `grace` s for exits, close the death pipes (workers leave at once), SIGTERM, then SIGKILL;
-    remove the private directories. With grace 0 (interpreter exit, a failed start) it takes about as
-    long as the workers need to notice their closed stdin."""
-    deadline = time.monotonic() + grace
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
+# A SIGKILLed worker not gone after this long is left to the OS (see `terminate`): a GPU worker's driver
+# may take seconds to tear its context down, a frozen or stuck one never ends by itself.
+REAP_SECONDS = 5.0
+STUCK_SECONDS = 1.0  # a worker in uninterruptible sleep this long will not leave the group by itself
+
+
+def terminate(
+    procs: list[subprocess.Popen[bytes]], directories: Sequence[str], grace: float = 5.0
+) -> list[subprocess.Popen[bytes]]:
+    """Wait `grace` s for exits (less once a worker can no longer run: stopped, frozen or stuck in D, its
+    peers cannot finish leaving the group either), close the death pipes (workers leave at once), SIGTERM,
+    then SIGKILL; remove the private directories. Every wait has a limit: a process SIGKILL does not end
+    (uninterruptible sleep in a driver call, a cgroup v1 freezer) is returned, left to the OS, which reaps
+    it when the call returns (Popen keeps it on its list of children to reap). With grace 0 (interpreter
+    exit, a failed start) it takes about as long as the workers need to notice their closed stdin."""
+    _wait_for_exits(procs, grace, stop_early=True)
     for proc in procs:
         if proc.stdin and not proc.stdin.closed:
             try:
                 proc.stdin.close()
             except OSError:
                 pass
-    deadline = time.monotonic() + 1.0
+    _wait_for_exits(procs, 1.0)
+    asked = []
     for proc in procs:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.terminate()
+        if proc.returncode is None:
+            if _can_run(proc.pid):
+                proc.terminate()
+                asked.append(proc)
+            else:
+                _kill_group(proc)  # SIGTERM would wait for a stopped process to be continued
+    _wait_for_exits(asked, 2.0)
     for proc in procs:
-        try:
-            proc.wait(timeout=3)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _kill_group(proc)
+    _wait_for_exits(procs, REAP_SECONDS)
     for directory in directories:
         shutil.rmtree(directory, ignore_errors=True)
+    return [proc for proc in procs if proc.returncode is None]
+
+
+def _wait_for_exits(
+    procs: Sequence[subprocess.Popen[bytes]], seconds: float, stop_early: bool = False
+) -> None:
+    """Wait up to `seconds` until every process has exited (and is reaped); with `stop_early`, no longer
+    once one that has not exited cannot run (`_can_run` false for `STUCK_SECONDS`)."""
+    deadline, stuck = time.monotonic() + seconds, {}
+    while any(reap(p) is None for p in procs) and time.monotonic() < deadline:
+        if stop_early:
+            now = time.monotonic()
+            for proc in procs:
+                if proc.returncode is None and not _can_run(proc.pid):
+                    stuck.setdefault(proc.pid, now)
+                else:
+                    stuck.pop(proc.pid, None)
+            if any(now - since >= STUCK_SECONDS for since in stuck.values()):
+                return
+        time.sleep(0.05)
+
+
+def _can_run(pid: int) -> bool:
+    """The process can go on by itself: not stopped, not frozen by its cgroup, its main thread not in
+    uninterruptible sleep (one look; `_wait_for_exits` asks for it to last)."""
+    seen = sample(pid)
+    return seen is None or not (seen.stopped or seen.frozen or seen.main_state == "D")
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the worker and every process it started (its own session and process group: launch.py
+    starts it with `start_new_session`), while it is not reaped (its pid, the group's id, is not reused
+    before that)."""
+    if proc.returncode is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        with contextlib.suppress(OSError):
+            proc.kill()
+
+
+def reap(proc: subprocess.Popen[bytes]) -> int | None:
+    """`proc.poll()`, but once the worker has exited, what is left of its process group (a child it
+    started: a compiler, a driver helper, a vfork child that never exec'd) is SIGKILLed first, while the
+    unreaped worker still holds the group's id (no other process can have it yet)."""
+    if proc.returncode is not None or not hasattr(os, "waitid"):
+        return proc.poll()
+    try:
+        exited = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped elsewhere
+        return proc.poll()
+    if exited is None:
+        return None
+    with contextlib.suppress(OSError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    return proc.poll()
+
+
+def why_left(pid: int) -> str:
+    """What keeps a process SIGKILL did not end, in words ('' when it is gone)."""
+    seen = sample(pid)
+    if seen is None:
+        return ""
+    if seen.frozen:
+        return f"its cgroup is frozen ({seen.frozen}); it ends when the cgroup is thawed"
+    if seen.main_state == "D":
+        where = f" at {seen.main_wait}" if seen.main_wait not in ("", "0") else ""
+        return f"in uninterruptible sleep (D){where}; it ends when its kernel call returns"
+    return f"state {seen.main_state or '?'}"

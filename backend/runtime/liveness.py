@@ -1,26 +1,34 @@
 """Telling a hung rank from a slow one, in the caller: by what the ranks do, never by a clock.
 
 Every rank reports several times a second what it is doing and where it is in its collectives
-(heartbeat.py); the OS says whether its threads run, wait for a core or a disk, and how much CPU they
-used (procstat.py); its report says whether work is queued on its GPU. A rank **does no work** when none
-of its threads (its reporting thread aside) is runnable or in disk wait, it used no CPU since the last
-look, and no GPU work is queued. A rank **is waited for** when a peer waits in a collective it has not
+(heartbeat.py); the OS says, thread by thread, whether it runs, waits for a core or sleeps in the kernel,
+and how much CPU it used (procstat.py); its report says whether work is queued on its GPU. A rank's job
+**does no work** when the thread that runs it (the main thread) is not runnable and used no CPU, nothing
+the rank started works and no GPU work is queued. Its other threads are left out there: gloo's wake a few
+times a second and use a tick or three of CPU whatever the rank does (issue 56: a rank asleep in Python
+was never named for them). They count where they do the job's work: a rank inside a collective, whose
+data gloo's threads move (the collective rules and whether a late report still says where a rank is, by
+the rank's whole process, `quiet_since`), and a rank whose reports lag behind a starved reporting thread
+(where it is is not known). A rank **is waited for** when a peer waits in a collective it has not
 reached, or when every other rank has finished the job (at start-up: when a rank further along waits
 for it). `Liveness` finds a hang only in one of these, each held for a few seconds (`Watchdog`):
 
-- a rank is stopped by the OS (SIGSTOP, a debugger): `stopped` seconds;
+- a rank is stopped by the OS (SIGSTOP, a debugger) or its cgroup frozen: `stopped` seconds;
 - a rank that is waited for does no work: `idle` seconds. It is blocked (a lock, a sleep, a native call
   that never returns), whatever its reporting thread says; named, and killed;
+- a rank that is waited for sleeps in the kernel uninterruptibly (`D`) with no progress (no CPU, no page
+  or byte read): `uninterruptible` seconds, longer than `idle` (a slow network share waits in `D` between
+  pages). A driver or disk call that does not return (a frozen cgroup v1 shows the same); named, killed;
 - a rank waits in a collective that cannot complete, `grace` seconds: a peer that finished the job never
   issued it; the ranks' recorders disagree on what collective #n was (op, or shapes where they must
   match); or the rank does no work while a peer has left #n and issued later collectives on that group;
   or ranks that do no work wait for each other in a cycle.
 
 What is never a hang: a rank that works, however long (a first step that compiles kernels, a bigger image,
-a checkpoint on a network share: `D`); a rank that is runnable but gets no CPU on a busy machine
-(starvation: its reports may lag by seconds, its collectives complete late, but it is `R`); ranks that
-all sleep in the same call (nobody waits for anybody); a peer having left collective #n while the rank
-still works in it (a starved rank finishes #n seconds after its peer: its data was sent long ago).
+a checkpoint on a network share: `D` with pages read); a rank that is runnable but gets no CPU on a busy
+machine (starvation: its reports may lag by seconds, its collectives complete late, but it is `R`); ranks
+that all sleep in the same call (nobody waits for anybody); a peer having left collective #n while the
+rank still works in it (a starved rank finishes #n seconds after its peer: its data was sent long ago).
 
 The boundary (issue 44): a native call that holds the GIL stops the reports. Silence alone is no sign:
 such a rank is judged by the OS like any other, and with its reports stopped its GPU queue cannot be
@@ -45,16 +53,34 @@ from .procstat import ProcSample as Process
 
 @dataclass(frozen=True)
 class Watchdog:
-    """How long each sign of a hang must hold before the job fails (seconds)."""
+    """How long each sign of a hang must hold before the job fails (seconds).
 
-    stopped: float = 2.0  # the OS reports the process stopped
-    idle: float = 5.0  # a rank that is waited for does no work (no CPU, no disk wait, no GPU work queued)
+    `scaled(factor)` multiplies the four windows of the rules (not the collective timeout, which the workers'
+    process groups enforce themselves): the suite exercises the same rules in less time (tests/bounds.py),
+    a slow but healthy rank outlasting each window by the same ratio."""
+
+    stopped: float = 2.0  # the OS reports the process stopped, or its cgroup frozen
+    idle: float = 5.0  # a rank that is waited for does no work (its job's thread used no CPU, no GPU work)
     grace: float = 3.0  # a rank waits in a collective that cannot complete
+    # a rank that is waited for stays in uninterruptible sleep (D) with no disk progress: a stuck driver or
+    # disk call. Longer than `idle`: a read from a slow network share waits in D for seconds between pages.
+    uninterruptible: float = 30.0
     collective_timeout: float = 600.0  # the process groups' own timeout (set on the workers at start)
+
+    def scaled(self, factor: float) -> Watchdog:
+        """The same rules with every window but the collective timeout multiplied by `factor`."""
+        return replace(
+            self,
+            stopped=self.stopped * factor,
+            idle=self.idle * factor,
+            grace=self.grace * factor,
+            uninterruptible=self.uninterruptible * factor,
+        )
 
 
 DEFAULT_WATCHDOG = Watchdog()
-BUSY_CPU = 0.1  # a process using at least this share of a core between two looks is working
+BUSY_CPU = 0.1  # a process whose threads use at least this share of a core over `CPU_WINDOW` is working
+CPU_WINDOW = 1.0  # seconds: CPU time is counted in ticks (10 ms); a shorter span is too coarse to judge
 FRESH = 1.5  # seconds: a report older than this does not show where a rank is now
 ASK_AFTER = 1.0  # seconds a rank waits in a collective before its group's ranks are asked what it was
 # Ops whose input shapes must be the same on every rank (others may differ legitimately: uneven
@@ -82,12 +108,18 @@ class Hang:
 class _Seen:
     state: RankState | None = None
     reported: float = 0.0  # caller time the report last changed
-    cpu: float = 0.0  # the process's CPU seconds at the last look
-    looked: float = 0.0
-    sampled: bool = False  # `cpu` holds a reading (a first look has nothing to compare with)
+    sampled: bool = False  # the readings below hold a look (a first look has nothing to compare with)
+    job_cpu: float = 0.0  # the job's thread's (and its descendants') CPU seconds at the last look
+    main_io: int = 0  # the job's thread's disk progress at the last look
+    cpu_mark: tuple[float, float] = (0.0, 0.0)  # (caller time, the whole process's CPU seconds): a window
+    busy: bool = False  # the whole process used `BUSY_CPU` of a core over the last full window
     stopped_since: float | None = None
+    frozen: str = ""  # the frozen cgroup that holds it, when stopped that way
     own_since: float = 0.0  # when the rank's current activity began, by its own report
-    idle_since: float | None = None  # caller time since the rank has done no work, look after look
+    idle_since: float | None = None  # caller time since the rank's job has done no work, look after look
+    quiet_since: float | None = None  # ... since no thread of it (its reporter aside) has worked
+    stuck_since: float | None = None  # ... since its job's thread has been in D with no disk progress
+    wait: str = ""  # where in the kernel that thread waits, then
     report: RankState | None = None  # its last report as written (`state` may hold a progress record's news)
 
 
@@ -172,8 +204,9 @@ class Liveness:
         self.method = method
         self.what = f"running {method!r}" if method else "starting"  # completes messages
         self.started = now
-        self.seen = {rank: _Seen(reported=now, looked=now) for rank in range(len(devices))}
+        self.seen = {rank: _Seen(reported=now) for rank in range(len(devices))}
         self._since: dict[str, dict[tuple, float]] = {}  # kind of sign -> each sign -> since when it holds
+        self._waited_spans: dict[str, dict[int, tuple[float, float]]] = {}  # `_held_while_waited`
         self.questions: dict[str, int] = {}  # group -> the collective its ranks are asked about
 
     def carry(self, seen: dict[int, _Seen]) -> None:
@@ -196,28 +229,56 @@ class Liveness:
             seen.state, seen.reported = state, now
         if process is None:
             return
-        if not process.stopped:
+        if not (process.stopped or process.frozen):
             seen.stopped_since = None
         elif seen.stopped_since is None:
             seen.stopped_since = now
+        seen.frozen = process.frozen
         fresh = seen.state is not None and now - seen.reported <= FRESH
-        used = process.cpu_seconds - seen.cpu
-        works = (
-            moved  # a new step, tensor or collective since its last report
+        gpu_rank = not self.devices[rank].startswith("cpu")
+        # Signs that hold whichever view: a new step, tensor or collective since its last report; a process
+        # judged by the stopped rule or by its exit; a first look (nothing to compare its CPU time with);
+        # GPU work queued.
+        sign = (
+            moved
             or process.stopped
-            or process.zombie  # judged by the stopped rule, or by its exit
-            or not seen.sampled  # a first look: nothing to compare its CPU time with
-            or process.working  # a thread runnable (on a busy machine: waiting for a core) or in disk wait
-            or used >= BUSY_CPU * max(now - seen.looked, 0.01)
-            or (fresh and seen.state is not None and seen.state.gpu)  # its GPU has work queued
-            # a GPU rank's late reports (its reporting thread waits for a core) leave its queue unknown
-            or (not fresh and process.reporter_runnable and not self.devices[rank].startswith("cpu"))
+            or process.zombie
+            or bool(process.frozen)
+            or not seen.sampled
+            or (fresh and seen.state is not None and seen.state.gpu)
         )
-        if works:
-            seen.idle_since = None
-        elif seen.idle_since is None:
-            seen.idle_since = now
-        seen.cpu, seen.looked, seen.sampled = process.cpu_seconds, now, True
+        # Late reports from a reporting thread that waits for a core: where the rank is now is not known
+        # (it may have entered a collective since), nor its GPU queue. It is judged by its whole process
+        # then, and a GPU rank counts as working.
+        late = not fresh and process.reporter_runnable
+        whole = sign or process.working or self._busy(seen, process.cpu_seconds, now) or (late and gpu_rank)
+        if not process.main_state:  # no per-thread view (not Linux): the whole process is the job's
+            job, in_d, progressed = whole, False, False
+        else:
+            in_d = process.main_state == "D"
+            progressed = process.job_cpu > seen.job_cpu or process.main_io != seen.main_io
+            job = sign or process.job_working or progressed or (late and whole)
+        seen.quiet_since = None if whole else (seen.quiet_since if seen.quiet_since is not None else now)
+        # Uninterruptible sleep is not idleness (a slow disk): it has its own, longer clock while no
+        # page, byte or tick moves.
+        seen.idle_since = None if job or in_d else (seen.idle_since if seen.idle_since is not None else now)
+        stuck = in_d and not job
+        seen.stuck_since = (seen.stuck_since if seen.stuck_since is not None else now) if stuck else None
+        seen.wait = process.main_wait if stuck else ""
+        seen.job_cpu, seen.main_io, seen.sampled = process.job_cpu, process.main_io, True
+
+    @staticmethod
+    def _busy(seen: _Seen, cpu: float, now: float) -> bool:
+        """The whole process used `BUSY_CPU` of a core over the last full `CPU_WINDOW` (decided once per
+        window; gloo's threads use a tick or three a second whatever the rank does, which a look-to-look
+        comparison of a fifth of a second would take for a tenth of a core)."""
+        since, before = seen.cpu_mark
+        if not seen.sampled or cpu < before:
+            seen.cpu_mark, seen.busy = (now, cpu), False
+        elif now - since >= CPU_WINDOW:
+            seen.busy = cpu - before >= BUSY_CPU * (now - since)
+            seen.cpu_mark = (now, cpu)
+        return seen.busy
 
     def progressed(self, rank: int, now: float, done: int, total: int, loading: bool) -> None:
         """A progress record from `rank` (sent by its main thread after each step or tensor: exact where
@@ -229,15 +290,10 @@ class Liveness:
             seen.state = replace(
                 seen.state, doing=doing, job=self.job, method=self.method, step=step, total=total, since=now
             )
-        seen.reported, seen.idle_since = now, None
+        seen.reported, seen.idle_since, seen.quiet_since, seen.stuck_since = now, None, None, None
 
     def state(self, rank: int) -> RankState | None:
         return self.seen[rank].state
-
-    def idle_for(self, rank: int, now: float) -> float:
-        """Seconds the rank has done no work, look after look (0 while it works)."""
-        since = self.seen[rank].idle_since
-        return 0.0 if since is None else now - since
 
     # ---------------------------------------------------------------- verdict
 
@@ -248,25 +304,37 @@ class Liveness:
         for rank in pending:
             seen = self.seen[rank]
             if seen.stopped_since is not None and now - seen.stopped_since > self.watchdog.stopped:
+                how = (
+                    f"is frozen by its cgroup's freezer ({seen.frozen})"
+                    if seen.frozen
+                    else "is stopped (SIGSTOP or a debugger)"
+                )
                 return Hang(
-                    (rank,), (rank,),
-                    f"{self._who(rank)} is stopped (SIGSTOP or a debugger) while {self.what} "
-                    f"({describe(seen.state, now)})",
-                )  # fmt: skip
+                    (rank,),
+                    (rank,),
+                    f"{self._who(rank)} {how} while {self.what} ({describe(seen.state, now)})",
+                )
         waits, reasons, idle_reasons = self._collectives(now, pending, done)
         waiting = set(waits) | set(reasons) | set(idle_reasons)
-        blocked = self._blocked(now, pending, done, waits, waiting)
+        waited = self._waited(pending, done, waits, waiting)
+        blocked = self._blocked(now, waited) or self._uninterruptible(now, waited)
         if blocked is not None:
             return blocked
         return self._stuck(now, pending, failed, waits, reasons, idle_reasons)
 
+    def waited_for_now(self, now: float, pending: Sequence[int], done: Collection[int]) -> dict[int, str]:
+        """The pending ranks others wait for and do not wait themselves, each with who waits for it in
+        words ('rank 0 waits for it in collective #12 (...)'): whom a time limit that ends the job names."""
+        waits, reasons, idle_reasons = self._collectives(now, pending, done)
+        return self._waited(pending, done, waits, set(waits) | set(reasons) | set(idle_reasons))
+
     def _current(self, rank: int, now: float) -> bool:
-        """Rank's last report says where it is now: it is fresh, or the rank has done no work since it was
-        written (a rank blocked in a collective cannot have moved on; on a loaded machine its reporting
-        thread may wait seconds for a core)."""
+        """Rank's last report says where it is now: it is fresh, or no thread of the rank has worked since
+        it was written (a rank blocked in a collective cannot have moved on; on a loaded machine its
+        reporting thread may wait seconds for a core)."""
         seen = self.seen[rank]
-        idle_since_report = seen.idle_since is not None and seen.idle_since <= seen.reported
-        return now - seen.reported <= FRESH or idle_since_report
+        quiet_since_report = seen.quiet_since is not None and seen.quiet_since <= seen.reported
+        return now - seen.reported <= FRESH or quiet_since_report
 
     def _who(self, rank: int) -> str:
         return f"worker rank {rank} ({self.devices[rank]}, pid {self.pids[rank]})"
@@ -343,18 +411,21 @@ class Liveness:
                     f"group; it is {describe(state, now)}) while this rank does no work: the ranks issued "
                     "their collectives in different orders"
                 )
-        return "", if_idle, waits_for
+        # A rank that issued collectives after #n has moved past it (its recorder has not marked #n completed
+        # yet: gloo runs a group's collectives on two threads) and waits in a later one. A peer having left #n
+        # is then no evidence against it (seen in `bench hangs`: the rank waiting behind a blocked one was
+        # named instead, 3-4 s in).
+        return "", "" if group.issued > n else if_idle, waits_for
 
-    def _blocked(
+    def _waited(
         self,
-        now: float,
         pending: Sequence[int],
         done: Collection[int],
         waits: dict[int, tuple[GroupState, list[int]]],
         waiting: set[int],
-    ) -> Hang | None:
-        """A rank that is waited for and does no work, for `idle` seconds: named (and killed). A rank that
-        waits in a collective itself is not: the chain's end is."""
+    ) -> dict[int, str]:
+        """The pending ranks a peer waits for, each with who waits in words. A rank that waits in a
+        collective itself is not one: the chain's end is."""
         waited: dict[int, str] = {}  # rank -> who waits for it, in words
         for rank, (group, peers) in waits.items():
             for peer in peers:
@@ -369,11 +440,34 @@ class Liveness:
                     ahead = self._waiting_ahead(rank)
                     if ahead:
                         waited[rank] = ahead
-        keys = {(rank,) for rank in waited if self.seen[rank].idle_since is not None}
-        held = self._hold("idle", keys, self.watchdog.idle, now)
+        return waited
+
+    def _held_while_waited(self, kind: str, waited: dict[int, str], clock: str, now: float) -> list[int]:
+        """The waited-for ranks whose `clock` (an `_Seen` field: since when the sign holds) has run for the
+        `kind` window while a peer waited for them. A look at which no peer is seen waiting (its report late
+        by less than `FRESH`) does not start the wait over; the sign's own clock must run unbroken."""
+        seconds = getattr(self.watchdog, kind)
+        spans = self._waited_spans.setdefault(kind, {})  # rank -> (first look waited for, last look)
+        for rank in [r for r, (_, last) in spans.items() if r not in waited and now - last > FRESH]:
+            del spans[rank]  # not waited for longer than a late report explains: it starts over
+        held = []
+        for rank in waited:
+            start = getattr(self.seen[rank], clock)
+            if start is None:
+                spans.pop(rank, None)
+                continue
+            began = spans.get(rank, (now, now))[0]
+            spans[rank] = (began, now)
+            if now - max(began, start) > seconds:
+                held.append(rank)
+        return sorted(held)
+
+    def _blocked(self, now: float, waited: dict[int, str]) -> Hang | None:
+        """A rank that is waited for and whose job does no work, for `idle` seconds: named (and killed)."""
+        held = self._held_while_waited("idle", waited, "idle_since", now)
         if not held:
             return None
-        (rank,) = held[0]
+        rank = held[0]
         seen = self.seen[rank]
         idle = now - (seen.idle_since or now)
         if seen.state is None:
@@ -398,6 +492,30 @@ class Liveness:
                 f"{waited[rank]}: it is blocked (a lock, a sleep, a native call that never returns)"
             )
         return Hang((rank,), (rank,), why)
+
+    def _uninterruptible(self, now: float, waited: dict[int, str]) -> Hang | None:
+        """A rank that is waited for and whose job's thread sleeps uninterruptibly (D) with no disk
+        progress, for `uninterruptible` seconds: a stuck driver or disk call (or a frozen cgroup's, whose
+        tasks show D). Named and killed (a kill ends it when the kernel lets it: killable waits at once,
+        others when the call returns; closing does not wait for that, launch.py)."""
+        held = self._held_while_waited("uninterruptible", waited, "stuck_since", now)
+        if not held:
+            return None
+        rank = held[0]
+        seen = self.seen[rank]
+        where = f"; in the kernel at {seen.wait}" if seen.wait and seen.wait != "0" else ""
+        reports = (
+            f"it reports {describe(seen.state, now)}"
+            if now - seen.reported <= FRESH
+            else f"its last report, {now - seen.reported:.0f} s ago: {describe(seen.state, seen.reported)}"
+        )
+        return Hang(
+            (rank,),
+            (rank,),
+            f"{self._who(rank)} has been in uninterruptible sleep (D) for {now - (seen.stuck_since or now):.0f} s "
+            f"while {self.what} ({reports}{where}), with no CPU time or disk reads since, and "
+            f"{waited[rank]}: a stuck driver or disk call",
+        )
 
     def _waiting_ahead(self, rank: int) -> str:
         """At start-up: a rank further along that waits for this one ('rank 0 is ready'), or ''."""
@@ -436,13 +554,13 @@ class Liveness:
                     can_go.add(rank)
                     changed = True
         cycle = [r for r in waits if r not in can_go]
-        if all(self.seen[r].idle_since is not None for r in cycle):
+        if all(self.seen[r].quiet_since is not None for r in cycle):
             for rank in cycle:
                 group, waits_for = waits[rank]
                 others = ", ".join(f"rank {p} ({describe(self.seen[p].state, now)})" for p in waits_for)
                 reasons[rank] = (group, f"which {others} cannot reach: they wait themselves")
         for rank, why in conditional.items():
-            if self.seen[rank].idle_since is not None:
+            if self.seen[rank].quiet_since is not None:
                 reasons[rank] = why
         if failed:
             for rank in pending:

@@ -14,6 +14,7 @@ The tests' own worker methods define their records next to them (tests/worker_jo
 | health_check (probe.py)         | HealthRequest    | HealthReport                            |
 | probe_pairs (probe.py)          | HealthRequest    | PairReport                              |
 | attention_kernels (probe.py)    | -                | AttentionReport                         |
+| measure_hosts (probe.py)        | HostsLinkRequest | HostsLinkReport                         |
 
 Besides the jobs' replies, every rank writes a `RankState` several times a second from a thread of its own
 (heartbeat.py): what it is doing and where it is in each process group's collectives. The caller reads it
@@ -26,7 +27,10 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-from .transport import record
+from .procstat import ProcSample
+from .transport import record, register
+
+register(ProcSample)  # what the OS says of a rank on another host travels to the caller (HostReport)
 
 
 @record
@@ -63,6 +67,31 @@ class LinkReport:
     memory_bytes: int  # device memory (CPU workers: the host's, shared out)
     gbps: float | None = None  # all-reduce bus bandwidth; None with one worker (no link)
     latency_us: float | None = None
+
+
+@record
+@dataclass(frozen=True)
+class HostsLinkRequest:
+    """`measure_hosts`: each host's ranks, in rank order."""
+
+    hosts: tuple[tuple[int, ...], ...]
+    megabytes: float = 8.0
+    repeats: int = 3
+
+
+@record
+@dataclass(frozen=True)
+class HostsLinkReport:
+    """All-reduce bus bandwidth (GB/s) and latency inside each host (its ranks together) and between hosts (the
+    ranks of one index on every host together), every group at once, as the planner prices them; None where a
+    rank had no such group (one device on its host; more devices than another host)."""
+
+    rank: int
+    within_gbps: float | None = None
+    within_latency_us: float | None = None
+    between_gbps: float | None = None
+    between_latency_us: float | None = None
+    between_groups: int = 0  # groups that crossed the hosts at once (sharing each host's network)
 
 
 @record
@@ -171,3 +200,152 @@ class RankState:
         data = json.loads(text)
         groups = tuple(GroupState(**{**g, "ranks": tuple(g["ranks"])}) for g in data.pop("groups"))
         return cls(**data, groups=groups)
+
+
+# --------------------------------------------------------------------------------------------------
+# Between the first host's hub (hub.py) and another host's agent (agent.py), over one authenticated TCP
+# connection: the agent starts, watches and stops that host's ranks and relays what they report.
+
+
+@record
+@dataclass(frozen=True)
+class AgentHello:
+    """An agent's first record: who it is (`names`: its address and host name, as devices may name it), what it
+    offers, where its model folder is, and what it runs (a group needs the same torch and pack everywhere)."""
+
+    names: tuple[str, ...]
+    address: str  # the address its connection comes from: its ranks' traffic leaves from there too
+    devices: tuple[str, ...]  # this host's devices it offers ('cpu', 'cuda:0', ...)
+    models: str  # its models folder ('' when none: files keep their paths)
+    pid: int
+    torch: str
+    code: str  # the pack's code fingerprint (agent.code_fingerprint)
+    threads: int = 0  # torch threads per CPU worker it was told to use (0: the coordinator's)
+
+
+@record
+@dataclass(frozen=True)
+class AgentWelcome:
+    """The hub's answer: accepted, or why not (the agent says it and exits)."""
+
+    ok: bool
+    why: str = ""
+    final: bool = False  # the agent cannot join this hub at all (another torch, another version of the pack)
+
+
+@record
+@dataclass(frozen=True)
+class SpawnRanks:
+    """Start `ranks` of launch `launch` on the agent's host: the whole group's devices (each rank's own named
+    as on its host), where to connect (the hub) and what `launch.worker_env` needs."""
+
+    launch: str
+    ranks: tuple[int, ...]
+    devices: tuple[str, ...]
+    hub: str  # 'ADDRESS:PORT' the ranks connect to (and the rendezvous store's address)
+    env: dict[
+        str, str
+    ]  # the group's own variables (transport, the caller's env=): never the caller's whole environment
+    methods: tuple[str, ...] = ()
+    extra_sys_path: tuple[str, ...] = ()
+    backend: str | None = None
+    threads: int | None = None
+    collective_timeout: float = 600.0
+
+
+@record
+@dataclass(frozen=True)
+class Spawned:
+    launch: str
+    pids: dict[int, int]  # rank -> pid on the agent's host
+    error: str = ""
+
+
+@record
+@dataclass(frozen=True)
+class StopRanks:
+    """Stop launch `launch`'s ranks: `grace` seconds to leave, then the death pipes, SIGTERM, SIGKILL."""
+
+    launch: str
+    grace: float = 0.0
+
+
+@record
+@dataclass(frozen=True)
+class Stopped:
+    launch: str
+    exits: dict[int, int | None]  # rank -> exit code (None: SIGKILL did not end it)
+
+
+@record
+@dataclass(frozen=True)
+class KillRanks:
+    launch: str
+    ranks: tuple[int, ...]
+
+
+@record
+@dataclass(frozen=True)
+class CancelJob:
+    """Touch job `job`'s cancel flag beside launch `launch`'s ranks (WorkerContext.cancel_requested)."""
+
+    launch: str
+    job: int
+
+
+@record
+@dataclass(frozen=True)
+class AskRanks:
+    """The caller's questions about collectives (heartbeat.write_ask), for launch `launch`'s ranks."""
+
+    launch: str
+    questions: dict[str, int]
+
+
+@record
+@dataclass(frozen=True)
+class FileCheck:
+    """A file a request names: its path on the agent's host, what it is called, and this host's identity."""
+
+    path: str
+    shown: str  # its name under the models folder, or its path
+    size: int
+    digest: str
+    header: str
+
+
+@record
+@dataclass(frozen=True)
+class CheckFiles:
+    request: int
+    files: tuple[FileCheck, ...]
+
+
+@record
+@dataclass(frozen=True)
+class FilesChecked:
+    request: int
+    problems: tuple[str, ...]  # one line per file that is missing or differs
+
+
+@record
+@dataclass(frozen=True)
+class HostReport:
+    """Five times a second, per launch: what changed since the last (each rank's report as written, the
+    OS's view of its process, exits, the new end of its output) and the agent's clock (`now`, monotonic: the
+    hub moves the reports' times onto its own)."""
+
+    launch: str
+    now: float
+    states: dict[int, str]  # rank -> RankState JSON
+    samples: dict[int, ProcSample]
+    exits: dict[int, int]
+    output: dict[int, str]  # rank -> its output's last 2000 characters, when it changed
+
+
+@record
+@dataclass(frozen=True)
+class Ping:
+    """Both ways, every second: the other end is there (a silent one is gone after hub.SILENCE seconds)."""
+
+    now: float

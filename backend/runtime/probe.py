@@ -1,5 +1,6 @@
 """Worker methods that measure the machine: `measure_link` (what the planner's cost model needs, measured
-once per group), `health_check` (the start-up check of the collectives) and `attention_kernels`.
+once per group), `health_check` (the start-up check of the collectives), `measure_hosts` (a group across
+hosts: the link inside each host and the network between them) and `attention_kernels`.
 
 `measure_link` times all-reduces over the group (bus bandwidth from a few MB, latency from a few bytes), a bf16 matmul
 on the device (sustained TFLOPS) and reads the device's memory. nccl-tests' definition of bus
@@ -15,7 +16,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .messages import AttentionReport, HealthReport, HealthRequest, LinkReport, LinkRequest, PairReport
+from .messages import (
+    AttentionReport,
+    HealthReport,
+    HealthRequest,
+    HostsLinkReport,
+    HostsLinkRequest,
+    LinkReport,
+    LinkRequest,
+    PairReport,
+)
 from .preflight import TRANSPORT_ENV
 from .worker import WorkerContext, handler, synchronize
 
@@ -64,6 +74,42 @@ def measure_link(ctx: WorkerContext, request: LinkRequest) -> LinkReport:
         rank=ctx.rank, device=str(device), world_size=n, tflops=2 * side**3 / seconds / 1e12,
         memory_bytes=_device_memory(ctx), **link,
     )  # fmt: skip
+
+
+def _bus_bandwidth(group: Any, megabytes: float, repeats: int, device: torch.device) -> tuple[float, float]:
+    """(GB/s, µs) of an all-reduce on `group`: bus bandwidth from `megabytes`, latency from 4 bytes."""
+    n = dist.get_world_size(group)
+    big = torch.ones(int(megabytes * 1e6) // 4, dtype=torch.float32, device=device)
+    tiny = torch.ones(1, dtype=torch.float32, device=device)
+    latency = _timed(lambda: dist.all_reduce(tiny, group=group), device, repeats)
+    seconds = _timed(lambda: dist.all_reduce(big, group=group), device, repeats)
+    moved = 2 * (n - 1) / n * big.numel() * 4
+    return moved / max(seconds - latency, 1e-9) / 1e9, latency * 1e6
+
+
+@handler("measure_hosts", HostsLinkRequest)
+def measure_hosts(ctx: WorkerContext, request: HostsLinkRequest) -> HostsLinkReport:
+    """The pre-flight of a group across hosts (docs/hosts.md): every host's ranks all-reduce together (all
+    hosts at once: the link inside a host), then the ranks of one index on every host (all indices at once,
+    as a ring or Ulysses dimension across hosts does: they share each host's network)."""
+    hosts = [list(h) for h in request.hosts]
+    within = [dist.new_group(h) for h in hosts]  # every rank creates every group, in the same order
+    count = min(len(h) for h in hosts)
+    across = [dist.new_group([h[i] for h in hosts]) for i in range(count)]
+    report: dict[str, Any] = {}
+    for index, ranks in enumerate(hosts):
+        if ctx.rank in ranks and len(ranks) > 1:
+            gbps, latency = _bus_bandwidth(within[index], request.megabytes, request.repeats, ctx.device)
+            report.update(within_gbps=gbps, within_latency_us=latency)
+    dist.barrier()  # the hosts' own links measured apart from the network's
+    for index, group in enumerate(across):
+        if ctx.rank in [h[index] for h in hosts]:
+            gbps, latency = _bus_bandwidth(group, request.megabytes, request.repeats, ctx.device)
+            report.update(between_gbps=gbps, between_latency_us=latency, between_groups=count)
+    dist.barrier()
+    for group in (*within, *across):
+        dist.destroy_process_group(group)
+    return HostsLinkReport(rank=ctx.rank, **report)
 
 
 @handler("health_check", HealthRequest)

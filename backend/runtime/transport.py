@@ -62,10 +62,12 @@ R = TypeVar("R")
 
 @dataclass(frozen=True)
 class Hello:
-    """A worker's first message after the authenticated connect."""
+    """A worker's first message after the authenticated connect (`launch`: which group start it belongs to,
+    for a rank on another host, whose connection arrives at the hub: hub.py)."""
 
     rank: int
     pid: int
+    launch: str = ""
 
 
 @dataclass(frozen=True)
@@ -175,10 +177,30 @@ def send(conn: Connection, envelope: Envelope) -> None:
 
 def recv(conn: Connection) -> Envelope:
     """The next envelope; only ever called on connections authenticated by the HMAC challenge."""
-    kind, data = _PlainUnpickler(io.BytesIO(conn.recv_bytes())).load()
+    return _envelope(_PlainUnpickler(io.BytesIO(conn.recv_bytes())).load())
+
+
+def _envelope(plain: Any) -> Envelope:
+    kind, data = plain
     if kind not in ENVELOPES:
         raise ProtocolError(f"a worker sent a {kind!r} envelope; known: {', '.join(ENVELOPES)}")
     return ENVELOPES[kind](**data)
+
+
+def send_record(conn: Connection, obj: Any) -> None:
+    """One payload record on its own (the hub and the agents speak in records, hub.py): packed inline."""
+    conn.send_bytes(pickle.dumps(pack(obj, "", "", inline=True), protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def recv_any(conn: Connection) -> Any:
+    """The next envelope or record (`send` / `send_record`) on an authenticated connection."""
+    plain = _PlainUnpickler(io.BytesIO(conn.recv_bytes())).load()
+    if isinstance(plain, tuple):
+        return _envelope(plain)
+    found = unpack(plain)
+    if not is_record(found):
+        raise ProtocolError(f"a peer sent a {type(found).__name__}; expected a record")
+    return found
 
 
 # --------------------------------------------------------------------------------------------------
@@ -289,7 +311,7 @@ def remove_stale_dirs() -> list[str]:
 # Payloads as plain data, tensors through files
 
 
-def pack(obj: Any, directory: str, tag: str, *, reuse: bool = False) -> Any:
+def pack(obj: Any, directory: str, tag: str, *, reuse: bool = False, inline: bool = False) -> Any:
     """`obj` (a payload record, or plain data holding records and tensors) as plain data for `send`.
 
     Records become tagged dicts, tensors above INLINE_LIMIT files in `directory`, smaller ones inline
@@ -297,33 +319,35 @@ def pack(obj: Any, directory: str, tag: str, *, reuse: bool = False) -> Any:
     `reuse`: the files are named `tag` plus the tensor's position in `obj` and rewritten in place on the
     next call with the same tag (the forward service sends a latent of the same size every step, and
     rewriting tmpfs pages costs a quarter of creating and removing a file). The reader then must not
-    remove them; they go with the directory.
+    remove them; they go with the directory. `inline`: every tensor inside the message (a peer on another
+    host shares no tmpfs with this one).
     """
-    return _pack(obj, directory, tag, reuse, itertools.count())
+    limit = float("inf") if inline else INLINE_LIMIT
+    return _pack(obj, directory, tag, reuse, itertools.count(), limit)
 
 
 _PLAIN = (bool, int, float, str, bytes, type(None))  # bool first: it is an int too
 
 
-def _pack(obj: Any, directory: str, tag: str, reuse: bool, position: itertools.count) -> Any:
+def _pack(obj: Any, directory: str, tag: str, reuse: bool, position: itertools.count, limit: float) -> Any:
     if type(obj) in _PLAIN:
         return obj
     if isinstance(obj, _PLAIN):  # numpy's float64, an IntEnum...: their pickles name a class
         return next(base(obj) for base in _PLAIN if isinstance(obj, base))
     if isinstance(obj, torch.Tensor):
-        return _pack_tensor(obj, directory, tag, reuse, position)
+        return _pack_tensor(obj, directory, tag, reuse, position, limit)
     if isinstance(obj, dict):
         bad = [k for k in obj if not isinstance(k, str | int)]
         if bad:
             raise TypeError(f"cannot send a dict keyed by {type(bad[0]).__name__} to or from a worker")
-        return {k: _pack(v, directory, tag, reuse, position) for k, v in obj.items()}
+        return {k: _pack(v, directory, tag, reuse, position, limit) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_pack(v, directory, tag, reuse, position) for v in obj]
+        return [_pack(v, directory, tag, reuse, position, limit) for v in obj]
     if isinstance(obj, tuple):  # torch.Size and named tuples too, as plain tuples
-        return tuple(_pack(v, directory, tag, reuse, position) for v in obj)
+        return tuple(_pack(v, directory, tag, reuse, position, limit) for v in obj)
     if is_record(obj):
         fields = {
-            f.name: _pack(getattr(obj, f.name), directory, tag, reuse, position)
+            f.name: _pack(getattr(obj, f.name), directory, tag, reuse, position, limit)
             for f in dataclasses.fields(obj)
             if f.init
         }
@@ -334,7 +358,9 @@ def _pack(obj: Any, directory: str, tag: str, reuse: bool, position: itertools.c
     )
 
 
-def _pack_tensor(obj: torch.Tensor, directory: str, tag: str, reuse: bool, position: itertools.count) -> Any:
+def _pack_tensor(
+    obj: torch.Tensor, directory: str, tag: str, reuse: bool, position: itertools.count, limit: float
+) -> Any:
     if obj.is_meta:
         raise TypeError("cannot send a tensor on the meta device to or from a worker: it holds no values")
     tensor = obj.detach().to("cpu").contiguous()
@@ -342,7 +368,7 @@ def _pack_tensor(obj: torch.Tensor, directory: str, tag: str, reuse: bool, posit
     if name not in _DTYPES:
         raise TypeError(f"cannot send a {tensor.dtype} tensor to or from a worker")
     shape = list(tensor.shape)
-    if tensor.numel() * tensor.element_size() <= INLINE_LIMIT:
+    if tensor.numel() * tensor.element_size() <= limit:
         return {_BYTES: _bytes(tensor).numpy().tobytes(), "dtype": name, "shape": shape}
     if reuse:
         path = os.path.join(directory, f"{tag}-{next(position)}.bin")
@@ -422,6 +448,22 @@ def unpack(obj: Any, remove: bool = True) -> Any:
         return {k: unpack(v, remove) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
         return type(obj)(unpack(v, remove) for v in obj)
+    return obj
+
+
+def inlined(obj: Any) -> Any:
+    """A packed structure with every tensor file's bytes inside it (for a peer on another host); the files
+    stay where they are."""
+    if isinstance(obj, dict):
+        if _REF in obj:
+            return {
+                _BYTES: _bytes(_read_tensor(obj)).numpy().tobytes(),
+                "dtype": obj["dtype"],
+                "shape": obj["shape"],
+            }
+        return {k: inlined(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(inlined(v) for v in obj)
     return obj
 
 

@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from multiprocessing.connection import wait
-from pathlib import Path
 from typing import NoReturn
 
 from .launch import WorkerError, Workers
@@ -105,11 +104,12 @@ class Job:
         """The request to every rank that lacks it, each recorded once it has it. A rank whose process died
         since the last check is lost (the group is stopped)."""
         self.request = request
+        requests = self.workers.requests_for(request)  # raises before any rank has it
         for rank, conn in enumerate(self.workers.conns):
             if rank in self.sent:
                 continue
             try:
-                send(conn, request)
+                send(conn, requests[rank])
             except OSError:
                 self.lost(rank)
             self.sent.append(rank)
@@ -213,12 +213,13 @@ class Job:
         if hang is not None:
             self._hung(hang)
         if self.cancel_deadline is not None and now > self.cancel_deadline:
+            rank, why = self._holding(now)
             where = self.where(now)
             self._close()
             raise JobTimeout(
                 f"{self.method!r} did not stop within {self.cancel_grace:g} s of being cancelled at its time "
-                f"limit ({where}); the worker group was closed",
-                pending[0],
+                f"limit{why} ({where}); the worker group was closed{self._left()}",
+                rank,
             )
         if self.timeout is not None and self.interrupt is None and now - self.started > self.timeout:
             self.interrupt = JobTimeout(
@@ -233,11 +234,29 @@ class Job:
                 pending[0],
             )
 
+    def _holding(self, now: float) -> tuple[int, str]:
+        """The rank a job that ran out of time waited for (the chain's end: never a rank that waits in a
+        collective for it), and in words who waits for it; else the first rank still at work."""
+        pending = self.pending
+        waited = self.liveness.waited_for_now(now, pending, list(self.replies))
+        if not waited:
+            return pending[0], ""
+        rank = min(waited)
+        return rank, f": worker rank {rank} ({self.workers.devices[rank]}) held it up ({waited[rank]})"
+
+    def _left(self) -> str:
+        """Workers SIGKILL did not end, in words, for a message (launch.Workers.stop)."""
+        return (
+            f"; SIGKILL did not end {'; '.join(self.workers.left)}: left to the OS"
+            if self.workers.left
+            else ""
+        )
+
     def _hung(self, hang: Hang) -> NoReturn:
         """Close the group (the stuck ranks killed first) and raise the hang, or the failure behind it."""
         self.workers.kill(hang.kill)
         self._close()
-        again = "; the worker group was stopped (the next call starts it again)"
+        again = f"; the worker group was stopped (the next call starts it again){self._left()}"
         if self.first_error is not None:
             if hang.waiting:
                 raise self.failure(
@@ -280,7 +299,7 @@ class Job:
         ranks get as long as they stay healthy."""
         if deadline and self.cancel_deadline is None:
             self.cancel_deadline = time.monotonic() + self.cancel_grace
-        Path(self.cancel_path).touch()
+        self.workers.cancel(self.id)
 
     def stop(self, reason: BaseException) -> None:
         """After the caller's exception (Ctrl+C, an error while waiting): cancel and wait for every rank's

@@ -234,11 +234,13 @@ def _configure_threads() -> None:
 
 def _join_group(conn: Connection, rank: int, world_size: int, device: torch.device) -> None:
     timeout = timedelta(seconds=float(os.environ.get("RP_COLLECTIVE_TIMEOUT", "600")))
+    # The rendezvous on loopback, or (a group across hosts) on the first host's address (RP_STORE_HOST)
+    host = os.environ.get("RP_STORE_HOST", "127.0.0.1")
     if rank == 0:
         # Bind the store's socket ourselves: TCPStore given a host still listens on every interface.
-        listener = socket.create_server(("127.0.0.1", 0), backlog=128)
+        listener = socket.create_server((host, 0), backlog=128)
         store = dist.TCPStore(
-            "127.0.0.1",
+            host,
             listener.getsockname()[1],
             world_size,
             is_master=True,
@@ -251,7 +253,7 @@ def _join_group(conn: Connection, rank: int, world_size: int, device: torch.devi
         reply = recv(conn)
         assert isinstance(reply, StorePort), reply
         port = reply.port
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
     # gloo for CPU workers; NCCL/RCCL for GPUs unless the group chose gloo (WorkerGroup(backend=...)).
     backend = os.environ.get("RP_BACKEND") or ("gloo" if device.type == "cpu" else "nccl")
     if device.type != "cpu":
@@ -322,6 +324,8 @@ def _run(request: Request, ctx: WorkerContext) -> Any:
             f"worker method {request.method!r} returned a {type(result).__name__}; a method returns a "
             "registered record (transport.record) or None"
         )
+    if os.environ.get("RP_INLINE"):  # a rank on another host: the caller cannot read this host's tmpfs
+        return pack(result, ctx.shm_dir, "", inline=True)
     if request.reuse_files:
         return pack(result, ctx.shm_dir, f"result-{ctx.rank}", reuse=True)
     return pack(result, ctx.shm_dir, f"result-{ctx.job}-{ctx.rank}")
@@ -359,6 +363,17 @@ def _serve(conn: Connection, ctx: WorkerContext) -> bool:
         send(conn, dataclasses.replace(reply, seconds=time.perf_counter() - started))
 
 
+def _connect(address: str, key: bytes) -> Connection:
+    """The caller's Unix socket, or (a rank on another host) the first host's hub: 'tcp:ADDRESS:PORT',
+    connected from this host's address (RP_SOURCE_ADDRESS) and authenticated with the group's key."""
+    if not address.startswith("tcp:"):
+        return Client(address, family="AF_UNIX", authkey=key)
+    from .tcp import connect
+
+    host, _, port = address.removeprefix("tcp:").rpartition(":")
+    return connect((host.strip("[]"), int(port)), key, os.environ.get("RP_SOURCE_ADDRESS") or None)
+
+
 def main() -> None:
     key = bytes.fromhex(sys.stdin.buffer.readline().decode().strip())
     _watch_parent()
@@ -369,8 +384,8 @@ def main() -> None:
     device = torch.device(os.environ["RP_DEVICE"])
     for path in filter(None, os.environ.get("RP_EXTRA_SYS_PATH", "").split(os.pathsep)):
         sys.path.insert(0, path)
-    conn = Client(os.environ["RP_ADDRESS"], family="AF_UNIX", authkey=key)
-    send(conn, Hello(rank=rank, pid=os.getpid()))
+    conn = _connect(os.environ["RP_ADDRESS"], key)
+    send(conn, Hello(rank=rank, pid=os.getpid(), launch=os.environ.get("RP_LAUNCH", "")))
     heartbeat.set("starting", detail="joining the process group")
     _join_group(conn, rank, world_size, device)
     heartbeat.watch_collectives()

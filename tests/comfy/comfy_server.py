@@ -354,8 +354,9 @@ def _tree_state(path: str) -> str:
 
 
 @contextmanager
-def running_comfy(base: Path) -> Iterator[Comfy]:
-    """Start ComfyUI on a free loopback port; on exit stop it and check nothing is left behind."""
+def running_comfy(base: Path, env: dict[str, str] | None = None) -> Iterator[Comfy]:
+    """Start ComfyUI on a free loopback port (`env`: more of its environment); on exit stop it and check nothing
+    is left behind."""
     (base / "custom_nodes").mkdir()
     (base / "custom_nodes" / PACK_DIR_NAME).symlink_to(PACK_ROOT, target_is_directory=True)
     (base / "custom_nodes" / "rp_test_nodes.py").write_text(REFERENCE_NODE.format(references=str(REFERENCES)))
@@ -380,6 +381,7 @@ def running_comfy(base: Path) -> Iterator[Comfy]:
         "ROCM_PARALLEL_THREADS": "1",  # one thread per worker: the machine's cores are shared
         "OMP_NUM_THREADS": "1",
         "PYTHONDONTWRITEBYTECODE": "1",  # nothing written into the ComfyUI checkout
+        **(env or {}),
     }
     log = base / "comfyui.log"
     command = [
@@ -530,12 +532,15 @@ def model_prompt(case: str, seed_offset: int = 0) -> dict[str, Any]:
     return prompt
 
 
-def flux2_prompt(case: str, layout: str = "tp", seed_offset: int = 0) -> dict[str, Any]:
-    """ComfyUI's FLUX.2 template graph for reference `case` on the ROCm Parallel Model (`layout` on 2 CPU
-    workers), the text features from the reference file, saved with SaveLatent under 'flux2/<case>'."""
+def flux2_prompt(
+    case: str, layout: str = "tp", seed_offset: int = 0, devices: str = "cpu x2"
+) -> dict[str, Any]:
+    """ComfyUI's FLUX.2 template graph for reference `case` on the ROCm Parallel Model (`layout` on `devices`),
+    the text features from the reference file, saved with SaveLatent under 'flux2/<case>_<layout>' (the
+    layout without spaces)."""
     c = FLUX2_CASES[case]
     size = {"width": c["width"], "height": c["height"]}
-    loader = loader_node(FLUX2_CHECKPOINT)
+    loader = loader_node(FLUX2_CHECKPOINT, devices)
     loader["inputs"]["preload"] = "none"
     prompt: dict[str, Any] = {
         "1": {"class_type": "RPTestReferenceConditioning", "inputs": {"case": case}},
@@ -552,7 +557,7 @@ def flux2_prompt(case: str, layout: str = "tp", seed_offset: int = 0) -> dict[st
                "inputs": {"noise": ["6", 0], "guider": ["5", 0], "sampler": ["7", 0], "sigmas": ["8", 0],
                           "latent_image": ["9", 0]}},
         "11": {"class_type": "SaveLatent",
-               "inputs": {"samples": ["10", 0], "filename_prefix": f"flux2/{case}_{layout}"}},
+               "inputs": {"samples": ["10", 0], "filename_prefix": f"flux2/{case}_{layout.replace(' ', '')}"}},
     }  # fmt: skip
     return prompt
 

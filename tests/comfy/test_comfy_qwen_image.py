@@ -42,8 +42,14 @@ LAYOUTS = {
 }
 # The batch degree splits one model call's batch: only the cases at cfg > 1 (cond + uncond, one call of 2)
 # give both TP pairs an entry; at cfg 1 one pair would idle and the case would test nothing new.
+QUICK_RUN = (
+    "batch2_tp2",
+    "qwen_t2i",
+)  # the quick tier's (comfy_quick): composed, cfg 2.5 with a negative, a LoRA
 RUNS = [
-    (layout, name)
+    pytest.param(layout, name, marks=pytest.mark.comfy_quick)
+    if (layout, name) == QUICK_RUN
+    else (layout, name)
     for name in sorted(CASES)
     for layout in sorted(LAYOUTS)
     if LAYOUTS[layout][1].batch == 1 or CASES[name].get("cfg", 1.0) > 1

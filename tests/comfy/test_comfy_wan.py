@@ -67,6 +67,7 @@ LAYOUTS = {  # the ROCm Parallel Model's layout -> the loader's devices
     "ulysses 2": "cpu x2",
     "tp 2 x ring 2": "cpu x4",
 }
+QUICK_LAYOUT = "tp 2 x ring 2"  # the quick tier's (comfy_quick): a composed layout
 
 
 def file_name(model: str) -> str:
@@ -333,7 +334,9 @@ def _saved(comfy: Comfy, prefix: str) -> torch.Tensor:
     return load_file(str(files[-1]))["latent_tensor"]
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(
+    "layout", [pytest.param(a, marks=pytest.mark.comfy_quick) if a == QUICK_LAYOUT else a for a in LAYOUTS]
+)
 def test_wan_graphs_through_the_prompt_api_match_comfyuis_own_wan(
     comfy: Comfy, wan_files, layout: str
 ) -> None:

@@ -21,6 +21,7 @@ def _saved(comfy: Comfy, prefix: str) -> torch.Tensor:
     return load_file(str(files[0]))["latent_tensor"]
 
 
+@pytest.mark.comfy_quick
 def test_cfg_and_negative_on_batch2_tp2_through_the_prompt_api(comfy: Comfy) -> None:
     case = "cfg_negative"
     prompt = model_prompt(case)

@@ -229,20 +229,30 @@ def test_kontext_through_the_prompt_api_matches_comfyui(comfy: Comfy) -> None:
     assert (_saved(comfy, f"model/{case}") - reference(case)["output"]).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("layout", ["tp", "context"])
+@pytest.mark.parametrize(
+    ("layout", "devices"),
+    [
+        ("tp", "cpu x2"),
+        ("context", "cpu x2"),
+        pytest.param("tp 2 x ring 2", "cpu x4", marks=pytest.mark.comfy_quick),
+    ],
+)
 def test_flux2_template_graph_through_the_prompt_api_matches_comfyuis_own_flux2(
-    comfy: Comfy, layout: str
+    comfy: Comfy, layout: str, devices: str
 ) -> None:
     """The shipped FLUX.2 workflow's graph (ROCm Parallel Loader -> ROCm Parallel Model -> BasicGuider,
     RandomNoise, KSamplerSelect, Flux2Scheduler, EmptyFlux2LatentImage, SamplerCustomAdvanced) with a
-    FLUX.2 checkpoint, queued through /prompt: the saved latent equals ComfyUI's own Flux2's for the same
-    weights, seed and text features (tests/tools/make_comfy_references.py)."""
+    FLUX.2 checkpoint, queued through /prompt, at TP and context parallelism on 2 workers and composed on 4:
+    the saved latent equals ComfyUI's own Flux2's for the same weights, seed and text features
+    (tests/tools/make_comfy_references.py)."""
     if not FLUX2_CASES or "EmptyFlux2LatentImage" not in comfy.get("/object_info/EmptyFlux2LatentImage"):
         pytest.skip("this ComfyUI predates FLUX.2 (0.3.75)")
     case = "flux2_4steps"
-    entry = comfy.wait_done(comfy.post("/prompt", {"prompt": flux2_prompt(case, layout)})["prompt_id"])
+    prompt = flux2_prompt(case, layout, devices=devices)
+    entry = comfy.wait_done(comfy.post("/prompt", {"prompt": prompt})["prompt_id"])
     assert entry["status"]["status_str"] == "success", entry["status"]
-    diff = (_saved(comfy, f"flux2/{case}_{layout}") - reference(case)["output"]).abs().max().item()
+    tag = layout.replace(" ", "")
+    diff = (_saved(comfy, f"flux2/{case}_{tag}") - reference(case)["output"]).abs().max().item()
     print(f"{case} /prompt {layout}: max |diff| {diff:.2e}")
     assert diff <= 1e-5
 

@@ -1,6 +1,6 @@
 """Record what the caller's watchdog sees under CPU contention, for tests/test_contention.py to replay:
-tests/data/liveness/contention-<workers>.jsonl.gz (miniature loads and model calls, healthy) and
-blocked-2.jsonl.gz (rank 1 blocks in Python at step 3 of `hang_at`), with more CPU burners than cores.
+tests/data/liveness/contention-<workers>.jsonl.gz (miniature loads and model calls, healthy) and one trace
+per kind of hang in `HANGS` (rank 1 hangs at step 3 of `hang_at`), with more CPU burners than cores.
 
     python tests/tools/record_liveness_traces.py [--loads 30 --calls 300]
 
@@ -89,22 +89,41 @@ def main() -> None:
                 {k: header[k] for k in ("starved_looks", "left_looks", "loadavg")},
                 len(recorder.events),
             )
-        recorder, group = Recorder(), _group(2)
-        group._workers.trace = recorder
-        try:
-            group.call("hang_at", OnRank(rank=1, at_step=3, kind="block"))
-        except WorkerError as exc:
-            print("blocked:", exc)
-        how = f"hang_at, rank 1 blocked in Python at step 3, beside {BURNERS} burners"
-        header = _header(2, group.pids, recorder, how)
-        header["blocked_at"] = next(
-            state["since"]
-            for event in recorder.events
-            for rank, (state, _) in event.get("looks", {}).items()
-            if rank == "1" and state is not None and state["step"] == 3
-        )
-        group.close()
-        recorder.save(TRACES / "blocked-2.jsonl.gz", header)
+        for name, (options, what) in HANGS.items():
+            _record_hang(name, options, what)
+
+
+# trace name -> (how rank 1 hangs at step 3: OnRank's options, in words)
+HANGS = {
+    "blocked-2": ({"kind": "block"}, "rank 1 blocked in Python"),
+    "asleep-2": (
+        {"kind": "sleep", "seconds": 3600.0, "noise": 0.2},
+        "rank 1 asleep in Python while a thread of it uses a fifth of a core (issue 56)",
+    ),
+    "kernel-2": (
+        {"kind": "kernel"},
+        "rank 1's main thread in uninterruptible sleep (D), its reports going on",
+    ),
+}
+
+
+def _record_hang(name: str, options: dict, what: str) -> None:
+    recorder, group = Recorder(), _group(2)
+    group._workers.trace = recorder
+    try:
+        group.call("hang_at", OnRank(rank=1, at_step=3, **options))
+    except WorkerError as exc:
+        print(f"{name}:", exc)
+    how = f"hang_at, {what} at step 3, beside {BURNERS} burners"
+    header = _header(2, group.pids, recorder, how)
+    header["blocked_at"] = next(
+        state["since"]
+        for event in recorder.events
+        for rank, (state, _) in event.get("looks", {}).items()
+        if rank == "1" and state is not None and state["step"] == 3
+    )
+    group.close()
+    recorder.save(TRACES / f"{name}.jsonl.gz", header)
 
 
 if __name__ == "__main__":
