@@ -211,10 +211,10 @@ def _split_tokens(model: nn.Module, split: TokenSplit, state: SequenceState) -> 
     forward = _TokenForward()
     dim, degree = split.dim, state.degree
 
-    def piece(value: torch.Tensor) -> torch.Tensor:
+    def piece(value: torch.Tensor, along: int = dim) -> torch.Tensor:
         if forward.padded:
-            value = pad_for_ranks(value, dim, degree)
-        return value.chunk(degree, dim)[state.rank]
+            value = pad_for_ranks(value, along, degree)
+        return value.chunk(degree, along)[state.rank]
 
     def start(*_: Any) -> None:  # a previous call that failed inside a module left these set
         forward.length, forward.cut, state.depth = None, {}, 0
@@ -245,7 +245,7 @@ def _split_tokens(model: nn.Module, split: TokenSplit, state: SequenceState) -> 
         if rows == forward.length:
             out = piece(value)
         else:
-            out = value.index_select(dim, piece(token_rows(name, rows, value.device)))
+            out = value.index_select(dim, piece(token_rows(name, rows, value.device), 0))
         forward.cut[id(value)] = (value, out)
         return out
 
