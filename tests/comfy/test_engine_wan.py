@@ -32,16 +32,24 @@ pytestmark = [pytest.mark.comfy, pytest.mark.timeout(3000)]
 TOL = 1e-4  # float32 on gloo: ComfyUI's attention on CPU vs the pack's CPU flash kernel, over 315 tokens
 LAYOUTS = {"tp 2": 2, "ring 2": 2, "ulysses 2": 2, "ring 2 x tp 2": 4}  # layout -> workers
 TEXT = 4096  # umt5's width: ComfyUI's WanModel default (its detection does not read it)
+CLIP = 1280  # CLIP vision's width (ComfyUI's MLPProj for I2V), 257 tokens
 # name -> width, FFN, blocks, latent channels in / out, seed, the file's metadata config (None: none).
-# wan21-t2v: 2 heads of 128 (ComfyUI reads heads as dim // 128); wan22-ti2v: Wan 2.2 TI2V 5B's 48 channels
+# wan21-t2v: 2 heads of 128 (ComfyUI reads heads as dim // 128); wan21-i2v: CLIP image tokens in the
+# cross-attention (k_img, v_img, norm_k_img: what the plan's `optional` names); wan22-ti2v: Wan 2.2 TI2V 5B's 48 channels
 # (WAN22_T2V: per-frame timesteps); wan21-heads64: issue 51's file, 12 heads of 64 set by its metadata.
 MODELS: dict[str, dict[str, Any]] = {
     "wan21-t2v": {"dim": 256, "ffn": 512, "blocks": 2, "in": 16, "out": 16, "seed": 5101},
+    "wan21-i2v": {"dim": 256, "ffn": 512, "blocks": 2, "in": 36, "out": 16, "seed": 5104, "image": True},
     "wan22-ti2v": {"dim": 256, "ffn": 512, "blocks": 2, "in": 48, "out": 48, "seed": 5102},
     "wan21-heads64": {"dim": 768, "ffn": 256, "blocks": 1, "in": 16, "out": 16, "seed": 5103,
                       "metadata": {"transformer": {"num_heads": 12}}},
 }  # fmt: skip
-SUPPORTED = {"wan21-t2v": "WAN21_T2V", "wan22-ti2v": "WAN22_T2V", "wan21-heads64": "WAN21_T2V"}
+SUPPORTED = {
+    "wan21-t2v": "WAN21_T2V",
+    "wan21-i2v": "WAN21_I2V",
+    "wan22-ti2v": "WAN22_T2V",
+    "wan21-heads64": "WAN21_T2V",
+}
 FRAMES, HEIGHT, WIDTH = 9, 9, 13  # odd latent sizes: ComfyUI pads to 10 x 14, 9 x 5 x 7 = 315 tokens
 
 
@@ -59,12 +67,15 @@ def header_like(spec: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The keys and shapes comfy/model_detection.py reads for a Wan (meta tensors: a header, abridged)."""
     t = lambda *shape: torch.empty(shape, device="meta")  # noqa: E731
     dim = spec["dim"]
-    return {
+    sd = {
         "head.modulation": t(1, 2, dim),
         "head.head.weight": t(4 * spec["out"], dim),
         "patch_embedding.weight": t(dim, spec["in"], 1, 2, 2),
         **{f"blocks.{i}.ffn.0.weight": t(spec["ffn"], dim) for i in range(spec["blocks"])},
     }
+    if spec.get("image"):
+        sd["img_emb.proj.0.bias"] = t(CLIP)
+    return sd
 
 
 def build_and_save(comfy: dict[str, Any], spec: dict[str, Any], path: Path) -> str:
@@ -136,11 +147,14 @@ def call_inputs(name: str, seed: int = 0) -> dict[str, Any]:
         timestep[1] *= 0.5
     else:
         timestep = torch.tensor([700.0, 700.0])
-    return {
+    inputs = {
         "x": torch.randn(2, spec["in"], FRAMES, HEIGHT, WIDTH, generator=g),
         "timestep": timestep,
         "context": torch.randn(2, 7, TEXT, generator=g),
     }
+    if spec.get("image"):
+        inputs["clip_fea"] = torch.randn(2, 257, CLIP, generator=g)
+    return inputs
 
 
 def comfy_forward(model: Any, inputs: dict[str, Any]) -> torch.Tensor:
@@ -154,10 +168,11 @@ def engine_forward(group: ParallelModel, path: str, layout: str, inputs: dict[st
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS), ids=lambda s: s.replace(" ", ""))
-@pytest.mark.parametrize("name", ["wan21-t2v", "wan22-ti2v"])
+@pytest.mark.parametrize("name", ["wan21-t2v", "wan21-i2v", "wan22-ti2v"])
 def test_the_engine_equals_comfyuis_own_wan(files, groups, name, layout) -> None:
     """9 latent frames at 9 x 13 (padded by ComfyUI to 10 x 14): 315 tokens, uneven over 2 ranks (padded keys
-    dropped); Wan 2.2 TI2V with one timestep per frame, whose modulation rows each rank cuts to its tokens."""
+    dropped); Wan 2.1 I2V with CLIP image tokens (36 channels in: the latent, mask and start image ComfyUI
+    concatenates before the call); Wan 2.2 TI2V with one timestep per frame, whose modulation rows each rank cuts to its tokens."""
     path, reference = files[name]
     inputs = call_inputs(name)
     expected = comfy_forward(reference, inputs)
