@@ -262,3 +262,38 @@ def test_the_patch_embedding_stays_float32_in_a_bfloat16_load(files, groups) -> 
     spec = MODELS["wan21-t2v"]
     embedding = spec["dim"] * spec["in"] * 4 + spec["dim"]  # Conv3d (1, 2, 2) weight and bias
     assert [r.parameter_bytes_by_dtype.get("float32") for r in reports] == [embedding * 4] * 2
+
+
+@pytest.mark.parametrize("preset", ["wan2.1-t2v-14b", "wan2.1-i2v-14b", "wan2.2-ti2v-5b"])
+def test_bytes_per_rank_at_the_released_wan_configs_are_not_above_the_diffusers_engines(
+    comfy, preset
+) -> None:
+    """The issue's bar, as for FLUX (test_engine.py): bytes per GPU on the engine (ComfyUI's WanModel as its
+    detection configures it from the released header's shapes, the plan applied under the fake process group,
+    the patch embedding float32 as ComfyUI holds it) not above the planner's count of the diffusers engine's
+    shards, at TP 1, 2 and 4, bf16 and fp8 weights, first and last rank."""
+    from test_engine import engine_bytes_of
+
+    from rocm_parallel.backend.config import ParallelLayout
+    from rocm_parallel.backend.family import get_family
+    from rocm_parallel.backend.plan import weight_bytes
+
+    family = get_family("wan")
+    config = family.presets[preset]
+    spec = {
+        "dim": config["num_attention_heads"] * config["attention_head_dim"], "ffn": config["ffn_dim"],
+        "blocks": config["num_layers"], "in": config["in_channels"], "out": config["out_channels"],
+        "image": config["image_dim"] is not None,
+    }  # fmt: skip
+    dims = family.dims(config)
+    for tp in (1, 2, 4):
+        for weights, size in (("compute", 2), ("fp8_e4m3fn", 1)):
+            for rank in {0, tp - 1}:
+                ours = engine_bytes_of(comfy, header_like(spec), tp, rank, weights)
+                today = weight_bytes(
+                    dims, ParallelLayout(tp=tp), 2, rank, family=family.name, linear_bytes=size
+                )
+                print(
+                    f"{preset} tp {tp} rank {rank} {weights}: engine {ours / 1e9:.3f} GB, diffusers {today / 1e9:.3f} GB"
+                )
+                assert ours <= today
