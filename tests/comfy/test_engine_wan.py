@@ -15,14 +15,13 @@ widths are all read from the shapes (heads as dim // 128) or from the file's met
 from __future__ import annotations
 
 import json
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import test_engine
 import torch
-from comfy_server import COMFYUI_PATH, TESTS_DIR
+from comfy_server import COMFYUI_PATH
 from safetensors.torch import save_file
 
 from rocm_parallel.backend.api import ParallelModel
@@ -52,15 +51,8 @@ SUPPORTED = {
 }
 FRAMES, HEIGHT, WIDTH = 9, 9, 13  # odd latent sizes: ComfyUI pads to 10 x 14, 9 x 5 x 7 = 315 tokens
 
-
-@pytest.fixture(scope="module")
-def comfy() -> dict[str, Any]:
-    if not COMFYUI_PATH:
-        pytest.skip("set COMFYUI_PATH to a ComfyUI checkout to run the comfy tier")
-    sys.path.insert(0, str(TESTS_DIR / "tools"))
-    import comfy_models
-
-    return comfy_models.import_comfy(COMFYUI_PATH)
+# test_engine.py's fixtures (this ComfyUI imported in this process; worker groups of 2 and 4) and reference
+comfy, groups, comfy_forward = test_engine.comfy, test_engine.groups, test_engine.comfy_forward
 
 
 def header_like(spec: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -129,14 +121,6 @@ def files(comfy: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> di
     return out
 
 
-@pytest.fixture(scope="module")
-def groups(comfy: dict[str, Any]) -> Iterator[dict[int, ParallelModel]]:
-    made = {n: ParallelModel(["cpu"] * n, threads=1) for n in (2, 4)}
-    yield made
-    for model in made.values():
-        model.close()
-
-
 def call_inputs(name: str, seed: int = 0) -> dict[str, Any]:
     """A CFG-like call: two latent videos, each with its own prompt. Wan 2.2 TI2V gets one timestep per latent
     frame (WAN22.process_timestep with a start image's noise mask: the first frame at 0), the others one."""
@@ -155,11 +139,6 @@ def call_inputs(name: str, seed: int = 0) -> dict[str, Any]:
     if spec.get("image"):
         inputs["clip_fea"] = torch.randn(2, 257, CLIP, generator=g)
     return inputs
-
-
-def comfy_forward(model: Any, inputs: dict[str, Any]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(**inputs)
 
 
 def engine_forward(group: ParallelModel, path: str, layout: str, inputs: dict[str, Any], **load: Any) -> Any:
@@ -272,8 +251,6 @@ def test_bytes_per_rank_at_the_released_wan_configs_are_not_above_the_diffusers_
     detection configures it from the released header's shapes, the plan applied under the fake process group,
     the patch embedding float32 as ComfyUI holds it) not above the planner's count of the diffusers engine's
     shards, at TP 1, 2 and 4, bf16 and fp8 weights, first and last rank."""
-    from test_engine import engine_bytes_of
-
     from rocm_parallel.backend.config import ParallelLayout
     from rocm_parallel.backend.family import get_family
     from rocm_parallel.backend.plan import weight_bytes
@@ -289,7 +266,7 @@ def test_bytes_per_rank_at_the_released_wan_configs_are_not_above_the_diffusers_
     for tp in (1, 2, 4):
         for weights, size in (("compute", 2), ("fp8_e4m3fn", 1)):
             for rank in {0, tp - 1}:
-                ours = engine_bytes_of(comfy, header_like(spec), tp, rank, weights)
+                ours = test_engine.engine_bytes_of(comfy, header_like(spec), tp, rank, weights)
                 today = weight_bytes(
                     dims, ParallelLayout(tp=tp), 2, rank, family=family.name, linear_bytes=size
                 )
