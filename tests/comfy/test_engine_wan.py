@@ -29,7 +29,13 @@ from rocm_parallel.backend.api import ParallelModel
 pytestmark = [pytest.mark.comfy, pytest.mark.timeout(3000)]
 
 TOL = 1e-4  # float32 on gloo: ComfyUI's attention on CPU vs the pack's CPU flash kernel, over 315 tokens
-LAYOUTS = {"tp 2": 2, "ring 2": 2, "ulysses 2": 2, "ring 2 x tp 2": 4}  # layout -> workers
+LAYOUTS = {
+    "tp 2": 2,
+    "ring 2": 2,
+    "ulysses 2": 2,
+    "ring 2 x tp 2": 4,
+    "batch 2 x tp 2": 4,
+}  # layout -> workers
 TEXT = 4096  # umt5's width: ComfyUI's WanModel default (its detection does not read it)
 CLIP = 1280  # CLIP vision's width (ComfyUI's MLPProj for I2V), 257 tokens
 # name -> width, FFN, blocks, latent channels in / out, seed, the file's metadata config (None: none).
@@ -274,3 +280,17 @@ def test_bytes_per_rank_at_the_released_wan_configs_are_not_above_the_diffusers_
                     f"{preset} tp {tp} rank {rank} {weights}: engine {ours / 1e9:.3f} GB, diffusers {today / 1e9:.3f} GB"
                 )
                 assert ours <= today
+
+
+@pytest.mark.parametrize("layout", ["tp 2", "ring 2"], ids=lambda s: s.replace(" ", ""))
+def test_compiled_wan_blocks_on_the_engine_equal_comfyuis_own_wan(files, groups, layout) -> None:
+    """compile='aot_eager' marks the plan's blocks (ComfyUI's WanAttentionBlock); under ring 2 the token split's
+    hooks on them (this rank's RoPE rows and per-frame modulation) run around the compiled block."""
+    path, reference = files["wan22-ti2v"]
+    inputs = call_inputs("wan22-ti2v")
+    group = groups[LAYOUTS[layout]]
+    out = engine_forward(group, path, layout, inputs, compile="aot_eager")
+    diff = (out - comfy_forward(reference, inputs)).abs().max().item()
+    print(f"compiled Wan {layout}: max |diff| {diff:.2e}; {group.compiles[-1:]}")
+    assert group.compiles and "compiled the repeated blocks" in group.compiles[0]
+    assert diff <= TOL
