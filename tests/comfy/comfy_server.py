@@ -412,12 +412,16 @@ def running_comfy(base: Path, env: dict[str, str] | None = None) -> Iterator[Com
             try:
                 server.get("/system_stats")
                 break
-            except (urllib.error.URLError, ConnectionError):
+            # TimeoutError: the connection accepted but not yet answered (a loaded machine)
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
                 assert time.monotonic() < deadline, f"ComfyUI did not start:\n{log.read_text()[-3000:]}"
                 time.sleep(1.0)
         yield server
     finally:
-        family = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        try:
+            family = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:  # ComfyUI exited already (the assertion above says how)
+            family = [proc.pid]
         proc.terminate()
         try:
             proc.wait(timeout=30)
