@@ -12,6 +12,11 @@ ComfyUI's `wrap_attn` does (comfy/ldm/modules/attention.py, 0.3.75 and 0.33.0).
 position table over [text | image] and an additive text mask in one body and hands them whole to every block,
 with an index into the image tokens from which the block modulates them otherwise.
 
+`FrameToy` is the third way a model meets context parallelism, ComfyUI's Wan's (`TokenSplit`): it makes its
+tokens inside its forward (a patch linear over frames x positions), hands its blocks a position table with a
+row per token and a modulation with one row per frame (Wan 2.2's per-frame timesteps), spread over each
+frame's tokens by a function of the model's module (Wan's `repeat_e`), and needs every token after its head.
+
 The worker methods (`WorkerGroup(methods=["engine_toy"])`) build a toy seeded on every rank, apply its plan in a
 layout and run its forward.
 """
@@ -36,6 +41,7 @@ from rocm_parallel.backend.models.plan import (
     Rows,
     SequenceSplit,
     Stream,
+    TokenSplit,
 )
 from rocm_parallel.backend.parallel.mesh import parallel_groups
 from rocm_parallel.backend.runtime.transport import record
@@ -223,7 +229,98 @@ BLOCK_TOY_PLAN = ModelPlan(
     ),
     attention=("blocks.*",),
 )
-TOYS = {"toy": (Toy, TOY_PLAN), "block toy": (BlockToy, BLOCK_TOY_PLAN)}
+
+
+def repeat_rows(e: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """One row of `e` per run of consecutive tokens of `x` (ComfyUI's Wan `repeat_e`, divisible case)."""
+    return e if e.shape[1] == 1 else e.repeat_interleave(x.shape[1] // e.shape[1], dim=1)
+
+
+class FrameAttention(nn.Module):
+    """Self-attention, or cross-attention to `context` (the whole text: never split)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_heads = HEADS
+        self.q, self.kv, self.proj = nn.Linear(DIM, DIM), nn.Linear(DIM, 2 * DIM), nn.Linear(DIM, DIM)
+
+    def forward(self, x, transformer_options, context=None):
+        (q,) = heads_of(self.q(x), 1, self.num_heads)
+        k, v = heads_of(self.kv(x if context is None else context), 2, self.num_heads)
+        return self.proj(attention(q, k, v, self.num_heads, transformer_options))
+
+
+class FrameBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.self_attn, self.cross_attn = FrameAttention(), FrameAttention()
+        self.ffn_in, self.ffn_out = nn.Linear(DIM, MLP), nn.Linear(MLP, DIM)
+
+    def forward(self, x, e, freqs, context, transformer_options):
+        shift, scale = e[..., :DIM], e[..., DIM:]
+        h = F.layer_norm(x, (DIM,)) * (1 + repeat_rows(scale, x)) + repeat_rows(shift, x) + freqs
+        x = x + self.self_attn(h, transformer_options)
+        x = x + self.cross_attn(x, transformer_options, context)
+        return x + self.ffn_out(F.gelu(self.ffn_in(x)))
+
+
+class FrameHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(DIM, OUT)
+
+    def forward(self, x, e):
+        return self.out(F.layer_norm(x, (DIM,)) * (1 + repeat_rows(e[..., DIM:], x)))
+
+
+class FrameToy(nn.Module):
+    """forward(x [B, frames, positions, OUT], t [B] or [B, frames], context) like ComfyUI's WanModel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch, self.text = nn.Linear(OUT, DIM), nn.Linear(TEXT, DIM)
+        self.time, self.pos = nn.Linear(1, DIM), nn.Linear(2, DIM)
+        self.time_projection = nn.Linear(DIM, 2 * DIM)
+        self.blocks = nn.ModuleList([FrameBlock(), FrameBlock()])
+        self.head = FrameHead()
+        self.num_heads, self.dim = HEADS, DIM
+
+    def forward(self, x, t, context, transformer_options=None):
+        frames, positions = x.shape[1:3]
+        ids = torch.stack(torch.meshgrid(torch.arange(frames), torch.arange(positions), indexing="ij"), -1)
+        freqs = self.pos(ids.flatten(0, 1).float())[None]  # one row per token
+        e = self.time_projection(F.silu(self.time(t.reshape(t.shape[0], -1, 1))))  # one row per frame, or one
+        tokens, context = self.patch(x).flatten(1, 2), self.text(context)
+        for block in self.blocks:
+            tokens = block(tokens, e, freqs, context, transformer_options or {})
+        return self.head(tokens, e).unflatten(1, (frames, positions))  # every token, in order
+
+
+FRAME_PLAN = ModelPlan(
+    name="frame toy",
+    model_class=f"{__name__}.FrameToy",
+    heads="num_heads",
+    width="dim",
+    linears={
+        **{f"blocks.*.{a}.q": Columns() for a in ("self_attn", "cross_attn")},
+        **{f"blocks.*.{a}.kv": Columns(2) for a in ("self_attn", "cross_attn")},
+        **{f"blocks.*.{a}.proj": Rows() for a in ("self_attn", "cross_attn")},
+        "blocks.*.ffn_in": Columns(),
+        "blocks.*.ffn_out": Rows(),
+        "time_projection": Gathered(),
+    },
+    per_rank={"blocks.*.self_attn": ("num_heads",), "blocks.*.cross_attn": ("num_heads",)},
+    blocks=("FrameBlock",),
+    sequence=TokenSplit(
+        modules=("blocks.*", "head"),
+        tokens="x",
+        rows=("e", "freqs"),
+        gather="head",
+        spread=f"{__name__}.repeat_rows",
+    ),
+    attention=("blocks.*.self_attn",),
+)
+TOYS = {"toy": (Toy, TOY_PLAN), "block toy": (BlockToy, BLOCK_TOY_PLAN), "frames": (FrameToy, FRAME_PLAN)}
 
 
 def build(seed: int = 0, toy: str = "toy") -> nn.Module:
@@ -250,6 +347,19 @@ def inputs(images: int, texts: int, batch: int = 2, seed: int = 1) -> dict[str, 
         "txt": torch.randn(batch, texts, TEXT, generator=g), "txt_ids": ids(texts),
         "y": torch.randn(batch, IMAGE, generator=g),
     }  # fmt: skip
+
+
+def frame_inputs(
+    frames: int, positions: int, per_frame: bool, batch: int = 2, seed: int = 1
+) -> dict[str, Any]:
+    """FrameToy's call: one timestep per sample, or one per frame (each frame its own)."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.rand(batch, frames, generator=g) if per_frame else torch.rand(batch, generator=g)
+    return {
+        "x": torch.randn(batch, frames, positions, OUT, generator=g),
+        "t": t,
+        "context": torch.randn(batch, 5, TEXT, generator=g),
+    }
 
 
 @record

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_toy import TOY_PLAN, ToyInputs, ToyLayout, block_inputs, build, inputs
+from engine_toy import TOY_PLAN, ToyInputs, ToyLayout, block_inputs, build, frame_inputs, inputs
 
 from rocm_parallel.backend.config import ConfigError, ParallelLayout
 from rocm_parallel.backend.models.options import check_engine, resolve_comfyui
@@ -70,11 +70,32 @@ def test_a_plan_whose_head_count_is_divided_per_rank_is_refused() -> None:
         replace(BLOCK_TOY_PLAN, heads="blocks.0.num_heads")
 
 
+@pytest.mark.parametrize(("groups", "layout"), LAYOUTS, indirect=["groups"], ids=str)
+@pytest.mark.parametrize("per_frame", [False, True], ids=["one-timestep", "per-frame"])
+def test_a_token_split_shards_a_model_that_makes_its_tokens_like_one_process(
+    groups, layout, per_frame
+) -> None:
+    """TokenSplit (Wan's way): tokens made inside the forward (3 frames x 5 positions: 15, uneven), split where
+    they enter the first block, the per-token table and the per-frame modulation cut to each rank's tokens
+    (a rank's tokens span frames), the head's output gathered before the model reshapes it: one process's."""
+    given = frame_inputs(3, 5, per_frame)
+    with torch.no_grad():
+        expected = build(toy="frames")(**given)
+    groups.call_all("toy_engine", ToyLayout(layout, toy="frames"))
+    for _ in range(2):  # a second forward: nothing of the first is held
+        out = groups.call("toy_forward", ToyInputs(given)).out
+        assert out.shape == expected.shape
+        assert (out - expected).abs().max().item() <= TOL
+
+
 def test_the_plan_registry_picks_by_class_and_detected_config() -> None:
     flux = "comfy.ldm.flux.model.Flux"
     assert plan_for(flux, {"image_model": "flux"}).name == "FLUX.1"
     assert plan_for(flux, {"image_model": "flux2"}).name == "FLUX.2"
     assert plan_for(flux, {"image_model": "chroma"}) is None
+    assert (
+        plan_for("comfy.ldm.wan.model.WanModel", {"image_model": "wan2.1", "model_type": "t2v"}).name == "Wan"
+    )
     assert plan_for(TOY_PLAN.model_class, {}) is None  # a test's plan is not registered
 
 

@@ -44,8 +44,6 @@ ALLOWED = {
         "backend/family.py",
         'BUILTIN: tuple[str, ...] = (".flux.family", ".flux2.family", ".qwen_image.family", ".wan.family")',
     ),
-    # ... and a model engine plan's registration
-    ("backend/models/plans/__init__.py", 'MODULES: tuple[str, ...] = (".flux", ".qwen_image")'),
     ("nodes/inputs.py", 'HANDLE_TYPE = "PARALLEL_FLUX"'),
     # the API class's name before it was generic: users' scripts import it
     ("backend/diffusion/api.py", '"ParallelFlux",'),

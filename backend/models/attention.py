@@ -26,9 +26,10 @@ as `enable_parallelism` would build it, without a diffusers model.
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,7 +51,7 @@ from ..parallel.context import (
 )
 from ..parallel.lse_check import guard_ring_kernel
 from ..parallel.tensor import resolve_plan
-from .plan import BlockSplit, ModelPlan, SequenceSplit
+from .plan import BlockSplit, ModelPlan, SequenceSplit, TokenSplit
 
 OVERRIDE_KEY = (
     "optimized_attention_override"  # ComfyUI's transformer_options key (comfy/ldm/modules/attention.py)
@@ -293,6 +294,102 @@ def _split_blocks(model: nn.Module, split: BlockSplit, state: SequenceState) -> 
     model.get_submodule(split.output).register_forward_hook(gather)
 
 
+@dataclass
+class _TokenForward:
+    """One forward under a TokenSplit: the whole token count (None until the first module splits the tokens)
+    and the arguments cut so far, by identity (the model hands one RoPE table and one modulation to every
+    block: each is cut once per forward)."""
+
+    length: int | None = None
+    padded: bool = False
+    cut: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+def _qualified(name: str) -> Callable[..., Any]:
+    module, _, attribute = name.rpartition(".")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def _split_tokens(model: nn.Module, split: TokenSplit, state: SequenceState) -> None:
+    """Split the tokens where they enter the first of `split.modules`, cut the `rows` arguments of every one
+    of them to this rank's tokens, gather the output of `split.gather` (plan.py TokenSplit)."""
+    modules = [model.get_submodule(n) for n in resolve_plan(model, dict.fromkeys(split.modules))]
+    spread = _qualified(split.spread) if split.spread else None
+    forward = _TokenForward()
+    dim, degree = split.dim, state.degree
+
+    def piece(value: torch.Tensor, along: int = dim) -> torch.Tensor:
+        if forward.padded:
+            value = pad_for_ranks(value, along, degree)
+        return value.chunk(degree, along)[state.rank]
+
+    def start(*_: Any) -> None:  # a previous call that failed inside a module left these set
+        forward.length, forward.cut, state.depth = None, {}, 0
+        state.context.padding = None
+
+    def token_rows(name: str, rows: int, device: torch.device) -> torch.Tensor:
+        """The row of a `rows`-row argument each whole-sequence token reads (ComfyUI's own `spread`)."""
+        length = forward.length
+        index = None
+        if spread is not None:
+            index = spread(
+                torch.arange(rows, device=device)[None], torch.empty((1, length, 0), device="meta")
+            )[0]
+        if index is None or index.shape[0] != length:
+            raise RuntimeError(
+                f"'{name}' has {rows} rows along dim {dim} for {length} tokens, which the plan's spread "
+                f"({split.spread or 'none'}) does not map onto the tokens"
+            )
+        return index
+
+    def cut(name: str, value: torch.Tensor) -> torch.Tensor:
+        rows = value.shape[dim]
+        if rows == 1:  # one row for every token
+            return value
+        held = forward.cut.get(id(value))
+        if held is not None and held[0] is value:
+            return held[1]
+        if rows == forward.length:
+            out = piece(value)
+        else:
+            out = value.index_select(dim, piece(token_rows(name, rows, value.device), 0))
+        forward.cut[id(value)] = (value, out)
+        return out
+
+    def enter(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        bound = inspect.signature(module.forward).bind(*args, **kwargs)
+        arguments = bound.arguments
+        if forward.length is None:  # the first module of this forward: the tokens are whole
+            tokens = arguments[split.tokens]
+            forward.length = int(tokens.shape[dim])
+            forward.padded = forward.length % degree != 0
+            if forward.padded:
+                sizes, width = split_sizes(forward.length, degree), -(-forward.length // degree)
+                valid = (torch.arange(width) < sizes[state.rank]).to(tokens.device, torch.float32)
+                state.context.padding = LocalPadding(valid, ())
+            arguments[split.tokens] = piece(tokens)
+        for name in split.rows:
+            if torch.is_tensor(arguments.get(name)):
+                arguments[name] = cut(name, arguments[name])
+        return bound.args, bound.kwargs
+
+    def gather(_module: nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
+        if forward.length is None:  # nothing was split in this forward
+            return out
+        pieces = [torch.empty_like(out) for _ in range(degree)]
+        dist.all_gather(pieces, out.contiguous(), group=state.group)
+        gathered = torch.cat(pieces, dim)
+        if forward.padded:
+            gathered = unpad_from_ranks(gathered, dim, split_sizes(forward.length, degree))
+        start()
+        return gathered
+
+    model.register_forward_pre_hook(start)
+    for module in modules:
+        module.register_forward_pre_hook(enter, with_kwargs=True)
+    model.get_submodule(split.gather).register_forward_hook(gather)
+
+
 def apply_context_parallel(
     model: nn.Module,
     plan: ModelPlan,
@@ -337,6 +434,8 @@ def apply_context_parallel(
         module.register_forward_hook(functools.partial(_leave, state))
     if isinstance(plan.sequence, BlockSplit):
         _split_blocks(model, plan.sequence, state)
+    elif isinstance(plan.sequence, TokenSplit):
+        _split_tokens(model, plan.sequence, state)
     else:
         _split_method(model, plan.sequence, state)
     return state

@@ -6,7 +6,8 @@ read, every value checked for NaN / inf where it lands, fp8 converted with a ran
 parameter is held in is the same rule too (`held_dtype`): a linear layer's weight stored fp8 stays fp8 unless
 the load asks otherwise ('fp8_*' converts every linear weight, 'compute' upcasts), and ComfyUI's
 `manual_cast` ops (which build.py gets whenever a weight may differ from the compute dtype) upcast it per
-layer, as in ComfyUI; everything else is held in the compute dtype.
+layer, as in ComfyUI; everything else is held in the compute dtype, except what ComfyUI's class builds in
+float32 whatever the model's dtype (Wan's patch embedding), which stays float32 as in ComfyUI.
 """
 
 from __future__ import annotations
@@ -22,12 +23,22 @@ from ..parallel.splits import Pieces
 
 
 def held_dtype(
-    module: nn.Module, param: str, stored: StoredTensor, weight_dtype: str, compute: torch.dtype
+    module: nn.Module,
+    param: str,
+    stored: StoredTensor,
+    weight_dtype: str,
+    compute: torch.dtype,
+    built: torch.dtype | None = None,
 ) -> torch.dtype:
     """The dtype a parameter read from `stored` is held in: the pack's rule (checkpoint/load.py
     `resident_dtype`), a linear layer's weight per `weight_dtype` ('default': fp8 stays fp8, 'fp8_*':
-    converted, 'compute': upcast), everything else in the compute dtype."""
-    return resident_dtype(stored, isinstance(module, nn.Linear) and param == "weight", weight_dtype, compute)
+    converted, 'compute': upcast), everything else in the compute dtype, except a parameter ComfyUI's class
+    builds (`built`: its meta dtype) in float32 whatever the model's dtype: Wan's patch embedding, a Conv3d
+    ComfyUI runs on x.float() and its loader copies the file into, so it stays float32 as in ComfyUI."""
+    linear_weight = isinstance(module, nn.Linear) and param == "weight"
+    if built == torch.float32 and not linear_weight:
+        return torch.float32
+    return resident_dtype(stored, linear_weight, weight_dtype, compute)
 
 
 def fill_weights(
@@ -46,7 +57,7 @@ def fill_weights(
         for done, (name, meta) in enumerate(parameters, 1):
             module_name, _, param = name.rpartition(".")
             module = model.get_submodule(module_name) if module_name else model
-            dtype = held_dtype(module, param, sources[name], weight_dtype, compute)
+            dtype = held_dtype(module, param, sources[name], weight_dtype, compute, meta.dtype)
             tensor = read_tensor(sources[name], pieces.get(name), dtype, device)
             if tuple(tensor.shape) != tuple(meta.shape):  # the plan and the model disagree: a bug
                 raise RuntimeError(

@@ -10,7 +10,9 @@ says, for that class:
   (`num_heads` on FLUX's blocks: they reshape q / k / v by it);
 * `sequence`: where the token sequence splits for ring attention and Ulysses (`SequenceSplit`: a method of
   the model whose arguments carry the token streams and their position ids, split alike; `BlockSplit`: the
-  blocks' arguments, for a model with no such method) and `attention`,
+  blocks' arguments, for a model with several streams and no such method; `TokenSplit`: the arguments of
+  the modules the tokens pass through, for a model that makes its one token stream inside its forward)
+  and `attention`,
   the modules whose attention then runs over the whole split sequence (through ComfyUI's attention hook);
   attention elsewhere (a cross-attention to the unsplit text) stays ComfyUI's own;
 * `blocks`: the repeated blocks' class names (cancel points, compile), `unbatched`: the call's inputs that
@@ -158,6 +160,31 @@ def _names_module(pattern: str, path: str) -> bool:
 
 
 @dataclass(frozen=True)
+class TokenSplit:
+    """Where context parallelism splits tokens that no method argument carries: a model whose forward makes
+    its tokens itself (Wan's `forward_orig` runs the Conv3d patch embedding on the whole latent video) and
+    hands them to its `modules` (the repeated blocks, then the output head) as their `tokens` argument.
+
+    Each rank takes its 1/N of the tokens (along `dim`) where they enter the first of `modules` a forward
+    calls; the following modules get this rank's tokens from the one before. Every call of one of `modules`
+    gets its `rows` arguments cut to this rank's tokens alike: an argument with one row per token along `dim`
+    (the RoPE table), or one row per run of consecutive tokens (Wan 2.2's per-frame modulation), spread over
+    the tokens by `spread` (the qualified name of ComfyUI's function that does it in the model, called as
+    `spread(rows, tokens)` on row indices: Wan's `repeat_e`), or one row for all tokens (left whole). Every
+    other argument stays whole (the text a cross-attention reads). The output of `gather` (the last of
+    `modules`) is all-gathered back whole along `dim`, so the model's code after it (unpatchify) sees every
+    token. A token count the degree does not divide is padded to whole pieces and the padded keys are dropped
+    from every softmax (never unmasked padding)."""
+
+    modules: tuple[str, ...]
+    tokens: str
+    rows: tuple[str, ...]
+    gather: str
+    spread: str = ""
+    dim: int = 1
+
+
+@dataclass(frozen=True)
 class ModelPlan:
     """How one of ComfyUI's diffusion model classes is sharded (see the module docstring).
 
@@ -177,7 +204,7 @@ class ModelPlan:
     blocks: tuple[str, ...]
     when: Mapping[str, Any] = field(default_factory=dict)
     norms: Mapping[str, HeadNorm] = field(default_factory=dict)
-    sequence: SequenceSplit | BlockSplit | None = None
+    sequence: SequenceSplit | BlockSplit | TokenSplit | None = None
     attention: tuple[str, ...] = ()
     unbatched: tuple[str, ...] = ()
     # plan keys some checkpoints of the class lack (every other key must name a module)
@@ -216,5 +243,6 @@ __all__ = [
     "SequenceSplit",
     "Split",
     "Stream",
+    "TokenSplit",
     "attribute",
 ]

@@ -213,9 +213,12 @@ def _save(samples: list, prefix: str) -> dict[str, Any]:
     return {"class_type": "SaveLatent", "inputs": {"samples": samples, "filename_prefix": prefix}}
 
 
-def _models(name: str, branch: str, layout: str, lora: bool = False) -> dict[str, dict[str, Any]]:
+def _models(
+    name: str, branch: str, layout: str, lora: bool = False, engine: bool = False
+) -> dict[str, dict[str, Any]]:
     """`name`'s MODEL on ComfyUI's UNETLoader ('ref') or the ROCm Parallel Loader + Model (the layout's
-    devices), with the case's LoRA; the node that gives it is `<name>.<branch>.model`."""
+    devices; `engine`: its handle on the model engine, ComfyUI's own WanModel on the workers), with the case's
+    LoRA; the node that gives it is `<name>.<branch>.model`."""
     key = f"{name}.{branch}"
     if branch == "ref":
         nodes = {f"{key}.load": {"class_type": "UNETLoader",
@@ -231,6 +234,9 @@ def _models(name: str, branch: str, layout: str, lora: bool = False) -> dict[str
                          "preload": "none", "weight_dtype": "default"}}  # fmt: skip
     nodes = {f"{key}.load": loader}
     handle = [f"{key}.load", 0]
+    if engine:
+        nodes[f"{key}.engine"] = {"class_type": "RPTestComfyEngine", "inputs": {"parallel_flux": handle, "detection": "{}"}}  # fmt: skip
+        handle = [f"{key}.engine", 0]
     if lora:
         nodes[f"{key}.lora"] = {"class_type": "RocmParallelLoRA",
                                 "inputs": {"parallel_flux": handle, "lora_name": LORA, "strength_model": 0.8}}  # fmt: skip
@@ -240,14 +246,15 @@ def _models(name: str, branch: str, layout: str, lora: bool = False) -> dict[str
     return {**nodes, "_out": [f"{key}.model", 0]}  # type: ignore[dict-item]
 
 
-def wan_prompt(layout: str) -> dict[str, Any]:
+def wan_prompt(layout: str, engine: bool = False) -> dict[str, Any]:
     """Every case on ComfyUI's own Wan ('ref', saved as wan/<case>_ref) and on the ROCm Parallel Model in
-    `layout` (wan/<case>_<tag>); plus the T2V case without its LoRA on ComfyUI's Wan (it must matter)."""
-    tag = layout.replace(" ", "")
+    `layout` (wan/<case>_<tag>; on the model engine with `engine`); plus the T2V case without its LoRA on
+    ComfyUI's Wan (it must matter)."""
+    tag = _tag(layout, engine)
     prompt: dict[str, Any] = {}
 
     def model(name: str, branch: str, lora: bool = False) -> list:
-        nodes = _models(name, branch, layout, lora)
+        nodes = _models(name, branch, layout, lora, engine)
         out = nodes.pop("_out")
         prompt.update(nodes)
         return out
@@ -328,6 +335,10 @@ def wan_prompt(layout: str) -> dict[str, Any]:
     return prompt
 
 
+def _tag(layout: str, engine: bool) -> str:
+    return layout.replace(" ", "") + ("-engine" if engine else "")
+
+
 def _saved(comfy: Comfy, prefix: str) -> torch.Tensor:
     files = sorted((comfy.base / "output").glob(f"{prefix}_*.latent"))
     assert files, prefix
@@ -340,13 +351,28 @@ def _saved(comfy: Comfy, prefix: str) -> torch.Tensor:
 def test_wan_graphs_through_the_prompt_api_match_comfyuis_own_wan(
     comfy: Comfy, wan_files, layout: str
 ) -> None:
+    check_wan_prompt(comfy, layout, engine=False)
+
+
+@pytest.mark.parametrize("layout", ["tp", "tp 2 x ring 2"])
+def test_wan_graphs_on_the_model_engine_through_prompt_match_comfyuis_own_wan(
+    comfy: Comfy, wan_files, layout: str
+) -> None:
+    """The same graphs with the pack's branch on the model engine (`engine='comfy'`: ComfyUI's own WanModel
+    sharded by plans/wan.py on the workers; its LoRA by ComfyUI's own LoRA code): T2V with cfg 5 and a LoRA,
+    I2V with CLIP vision, both A14B experts resident through the two KSamplerAdvanced, TI2V's per-frame
+    timesteps."""
+    check_wan_prompt(comfy, layout, engine=True)
+
+
+def check_wan_prompt(comfy: Comfy, layout: str, engine: bool) -> None:
     started = time.monotonic()
     entry = comfy.wait_done(
-        comfy.post("/prompt", {"prompt": wan_prompt(layout), "client_id": "rp-wan"})["prompt_id"],
+        comfy.post("/prompt", {"prompt": wan_prompt(layout, engine), "client_id": "rp-wan"})["prompt_id"],
         timeout=2400,
     )
     assert entry["status"]["status_str"] == "success", entry["status"]
-    tag = layout.replace(" ", "")
+    tag = _tag(layout, engine)
     shapes = {
         "t2v": (1, 16, 3, 5, 9),
         "i2v": (1, 16, 3, 5, 9),

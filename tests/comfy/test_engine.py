@@ -264,6 +264,14 @@ def engine_bytes(
     its detection configures it from the released header's shapes, built on the meta device, the plan applied
     under the fake process group, each parameter in the dtype the loader holds it in (bf16 compute)."""
     import comfy_models
+
+    return engine_bytes_of(comfy, comfy_models.header_like(released), tp, rank, weight_dtype)
+
+
+def engine_bytes_of(
+    comfy: dict[str, Any], probe: dict[str, torch.Tensor], tp: int, rank: int, weight_dtype: str
+) -> int:
+    """`engine_bytes` for the model ComfyUI's detection configures from `probe` (a header's meta tensors)."""
     import torch.distributed as dist
 
     from rocm_parallel.backend.checkpoint.files import StoredTensor
@@ -273,7 +281,6 @@ def engine_bytes(
     from rocm_parallel.testing.fake import fake_process_group
 
     detection = comfy["detection"]
-    probe = comfy_models.header_like(released)
     config = detection.model_config_from_unet_config(detection.detect_unet_config(probe, ""), probe)
     config.set_inference_dtype(torch.bfloat16, None)
     model = config.get_model({}, "", device=torch.device("meta")).diffusion_model
@@ -285,7 +292,7 @@ def engine_bytes(
     for name, p in model.named_parameters():
         module = model.get_submodule(name.rpartition(".")[0])
         stored = StoredTensor("", name, tuple(p.shape), "BF16")  # a bf16 release's header
-        dtype = held_dtype(module, name.rpartition(".")[2], stored, weight_dtype, torch.bfloat16)
+        dtype = held_dtype(module, name.rpartition(".")[2], stored, weight_dtype, torch.bfloat16, p.dtype)
         total += p.numel() * dtype.itemsize
     return total
 

@@ -1,19 +1,20 @@
 """Every model plan the engine knows, one module per ComfyUI model family; `plan_for` picks a model's.
 
 Adding a model is a plan module here (see plans/flux.py, the worked example, and docs/internals.md "The
-model engine") and one line in `MODULES`.
+model engine"): every module of this package is read, so no line elsewhere names the model.
 """
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from collections.abc import Mapping
 from typing import Any
 
 from ..plan import ModelPlan
 
-# Modules (relative to this package) whose `PLANS` tuple holds their plans.
-MODULES: tuple[str, ...] = (".flux", ".qwen_image")
+# Modules (relative to this package) whose `PLANS` tuple holds their plans: every module in this folder.
+MODULES: tuple[str, ...] = tuple(sorted(f".{m.name}" for m in pkgutil.iter_modules(__path__)))
 
 
 def plans() -> tuple[ModelPlan, ...]:
