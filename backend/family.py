@@ -214,6 +214,9 @@ class FamilyHeader:
     config_from_bfl: Callable[[Shapes], dict[str, Any]]
     matches_diffusers: Callable[[Collection[str]], bool]
     config_from_diffusers: Callable[[Shapes], dict[str, Any]]
+    # What the file's safetensors metadata changes in that config, as ComfyUI's detection reads it (Wan:
+    # `metadata["config"]["transformer"]`'s head count); None: the family's files declare nothing there.
+    config_with_metadata: Callable[[dict[str, Any], Mapping[str, str]], dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -332,6 +335,10 @@ class ModelFamily:
     @property
     def config_from_bfl(self) -> Callable[[Shapes], dict[str, Any]]:
         return _header_of(self).config_from_bfl
+
+    @property
+    def config_with_metadata(self) -> Callable[[dict[str, Any], Mapping[str, str]], dict[str, Any]] | None:
+        return _header_of(self).config_with_metadata
 
     @property
     def matches_diffusers(self) -> Callable[[Collection[str]], bool]:

@@ -145,6 +145,32 @@ def test_the_released_configs_are_the_released_models() -> None:
     }  # fmt: skip
 
 
+def test_a_head_count_in_the_files_metadata_is_read_as_comfyui_reads_it(wan_files, tmp_path: Path) -> None:
+    """ComfyUI 0.33's detection takes a Wan file's head count from `metadata["config"]["transformer"]`: the
+    256-wide tiny model declared as 4 heads of 64 is read so (the tier checks the output against ComfyUI's
+    own: tests/comfy/test_engine_wan.py), one with a count that does not divide the width is refused."""
+    import json
+
+    path, _ = wan_files["t2v"]
+    state = load_file(path)
+    for heads in (4, 3):
+        declared = tmp_path / f"heads{heads}.safetensors"
+        save_file(
+            state, str(declared), metadata={"config": json.dumps({"transformer": {"num_heads": heads}})}
+        )
+        if heads == 4:
+            info = inspect_checkpoint(declared)
+            assert (info.config["num_attention_heads"], info.config["attention_head_dim"]) == (4, 64)
+            assert info.model_name == "Wan T2V (4 heads, 2 blocks)"
+            continue
+        with pytest.raises(CheckpointError) as err:
+            inspect_checkpoint(declared)
+        assert str(err.value) == (
+            f"'{declared}': its metadata's config sets transformer num_heads=3, which does not divide the hidden "
+            "width 256 into even head widths; a Wan file's num_heads divides its width (e.g. 2)"
+        )
+
+
 @pytest.mark.parametrize(
     ("key", "what"),
     [

@@ -185,14 +185,17 @@ def _bfl_info(
     family: ModelFamily,
     scales: dict[str, StoredTensor],
     quantization: str,
+    metadata: Mapping[str, str],
 ) -> CheckpointInfo:
     """`header`: the file's transformer tensors under keys without `prefix`, in any spelling ComfyUI loads;
     resolved here, once, to the family's BFL names (the StoredTensors keep the file's keys, so the readers
-    never see a spelling)."""
+    never see a spelling). `metadata`: the header's strings, where a family's files may declare config."""
     tensors = family.keys.bfl_names(header, quoted(path))
     shapes = {k: t.shape for k, t in tensors.items()}
     try:
         config = family.config_from_bfl(shapes)
+        if family.config_with_metadata is not None:
+            config = family.config_with_metadata(config, metadata)
     except CheckpointError as err:  # the shape readers know no path
         raise CheckpointError(f"{quoted(path)}: {err}") from None
     if config["attention_head_dim"] % 8:
@@ -299,7 +302,7 @@ def _inspect_file(path: Path) -> CheckpointInfo:
         quantization = "gguf"
     family = detect_bfl(set(header))
     if family is not None:
-        return _bfl_info(path, header, prefix, family, scales, quantization)
+        return _bfl_info(path, header, prefix, family, scales, quantization, metadata)
     family = detect_diffusers(set(header))
     if family is not None:
         return _diffusers_info(path, (str(path),), header, None, family, scales, quantization)

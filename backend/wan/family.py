@@ -153,6 +153,7 @@ def header() -> FamilyHeader:
         config_from_bfl=keys.config_from_shapes,
         matches_diffusers=keys.matches_diffusers,
         config_from_diffusers=keys.config_from_diffusers,
+        config_with_metadata=keys.config_with_metadata,
     )
 
 

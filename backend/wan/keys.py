@@ -13,7 +13,8 @@ ComfyUI's names map one to one onto diffusers' (diffusers' own converter, single
 `convert_wan_transformer_to_diffusers`, renames them; nothing is fused): `self_attn.q` is `attn1.to_q`,
 `cross_attn.k_img` `attn2.add_k_proj`, ComfyUI's cross-attention norm `norm3` is diffusers' `norm2`, the
 `modulation` parameters are `scale_shift_table`. ComfyUI detects Wan by `head.modulation` (0.33.0
-comfy/model_detection.py) and reads heads as dim // 128; `matches` needs that and Wan's self- and
+comfy/model_detection.py) and reads heads as dim // 128 unless the file's metadata says otherwise
+(`config_with_metadata`); `matches` needs that and Wan's self- and
 cross-attention, which no FLUX or Qwen-Image file has (and those families' markers, `img_in` and
 `txt_norm`, no Wan file has). Variants ComfyUI runs with other model classes (VACE, camera, S2V, HuMo,
 Animate, SCAIL, FLF2V's position embedding, ...) are refused by name.
@@ -21,6 +22,7 @@ Animate, SCAIL, FLF2V's position embedding, ...) are refused by name.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
@@ -222,6 +224,31 @@ def config_from_shapes(keys_and_shapes: Mapping[str, Any]) -> dict[str, Any]:
     """The diffusers WanTransformer3DModel config of a file in ComfyUI's layout, from its keys and shapes
     alone (as ComfyUI's detection reads them); `model.diffusion_model.` optional."""
     return _config(shapes_of(strip_prefix(keys_and_shapes)), COMFY_NAMES, "blocks.")
+
+
+def config_with_metadata(config: dict[str, Any], metadata: Mapping[str, str]) -> dict[str, Any]:
+    """`config` with the head count a file's safetensors metadata declares: ComfyUI 0.33's detection updates
+    a Wan config with `json.loads(metadata["config"])["transformer"]` (comfy/model_detection.py), so a file
+    whose metadata sets `num_heads` 12 on a 768-wide model runs 12 heads of 64 there, not dim // 128 = 6
+    (read as 6, the output was 6.3 off ComfyUI's with no error). Other keys there change no shape the pack
+    reads; a head count the width does not divide is refused, naming both."""
+    raw = metadata.get("config")
+    if not raw:
+        return config
+    try:
+        transformer = json.loads(raw).get("transformer", {})
+    except (ValueError, AttributeError):
+        return config  # not JSON ComfyUI could read either: it fails on it itself; the shapes decide here
+    heads = transformer.get("num_heads") if isinstance(transformer, dict) else None
+    if heads is None:
+        return config
+    width = config["num_attention_heads"] * config["attention_head_dim"]
+    if not isinstance(heads, int) or heads <= 0 or width % heads or (width // heads) % 2:
+        raise CheckpointError(
+            f"its metadata's config sets transformer num_heads={heads!r}, which does not divide the hidden width "
+            f"{width} into even head widths; a Wan file's num_heads divides its width (e.g. {width // HEAD_DIM})"
+        )
+    return {**config, "num_attention_heads": heads, "attention_head_dim": width // heads}
 
 
 def config_from_diffusers(keys_and_shapes: Mapping[str, Any]) -> dict[str, Any]:

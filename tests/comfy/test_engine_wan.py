@@ -193,6 +193,28 @@ def test_heads_set_by_the_files_metadata_equal_comfyuis(comfy, files, groups, la
     assert diff <= TOL
 
 
+@pytest.mark.parametrize("layout", ["tp 2", "ulysses 2"], ids=lambda s: s.replace(" ", ""))
+def test_the_default_engine_reads_the_head_count_of_the_files_metadata(comfy, files, groups, layout) -> None:
+    """The same file on the default engine (the pack's diffusers Wan): its inspection reads the metadata's 12
+    heads as ComfyUI 0.33's detection does (backend/wan/keys.py config_with_metadata), so the output equals
+    ComfyUI's own; before, it read dim // 128 = 6 heads and came out 0.77 off with no error. Broken on
+    purpose (config_with_metadata returning the config unchanged): this test failed reading 6 heads of 128."""
+    from rocm_parallel.backend.checkpoint import inspect_checkpoint
+
+    if tuple(int(p) for p in comfy["version"].split(".")[:2]) < (0, 33):
+        pytest.skip("ComfyUI 0.3.75 reads no metadata for Wan (6 heads); the pack reads it as 0.33 does")
+    path, reference = files["wan21-heads64"]
+    info = inspect_checkpoint(path)
+    assert (info.config["num_attention_heads"], info.config["attention_head_dim"]) == (12, 64)
+    inputs = call_inputs("wan21-heads64")
+    expected = comfy_forward(reference, inputs)
+    group = groups[LAYOUTS[layout]]
+    group.load(path, layout=layout, dtype="float32")
+    diff = (group.forward(**inputs) - expected).abs().max().item()
+    print(f"default engine, 12 heads of 64, {layout}: max |diff| {diff:.2e}")
+    assert diff <= TOL
+
+
 def write_loras(folder: Path, checkpoint: str) -> list[tuple[str, float]]:
     """A LoRA on every linear of the blocks (the pack's writer, ComfyUI's key names), and full differences
     (`.diff`, which ComfyUI applies to any weight) on the float32 patch embedding (whole on every rank) and on a
