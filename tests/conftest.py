@@ -6,6 +6,7 @@ import importlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -34,6 +35,12 @@ TEST_METHODS = (
 # The suite runs several worker processes on a 2-core machine: one thread each keeps them from
 # fighting over cores (and keeps float results reproducible).
 torch.set_num_threads(1)
+# Started as a background job of a non-interactive shell (`.ci/run &`, nohup), Python inherits SIGINT ignored
+# and installs no KeyboardInterrupt handler: the Ctrl+C tests (test_interrupts.py, test_reliability.py) would
+# send Ctrl+C to a process that cannot get one (a CI run started that way failed 4 of them). ComfyUI in a
+# terminal has Python's handler: give the suite the same.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _start(world_size: int) -> WorkerGroup:
