@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+from collections.abc import Callable
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 
 AUTH_SECONDS = 5.0  # a peer has this long to answer the challenge
@@ -37,17 +38,7 @@ def _keepalive(sock: socket.socket) -> None:
 
 def accept_authenticated(sock: socket.socket, key: bytes) -> Connection:
     """The server's end of a connection `accept` returned: challenge the peer, answer its challenge."""
-    _keepalive(sock)
-    _receive_timeout(sock, AUTH_SECONDS)
-    conn = Connection(sock.detach())
-    try:
-        deliver_challenge(conn, key)
-        answer_challenge(conn, key)
-        _clear_timeout(conn)
-    except BaseException:
-        conn.close()
-        raise
-    return conn
+    return _authenticated(sock, key, (deliver_challenge, answer_challenge))
 
 
 def connect(
@@ -57,12 +48,20 @@ def connect(
     and challenge it. OSError when nothing listens there; AuthenticationError when the keys differ."""
     sock = socket.create_connection(address, timeout=seconds, source_address=(source, 0) if source else None)
     sock.settimeout(None)
+    return _authenticated(sock, key, (answer_challenge, deliver_challenge))
+
+
+def _authenticated(
+    sock: socket.socket, key: bytes, steps: tuple[Callable[[Connection, bytes], None], ...]
+) -> Connection:
+    """`sock` as a Connection once both HMAC challenges passed, in `steps`' order (the server challenges
+    first); closed on any failure, and bounded by AUTH_SECONDS while nothing is authenticated yet."""
     _keepalive(sock)
     _receive_timeout(sock, AUTH_SECONDS)
     conn = Connection(sock.detach())
     try:
-        answer_challenge(conn, key)
-        deliver_challenge(conn, key)
+        for step in steps:
+            step(conn, key)
         _clear_timeout(conn)
     except BaseException:
         conn.close()
